@@ -1,0 +1,52 @@
+"""Build script: packages vllm_metal and, when the toolchain is present, its native extension.
+
+The extension (`vllm_metal._C`) is compiled by CMake against the installed MLX. Set
+VLLM_METAL_SKIP_NATIVE=1 to install the pure-Python package only (the plugin then runs on the
+pure-MLX reference ops and says so at startup).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str, source_dir: Path):
+        super().__init__(name, sources=[])
+        self.source_dir = str(source_dir)
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: CMakeExtension) -> None:
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        import mlx  # noqa: F401  (the build must see the MLX it will run against)
+        import nanobind
+
+        mlx_cmake = subprocess.check_output(
+            [sys.executable, "-m", "mlx", "--cmake-dir"], text=True
+        ).strip()
+        cfg = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DMLX_DIR={mlx_cmake}",
+            f"-Dnanobind_DIR={nanobind.cmake_dir()}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        subprocess.check_call(["cmake", ext.source_dir, *cfg], cwd=build_dir)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir)
+
+
+ext_modules = []
+if os.environ.get("VLLM_METAL_SKIP_NATIVE", "0") != "1" and (ROOT / "CMakeLists.txt").exists():
+    ext_modules.append(CMakeExtension("vllm_metal._C", ROOT))
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": CMakeBuild})

