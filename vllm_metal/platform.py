@@ -27,6 +27,20 @@ WORKER_QUALNAME = "vllm_metal.worker.MetalWorker"
 KERNEL_BLOCK_ALIGN = 8
 
 
+def _tolerate_missing_torch_accelerator() -> None:
+    """vLLM's teardown calls torch.accelerator.empty_cache() on every non-CPU platform; torch
+    raises there when it has no accelerator (the MLX runner off-Mac), so make it a no-op then."""
+    accel = getattr(torch, "accelerator", None)
+    if accel is None or accel.is_available():
+        return
+    for name in ("empty_cache", "empty_host_cache"):
+        if hasattr(accel, name):
+            setattr(accel, name, lambda: None)
+
+
+_tolerate_missing_torch_accelerator()
+
+
 class MetalConfigError(ValueError):
     """A setting this platform cannot serve; raised at startup with what to change."""
 
@@ -94,8 +108,9 @@ def available_memory_bytes() -> int:
 
 class MetalPlatform(Platform):
     _enum = PlatformEnum.OOT
-    device_name: str = "metal"
-    # vLLM-side tensors (sampler, scheduler I/O) live on the host; MLX owns the accelerator.
+    # vLLM builds torch devices from these names; its tensors (sampler, scheduler I/O) live on
+    # the host while MLX owns the accelerator.
+    device_name: str = "cpu"
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
