@@ -1,0 +1,53 @@
+"""Runs one vLLM engine job described by a JSON file and prints the results as JSON.
+
+Tests start it as a subprocess so the plugin and vLLM's own CPU backend (VLLM_TARGET_DEVICE=cpu)
+run the same job the same way, each in a clean process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _decode_params(p: dict) -> dict:
+    p = dict(p)
+    if "logit_bias" in p:  # JSON object keys are strings; vLLM wants token ids
+        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
+    return p
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], **spec.get("engine", {}))
+    results = []
+    for job in spec["jobs"]:
+        params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
+        prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+        outs = llm.generate(prompts, params if len(params) > 1 else params[0], use_tqdm=False)
+        batch = []
+        for out in outs:
+            samples = []
+            for c in out.outputs:
+                lp = None
+                if c.logprobs is not None:
+                    lp = [{str(t): v.logprob for t, v in d.items()} for d in c.logprobs]
+                samples.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+            plp = None
+            if out.prompt_logprobs is not None:
+                plp = [None if d is None else {str(t): v.logprob for t, v in d.items()}
+                       for d in out.prompt_logprobs]
+            batch.append({"outputs": samples, "prompt_logprobs": plp,
+                          "num_cached_tokens": out.num_cached_tokens})
+        results.append(batch)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)

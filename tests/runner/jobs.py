@@ -1,0 +1,64 @@
+"""Helpers to run engine jobs (tests/runner/engine_job.py) in subprocesses and read their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+JOB_SCRIPT = Path(__file__).with_name("engine_job.py")
+
+# Small, explicit memory settings: the defaults reserve most of the machine's RAM.
+ENGINE_DEFAULTS = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "kv_cache_memory_bytes": 64 * 2**20,
+    "max_num_seqs": 16,
+    "seed": 0,
+}
+
+
+def run_engine_job(
+    model: str | Path,
+    jobs: list[dict],
+    *,
+    engine: dict | None = None,
+    backend: str = "metal",
+    timeout: float = 600,
+) -> list[list[dict]]:
+    """Run `jobs` on one engine in a fresh process; backend 'metal' (this plugin) or 'cpu'."""
+    env = dict(os.environ)
+    env.pop("VLLM_TARGET_DEVICE", None)
+    if backend == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        # vLLM's CPU backend reserves a fraction of RAM instead of honouring the KV byte count.
+    spec = {"model": str(model), "engine": {**ENGINE_DEFAULTS, **(engine or {})}, "jobs": jobs}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        out_path = Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, str(JOB_SCRIPT), str(spec_path), str(out_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(
+                f"engine job ({backend}) failed with exit code {proc.returncode}:\n"
+                f"{proc.stderr[-6000:]}"
+            )
+        return json.loads(out_path.read_text())["results"]
+
+
+def greedy(max_tokens: int, **extra) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
+
+
+def tokens(batch: list[dict]) -> list[list[int]]:
+    """First sample's token ids of every request in a job result."""
+    return [r["outputs"][0]["token_ids"] for r in batch]

@@ -1,0 +1,141 @@
+"""Greedy tokens and logprobs of the MLX runner equal transformers float32 and vLLM's CPU backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.runner.conftest import FAMILIES
+from tests.runner.jobs import greedy, run_engine_job, tokens
+from vllm_metal.testing.oracles import hf_greedy, hf_logits
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(16, 700, size=n).tolist() for n in lengths]
+
+
+# Mixed lengths submitted together: single-token, shorter than a block, several blocks, longer
+# than the tiny models' sliding window (32) and than the forced prefill chunk (16).
+MIXED = _prompts(1, [1, 5, 17, 40, 75])
+SHARED_PREFIX = _prompts(2, [48])[0]
+PREFIX_HITS = [SHARED_PREFIX + tail for tail in _prompts(3, [3, 9])]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_and_logprobs_match_transformers(family_models, arch):
+    model = family_models[arch]
+    engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
+    jobs = [
+        {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
+        {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
+    ]
+    mixed, _, hits = run_engine_job(model, jobs, engine=engine)
+
+    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
+    assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
+    # The prefix-sharing prompts were served from cached blocks (3 full blocks of 16).
+    assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
+
+    for prompt, result in zip(MIXED, mixed):
+        sample = result["outputs"][0]
+        seq = prompt + sample["token_ids"]
+        ref = _log_softmax(hf_logits(model, seq).astype(np.float64))
+        for step, token in enumerate(sample["token_ids"]):
+            got = sample["logprobs"][step][str(token)]
+            want = ref[len(prompt) - 1 + step, token]
+            assert abs(got - want) < 1e-3, (arch, step, got, want)
+
+
+# Deterministic processors: vLLM's CPU backend must give the very same tokens.
+DETERMINISTIC_VARIANTS = [
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+    {"repetition_penalty": 1.3},
+    {"logit_bias": {"100": 100.0}},
+    {"allowed_token_ids": list(range(100, 160))},
+    {"bad_words": ["the", "and"]},
+    {"min_tokens": 10, "stop_token_ids": [2, 4], "ignore_eos": False},
+]
+
+
+def test_same_tokens_as_vllm_cpu_backend(family_models):
+    """Penalties, biases and token constraints run through vLLM's own sampler: same tokens."""
+    model = family_models["qwen3"]
+    prompts = _prompts(4, [7, 23])
+    jobs = [
+        {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
+        {"prompts": prompts, "params": [greedy(16)]},
+    ]
+    for variant in DETERMINISTIC_VARIANTS:
+        jobs.append({"prompts": prompts, "params": [greedy(16, **variant)]})
+    ours = run_engine_job(model, jobs)
+    theirs = run_engine_job(model, jobs, backend="cpu")
+    assert tokens(ours[0]) == tokens(theirs[0])
+    assert tokens(ours[1]) == tokens(theirs[1])
+    plain, variants = ours[1], ours[2:]
+    for variant, a, b in zip(DETERMINISTIC_VARIANTS, variants, theirs[2:]):
+        assert tokens(a) == tokens(b), variant
+    # The variants that must change greedy output on these prompts did.
+    for i in (1, 2, 3):
+        assert tokens(variants[i]) != tokens(plain), DETERMINISTIC_VARIANTS[i]
+    assert all(t == [100] * 16 for t in tokens(variants[2]))
+    assert all(set(t) <= set(range(100, 160)) for t in tokens(variants[3]))
+
+
+def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
+    """HF float32 next-token probabilities at each generated position of `sample`."""
+    logits = hf_logits(model, prompt + sample).astype(np.float64)[len(prompt) - 1 : -1]
+    return np.exp(_log_softmax(logits))
+
+
+def test_random_sampling_respects_truncation(family_models):
+    """top_k / top_p / min_p only ever draw tokens their rule admits (checked on HF logits)."""
+    model = family_models["qwen3"]
+    prompts = _prompts(6, [9, 30])
+    base = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    variants = [{"top_k": 3, "seed": 1}, {"top_p": 0.5, "seed": 2}, {"min_p": 0.3, "seed": 3},
+                {"n": 3, "seed": 4}]
+    jobs = [{"prompts": prompts, "params": [{**base, **v}]} for v in variants]
+    top_k, top_p, min_p, multi = run_engine_job(model, jobs)
+    for prompt, res in zip(prompts, top_k):
+        sample = res["outputs"][0]["token_ids"]
+        probs = _probs(model, prompt, sample)
+        for step, tok in enumerate(sample):
+            assert (probs[step] > probs[step, tok]).sum() < 3
+    for prompt, res in zip(prompts, top_p):
+        sample = res["outputs"][0]["token_ids"]
+        probs = _probs(model, prompt, sample)
+        for step, tok in enumerate(sample):
+            above = probs[step][probs[step] > probs[step, tok] + 1e-6].sum()
+            assert above < 0.5 + 1e-4
+    for prompt, res in zip(prompts, min_p):
+        sample = res["outputs"][0]["token_ids"]
+        probs = _probs(model, prompt, sample)
+        for step, tok in enumerate(sample):
+            assert probs[step, tok] >= 0.3 * probs[step].max() - 1e-5
+    for res in multi:
+        samples = [o["token_ids"] for o in res["outputs"]]
+        assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
+
+
+def test_seeded_sampling_is_reproducible(family_models):
+    model = family_models["llama"]
+    prompts = _prompts(5, [6, 19, 33])
+    params = [{"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}]
+    other = [{**params[0], "seed": 4321}]
+    jobs = [{"prompts": prompts, "params": params}, {"prompts": prompts, "params": other}]
+    first = run_engine_job(model, jobs)
+    second = run_engine_job(model, jobs)
+    assert tokens(first[0]) == tokens(second[0])
+    assert tokens(first[1]) == tokens(second[1])
+    assert tokens(first[0]) != tokens(first[1])
