@@ -1,0 +1,54 @@
+"""Shared pytest fixtures: tiny checkpoints built once per session into a temporary directory.
+
+Use ``tiny_model_dir("qwen3", "bfloat16")`` or ``tiny_quantized_dir("llama", bits=4)`` in a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory ``(arch, dtype="float32", **write_tiny_model_kwargs) -> Path``, cached per session."""
+    from vllm_metal.testing.tiny_models import write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    built: dict[tuple[Any, ...], Path] = {}
+
+    def make(arch: str, dtype: str = "float32", **kwargs: Any) -> Path:
+        key = (arch, dtype, tuple(sorted(kwargs.items())))
+        if key not in built:
+            suffix = "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()))
+            built[key] = write_tiny_model(
+                root / f"{arch}-{dtype}{suffix}", arch, dtype=dtype, **kwargs
+            )
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_dir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Callable[..., Path]
+) -> Callable[..., Path]:
+    """Factory ``(arch, bits=4, group_size=64, dtype="bfloat16") -> Path`` of MLX-quantized
+    checkpoints (made by mlx-lm's converter), cached per session."""
+    from vllm_metal.testing.tiny_models import quantize_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-quantized")
+    built: dict[tuple[str, int, int, str], Path] = {}
+
+    def make(arch: str, bits: int = 4, group_size: int = 64, dtype: str = "bfloat16") -> Path:
+        key = (arch, bits, group_size, dtype)
+        if key not in built:
+            src = tiny_model_dir(arch, dtype)
+            dst = root / f"{arch}-{dtype}-q{bits}g{group_size}"
+            built[key] = quantize_tiny_model(src, dst, bits=bits, group_size=group_size)
+        return built[key]
+
+    return make

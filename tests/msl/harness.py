@@ -1,0 +1,565 @@
+"""Compile Metal kernel sources with the host C++ compiler and run them on the MSL grid runner.
+Source mapping, [[host_name]] discovery, shim generation, binary cache and the dispatch API."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+INCLUDE_DIR = HERE / "include"
+RUNNER_SRC = HERE / "runtime" / "runner.cpp"
+REPO_ROOT = HERE.parent.parent
+# The mutation self-check (mutate.py) points the tests at mutated copies through this variable.
+KERNEL_DIR = Path(os.environ.get("VLLM_METAL_MSL_KERNEL_DIR", REPO_ROOT / "metal_kernels"))
+
+CXX = os.environ.get("CXX", "g++")
+COMMON_FLAGS = ["-std=c++20", "-g1", "-fno-threadsafe-statics", "-Wno-attributes", "-w"]
+# -fsanitize=thread only inserts __tsan_* calls before loads/stores; runner.cpp implements them.
+KERNEL_FLAGS = [
+    "-O1",
+    "-fsanitize=thread",
+    "--param=tsan-instrument-func-entry-exit=0",
+    "-fno-exceptions",
+    "-fno-rtti",
+]
+RUNNER_FLAGS = ["-O2"]
+# Macros the Metal compiler predefines for the language level the kernels target (Metal 4).
+PREDEFINED = ["-D__METAL_VERSION__=400", "-D__HAVE_TENSOR__=1"]
+RUN_TIMEOUT_S = 300
+
+
+class MslCompileError(RuntimeError):
+    """The kernel source did not compile on the host."""
+
+
+class MslRuntimeError(RuntimeError):
+    """The grid runner stopped the kernel: out-of-bounds access, race, divergence, deadlock, ..."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"[{kind}] {message}")
+        self.kind = kind
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("VLLM_METAL_MSL_CACHE")
+    path = Path(d) if d else Path(tempfile.gettempdir()) / f"vllm-metal-msl-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Source mapping: mechanical, line-preserving rewrites of MSL syntax that C++ cannot express.
+# --------------------------------------------------------------------------------------------
+
+# `[[threadgroup(n)]]` on a parameter: the `threadgroup` macro would rewrite the attribute name.
+_TG_ATTR = re.compile(r"\[\[\s*threadgroup\s*\(")
+# `threadgroup T name[N]...;` declares storage shared by the threadgroup (not a pointer/reference).
+_TG_DECL = re.compile(
+    r"^(?P<indent>\s*)threadgroup\s+(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?P<dims>(?:\[[^\];]+\]\s*)*);",
+    re.MULTILINE,
+)
+# `constant T name [[function_constant(n)]];`
+_FC_DECL = re.compile(
+    r"^(?P<indent>\s*)constant\s+(?P<type>[\w:<>, ]+?)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"\[\[\s*function_constant\s*\(\s*(?P<index>\w+)\s*\)\s*\]\]\s*;",
+    re.MULTILINE,
+)
+
+
+def map_source(text: str, origin: str) -> str:
+    """Return `text` with the harness's documented syntax mapping applied, line numbers intact."""
+    text = _TG_ATTR.sub("[[msl_threadgroup(", text)
+
+    def tg_decl(m: re.Match[str]) -> str:
+        t = m["type"].strip()
+        dims = re.sub(r"\s+", "", m["dims"])
+        return (
+            f"{m['indent']}auto& {m['name']} = ::msl::tg_var<{t}{dims}>(__COUNTER__, "
+            f'"{m["name"]}");'
+        )
+
+    text = _TG_DECL.sub(tg_decl, text)
+    text = _FC_DECL.sub(
+        lambda m: (
+            f"{m['indent']}static ::msl::FunctionConstant<{m['type'].strip()}, {m['index']}> "
+            f"{m['name']};"
+        ),
+        text,
+    )
+    return f'#line 1 "{origin}"\n' + text
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel discovery on the preprocessed source
+# --------------------------------------------------------------------------------------------
+
+_POSITION_ATTRS = {
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "threads_per_grid",
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "simdgroups_per_threadgroup",
+    "threads_per_simdgroup",
+    "thread_execution_width",
+    "dispatch_threads_per_threadgroup",
+    "quadgroup_index_in_threadgroup",
+    "thread_index_in_quadgroup",
+    "quadgroups_per_threadgroup",
+    "grid_origin",
+}
+
+
+@dataclass
+class Param:
+    name: str
+    attr: str  # buffer | msl_threadgroup | a position attribute
+    index: int | None
+    is_pointer: bool
+
+
+@dataclass
+class KernelDef:
+    name: str
+    params: list[Param]
+
+
+@dataclass
+class Instance:
+    host_name: str
+    function: str
+    template_args: str | None  # None for a non-template kernel
+
+
+def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
+    """Index just past the bracket matching text[start] (which is open_c)."""
+    depth = 0
+    i = start
+    while i < len(text):
+        c = text[i]
+        if c == open_c:
+            depth += 1
+        elif c == close_c:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError(f"unbalanced {open_c}{close_c} at offset {start}")
+
+
+def _split_top(s: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for c in s:
+        if c in "(<[{":
+            depth += 1
+        elif c in ")>]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
+
+
+_ATTR = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]")
+_KERNEL_FN = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel)\s+void\s+([A-Za-z_]\w*)\s*\(")
+_HOST_NAME = re.compile(r"\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]")
+
+
+def _parse_params(plist: str, fn: str) -> list[Param]:
+    params = []
+    for raw in _split_top(plist):
+        attrs = _ATTR.findall(raw)
+        decl = _ATTR.sub(" ", raw).strip()
+        m = re.search(r"([A-Za-z_]\w*)\s*$", decl)
+        if not m or not attrs:
+            raise ValueError(f"kernel {fn}: cannot read parameter {raw.strip()!r}")
+        attr, idx = attrs[0]
+        if attr not in _POSITION_ATTRS and attr not in ("buffer", "msl_threadgroup"):
+            raise ValueError(f"kernel {fn}: unsupported parameter attribute [[{attr}]]")
+        params.append(
+            Param(
+                name=m[1],
+                attr=attr,
+                index=int(idx) if idx else None,
+                is_pointer="*" in decl[: m.start()],
+            )
+        )
+    return params
+
+
+def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
+    """Kernel definitions and [[host_name]] instances in macro-expanded MSL text."""
+    kernels: dict[str, KernelDef] = {}
+    instances: list[Instance] = []
+    for m in _KERNEL_FN.finditer(expanded):
+        open_at = m.end() - 1
+        close_at = _matching(expanded, open_at, "(", ")")
+        rest = expanded[close_at:].lstrip()
+        if not rest.startswith("{"):
+            continue  # an explicit instantiation, handled below
+        name = m[1]
+        kernels[name] = KernelDef(name, _parse_params(expanded[open_at + 1 : close_at - 1], name))
+        # Declaration head: text since the end of the previous declaration.
+        head_start = max(expanded.rfind(";", 0, m.start()), expanded.rfind("}", 0, m.start()))
+        head = expanded[head_start + 1 : m.start()]
+        if not re.search(r"\btemplate\s*<", head):
+            hn = _HOST_NAME.search(head)
+            instances.append(Instance(hn[1] if hn else name, name, None))
+    for m in _HOST_NAME.finditer(expanded):
+        before = expanded[max(0, m.start() - 40) : m.start()]
+        if not re.search(r"\btemplate\s*$", before):
+            continue
+        end = m.end()
+        depth = 0
+        while end < len(expanded):
+            c = expanded[end]
+            if c in "(<[{":
+                depth += 1
+            elif c in ")>]}":
+                depth -= 1
+            elif c == ";" and depth == 0:
+                break
+            end += 1
+        stmt = expanded[m.end() : end]
+        found = None
+        for k in kernels:
+            for km in re.finditer(rf"\b{re.escape(k)}\s*<", stmt):
+                lt = km.end() - 1
+                gt = _matching(stmt, lt, "<", ">")
+                found = (k, stmt[lt + 1 : gt - 1].strip())
+        if found is None:
+            raise ValueError(f"host_name {m[1]!r}: no kernel template instantiated in {stmt!r}")
+        instances.append(Instance(m[1], found[0], found[1]))
+    names = [i.host_name for i in instances]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate host names: {sorted(dup)}")
+    return kernels, instances
+
+
+def _arg(p: Param) -> str:
+    if p.attr == "buffer":
+        cls = "BufferPtr" if p.is_pointer else "BufferRef"
+        return f'::msl::{cls}{{::msl::rt::bound_pointer(0, {p.index}, "{p.name}")}}'
+    if p.attr == "msl_threadgroup":
+        return f'::msl::BufferPtr{{::msl::rt::bound_pointer(1, {p.index}, "{p.name}")}}'
+    return f"::msl::position_arg(::msl::rt::Pos::{p.attr})"
+
+
+def generate_shim(
+    mapped_path: Path, kernels: dict[str, KernelDef], instances: list[Instance]
+) -> str:
+    lines = [
+        "// Generated by tests/msl/harness.py: one entry per [[host_name]] instance.",
+        f'#include "{mapped_path}"',
+        "namespace msl_shim {",
+    ]
+    table = []
+    for i, inst in enumerate(instances):
+        k = kernels[inst.function]
+        callee = inst.function + (
+            f"<{inst.template_args}>" if inst.template_args is not None else ""
+        )
+        args = ", ".join(_arg(p) for p in k.params)
+        lines.append(f"void k{i}() {{ ::{callee}({args}); }}")
+        table.append(f'  {{"{inst.host_name}", &msl_shim::k{i}}},')
+    lines += [
+        "}  // namespace msl_shim",
+        'extern "C" {',
+        "struct msl_kernel_entry { const char* name; void (*fn)(); };",
+        "extern const msl_kernel_entry msl_kernels[];",
+        "const msl_kernel_entry msl_kernels[] = {",
+        *table,
+        "  {nullptr, nullptr},",
+        "};",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Build (cached by content hash)
+# --------------------------------------------------------------------------------------------
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()[:24]
+
+
+def _harness_files() -> list[Path]:
+    return sorted(p for p in INCLUDE_DIR.rglob("*") if p.is_file()) + [RUNNER_SRC, Path(__file__)]
+
+
+def _compiler_id() -> bytes:
+    return subprocess.run([CXX, "--version"], capture_output=True, check=True).stdout
+
+
+def _run_cc(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise MslCompileError(f"{' '.join(cmd)}\n{r.stderr[-6000:]}")
+
+
+def _runner_object() -> Path:
+    key = _digest(
+        *(p.read_bytes() for p in _harness_files()), _compiler_id(), " ".join(RUNNER_FLAGS).encode()
+    )
+    obj = cache_dir() / f"runner-{key}.o"
+    if not obj.exists():
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+        _run_cc([CXX, *COMMON_FLAGS, *RUNNER_FLAGS, "-c", str(RUNNER_SRC), "-o", str(tmp)])
+        os.replace(tmp, obj)
+    return obj
+
+
+@dataclass
+class Program:
+    """One Metal source compiled for the host: its binary and its [[host_name]] instances."""
+
+    source: Path
+    binary: Path
+    kernels: dict[str, KernelDef]
+    instances: dict[str, Instance]
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return sorted(self.instances)
+
+
+def compile_source(source: Path | str, extra_include: list[Path] | None = None) -> Program:
+    """Compile a .metal file (unchanged) into a grid-runner binary, reusing a cached build."""
+    source = Path(source).resolve()
+    text = source.read_text()
+    mapped = map_source(text, str(source))
+    siblings = sorted(
+        p for p in source.parent.iterdir() if p.suffix in (".h", ".metal", ".hpp") and p != source
+    )
+    includes = [source.parent, *(extra_include or [])]
+    key = _digest(
+        mapped.encode(),
+        *(p.read_bytes() for p in siblings),
+        *(p.read_bytes() for p in _harness_files()),
+        _compiler_id(),
+        " ".join(COMMON_FLAGS + KERNEL_FLAGS + PREDEFINED).encode(),
+    )
+    work = cache_dir() / f"{source.stem}-{key}"
+    binary = work / "kernel"
+    mapped_path = work / f"{source.stem}.mapped.metal"
+    inc_flags = [*PREDEFINED, f"-I{INCLUDE_DIR}", *(f"-I{p}" for p in includes)]
+    if not binary.exists():
+        tmpdir = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{source.stem}-"))
+        tmp_mapped = tmpdir / mapped_path.name
+        tmp_mapped.write_text(mapped)
+        expanded = subprocess.run(
+            [
+                CXX,
+                "-E",
+                "-P",
+                "-x",
+                "c++",
+                "-std=c++20",
+                "-DMSL_PARSE_ONLY",
+                *inc_flags,
+                str(tmp_mapped),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if expanded.returncode != 0:
+            raise MslCompileError(expanded.stderr[-6000:])
+        kernels, instances = discover(expanded.stdout)
+        if not instances:
+            raise MslCompileError(f"{source}: no [[host_name]] kernel instances found")
+        shim = tmpdir / "shim.cpp"
+        work_tmp = tmpdir / "final"
+        work_tmp.mkdir()
+        shutil.copy(tmp_mapped, work_tmp / mapped_path.name)
+        shim.write_text(generate_shim(work_tmp / mapped_path.name, kernels, instances))
+        obj = tmpdir / "shim.o"
+        _run_cc(
+            [
+                CXX,
+                *COMMON_FLAGS,
+                *KERNEL_FLAGS,
+                *inc_flags,
+                "-x",
+                "c++",
+                "-c",
+                str(shim),
+                "-o",
+                str(obj),
+            ]
+        )
+        _run_cc([CXX, "-no-pie", str(obj), str(_runner_object()), "-o", str(work_tmp / "kernel")])
+        (work_tmp / "instances.txt").write_text(
+            "".join(f"{i.host_name} {i.function} {i.template_args or ''}\n" for i in instances)
+        )
+        (work_tmp / "kernels.txt").write_text(
+            "".join(
+                f"{k.name} "
+                + " ".join(f"{p.name}:{p.attr}:{p.index}:{int(p.is_pointer)}" for p in k.params)
+                + "\n"
+                for k in kernels.values()
+            )
+        )
+        try:
+            os.replace(work_tmp, work)
+        except OSError:
+            pass  # another process built the same key first
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return _load_program(source, work)
+
+
+def _load_program(source: Path, work: Path) -> Program:
+    kernels: dict[str, KernelDef] = {}
+    for line in (work / "kernels.txt").read_text().splitlines():
+        name, *ps = line.split(" ")
+        params = []
+        for p in ps:
+            pn, attr, idx, ptr = p.split(":")
+            params.append(Param(pn, attr, None if idx == "None" else int(idx), ptr == "1"))
+        kernels[name] = KernelDef(name, params)
+    instances = {}
+    for line in (work / "instances.txt").read_text().splitlines():
+        host, fn, *targs = line.split(" ", 2)
+        instances[host] = Instance(host, fn, targs[0] if targs and targs[0] else None)
+    return Program(source, work / "kernel", kernels, instances)
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+BufferArg = str | np.ndarray | tuple[str, int]
+
+
+@dataclass
+class Dispatch:
+    """One dispatchThreadgroups call: kernel instance, grid of threadgroups, bindings."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    # [[buffer(n)]]: a buffer name, (name, byte offset), or an array passed by value (setBytes)
+    buffers: dict[int, BufferArg]
+    threadgroup_memory: dict[int, int] = field(default_factory=dict)
+    function_constants: dict[int, object] = field(default_factory=dict)
+
+
+def _fc_bytes(v: object) -> bytes:
+    if isinstance(v, (bool, np.bool_)):
+        return np.array(v, dtype=np.bool_).tobytes()
+    if isinstance(v, np.generic):
+        return v.tobytes()
+    if isinstance(v, int):
+        return np.int32(v).tobytes()
+    if isinstance(v, float):
+        return np.float32(v).tobytes()
+    raise TypeError(f"function constant of unsupported type {type(v)}")
+
+
+def _symbolize(binary: Path, message: str) -> str:
+    def sub(m: re.Match[str]) -> str:
+        pc = int(m[1], 16) - 1
+        r = subprocess.run(
+            ["addr2line", "-e", str(binary), "-C", "-i", "-p", hex(pc)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        where = (
+            " <- ".join(x.strip() for x in r.stdout.strip().splitlines())
+            if r.returncode == 0
+            else "?"
+        )
+        return f"at {where}"
+
+    return re.sub(r"pc=(0x[0-9a-fA-F]+)", sub, message)
+
+
+def run(
+    program: Program,
+    buffers: dict[str, np.ndarray],
+    dispatches: list[Dispatch],
+    outputs: list[str],
+) -> dict[str, np.ndarray]:
+    """Run `dispatches` in order on the named buffers; return copies of the `outputs` buffers."""
+    with tempfile.TemporaryDirectory(prefix="msl-run-") as td:
+        tdp = Path(td)
+        plan: list[str] = []
+        meta: dict[str, np.ndarray] = {}
+
+        def add_buffer(name: str, arr: np.ndarray, read_only: bool) -> None:
+            arr = np.ascontiguousarray(arr)
+            path = tdp / f"{name}.bin"
+            arr.tofile(path)
+            plan.append(f"buffer {name} {arr.nbytes} {path} {'ro' if read_only else 'rw'}")
+            meta[name] = arr
+
+        for name, arr in buffers.items():
+            add_buffer(name, arr, False)
+        for di, d in enumerate(dispatches):
+            if d.kernel not in program.instances:
+                raise KeyError(f"{d.kernel!r} is not a kernel instance of {program.source.name}")
+            binds = []
+            for idx, b in sorted(d.buffers.items()):
+                if isinstance(b, np.ndarray):
+                    name = f"_bytes_{di}_{idx}"
+                    add_buffer(name, b, True)
+                    binds.append(f"bind {idx} {name} 0")
+                elif isinstance(b, tuple):
+                    binds.append(f"bind {idx} {b[0]} {b[1]}")
+                else:
+                    binds.append(f"bind {idx} {b} 0")
+            plan.append(
+                f"dispatch {d.kernel} {' '.join(map(str, d.grid))} {' '.join(map(str, d.threads))}"
+            )
+            plan += binds
+            plan += [f"tgmem {i} {n}" for i, n in sorted(d.threadgroup_memory.items())]
+            plan += [
+                f"fconst {i} {_fc_bytes(v).hex()}" for i, v in sorted(d.function_constants.items())
+            ]
+            plan.append("run")
+        for name in outputs:
+            plan.append(f"output {name} {tdp / (name + '.out')}")
+        (tdp / "plan.txt").write_text("\n".join(plan) + "\n")
+        r = subprocess.run(
+            [str(program.binary), str(tdp / "plan.txt")],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
+        if r.returncode != 0:
+            m = re.search(r"MSL-HARNESS ERROR \[([\w-]+)\]: (.*)", r.stderr, re.DOTALL)
+            if m:
+                raise MslRuntimeError(m[1], _symbolize(program.binary, m[2].strip()))
+            raise MslRuntimeError("crash", f"runner exited with {r.returncode}: {r.stderr[-3000:]}")
+        result = {}
+        for name in outputs:
+            ref = meta[name]
+            result[name] = np.fromfile(tdp / (name + ".out"), dtype=ref.dtype).reshape(ref.shape)
+        return result

@@ -1,0 +1,385 @@
+"""Drives metal_kernels/*.metal through the MSL harness the way the host encodes them: argument
+structs of attention_params.h, buffer slots PA_BUF_*, launch plans from vllm_metal._C."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import harness
+from .oracle import from_device, to_device
+
+KERNEL_DIR = harness.KERNEL_DIR
+
+FAMILY_SOURCE = {
+    "reshape_and_cache": "reshape_and_cache.metal",
+    "decode": "paged_attention_decode.metal",
+    "reduce": "paged_attention_decode.metal",
+    "gqa": "paged_attention_gqa.metal",
+    "prefill": "paged_attention_prefill.metal",
+    "nax": "paged_attention_nax.metal",
+}
+
+# Buffer slots (attention_params.h).
+BUF = {
+    "query": 0,
+    "key_cache": 1,
+    "value_cache": 2,
+    "block_tables": 3,
+    "seq_lens": 4,
+    "cu_seqlens_q": 5,
+    "sinks": 6,
+    "out": 7,
+    "work": 8,
+    "part_offsets": 9,
+    "partial_ml": 10,
+    "partial_out": 11,
+    "params": 12,
+}
+PARTITION_ALIGN = 32
+
+PA_PARAMS = np.dtype(
+    [
+        ("num_seqs", "<i4"),
+        ("num_q_heads", "<i4"),
+        ("num_kv_heads", "<i4"),
+        ("num_blocks", "<i4"),
+        ("block_size", "<i4"),
+        ("max_blocks_per_seq", "<i4"),
+        ("q_stride_token", "<i8"),
+        ("q_stride_head", "<i8"),
+        ("kv_stride_block", "<i8"),
+        ("kv_stride_slot", "<i8"),
+        ("kv_stride_head", "<i8"),
+        ("scale", "<f4"),
+        ("softcap", "<f4"),
+        ("sliding_window", "<i4"),
+        ("has_sinks", "<i4"),
+        ("num_work", "<i4"),
+        ("partition_size", "<i4"),
+        ("scratch_heads", "<i4"),
+        ("pad0", "<i4"),
+    ],
+    align=True,
+)
+CACHE_PARAMS = np.dtype(
+    [
+        ("num_tokens", "<i4"),
+        ("num_kv_heads", "<i4"),
+        ("head_dim", "<i4"),
+        ("pad0", "<i4"),
+        ("num_slots", "<i8"),
+        ("key_stride_token", "<i8"),
+        ("key_stride_head", "<i8"),
+        ("value_stride_token", "<i8"),
+        ("value_stride_head", "<i8"),
+        ("kv_stride_block", "<i8"),
+        ("kv_stride_slot", "<i8"),
+        ("kv_stride_head", "<i8"),
+        ("block_size", "<i4"),
+        ("pad1", "<i4"),
+    ],
+    align=True,
+)
+assert PA_PARAMS.itemsize == 96 and CACHE_PARAMS.itemsize == 88
+
+
+@functools.cache
+def program(source_name: str, kernel_dir: Path = KERNEL_DIR) -> harness.Program:
+    return harness.compile_source(kernel_dir / source_name)
+
+
+def native():
+    """vllm_metal._C (the host's kernel-choice functions)."""
+    import mlx.core  # noqa: F401  (loads libmlx for the extension)
+
+    from vllm_metal import _C
+
+    return _C
+
+
+# --------------------------------------------------------------------------------------------
+# reshape_and_cache
+# --------------------------------------------------------------------------------------------
+
+
+def reshape_and_cache(
+    key: np.ndarray,
+    value: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run reshape_and_cache_<dtype>; float32 in (already representable in dtype), float32 out."""
+    T, H, D = key.shape
+    nb, bs = key_cache.shape[:2]
+    launch = native().select_reshape_and_cache_kernel(dtype, H, D)
+    p = np.zeros((), CACHE_PARAMS)
+    p["num_tokens"], p["num_kv_heads"], p["head_dim"] = T, H, D
+    p["num_slots"] = nb * bs
+    p["key_stride_token"], p["key_stride_head"] = H * D, D
+    p["value_stride_token"], p["value_stride_head"] = H * D, D
+    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * H * D, H * D, D
+    p["block_size"] = bs
+    bufs = {
+        "key": to_device(key, dtype),
+        "value": to_device(value, dtype),
+        "key_cache": to_device(key_cache, dtype),
+        "value_cache": to_device(value_cache, dtype),
+        "slot_mapping": slot_mapping.astype(np.int64),
+    }
+    d = harness.Dispatch(
+        launch["kernel"],
+        (T, 1, 1),
+        (launch["threads"], 1, 1),
+        {
+            0: "key",
+            1: "value",
+            2: "key_cache",
+            3: "value_cache",
+            4: "slot_mapping",
+            5: np.frombuffer(p.tobytes(), np.uint8),
+        },
+    )
+    r = harness.run(
+        program(FAMILY_SOURCE["reshape_and_cache"], kernel_dir),
+        bufs,
+        [d],
+        ["key_cache", "value_cache"],
+    )
+    return from_device(r["key_cache"], dtype), from_device(r["value_cache"], dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionCase:
+    """Inputs of one paged-attention call (float32 values already rounded to `dtype`)."""
+
+    dtype: str
+    query: np.ndarray  # [T, Hq, D] (a view into `qkv` when fused_qkv)
+    key_cache: np.ndarray  # [num_blocks, block_size, Hkv, D]
+    value_cache: np.ndarray
+    block_tables: np.ndarray  # int32 [S, max_blocks]
+    seq_lens: np.ndarray  # int32 [S]
+    cu_seqlens_q: np.ndarray  # int32 [S + 1]
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: np.ndarray | None = None
+    qkv: np.ndarray | None = None  # fused [T, Hq + 2 Hkv, D] buffer the query is a view of
+
+
+def host_plan(
+    case: AttentionCase, *, supports_nax: bool = False, gpu_cores: int = 16
+) -> list[dict]:
+    """The launches the host would encode for this call (vllm_metal._C's choice rules)."""
+    Hq, D = case.query.shape[1:]
+    return native().select_paged_attention_kernel(
+        case.dtype,
+        Hq,
+        case.key_cache.shape[2],
+        D,
+        case.key_cache.shape[1],
+        case.cu_seqlens_q.tolist(),
+        case.seq_lens.tolist(),
+        case.sliding_window or 0,
+        supports_nax,
+        gpu_cores,
+    )["launches"]
+
+
+def split_partitions(launch: dict, case: AttentionCase, partition_size: int) -> dict:
+    """A decode/gqa launch re-planned with split-KV partitions of `partition_size` keys, computed
+    as the kernels document it (partitions start at the first attended key rounded down to 32)."""
+    assert launch["family"] in ("decode", "gqa")
+    assert partition_size % PARTITION_ALIGN == 0 and partition_size % launch["kernel_block"] == 0
+    W = case.sliding_window or 0
+    offsets, max_parts = [0], 1
+    for s in launch["work"]:
+        L = int(case.seq_lens[s])
+        lo = max(0, L - W) if W else 0
+        base = lo - lo % PARTITION_ALIGN
+        parts = max(1, math.ceil((L - base) / partition_size))
+        max_parts = max(max_parts, parts)
+        offsets.append(offsets[-1] + parts)
+    Hq = case.query.shape[1]
+    Hkv = case.key_cache.shape[2]
+    G = Hq // Hkv
+    scratch = Hkv * math.ceil(G / 8) * 8 if launch["family"] == "gqa" else Hq
+    d = D = case.query.shape[2]
+    dt = case.dtype
+    return dict(
+        launch,
+        partition_size=partition_size,
+        part_offsets=offsets,
+        total_partitions=offsets[-1],
+        scratch_heads=scratch,
+        grid=[launch["grid"][0], launch["grid"][1], max_parts],
+        reduce_kernel=f"paged_attention_reduce_{dt}_d{d if D <= 256 else D}",
+        reduce_grid=[Hq, len(launch["work"]), 1],
+        reduce_threads=128,
+    )
+
+
+def with_kernel(launch: dict, kernel: str, kernel_block: int) -> dict:
+    """The same launch with another instance of its family (e.g. another kernel block)."""
+    return dict(launch, kernel=kernel, kernel_block=kernel_block)
+
+
+def paged_attention(
+    case: AttentionCase, launches: list[dict], kernel_dir: Path = KERNEL_DIR
+) -> np.ndarray:
+    """Run the launches in order on one output buffer; float32 [T, Hq, D]."""
+    dt = case.dtype
+    T, Hq, D = case.query.shape
+    nb, bs, Hkv, _ = case.key_cache.shape
+    p = np.zeros((), PA_PARAMS)
+    p["num_seqs"], p["num_q_heads"], p["num_kv_heads"] = len(case.seq_lens), Hq, Hkv
+    p["num_blocks"], p["block_size"] = nb, bs
+    p["max_blocks_per_seq"] = case.block_tables.shape[1]
+    if case.qkv is not None:
+        p["q_stride_token"], p["q_stride_head"] = case.qkv.shape[1] * D, D
+        query_buf = to_device(case.qkv, dt)
+    else:
+        p["q_stride_token"], p["q_stride_head"] = Hq * D, D
+        query_buf = to_device(case.query, dt)
+    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * Hkv * D, Hkv * D, D
+    p["scale"] = case.scale
+    p["softcap"] = case.softcap or 0.0
+    p["sliding_window"] = case.sliding_window or 0
+    p["has_sinks"] = int(case.sinks is not None)
+    nan_out = np.full((T, Hq, D), np.nan, np.float32)
+    out = to_device(nan_out, dt)  # rows no launch writes stay NaN
+    base = {
+        "query": query_buf,
+        "key_cache": to_device(case.key_cache, dt),
+        "value_cache": to_device(case.value_cache, dt),
+        "block_tables": case.block_tables.astype(np.int32),
+        "seq_lens": case.seq_lens.astype(np.int32),
+        "cu_seqlens_q": case.cu_seqlens_q.astype(np.int32),
+        "sinks": (case.sinks if case.sinks is not None else np.zeros(1)).astype(np.float32),
+    }
+    for launch in launches:
+        lp = p.copy()
+        fam = launch["family"]
+        work = np.asarray(launch["work"], np.int32)
+        lp["num_work"] = len(work) // 2 if fam in ("prefill", "nax") else len(work)
+        lp["partition_size"] = launch["partition_size"]
+        lp["scratch_heads"] = launch["scratch_heads"]
+        split = launch["partition_size"] > 0
+        nparts = max(1, launch["total_partitions"])
+        scratch = max(1, launch["scratch_heads"])
+        bufs = dict(base, out=out, work=work)
+        bufs["part_offsets"] = np.asarray(launch["part_offsets"] or [0], np.int32)
+        bufs["partial_ml"] = np.full((nparts * scratch, 2), np.nan, np.float32)
+        bufs["partial_out"] = np.full((nparts * scratch, D), np.nan, np.float32)
+        params = np.frombuffer(lp.tobytes(), np.uint8)
+        binds: dict[int, harness.BufferArg] = {i: n for n, i in BUF.items() if n != "params"}
+        binds[BUF["params"]] = params
+        dispatches = [
+            harness.Dispatch(
+                launch["kernel"], tuple(launch["grid"]), (launch["threads"], 1, 1), binds
+            )
+        ]
+        if split:
+            dispatches.append(
+                harness.Dispatch(
+                    launch["reduce_kernel"],
+                    tuple(launch["reduce_grid"]),
+                    (launch["reduce_threads"], 1, 1),
+                    binds,
+                )
+            )
+        # The reduce kernel lives in the decode source: run each dispatch with the program that
+        # has it, carrying the buffers across.
+        outputs = ["out", "partial_ml", "partial_out"]
+        for dsp in dispatches:
+            prog = program(FAMILY_SOURCE[fam], kernel_dir)
+            if dsp.kernel not in prog.instances:
+                prog = program(FAMILY_SOURCE["reduce"], kernel_dir)
+            res = harness.run(prog, bufs, [dsp], outputs)
+            bufs.update(res)
+        out = bufs["out"]
+    return from_device(out, dt)
+
+
+def make_case(
+    *,
+    dtype: str,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
+    fused_qkv: bool = False,
+    seed: int = 0,
+) -> AttentionCase:
+    """Random inputs with shuffled block tables (every sequence's blocks scattered in the pool)."""
+    from .oracle import quantize
+
+    rng = np.random.default_rng(seed)
+    assert all(q <= s for q, s in zip(q_lens, seq_lens))
+    S, T = len(seq_lens), sum(q_lens)
+    max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
+    num_blocks = S * max_blocks + 3
+    perm = rng.permutation(num_blocks)
+    block_tables = perm[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    kv_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = quantize(rng.standard_normal(kv_shape), dtype)
+    value_cache = quantize(rng.standard_normal(kv_shape), dtype)
+    Hq = num_q_heads
+    qkv = None
+    if fused_qkv:
+        qkv = quantize(rng.standard_normal((T, Hq + 2 * num_kv_heads, head_dim)), dtype)
+        query = qkv[:, :Hq]
+    else:
+        query = quantize(rng.standard_normal((T, Hq, head_dim)), dtype)
+    return AttentionCase(
+        dtype=dtype,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=np.asarray(seq_lens, np.int32),
+        cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        scale=1.0 / math.sqrt(head_dim) * 1.5,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=(rng.standard_normal(Hq) * 2).astype(np.float32) if sinks else None,
+        qkv=qkv,
+    )
+
+
+def reference(case: AttentionCase) -> np.ndarray:
+    """vllm_metal.ops.reference.paged_attention on the case (float32 inputs, float32 out)."""
+    import mlx.core as mx
+
+    from vllm_metal.ops import reference as ref
+
+    out = ref.paged_attention(
+        mx.array(np.ascontiguousarray(case.query)),
+        mx.array(case.key_cache),
+        mx.array(case.value_cache),
+        mx.array(case.block_tables),
+        mx.array(case.seq_lens),
+        mx.array(case.cu_seqlens_q),
+        scale=case.scale,
+        sliding_window=case.sliding_window,
+        softcap=case.softcap,
+        sinks=mx.array(case.sinks) if case.sinks is not None else None,
+    )
+    return np.array(out.astype(mx.float32))

@@ -1,0 +1,205 @@
+"""Mutation self-check of the msl tests: plants one bug at a time in a copy of metal_kernels/ and
+shows the kernel tests fail on each. Run: python -m tests.msl.mutate [--only NAME] [--list]."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+KERNELS = REPO / "metal_kernels"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    pattern: str  # regex that must match exactly once (the original line(s))
+    replacement: str
+    tests: str  # pytest -k expression selecting the tests that should catch it
+
+
+MUTATIONS = [
+    Mutation(
+        "prefill-causal-off-by-one",
+        "paged_attention_prefill.metal",
+        r"const bool valid = row_valid && pos >= row_lo && pos <= row_pos;",
+        "const bool valid = row_valid && pos >= row_lo && pos < row_pos;",
+        "prefill and not nax",
+    ),
+    Mutation(
+        "nax-causal-off-by-one",
+        "paged_attention_nax.metal",
+        r"const bool valid = row_valid && pos >= row_lo && pos <= row_pos;",
+        "const bool valid = row_valid && pos >= row_lo && pos <= row_pos + 1;",
+        "nax",
+    ),
+    Mutation(
+        "decode-wrong-kv-head",
+        "paged_attention_decode.metal",
+        r"  const int kvh = h / group;",
+        "  const int kvh = h % p.num_kv_heads;",
+        "decode and not gqa",
+    ),
+    Mutation(
+        "gqa-missing-barrier-after-k-tile",
+        "paged_attention_gqa.metal",
+        r"    threadgroup_barrier\(mem_flags::mem_threadgroup\);\n\n    // 2\. S = Q K\^T",
+        "\n\n    // 2. S = Q K^T",
+        "gqa",
+    ),
+    Mutation(
+        "prefill-missing-barrier-end-of-tile",
+        "paged_attention_prefill.metal",
+        r"    threadgroup_barrier\(mem_flags::mem_threadgroup\);  // tiles are rewritten next",
+        "    // (barrier removed)",
+        "prefill and not nax",
+    ),
+    Mutation(
+        "decode-dropped-output-rescale",
+        "paged_attention_decode.metal",
+        r"        o\[rd\]\[e\] \*= factor;",
+        "        o[rd][e] *= 1.0f;",
+        "decode and not gqa",
+    ),
+    Mutation(
+        "decode-dropped-sum-rescale",
+        "paged_attention_decode.metal",
+        r"    l \*= factor;",
+        "    l *= 1.0f;",
+        "decode and not gqa",
+    ),
+    Mutation(
+        "gqa-wrong-partition-index",
+        "paged_attention_gqa.metal",
+        r"const int first_row = \(part_offsets\[r\] \+ part\) \* p\.scratch_heads \+",
+        "const int first_row = (r + part) * p.scratch_heads +",
+        "gqa and split",
+    ),
+    Mutation(
+        "gqa-row-max-misses-lanes",
+        "paged_attention_gqa.metal",
+        r"      mx = metal::max\(mx, simd_shuffle_xor\(mx, ushort\(2\)\)\);",
+        "      mx = metal::max(mx, 0.0f * mx);",
+        "gqa",
+    ),
+    Mutation(
+        "nax-cooperative-layout-assumed",
+        "paged_attention_nax.metal",
+        r"        o_acc\[i\] \*= row_scale\[idx\[1\]\];",
+        "        o_acc[i] *= row_scale[i % NAX_BQ];",
+        "nax",
+    ),
+    Mutation(
+        "window-start-off-by-one",
+        "paged_attention_common.h",
+        r"q_pos - p\.sliding_window \+ 1\)",
+        "q_pos - p.sliding_window)",
+        "masks or kernel_blocks",
+    ),
+    Mutation(
+        "reduce-drops-sinks",
+        "paged_attention_decode.metal",
+        r"\n    l \+= metal::exp\(sinks\[h\] - shift\);",
+        "\n    l += 0.0f;",
+        "split",
+    ),
+    Mutation(
+        "cache-skips-slot-zero",
+        "reshape_and_cache.metal",
+        r"  if \(slot < 0 \|\| slot >= p\.num_slots\) \{",
+        "  if (slot <= 0 || slot >= p.num_slots) {",
+        "reshape_and_cache",
+    ),
+]
+
+
+def apply(mutation: Mutation, kernel_dir: Path) -> None:
+    path = kernel_dir / mutation.file
+    text = path.read_text()
+    hits = list(re.finditer(mutation.pattern, text))
+    if len(hits) != 1:
+        raise SystemExit(
+            f"mutation {mutation.name}: target {mutation.pattern!r} matched {len(hits)} times in "
+            f"{mutation.file} (must be exactly once); the kernel changed, update the mutation"
+        )
+    m = hits[0]
+    path.write_text(text[: m.start()] + mutation.replacement + text[m.end() :])
+
+
+def run_one(mutation: Mutation) -> tuple[bool, str, float]:
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"msl-mutant-{mutation.name}-") as td:
+        kdir = Path(td) / "metal_kernels"
+        shutil.copytree(KERNELS, kdir)
+        apply(mutation, kdir)
+        env = dict(os.environ, VLLM_METAL_MSL_KERNEL_DIR=str(kdir), COLUMNS="400")
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                str(HERE / "test_kernels.py"),
+                "-m",
+                "msl",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                mutation.tests,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    failed = [ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")]
+    if r.returncode == 1 and failed:
+        test, _, why = failed[0].removeprefix("FAILED ").partition(" - ")
+        why = re.sub(r"^[\w.]*(MslRuntimeError|AssertionError): ", "", why)
+        return True, f"{test.split('::')[-1]}: {why[:110]}", time.monotonic() - t0
+    tail = r.stdout.strip().splitlines()[-1:] or [r.stderr.strip()[-300:]]
+    return False, f"pytest exit {r.returncode}: {tail[0]}", time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", help="run only the named mutation(s)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.only and len(chosen) != len(args.only):
+        raise SystemExit(f"unknown mutation in {args.only}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:40s} {m.file}")
+        return 0
+    # Check every target before spending time on any run.
+    with tempfile.TemporaryDirectory() as td:
+        for m in chosen:
+            shutil.copytree(KERNELS, Path(td) / m.name)
+            apply(m, Path(td) / m.name)
+    missed = 0
+    for m in chosen:
+        caught, detail, secs = run_one(m)
+        missed += not caught
+        print(
+            f"{'CAUGHT' if caught else 'MISSED'}  {m.name:40s} {secs:5.1f}s  {detail}", flush=True
+        )
+    print(f"{len(chosen) - missed}/{len(chosen)} planted bugs caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

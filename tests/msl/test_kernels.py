@@ -1,0 +1,439 @@
+"""Proves each metal_kernels/*.metal family, run through the MSL harness as the host plans it,
+matches vllm_metal.ops.reference across dtypes, head dims, GQA, masks, sinks, partitions, tiles."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from . import kernels as K
+from . import oracle as O
+
+pytestmark = pytest.mark.msl
+
+# Max |kernel - reference| on outputs of magnitude <~ 1 (inputs N(0, 1)); bf16/f16 kernels round
+# the probabilities they feed to the P V product to the storage type.
+ATOL = {"f32": 2e-5, "f16": 4e-3, "bf16": 3e-2}
+
+
+def check(case: K.AttentionCase, launches: list[dict]) -> None:
+    out = K.paged_attention(case, launches)
+    ref = K.reference(case)
+    assert np.isfinite(out).all(), "rows left unwritten (NaN) or non-finite output"
+    err = np.abs(out - ref).max()
+    assert err <= ATOL[case.dtype], f"{[l['kernel'] for l in launches]}: max error {err:.3g}"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_METAL_DISABLE_GQA_DECODE", raising=False)
+    monkeypatch.delenv("VLLM_METAL_DISABLE_NAX", raising=False)
+
+
+def families(launches: list[dict]) -> list[str]:
+    return [launch["family"] for launch in launches]
+
+
+# ---------------------------------------------------------------------------------------------
+# Coverage of the host's kernel names
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_kernel_the_host_can_request_is_instantiated() -> None:
+    instantiated: set[str] = set()
+    for src in sorted(set(K.FAMILY_SOURCE.values())):
+        instantiated |= set(K.program(src).instances)
+    requested = set(K.native().all_kernel_names())
+    missing = sorted(requested - instantiated)
+    assert not missing, f"host can request kernels no source instantiates: {missing}"
+
+
+def test_numpy_oracle_agrees_with_reference() -> None:
+    # Guards the oracle the tests depend on: two independent implementations of the contract.
+    case = K.make_case(
+        dtype="f32",
+        q_lens=[1, 5],
+        seq_lens=[23, 40],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        sliding_window=17,
+        softcap=8.0,
+        sinks=True,
+    )
+    ours = O.paged_attention(
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.cu_seqlens_q,
+        scale=case.scale,
+        sliding_window=case.sliding_window,
+        softcap=case.softcap,
+        sinks=case.sinks,
+    )
+    np.testing.assert_allclose(ours, K.reference(case), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", O.DTYPES)
+@pytest.mark.parametrize("heads,head_dim,block_size", [(2, 64, 16), (3, 80, 8), (1, 256, 32)])
+def test_reshape_and_cache(dtype: str, heads: int, head_dim: int, block_size: int) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops import reference as ref
+
+    rng = np.random.default_rng(heads * head_dim)
+    num_blocks = 6
+    T = 9
+    key = O.quantize(rng.standard_normal((T, heads, head_dim)), dtype)
+    value = O.quantize(rng.standard_normal((T, heads, head_dim)), dtype)
+    kc = O.quantize(rng.standard_normal((num_blocks, block_size, heads, head_dim)), dtype)
+    vc = O.quantize(rng.standard_normal((num_blocks, block_size, heads, head_dim)), dtype)
+    n = num_blocks * block_size
+    # Slot 0, the last slot, padding (-1) and an out-of-range slot.
+    slots = np.array([0, 5, -1, n - 1, block_size, 2 * block_size + 3, n, 7, -5], np.int64)
+    got_k, got_v = K.reshape_and_cache(key, value, kc, vc, slots, dtype)
+    want_k, want_v = ref.reshape_and_cache(
+        mx.array(key), mx.array(value), mx.array(kc), mx.array(vc), mx.array(slots)
+    )
+    np.testing.assert_array_equal(got_k, np.array(want_k))
+    np.testing.assert_array_equal(got_v, np.array(want_v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: per-head kernel and GQA kernel, one pass and split-KV
+# ---------------------------------------------------------------------------------------------
+
+DECODE_SHAPES = [
+    # dtype, Hq, Hkv, D, block_size
+    ("f32", 4, 4, 64, 16),
+    ("f16", 4, 2, 80, 8),
+    ("bf16", 8, 2, 96, 32),
+    ("f16", 2, 1, 128, 16),
+    ("bf16", 2, 2, 256, 16),
+    ("f32", 12, 1, 64, 32),  # G = 12: two GQA row tiles, the second padded
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,bs", DECODE_SHAPES)
+@pytest.mark.parametrize("family", ["decode", "gqa"])
+def test_decode(
+    family: str, dtype: str, hq: int, hkv: int, d: int, bs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if family == "gqa" and hq == hkv:
+        pytest.skip("the host never runs the GQA kernel without grouping")
+    if family == "decode":
+        monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[1, 1, 1],
+        seq_lens=[1, 45, 97],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        seed=d + hq,
+    )
+    launches = K.host_plan(case)
+    assert families(launches) == [family]
+    check(case, launches)
+
+
+@pytest.mark.parametrize("family", ["decode", "gqa"])
+@pytest.mark.parametrize("kb", [8, 16, 32])
+def test_decode_kernel_blocks(family: str, kb: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every kernel-block instance, including those the host picks only for other block sizes.
+    if family == "decode":
+        monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    case = K.make_case(
+        dtype="f16",
+        q_lens=[1, 1],
+        seq_lens=[70, 33],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=32,
+        sliding_window=40,
+        seed=kb,
+    )
+    (launch,) = K.host_plan(case)
+    launch = K.with_kernel(launch, re.sub(r"_k\d+$", f"_k{kb}", launch["kernel"]), kb)
+    check(case, [launch])
+
+
+@pytest.mark.parametrize("family", ["decode", "gqa"])
+@pytest.mark.parametrize(
+    "dtype,window,softcap,sinks",
+    [
+        ("f32", None, None, True),
+        ("bf16", 50, None, False),
+        ("f16", 64, 30.0, True),
+        ("f32", 1, None, False),
+        ("f16", None, 5.0, False),
+    ],
+)
+def test_decode_masks_softcap_sinks(
+    family: str,
+    dtype: str,
+    window: int | None,
+    softcap: float | None,
+    sinks: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if family == "decode":
+        monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[1, 1, 1],
+        seq_lens=[3, 66, 130],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        softcap=softcap,
+        sinks=sinks,
+        seed=7,
+    )
+    check(case, K.host_plan(case))
+
+
+@pytest.mark.parametrize("family", ["decode", "gqa"])
+@pytest.mark.parametrize(
+    "dtype,partition,window,sinks,seq_lens",
+    [
+        ("f32", 32, None, False, [1, 40, 150]),
+        ("f16", 64, 70, True, [90, 200, 31]),
+        ("bf16", 32, 33, True, [64, 129, 250]),
+        ("f32", 96, None, True, [300, 5, 97]),
+    ],
+)
+def test_decode_split_kv(
+    family: str,
+    dtype: str,
+    partition: int,
+    window: int | None,
+    sinks: bool,
+    seq_lens: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if family == "decode":
+        monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[1] * len(seq_lens),
+        seq_lens=seq_lens,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        sinks=sinks,
+        softcap=20.0,
+        seed=partition,
+    )
+    (launch,) = K.host_plan(case)
+    launch = K.split_partitions(launch, case, partition)
+    assert launch["total_partitions"] > len(seq_lens), "the case must split some rows"
+    check(case, [launch])
+
+
+@pytest.mark.parametrize("family", ["decode", "gqa"])
+def test_decode_split_as_host_plans_it(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Long rows: the host itself chooses split-KV (512-key partitions) and the reduce kernel.
+    if family == "decode":
+        monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    case = K.make_case(
+        dtype="f16",
+        q_lens=[1, 1],
+        seq_lens=[1100, 530],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=32,
+        sinks=True,
+        seed=3,
+    )
+    (launch,) = K.host_plan(case)
+    assert launch["family"] == family and launch["partition_size"] > 0
+    check(case, [launch])
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: tiled simdgroup-matrix kernel and NAX (tensor ops) kernel
+# ---------------------------------------------------------------------------------------------
+
+PREFILL_SHAPES = [
+    # dtype, Hq, Hkv, D, block_size
+    ("f32", 2, 2, 64, 16),
+    ("f16", 4, 2, 80, 32),
+    ("bf16", 6, 2, 96, 16),
+    ("f16", 4, 1, 128, 8),
+    ("bf16", 2, 1, 256, 16),
+    ("f32", 2, 1, 256, 8),
+    ("f16", 2, 1, 512, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,bs", PREFILL_SHAPES)
+def test_prefill(dtype: str, hq: int, hkv: int, d: int, bs: int) -> None:
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[1, 9, 21],
+        seq_lens=[30, 9, 47],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        seed=d,
+    )
+    launches = K.host_plan(case)
+    assert families(launches) == ["prefill"]
+    check(case, launches)
+
+
+def _prefill_instances() -> list[str]:
+    names = K.native().all_kernel_names()
+    return sorted(
+        n
+        for n in names
+        if n.startswith("paged_attention_prefill_") and "_d512" not in n and "_d256" not in n
+    )
+
+
+@pytest.mark.parametrize("kernel", _prefill_instances())
+def test_prefill_every_tile(kernel: str) -> None:
+    # Every tile shape the host can pick (head dims <= 128), with window, softcap and sinks.
+    m = re.match(r"paged_attention_prefill_(\w+)_d(\d+)_q(\d+)_k(\d+)$", kernel)
+    dtype, d, bq, kb = m[1], int(m[2]), int(m[3]), int(m[4])
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[12, 1, 30],
+        seq_lens=[40, 19, 30],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=d,
+        block_size=32,
+        sliding_window=25,
+        softcap=15.0,
+        sinks=True,
+        seed=bq + kb,
+    )
+    (launch,) = K.host_plan(case)
+    launch = dict(launch, kernel=kernel, kernel_block=kb, rows_per_tile=bq, threads=bq * 4)
+    work = []
+    for s in range(len(case.seq_lens)):
+        q_len = int(case.cu_seqlens_q[s + 1] - case.cu_seqlens_q[s])
+        for t in range(-(-q_len * 2 // bq)):
+            work += [s, t]
+    launch["work"] = work
+    launch["grid"] = [len(work) // 2, launch["grid"][1], 1]
+    check(case, [launch])
+
+
+@pytest.mark.parametrize(
+    "dtype,window,softcap,sinks",
+    [("f16", 1, None, False), ("bf16", 16, 10.0, True), ("f32", 33, None, True)],
+)
+def test_prefill_masks(dtype: str, window: int | None, softcap: float | None, sinks: bool) -> None:
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[40, 3],
+        seq_lens=[60, 3],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        softcap=softcap,
+        sinks=sinks,
+        seed=11,
+    )
+    check(case, K.host_plan(case))
+
+
+def test_mixed_batch_prefill_and_decode_launches() -> None:
+    # Prefill rows through the tiled kernel and decode rows through the GQA kernel, one output.
+    case = K.make_case(
+        dtype="f16",
+        q_lens=[1, 13, 1, 6],
+        seq_lens=[80, 13, 35, 50],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        sinks=True,
+    )
+    (full,) = K.host_plan(case)
+    prefill_seqs, decode_seqs = [1, 3], [0, 2]
+    work = []
+    for s in prefill_seqs:
+        q_len = int(case.cu_seqlens_q[s + 1] - case.cu_seqlens_q[s])
+        for t in range(-(-q_len * 2 // full["rows_per_tile"])):
+            work += [s, t]
+    prefill = dict(full, work=work, grid=[len(work) // 2, full["grid"][1], 1])
+    only_decode = K.make_case(
+        dtype="f16",
+        q_lens=[1, 1],
+        seq_lens=[80, 35],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+    )
+    (decode,) = K.host_plan(only_decode)
+    decode = K.split_partitions(dict(decode, work=decode_seqs), case, 32)
+    check(case, [prefill, decode])
+
+
+def test_fused_qkv_query_strides() -> None:
+    # The query is a view into a fused [T, Hq + 2 Hkv, D] projection: token stride != Hq * D.
+    for q_lens, seq_lens in (([1, 1], [20, 70]), ([5, 17], [5, 40])):
+        case = K.make_case(
+            dtype="bf16",
+            q_lens=q_lens,
+            seq_lens=seq_lens,
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            fused_qkv=True,
+        )
+        check(case, K.host_plan(case))
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,d,window,softcap,sinks",
+    [
+        ("f16", 4, 2, 64, None, None, False),
+        ("bf16", 6, 2, 80, 20, 12.0, True),
+        ("f16", 2, 1, 128, 7, None, True),
+        ("bf16", 2, 1, 512, None, None, True),
+    ],
+)
+def test_nax_prefill(
+    dtype: str, hq: int, hkv: int, d: int, window: int | None, softcap: float | None, sinks: bool
+) -> None:
+    case = K.make_case(
+        dtype=dtype,
+        q_lens=[1, 11, 19],
+        seq_lens=[25, 11, 40],
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=16,
+        sliding_window=window,
+        softcap=softcap,
+        sinks=sinks,
+        seed=d + 1,
+    )
+    launches = K.host_plan(case, supports_nax=True)
+    assert families(launches) == ["nax"]
+    check(case, launches)

@@ -1,0 +1,197 @@
+"""Proves the host's Metal kernel choice rules and that every requestable kernel is instantiated.
+
+Exercises vllm_metal._C.select_paged_attention_kernel / all_kernel_names on plain shapes (no GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core  # noqa: F401  (loads libmlx, which the extension links against)
+import pytest
+
+from vllm_metal import _C
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
+
+
+def plan(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    dtype: str = "f16",
+    hq: int = 8,
+    hkv: int = 2,
+    d: int = 128,
+    block_size: int = 32,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    return _C.select_paged_attention_kernel(dtype, hq, hkv, d, block_size, cu, seq_lens, **kwargs)[
+        "launches"
+    ]
+
+
+def instantiated_names() -> set[str]:
+    names: set[str] = set()
+    for src in KERNEL_DIR.glob("*.metal"):
+        for line in src.read_text().splitlines():
+            if line.startswith("#define"):
+                continue
+            names.update(re.findall(r'PA_INSTANTIATE_\w+\("([a-z0-9_]+)"', line))
+    return names
+
+
+def test_every_requestable_kernel_is_instantiated_and_nothing_else() -> None:
+    requestable = set(_C.all_kernel_names())
+    instantiated = instantiated_names()
+    assert requestable - instantiated == set()
+    assert instantiated - requestable == set()
+    assert "paged_attention_gqa_bf16_d256_k32" in requestable
+
+
+def test_pure_decode_uses_gqa_kernel_and_env_switch_restores_per_head_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (launch,) = plan([1, 1, 1], [10, 20, 30], dtype="bf16", hq=24, hkv=4, d=256)
+    assert launch["kernel"] == "paged_attention_gqa_bf16_d256_k32"
+    assert launch["grid"][:2] == [4, 3]  # one threadgroup per kv head (6 heads <= 8) and row
+    assert launch["work"] == [0, 1, 2]
+    assert launch["partition_size"] == 0
+
+    monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
+    (launch,) = plan([1, 1, 1], [10, 20, 30], dtype="bf16", hq=24, hkv=4, d=256)
+    assert launch["family"] == "decode"
+    assert launch["kernel"] == "paged_attention_decode_bf16_d256_k32"
+    assert launch["grid"][:2] == [24, 3]
+
+
+def test_mha_decode_and_group_tiling() -> None:
+    (launch,) = plan([1], [5], hq=4, hkv=4)
+    assert launch["family"] == "decode"
+    (launch,) = plan([1], [5], hq=20, hkv=2)  # 10 heads per kv head -> two tiles of 8
+    assert launch["family"] == "gqa" and launch["grid"][0] == 4
+
+
+@pytest.mark.parametrize(
+    ("block_size", "kernel_block"), [(8, 8), (16, 16), (24, 8), (32, 32), (64, 32), (128, 32)]
+)
+def test_vllm_blocks_map_onto_kernel_blocks(block_size: int, kernel_block: int) -> None:
+    (launch,) = plan([1], [100], hq=4, hkv=4, block_size=block_size)
+    assert launch["kernel_block"] == kernel_block
+    assert block_size % launch["kernel_block"] == 0
+
+
+def test_float32_head_dim_256_gqa_uses_smaller_tile() -> None:
+    (launch,) = plan([1], [100], dtype="f32", hq=24, hkv=4, d=256, block_size=64)
+    assert launch["kernel"] == "paged_attention_gqa_f32_d256_k16"
+
+
+def test_prefill_tiles_cover_token_head_rows() -> None:
+    (launch,) = plan([7, 3], [7, 10], hq=8, hkv=2)  # G = 4
+    assert launch["family"] == "prefill"
+    bq = launch["rows_per_tile"]
+    expected = [(0, t) for t in range(math.ceil(7 * 4 / bq))]
+    expected += [(1, t) for t in range(math.ceil(3 * 4 / bq))]
+    assert list(zip(launch["work"][::2], launch["work"][1::2], strict=True)) == expected
+    assert launch["grid"] == [len(expected), 2, 1]
+    assert launch["threads"] == bq * 4
+
+
+def test_mixed_batch_splits_out_only_long_decode_rows() -> None:
+    launches = plan([1, 5, 1], [4096, 50, 4095], hq=8, hkv=2)
+    assert [launch["family"] for launch in launches] == ["prefill", "gqa"]
+    prefill, decode = launches
+    assert sorted(set(prefill["work"][::2])) == [1, 2]  # the short decode row stays in the tile
+    assert decode["work"] == [0]
+
+    (only,) = plan([1, 5], [4095, 50], hq=8, hkv=2)
+    assert only["family"] == "prefill"
+
+
+def test_sliding_window_counts_attended_keys_for_split_out() -> None:
+    launches = plan([1, 5], [100_000, 50], hq=8, hkv=2, sliding_window=1024)
+    assert [launch["family"] for launch in launches] == ["prefill"]
+
+
+def test_split_kv_scratch_is_sized_per_request() -> None:
+    seq_lens = [5000, 100, 1300]
+    (launch,) = plan([1, 1, 1], seq_lens, hq=8, hkv=8)
+    assert launch["partition_size"] == 512
+    parts = [math.ceil(n / 512) for n in seq_lens]
+    assert launch["part_offsets"] == [0, parts[0], parts[0] + parts[1], sum(parts)]
+    assert launch["total_partitions"] == sum(parts) < len(seq_lens) * max(parts)
+    assert launch["grid"] == [8, 3, max(parts)]
+    assert launch["scratch_heads"] == 8
+    assert launch["reduce_kernel"] == "paged_attention_reduce_f16_d128"
+    assert launch["reduce_grid"][:2] == [8, 3]
+
+
+def test_split_kv_partitions_start_at_window() -> None:
+    (launch,) = plan([1], [10_000], hq=8, hkv=8, sliding_window=1000)
+    first = 10_000 - 1000
+    base = first - first % 32
+    assert launch["part_offsets"] == [0, math.ceil((10_000 - base) / 512)]
+
+
+def test_gqa_split_scratch_pads_head_groups() -> None:
+    (launch,) = plan([1], [9000], hq=24, hkv=4, d=256, dtype="bf16")
+    assert launch["family"] == "gqa" and launch["partition_size"] == 512
+    assert launch["scratch_heads"] == 4 * 8
+
+
+def test_no_split_when_grid_already_fills_the_gpu() -> None:
+    (launch,) = plan([1] * 64, [5000] * 64, hq=32, hkv=32)
+    assert launch["partition_size"] == 0
+    (launch,) = plan([1] * 4, [300] * 4, hq=8, hkv=8)  # short rows: nothing to split
+    assert launch["partition_size"] == 0
+
+
+def test_nax_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    (launch,) = plan([9], [9], dtype="bf16", d=512, supports_nax=True)
+    assert launch["kernel"] == "paged_attention_nax_bf16_d512"
+    assert launch["grid"][1] == 2 * 2  # two 256-column halves per kv head
+    assert launch["rows_per_tile"] == 16
+
+    (launch,) = plan([9], [9], dtype="f32", supports_nax=True)
+    assert launch["family"] == "prefill"
+    (launch,) = plan([9], [9], dtype="f16", supports_nax=True, block_size=8)
+    assert launch["family"] == "prefill"
+    (launch,) = plan([9], [9], dtype="f16", supports_nax=False)
+    assert launch["family"] == "prefill"
+
+    monkeypatch.setenv("VLLM_METAL_DISABLE_NAX", "1")
+    (launch,) = plan([9], [9], dtype="f16", supports_nax=True)
+    assert launch["family"] == "prefill"
+
+
+def test_head_dim_512_decode_rows_use_prefill_kernel() -> None:
+    (launch,) = plan([1], [100], dtype="bf16", d=512)
+    assert launch["kernel"] == "paged_attention_prefill_bf16_d512_q16_k8"
+    assert launch["grid"][1] == 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "f32", "d": 512}, "head_dim 512"),
+        ({"d": 72}, "head_dim 72"),
+        ({"block_size": 12}, "block_size"),
+        ({"dtype": "f64"}, "dtype"),
+        ({"hq": 6, "hkv": 4}, "multiple"),
+    ],
+)
+def test_unsupported_shapes_are_rejected(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan([3], [3], **kwargs)
+
+
+def test_reshape_and_cache_kernel() -> None:
+    choice = _C.select_reshape_and_cache_kernel("bf16", 2, 80)
+    assert choice == {"kernel": "reshape_and_cache_bf16", "threads": 160}
+    assert _C.select_reshape_and_cache_kernel("f32", 8, 128)["threads"] == 256

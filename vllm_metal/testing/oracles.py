@@ -1,0 +1,134 @@
+"""Reference outputs for tests: transformers float32 greedy tokens and logprobs, mlx-lm greedy.
+
+HF runs eager attention, the only HF path that applies Gemma2's attention soft-capping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=8)
+def _load(model_dir: str, mtime_ns: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    # generate() fills unset fields from the model's own generation config, so end-of-sequence
+    # has to be removed there for greedy runs of a fixed length.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def load_hf_model(model_dir: str | Path) -> Any:
+    """The checkpoint as a float32 transformers model (cached per directory and file version)."""
+    path = Path(model_dir).resolve()
+    return _load(str(path), (path / "config.json").stat().st_mtime_ns)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core host the thread pool's
+    # waits made a forward several times slower.
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def hf_greedy(
+    model_dir: str | Path, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuations of exactly ``max_new_tokens`` tokens for each prompt.
+
+    End-of-sequence tokens neither stop generation nor are masked out, which is what a vLLM
+    request with ``ignore_eos=True`` and ``temperature=0`` produces.
+    """
+    import torch
+
+    model = load_hf_model(model_dir)
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.eos_token_id = None
+    gen_config.do_sample = False
+    gen_config.max_new_tokens = max_new_tokens
+    gen_config.min_new_tokens = None
+    gen_config.temperature = None
+    gen_config.top_p = None
+    gen_config.top_k = None
+    results = []
+    for prompt in prompts_token_ids:
+        if len(prompt) == 0:
+            raise ValueError("every prompt needs at least one token")
+        input_ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.no_grad(), _one_torch_thread():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=gen_config,
+            )
+        new_tokens = out[0, len(prompt) :].tolist()
+        if len(new_tokens) != max_new_tokens:
+            raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
+        results.append(new_tokens)
+    return results
+
+
+def hf_logits(model_dir: str | Path, token_ids: Sequence[int]) -> np.ndarray:
+    """Float32 next-token logits ``[len(token_ids), vocab]`` of one forward over the sequence."""
+    import torch
+
+    model = load_hf_model(model_dir)
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    with torch.no_grad(), _one_torch_thread():
+        logits = model(input_ids, use_cache=False).logits[0]
+    return logits.float().numpy()
+
+
+def hf_logprobs(model_dir: str | Path, token_ids: Sequence[int]) -> np.ndarray:
+    """Float32 log-softmax of the next-token logits at each position: ``[len(token_ids), vocab]``.
+
+    Row ``i`` is the distribution of the token after ``token_ids[: i + 1]``.
+    """
+    logits = hf_logits(model_dir, token_ids).astype(np.float64)
+    logits -= logits.max(axis=-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return logprobs.astype(np.float32)
+
+
+def mlx_lm_greedy(
+    model_dir: str | Path,
+    prompts_token_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    dtype: str | None = None,
+) -> list[list[int]]:
+    """Greedy continuations from stock mlx-lm (its own model classes, caches and generate loop).
+
+    ``dtype`` (e.g. ``"float32"``) casts the loaded weights first; None keeps the checkpoint's.
+    Like :func:`hf_greedy`, end-of-sequence tokens do not stop generation.
+    """
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(model_dir))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    results = []
+    for prompt in prompts_token_ids:
+        steps = generate_step(mx.array(list(prompt)), model, max_tokens=max_new_tokens)
+        results.append([int(token) for token, _ in steps])
+    return results

@@ -1,0 +1,642 @@
+"""Tiny random-weight checkpoints in Hugging Face layout for tests that cannot download models.
+
+Each loads in transformers, vLLM and mlx-lm, with a trained BPE tokenizer and a ChatML template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.metadata
+import io
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+
+# Control tokens: never produced by ordinary text, dropped by skip_special_tokens.
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Markup tokens: atomic in the vocabulary but kept in decoded text, because the reasoning and tool
+# parsers look for them in the detokenized output.
+MARKUP_TOKENS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+PAD_TOKEN, BOS_TOKEN, EOT_TOKEN, IM_START, IM_END = SPECIAL_TOKENS
+TOKENIZER_VOCAB_SIZE = 768
+
+# Training text for the tokenizer: varied enough that merges cover prose, numbers, code and JSON.
+_CORPUS = r"""
+The old lighthouse stood at the edge of the cliff, and every night its lamp turned slowly over the
+dark water. Sailors who passed the point counted the flashes: three short, one long. When the fog
+came in from the north, the keeper rang a bell instead, and the sound carried for miles.
+In the morning the village woke early. Bakers pulled bread from their ovens, children ran to school
+along the harbour wall, and fishermen argued about the weather over cups of strong black coffee.
+"Will it rain today?" asked Maria. "Probably not," said her brother, "but take a coat anyway."
+Mathematics is the study of patterns. A prime number has exactly two divisors: 2, 3, 5, 7, 11, 13,
+17, 19, 23 and 29 are the first ten primes. The sum 1 + 2 + 3 + ... + 100 equals 5050, and the
+square root of 144 is 12. In 1969 two astronauts walked on the Moon; in 2024 a probe reached the
+far side of it again. Water boils at 100 degrees Celsius at sea level and freezes at 0 degrees.
+A good recipe for pancakes: mix 200 grams of flour, 2 eggs, 300 millilitres of milk and a pinch of
+salt. Let the batter rest for ten minutes, then fry thin layers in a hot pan with a little butter.
+Serve them with lemon and sugar, or with honey, berries and yoghurt.
+def fibonacci(n: int) -> list[int]:
+    values = [0, 1]
+    while len(values) < n:
+        values.append(values[-1] + values[-2])
+    return values[:n]
+
+for index, value in enumerate(fibonacci(10)):
+    print(f"{index}: {value}")
+
+class Queue:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop(0) if self.items else None
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+{"name": "search", "arguments": {"query": "train times to Lyon", "limit": 5}}
+{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+ "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+ "b": {"type": "number"}}, "required": ["a", "b"]}}}
+The weather in Paris is sunny with a high of 24 degrees. Tomorrow brings clouds and light wind.
+User: Can you tell me a short story about a fox?
+Assistant: Once upon a time, a clever fox lived at the edge of a quiet forest. Every evening she
+watched the farmer lock his hens away, and every evening she found the gate a little looser.
+One night the gate swung open, but instead of the hens she found a small dog, just as hungry and
+just as lonely as she was. They shared the farmer's leftover supper and became friends for life.
+User: What is the capital of Japan?
+Assistant: The capital of Japan is Tokyo. It is one of the largest cities in the world.
+Let me think step by step. First, we need the total cost: three books at 12 dollars each is 36
+dollars. Then we add the tax of 10 percent, which is 3.60 dollars, so the answer is 39.60 dollars.
+Rivers carry sand and stone from the mountains to the sea. Over thousands of years they carve
+valleys, build deltas and change the shape of entire continents. Forests slow the water down;
+cities, with their roads and roofs, speed it up, and that is why floods have become more common.
+Music travels through the air as waves of pressure. A violin string vibrating 440 times a second
+plays the note A; double the frequency and you hear the same note an octave higher.
+SELECT name, price FROM products WHERE price < 20 ORDER BY price DESC LIMIT 10;
+https://example.com/docs/index.html?page=2&sort=asc
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.
+January, February, March, April, May, June, July, August, September, October, November, December.
+red, orange, yellow, green, blue, indigo, violet; black, white, grey, brown, pink, purple.
+She said quietly: "I don't know where we are going, but I'm glad we're going together."
+The committee will meet again next week to review the budget, discuss the new library building
+and vote on the proposal to extend the opening hours of the public swimming pool.
+Error: file not found (code 404). Please check the path and try again; if the problem persists,
+contact support@example.org with the request id 7f3a-19c2.
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def build_tokenizer_json() -> str:
+    """Train the byte-level BPE tokenizer on the built-in corpus and return its JSON.
+
+    BPE training is deterministic for a fixed corpus and settings, so every call (in any process)
+    returns the same text; it is cached per process because training takes ~0.1 s.
+    """
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE - len(MARKUP_TOKENS),
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.splitlines(keepends=True) if line.strip()]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return tokenizer.to_str()
+
+
+# A ChatML conversation format. Tool definitions go into the system turn as JSON lines; the model
+# answers calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> (what vLLM's `hermes`
+# parser reads). `enable_thinking=false` pre-fills an empty reasoning block, as Qwen3 does.
+CHAT_TEMPLATE = """\
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set ns.system = messages[0]['content'] -%}
+    {%- set messages = messages[1:] -%}
+{%- endif -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\\n' -}}
+    {%- if ns.system -%}{{- ns.system + '\\n\\n' -}}{%- endif -%}
+    {{- '# Tools\\n\\nThese functions are available. Their signatures are listed one per line:\\n' -}}
+    {{- '<tools>' -}}
+    {%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+    {{- '\\n</tools>\\n\\nTo call a function, reply with one JSON object per call, ' -}}
+    {{- 'each wrapped in tags:\\n<tool_call>\\n' -}}
+    {{- '{"name": "<function name>", "arguments": {<arguments as JSON>}}\\n</tool_call>' -}}
+    {{- '<|im_end|>\\n' -}}
+{%- elif ns.system -%}
+    {{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'assistant' -%}
+        {{- '<|im_start|>assistant\\n' -}}
+        {%- set reasoning = message.get('reasoning_content') or message.get('reasoning') -%}
+        {%- if reasoning -%}{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' -}}{%- endif -%}
+        {%- if message.get('content') -%}{{- message['content'] -}}{%- endif -%}
+        {%- for call in message.get('tool_calls') or [] -%}
+            {%- set fn = call['function'] if call.get('function') else call -%}
+            {%- if not loop.first or message.get('content') -%}{{- '\\n' -}}{%- endif -%}
+            {{- '<tool_call>\\n{"name": "' + fn['name'] + '", "arguments": ' -}}
+            {%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}
+            {%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}
+            {{- '}\\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\\n' -}}
+    {%- elif message['role'] == 'tool' -%}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] -}}
+        {{- '\\n</tool_response><|im_end|>\\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\\n' -}}
+    {%- if enable_thinking is defined and not enable_thinking -%}
+        {{- '<think>\\n\\n</think>\\n\\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+
+def _tokenizer_files(tokenizer_json: str) -> dict[str, Any]:
+    """The tokenizer-side files of a checkpoint, keyed by file name."""
+    vocab = json.loads(tokenizer_json)["added_tokens"]
+    added_tokens_decoder = {
+        str(t["id"]): {
+            "content": t["content"],
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t["special"],
+        }
+        for t in vocab
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": IM_END,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "added_tokens_decoder": added_tokens_decoder,
+        "additional_special_tokens": [EOT_TOKEN, IM_START],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    special_tokens_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": IM_END,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [EOT_TOKEN, IM_START],
+    }
+    return {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": tokenizer_config,
+        "special_tokens_map.json": special_tokens_map,
+    }
+
+
+def token_id(token: str) -> int:
+    """Id of a special or markup token in the built-in tokenizer."""
+    for t in json.loads(build_tokenizer_json())["added_tokens"]:
+        if t["content"] == token:
+            return int(t["id"])
+    raise KeyError(token)
+
+
+# --------------------------------------------------------------------------------------------------
+# Architectures
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one model family lays out its config and weights."""
+
+    architecture: str
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+    qkv_bias: bool = False  # Qwen2 projections carry biases
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
+    sandwich_norms: bool = False  # Gemma2/3: extra norms around attention and MLP outputs
+    offset_norms: bool = False  # Gemma RMSNorm scales by (1 + weight): store weight near 0
+    tied: bool = False  # lm_head shares the embedding matrix
+    embed_std: float | None = None  # embedding init when it differs from the matrices'
+    # Mean scales of some norm weights. With tied embeddings the input token's own embedding rides
+    # the residual stream into the logits and the model repeats it; a small embedding, louder
+    # sublayer outputs and sharper q/k norms keep Gemma's continuations varied.
+    post_norm_scale: float = 1.0  # Gemma's norms on attention / MLP outputs
+    final_norm_scale: float = 1.0
+    qk_norm_scale: float = 1.0
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(
+        "LlamaForCausalLM",
+        "llama",
+        {
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_theta": 10000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": None,
+            "pretraining_tp": 1,
+        },
+    ),
+    "qwen2": ArchSpec(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        {
+            "hidden_act": "silu",
+            "rope_theta": 1000000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "rope_scaling": None,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+        qkv_bias=True,
+    ),
+    "qwen3": ArchSpec(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        {
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rope_theta": 1000000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "rope_scaling": None,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+        qk_norm=True,
+    ),
+    # Every layer attends to the last `sliding_window` keys (HF and vLLM honour it; mlx-lm's
+    # Mistral, which is its Llama class, ignores it when the config has no `layer_types`).
+    "mistral": ArchSpec(
+        "MistralForCausalLM",
+        "mistral",
+        {
+            "hidden_act": "silu",
+            "rope_theta": 10000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_window": 32,
+        },
+    ),
+    # Text-only Gemma3: layers alternate sliding (window 32, local RoPE) and global attention.
+    "gemma3": ArchSpec(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 32,
+            "sliding_window_pattern": 2,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": None,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "attention_bias": False,
+        },
+        qk_norm=True,
+        sandwich_norms=True,
+        offset_norms=True,
+        tied=True,
+        embed_std=0.05,
+        post_norm_scale=8.0,
+        final_norm_scale=4.0,
+        qk_norm_scale=3.0,
+    ),
+    # Gemma2: tanh soft-capping of attention logits (50) and final logits (30). Its sliding window
+    # (4096) is wider than max_position_embeddings, so it never applies (mlx-lm ignores it anyway).
+    "gemma2": ArchSpec(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 4096,
+            "rope_theta": 10000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "attention_bias": False,
+        },
+        sandwich_norms=True,
+        offset_norms=True,
+        tied=True,
+        embed_std=0.05,
+        post_norm_scale=8.0,
+        final_norm_scale=4.0,
+    ),
+}
+
+
+def _layer_types(arch: str, spec: ArchSpec, num_layers: int) -> list[str] | None:
+    if arch == "gemma3":
+        pattern = spec.config["sliding_window_pattern"]
+        return [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    if arch == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    return None
+
+
+def tiny_config(
+    arch: str,
+    *,
+    dtype: str = "float32",
+    num_layers: int = 2,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab_size: int = TOKENIZER_VOCAB_SIZE,
+    max_position_embeddings: int = 2048,
+    sliding_window: int | None = None,
+) -> dict[str, Any]:
+    """The config.json contents for a tiny checkpoint of ``arch``."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
+    if arch == "qwen2" and hidden_size != num_heads * head_dim:
+        # mlx-lm's Qwen2 derives head_dim from hidden_size / num_heads.
+        raise ValueError("qwen2 needs hidden_size == num_heads * head_dim")
+    spec = ARCHS[arch]
+    config: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": spec.tied,
+        "use_cache": True,
+        "bos_token_id": token_id(BOS_TOKEN),
+        "eos_token_id": [token_id(IM_END), token_id(EOT_TOKEN)],
+        "pad_token_id": token_id(PAD_TOKEN),
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "transformers_version": importlib.metadata.version("transformers"),
+    }
+    config.update(spec.config)
+    if arch == "qwen2":
+        config["max_window_layers"] = num_layers
+    if sliding_window is not None:
+        if "sliding_window" not in spec.config or arch in ("qwen2", "qwen3"):
+            raise ValueError(f"{arch} has no sliding-window attention here")
+        config["sliding_window"] = sliding_window
+    if (layer_types := _layer_types(arch, spec, num_layers)) is not None:
+        config["layer_types"] = layer_types
+    if arch == "gemma3":
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": config["rope_local_base_freq"],
+            },
+        }
+    return config
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------
+
+
+def _random_weights(
+    spec: ArchSpec, config: dict[str, Any], seed: int, weight_std: float
+) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors. Matrices ~ N(0, weight_std): the default 0.02 init makes a tiny
+    model repeat one token, which would let any broken kernel pass a greedy comparison."""
+    rng = np.random.default_rng(seed)
+    hidden = config["hidden_size"]
+    inter = config["intermediate_size"]
+    head_dim = config["head_dim"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
+    vocab = config["vocab_size"]
+
+    def matrix(rows: int, cols: int, std: float = weight_std) -> np.ndarray:
+        return rng.normal(0.0, std, size=(rows, cols)).astype(np.float32)
+
+    def norm(dim: int, scale: float = 1.0) -> np.ndarray:
+        # Spread around the mean scale, so a norm weight loaded in the wrong place shows.
+        effective = scale * (1.0 + rng.normal(0.0, 0.1, size=(dim,)))
+        return (effective - 1.0 if spec.offset_norms else effective).astype(np.float32)
+
+    weights: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": matrix(vocab, hidden, spec.embed_std or weight_std)
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = norm(hidden)
+        weights[p + "self_attn.q_proj.weight"] = matrix(q_dim, hidden)
+        weights[p + "self_attn.k_proj.weight"] = matrix(kv_dim, hidden)
+        weights[p + "self_attn.v_proj.weight"] = matrix(kv_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = matrix(hidden, q_dim)
+        if spec.qkv_bias:
+            for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                weights[p + f"self_attn.{name}_proj.bias"] = rng.normal(
+                    0.0, weight_std, size=(dim,)
+                ).astype(np.float32)
+        if spec.qk_norm:
+            weights[p + "self_attn.q_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
+            weights[p + "self_attn.k_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
+        if spec.sandwich_norms:
+            # Gemma: post_attention_layernorm normalises the attention output, and the MLP input
+            # gets its own pre_feedforward_layernorm.
+            weights[p + "post_attention_layernorm.weight"] = norm(hidden, spec.post_norm_scale)
+            weights[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            weights[p + "post_feedforward_layernorm.weight"] = norm(hidden, spec.post_norm_scale)
+        else:
+            weights[p + "post_attention_layernorm.weight"] = norm(hidden)
+        weights[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+    weights["model.norm.weight"] = norm(hidden, spec.final_norm_scale)
+    if not spec.tied:
+        weights["lm_head.weight"] = matrix(vocab, hidden)
+    return weights
+
+
+def _save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype)
+    tensors = {k: torch.from_numpy(v).to(torch_dtype).contiguous() for k, v in weights.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_tiny_model(
+    out_dir: str | Path,
+    arch: str,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    max_position_embeddings: int = 2048,
+    sliding_window: int | None = None,
+    weight_std: float = 0.3,
+) -> Path:
+    """Write a random-weight checkpoint of ``arch`` in HF layout to ``out_dir`` and return it.
+
+    Files: config.json, generation_config.json, model.safetensors (``dtype`` weights drawn in
+    float32 from ``seed``), tokenizer.json, tokenizer_config.json (with the chat template) and
+    special_tokens_map.json. The same arguments always give byte-identical weights and tokenizer.
+    """
+    config = tiny_config(
+        arch,
+        dtype=dtype,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        sliding_window=sliding_window,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = _random_weights(ARCHS[arch], config, seed, weight_std)
+    _save_safetensors(weights, out / "model.safetensors", dtype)
+    generation_config = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+        "transformers_version": config["transformers_version"],
+    }
+    files: dict[str, Any] = {
+        "config.json": config,
+        "generation_config.json": generation_config,
+        **_tokenizer_files(build_tokenizer_json()),
+    }
+    for name, content in files.items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=2) + "\n"
+        (out / name).write_text(text, encoding="utf-8")
+    return out
+
+
+def quantize_tiny_model(
+    src: str | Path, dst: str | Path, *, bits: int = 4, group_size: int = 64
+) -> Path:
+    """Quantize checkpoint ``src`` with mlx-lm's own converter into ``dst`` (affine, MLX layout).
+
+    The result is what ``mlx_lm.convert --quantize`` publishes: packed uint32 weights with
+    per-group scales and biases, and a ``quantization`` entry in config.json.
+    """
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8, not {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, not {group_size}")
+    from mlx_lm.convert import convert
+
+    dst = Path(dst)
+    if dst.exists():
+        shutil.rmtree(dst)
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(src), str(dst), quantize=True, q_bits=bits, q_group_size=group_size)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_metal.testing.tiny_models",
+        description="Write a tiny random-weight checkpoint and print its path.",
+    )
+    parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--quantize-bits", type=int, default=None, help="also MLX-quantize")
+    parser.add_argument("--group-size", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    if args.quantize_bits is None:
+        write_tiny_model(
+            out,
+            args.arch,
+            dtype=args.dtype,
+            seed=args.seed,
+            num_layers=args.num_layers,
+            sliding_window=args.sliding_window,
+        )
+    else:
+        staging = out.with_name(out.name + ".src")
+        write_tiny_model(
+            staging,
+            args.arch,
+            dtype=args.dtype,
+            seed=args.seed,
+            num_layers=args.num_layers,
+            sliding_window=args.sliding_window,
+        )
+        quantize_tiny_model(staging, out, bits=args.quantize_bits, group_size=args.group_size)
+        shutil.rmtree(staging)
+    print(out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
