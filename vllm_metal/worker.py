@@ -175,6 +175,35 @@ class MetalWorker(WorkerBase):
 
         mx.synchronize()
 
+    # ----------------------------------------------------------- sleep mode
+
+    def sleep(self, level: int = 1) -> None:
+        import mlx.core as mx
+
+        before = mx.get_active_memory()
+        self.model_runner.sleep(level)
+        logger.info(
+            "Sleep level %d: freed %s GiB", level, format_gib(before - mx.get_active_memory())
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.model_runner.wake_up(tags)
+
+    def reset_encoder_cache(self) -> None:
+        # Text-only models keep no encoder outputs between steps.
+        return None
+
+    def memory_usage(self) -> dict[str, int]:
+        """MLX memory now (for diagnostics and tests through collective_rpc)."""
+        import mlx.core as mx
+
+        runner = self.model_runner
+        return {
+            "active": int(mx.get_active_memory()),
+            "kv_cache": runner.kv_pool.nbytes if runner.kv_pool is not None else 0,
+            "weights": runner.weight_bytes if runner.model is not None else 0,
+        }
+
     # ------------------------------------------------------------ adapters
 
     def add_lora(self, lora_request) -> bool:

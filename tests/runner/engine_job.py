@@ -14,6 +14,10 @@ def _decode_params(p: dict) -> dict:
     p = dict(p)
     if "logit_bias" in p:  # JSON object keys are strings; vLLM wants token ids
         p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
+    if "structured_outputs" in p:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
     return p
 
 
@@ -24,7 +28,9 @@ def run(spec: dict) -> dict:
     results = []
     for job in spec["jobs"]:
         params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
-        prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+        prompts = [
+            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]
+        ]
         outs = llm.generate(prompts, params if len(params) > 1 else params[0], use_tqdm=False)
         batch = []
         for out in outs:
@@ -42,7 +48,13 @@ def run(spec: dict) -> dict:
             batch.append({"outputs": samples, "prompt_logprobs": plp,
                           "num_cached_tokens": out.num_cached_tokens})
         results.append(batch)
-    return {"results": results}
+    counters = {}
+    stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
+    for metric in llm.get_metrics() if stats_on else []:
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            counters[metric.name] = value
+    return {"results": results, "metrics": counters}
 
 
 if __name__ == "__main__":

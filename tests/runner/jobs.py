@@ -28,7 +28,8 @@ def run_engine_job(
     engine: dict | None = None,
     backend: str = "metal",
     timeout: float = 600,
-) -> list[list[dict]]:
+    with_metrics: bool = False,
+) -> list[list[dict]] | tuple[list[list[dict]], dict]:
     """Run `jobs` on one engine in a fresh process; backend 'metal' (this plugin) or 'cpu'."""
     env = dict(os.environ)
     env.pop("VLLM_TARGET_DEVICE", None)
@@ -52,7 +53,8 @@ def run_engine_job(
                 f"engine job ({backend}) failed with exit code {proc.returncode}:\n"
                 f"{proc.stderr[-6000:]}"
             )
-        return json.loads(out_path.read_text())["results"]
+        out = json.loads(out_path.read_text())
+        return (out["results"], out["metrics"]) if with_metrics else out["results"]
 
 
 def greedy(max_tokens: int, **extra) -> dict:

@@ -87,6 +87,7 @@ class MLXModelRunner:
         self.model: Any = None
         self.weight_bytes = 0
         self.kv_pool: KVPool | None = None
+        self._kv_num_blocks = 0
         self._step: _StepState | None = None
 
     # ------------------------------------------------------------------ setup
@@ -151,20 +152,51 @@ class MLXModelRunner:
         if block_size != self.block_size:
             self.block_size = block_size
             self.input_batch = self._make_input_batch(block_size)
-        self.kv_pool = KVPool(
-            self.num_layers,
-            kv_cache_config.num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.mlx_dtype,
-        )
+        self._kv_num_blocks = kv_cache_config.num_blocks
+        self._allocate_kv_pool()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             kv_cache_config.num_blocks,
             self.block_size,
             self.kv_pool.nbytes / 2**20,
         )
+
+    def _allocate_kv_pool(self) -> None:
+        self.kv_pool = KVPool(
+            self.num_layers,
+            self._kv_num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlx_dtype,
+        )
+
+    # ------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache; level 2 also frees the weights (reloaded on wake-up).
+
+        On Apple Silicon CPU and GPU share one memory, so there is no separate host copy to
+        offload weights to: level 1 keeps them where they are.
+        """
+        self.kv_pool = None
+        if level >= 2:
+            self.model = None
+        import gc
+
+        gc.collect()
+        mx.clear_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        if "weights" in tags and self.model is None:
+            self.load_model()
+        if "kv_cache" in tags and self.kv_pool is None and self._kv_num_blocks:
+            self._allocate_kv_pool()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.kv_pool is None or self.model is None
 
     # ------------------------------------------------------------- profiling
 
