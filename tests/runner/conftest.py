@@ -8,7 +8,7 @@ import pytest
 
 from vllm_metal.testing.tiny_models import write_tiny_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,13 @@ class PagedLayerCache:
         self.pool.values[self.layer] = vc
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        scale: float,
+        sinks: mx.array | None,
+        softcap: float | None = None,
+    ) -> mx.array:
         t, h, _, d = queries.shape  # [T, H_q, 1, D]
         out = ops.paged_attention(
             queries.reshape(t, h, d),
@@ -106,6 +112,7 @@ class PagedLayerCache:
             self.meta.cu_seqlens_q,
             scale=float(scale),
             sliding_window=self.sliding_window,
+            softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
         )
         return out.reshape(t, h, 1, d)
@@ -129,7 +136,13 @@ def install_paged_attention(model: Any) -> None:
     Only calls that carry a PagedLayerCache change; plain mlx-lm use in the same process is
     unaffected.
     """
+    from vllm_metal.runner.families import adapter_for
+
     module = sys.modules[type(model).__module__]
+    adapter = adapter_for(module)
+    if adapter is not None:
+        adapter.install(module)
+        return
     current = getattr(module, "scaled_dot_product_attention", None)
     if current is None:
         raise ValueError(
