@@ -30,6 +30,7 @@ class CMakeBuild(build_ext):
         import mlx  # noqa: F401  (the build must see the MLX it will run against)
         import nanobind
 
+        in_tree = self.inplace or getattr(self, "editable_mode", False)
         mlx_cmake = subprocess.check_output(
             [sys.executable, "-m", "mlx", "--cmake-dir"], text=True
         ).strip()
@@ -39,10 +40,17 @@ class CMakeBuild(build_ext):
             f"-DMLX_DIR={mlx_cmake}",
             f"-Dnanobind_DIR={nanobind.cmake_dir()}",
             "-DCMAKE_BUILD_TYPE=Release",
+            # An editable/in-place build is not next to site-packages/mlx: link MLX by path too.
+            f"-DVM_ABSOLUTE_MLX_RPATH={'ON' if in_tree else 'OFF'}",
         ]
         subprocess.check_call(["cmake", ext.source_dir, *cfg], cwd=build_dir)
         jobs = str(os.cpu_count() or 2)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir)
+        if sys.platform == "darwin":  # metal_kernels/*.metal -> vllm_metal/lib/vllm_metal.metallib
+            import runpy
+
+            build = runpy.run_path(str(ROOT / "build_metallib.py"))["build_metallib"]
+            build(ROOT, out_dir / "lib")
 
 
 ext_modules = []

@@ -1,0 +1,26 @@
+// Layout helpers shared by the CPU bodies: strided copies and contiguous staging of inputs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace vllm_metal::cpu {
+
+namespace mx = mlx::core;
+
+// Copies the elements of a strided array (shape/strides in elements) into row-major `dst`.
+void copy_strided(const char* src, const std::vector<int64_t>& shape,
+                  const std::vector<int64_t>& strides, size_t itemsize, char* dst);
+
+// Returns `x` when it is row-contiguous; otherwise a new row-contiguous array whose copy is
+// enqueued on `encoder` (so it runs before anything dispatched later on the stream).
+mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder);
+
+// Like row_contiguous, but only requires the last two axes to be packed (stride 1, and the second to
+// last stepping over one whole row), so pools sliced out of a larger allocation are used in place.
+mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder);
+
+}  // namespace vllm_metal::cpu
