@@ -53,6 +53,16 @@ MLX_VERSION: str = _C.MLX_VERSION
 HAS_METAL: bool = _C.HAS_METAL
 
 
+def _on_gpu() -> bool:
+    return HAS_METAL and mx.default_device() == mx.gpu
+
+
+def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
+    # The Metal encoders bind buffers directly and cannot copy strided inputs themselves;
+    # mx.contiguous is free for arrays that already are.
+    return [None if a is None else mx.contiguous(a) for a in arrays]
+
+
 def reshape_and_cache(
     key: mx.array,
     value: mx.array,
@@ -60,6 +70,8 @@ def reshape_and_cache(
     value_cache: mx.array,
     slot_mapping: mx.array,
 ) -> tuple[mx.array, mx.array]:
+    if _on_gpu():
+        key, value, slot_mapping = _contiguous(key, value, slot_mapping)
     return _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -76,6 +88,10 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
+    if _on_gpu():
+        query, block_tables, sinks = _contiguous(query, block_tables, sinks)
+        # The GPU plan reads the per-sequence lengths on the host when it encodes the kernels.
+        mx.eval(seq_lens, cu_seqlens_q)
     return _C.paged_attention(
         query,
         key_cache,
