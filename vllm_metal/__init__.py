@@ -9,18 +9,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import platform
+import platform as _pyplatform
 import sys
 
 __version__ = "0.1.0"
 
 PLATFORM_QUALNAME = "vllm_metal.platform.MetalPlatform"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.metal")
 
 
 def _is_apple_silicon() -> bool:
-    return sys.platform == "darwin" and platform.machine() == "arm64"
+    return sys.platform == "darwin" and _pyplatform.machine() == "arm64"
 
 
 def _vllm_has_gpu_platform() -> bool:
@@ -63,15 +63,26 @@ def activation_reason() -> tuple[bool, str]:
         return False, "macOS arm64 but MLX reports no Metal device"
     if _vllm_has_gpu_platform():
         return False, "vLLM has a GPU platform of its own on this host"
-    return True, f"MLX works on {sys.platform}/{platform.machine()} and no vLLM GPU platform applies"
+    return True, f"MLX works on {sys.platform}/{_pyplatform.machine()} and no vLLM GPU platform applies"
 
 
 def register() -> str | None:
     """Entry point for ``vllm.platform_plugins``: the platform class name, or None."""
+    try:
+        from vllm_metal import envs
+
+        envs.register_with_vllm()
+    except Exception as exc:
+        logger.debug("could not declare VLLM_METAL_* variables to vLLM: %s", exc)
     try:
         active, reason = activation_reason()
     except Exception as exc:
         logger.warning("vllm-metal not activated: %s", exc)
         return None
     logger.debug("vllm-metal %s: %s", "activated" if active else "not activated", reason)
+    if active and sys.platform != "darwin":
+        # `vllm serve` spawns its engine process, which re-imports vLLM, torch and MLX (~6 s).
+        # Off-Mac nothing in the parent holds a GPU context, so forking is safe and quick; on
+        # macOS forking after Metal is initialised is not, and vLLM's choice stays.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     return PLATFORM_QUALNAME if active else None

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.logger import init_logger
+from vllm_metal._logging import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_metal import envs
@@ -191,6 +191,13 @@ class MetalPlatform(Platform):
         # vLLM's own compiled ops are not used by the MLX runner; the native extension is
         # loaded by vllm_metal.ops when first needed.
         return None
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        # Requests the MLX runner cannot run become a 400 before they reach the engine.
+        from vllm_metal.request_validation import validate_request
+
+        validate_request(processed_inputs, params)
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.logger import init_logger
+from vllm_metal._logging import init_logger
 from vllm.utils.mem_utils import format_gib
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
@@ -96,11 +96,13 @@ class MetalWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache: the utilization budget minus weights and the activation peak."""
         runner = self.model_runner
-        self._activation_peak = runner.profile_run()
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             logger.info("KV cache: %s GiB requested explicitly", format_gib(explicit))
             return int(explicit)
+        # Only the budgeted path needs the activation peak; the full-size dummy step it takes
+        # costs seconds on MLX's CPU backend.
+        self._activation_peak = runner.profile_run()
 
         total = total_memory_bytes()
         budget = int(total * self.cache_config.gpu_memory_utilization)

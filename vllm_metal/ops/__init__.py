@@ -6,11 +6,11 @@ VLLM_METAL_USE_REFERENCE_OPS=1, the pure-MLX reference in vllm_metal.ops.referen
 
 from __future__ import annotations
 
-import logging
 
 import mlx.core as mx
 
 from vllm_metal import envs
+from vllm_metal._logging import init_logger
 from vllm_metal.ops import reference
 from vllm_metal.ops._checks import (
     BLOCK_SIZE_MULTIPLE,
@@ -35,7 +35,7 @@ __all__ = [
     "set_value_checks",
 ]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Held under another name than the submodule, so that after a failed load a direct
 # `from vllm_metal.ops import _native` retries the import and shows its error.

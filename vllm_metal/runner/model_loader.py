@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import torch
-from vllm.logger import init_logger
+from vllm_metal._logging import init_logger
 
 logger = init_logger(__name__)
 

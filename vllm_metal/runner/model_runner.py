@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 import torch
-from vllm.logger import init_logger
+from vllm_metal._logging import init_logger
 from vllm.sampling_params import SamplingType
 from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec

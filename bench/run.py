@@ -1,0 +1,338 @@
+"""One command for every benchmark table and plot in docs/benchmarks/.
+
+`python -m bench.run --out docs/benchmarks` writes results.json, results.md and PNG plots: mlx-lm,
+the plugin (vllm.LLM and `vllm serve`), vLLM's CPU backend, kernels, startup and the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.machine import describe_machine, measure_bandwidth, measure_matmul_scaling
+from bench.model import SHAPES, describe_model, write_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every stage section results.json has, in run order; a stage not run says so in its entry.
+# Beside them: "settings", "model" and "summary" (targets and roofline fractions).
+SECTIONS = (
+    "machine",
+    "bandwidth",
+    "mlx_lm",
+    "plugin_offline",
+    "serve_plugin",
+    "serve_cpu",
+    "startup",
+    "kernels",
+    "profile",
+)
+
+# Defaults per model size. MLX's CPU backend spends ~0.5-1 s per token of a bf16 0.6B model,
+# prefill or decode, batched or not (its bf16 matmul is compute-bound), so the plugin's serve runs
+# cost ~(1+4+16+32) x (input+output) token-forwards: 8+8 keeps the full run near 15-20 minutes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "0.6b": {"input_len": 8, "output_len": 8, "num_prompts": 2},
+    "tiny": {"input_len": 32, "output_len": 32, "num_prompts": 3},
+}
+CONCURRENCY = (1, 4, 16, 32)
+TARGETS = {
+    "single_stream_vs_mlx_lm": 1.0,  # plugin decode tok/s / mlx-lm decode tok/s
+    "aggregate_32_vs_single": 12.0,  # serve output tok/s at 32 concurrent / at 1
+    "tiny_startup_s": 10.0,  # `vllm serve` tiny model: launch to first served token
+}
+
+
+def _python_stage(module: str, argv: list[str], timeout: float, log: Path) -> dict[str, Any]:
+    """Run ``python -m module argv... --json OUT`` in a fresh process and return its JSON."""
+    out = log.with_suffix(".json")
+    cmd = [sys.executable, "-m", module, *argv, "--json", str(out)]
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            env=_env(),
+            check=False,
+        )
+    if proc.returncode != 0:
+        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
+        raise RuntimeError(f"{module} exited with {proc.returncode}; log {log}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VLLM_TARGET_DEVICE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _kv_bytes(model: dict[str, Any], max_model_len: int, num_seqs: int) -> int:
+    """A KV cache holding ``num_seqs`` full sequences with room to spare (at least 64 MiB)."""
+    tokens = num_seqs * (math.ceil(max_model_len / 16) + 1) * 16
+    return max(64 * 2**20, int(1.5 * tokens * model["kv_bytes_per_token"]))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        self.args = args
+        self.argv = argv
+        self.out = Path(args.out)
+        self.work = Path(args.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.results: dict[str, Any] = {
+            "settings": {},
+            "model": {},
+            **{name: {"status": "not run"} for name in SECTIONS},
+            "summary": {},
+        }
+        self.model_path: Path | None = None
+        self.model: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- plumbing
+
+    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        if name not in self.args.stages:
+            self.results[name] = {"status": "skipped", "reason": "not in --stages"}
+            return
+        print(f"== {name}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            data = fn()
+            entry = {"status": "ok", **data}
+        except Exception as exc:  # noqa: BLE001 - one failed stage must not lose the others
+            entry = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        entry["stage_seconds"] = round(time.perf_counter() - start, 2)
+        self.results[name] = entry
+        print(
+            f"   {entry['status']} in {entry['stage_seconds']:.0f} s", file=sys.stderr, flush=True
+        )
+        self.save()
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.args.input_len + self.args.output_len + 16
+
+    def _common(self) -> list[str]:
+        return [
+            "--model", str(self.model_path),
+            "--dtype", self.args.dtype,
+            "--input-len", str(self.args.input_len),
+            "--output-len", str(self.args.output_len),
+            "--max-model-len", str(self.max_model_len),
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ stages
+
+    def machine(self) -> dict[str, Any]:
+        info = describe_machine()
+        if self.args.model:
+            self.model_path = Path(self.args.model)
+        else:
+            self.model_path = write_model(
+                self.work / "models", self.args.model_size, self.args.dtype
+            )
+        self.model = describe_model(self.model_path)
+        settings = {
+            k: getattr(self.args, k)
+            for k in ("model_size", "dtype", "input_len", "output_len", "num_prompts", "quick")
+        }
+        settings["concurrency"] = list(self.args.concurrency)
+        settings["stages"] = list(self.args.stages)
+        settings["command"] = " ".join(["python -m bench.run", *self.argv])
+        self.results["settings"] = settings
+        self.results["model"] = self.model
+        return info
+
+    def bandwidth(self) -> dict[str, Any]:
+        size = 64 * 2**20 if self.args.quick else 1024 * 2**20
+        bw = measure_bandwidth(size, repeats=2 if self.args.quick else 5)
+        dtypes = dict.fromkeys([self.args.dtype, "float32"])
+        matmul = {
+            d: measure_matmul_scaling(d, rows=(1, max(self.args.concurrency))) for d in dtypes
+        }
+        return {"gbps": bw, "buffer_bytes": size, "matmul": matmul}
+
+    def mlx_lm(self) -> dict[str, Any]:
+        argv = ["--engine", "mlx-lm", *self._common(), "--num-prompts", str(self.args.num_prompts)]
+        return _python_stage(
+            "bench.single_stream", argv, self.args.timeout, self.work / "mlx_lm.log"
+        )
+
+    def plugin_offline(self) -> dict[str, Any]:
+        argv = [
+            "--engine", "vllm", *self._common(),
+            "--num-prompts", str(self.args.num_prompts),
+            "--max-num-seqs", "1",
+            "--kv-cache-memory-bytes", str(_kv_bytes(self.model, self.max_model_len, 1)),
+        ]  # fmt: skip
+        return _python_stage(
+            "bench.single_stream", argv, self.args.timeout, self.work / "plugin_offline.log"
+        )
+
+    def _serve(self, backend: str, startup_only: bool = False, model: Path | None = None) -> dict:
+        seqs = max(self.args.concurrency)
+        argv = [
+            *self._common(),
+            "--backend", backend,
+            "--concurrency", *map(str, self.args.concurrency),
+            "--max-num-seqs", str(seqs),
+            "--kv-cache-memory-bytes", str(_kv_bytes(self.model, self.max_model_len, seqs)),
+            "--work-dir", str(self.work / f"serve-{backend}"),
+        ]  # fmt: skip
+        if model is not None:
+            argv[argv.index("--model") + 1] = str(model)
+        if startup_only:
+            argv.append("--startup-only")
+        name = f"serve_{backend}{'_startup' if startup_only else ''}"
+        return _python_stage(
+            "bench.serving", argv, self.args.timeout * 4, self.work / f"{name}.log"
+        )
+
+    def startup(self) -> dict[str, Any]:
+        """Launch-to-first-token of `vllm serve` on the tiny model (and the benchmark model)."""
+        out: dict[str, Any] = {}
+        for backend in ("plugin", "cpu"):
+            serve = self.results.get(f"serve_{backend}", {})
+            if serve.get("status") == "ok":
+                out[f"{backend}_bench_model"] = serve["startup"]
+        if self.args.model_size == "tiny" and not self.args.model and "plugin_bench_model" in out:
+            out["plugin_tiny"] = out["plugin_bench_model"]
+        else:
+            tiny = write_model(self.work / "models", "tiny", self.args.dtype)
+            out["plugin_tiny"] = self._serve("plugin", startup_only=True, model=tiny)["startup"]
+        return out
+
+    def kernels(self) -> dict[str, Any]:
+        script = ROOT / "bench" / "attention_bench.py"
+        if not script.is_file():
+            raise FileNotFoundError(f"{script} (the attention micro-benchmark) is missing")
+        out_dir = self.out if self.args.kernels_out is None else Path(self.args.kernels_out)
+        cmd = [sys.executable, str(script), "--out-dir", str(out_dir)]
+        if self.args.quick:
+            cmd.append("--quick")
+        log = self.work / "kernels.log"
+        with open(log, "w", encoding="utf-8") as f:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=self.args.timeout * 4,
+                env=_env(), check=False,
+            )  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"attention_bench exited with {proc.returncode}; see {log}")
+        data = json.loads((out_dir / "attention_decode.json").read_text())
+        return {"attention_decode": data, "files": [f"attention_decode.{s}" for s in ("md", "png")]}
+
+    def profile(self) -> dict[str, Any]:
+        tiny = write_model(self.work / "models", "tiny", self.args.dtype)
+        argv = [
+            "--model", str(tiny),
+            "--dtype", self.args.dtype,
+            "--output-len", "32" if self.args.quick else "64",
+            "--batch-sizes", "1", "32",
+            "--text-dir", str(self.work / "profile"),
+        ]  # fmt: skip
+        return _python_stage(
+            "bench.profile_step", argv, self.args.timeout, self.work / "profile.log"
+        )
+
+    # --------------------------------------------------------------------- run
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        # The machine stage also writes the model: every later stage needs it.
+        if "machine" not in self.args.stages:
+            self.args.stages.append("machine")
+        self.stage("machine", self.machine)
+        if self.results["machine"]["status"] != "ok":
+            raise SystemExit("could not describe the machine or write the model; see above")
+        self.stage("bandwidth", self.bandwidth)
+        self.stage("mlx_lm", self.mlx_lm)
+        self.stage("plugin_offline", self.plugin_offline)
+        self.stage("serve_plugin", lambda: self._serve("plugin"))
+        self.stage("serve_cpu", lambda: self._serve("cpu"))
+        self.stage("startup", self.startup)
+        self.stage("kernels", self.kernels)
+        self.stage("profile", self.profile)
+        self.results["settings"]["total_seconds"] = round(time.perf_counter() - started, 1)
+        from bench.report import summarize, write_report
+
+        self.results["summary"] = summarize(self.results, TARGETS)
+        self.save()
+        write_report(self.results, self.out)
+        return self.results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="results directory")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, short runs: checks the harness"
+    )
+    p.add_argument(
+        "--model-size",
+        choices=sorted(SHAPES),
+        default=None,
+        help="random checkpoint to write (default 0.6b; tiny with --quick)",
+    )
+    p.add_argument("--model", default=None, help="benchmark this checkpoint directory instead")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--input-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=None, help="single-stream requests")
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    p.add_argument(
+        "--stages",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of: {', '.join(SECTIONS)}",
+    )
+    p.add_argument(
+        "--work-dir",
+        default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"),
+        help="checkpoints (reused between runs) and raw logs",
+    )
+    p.add_argument("--kernels-out", default=None, help="where attention_bench writes (def. --out)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per stage process")
+    args = p.parse_args(argv)  # fmt: skip
+    if args.model_size is None:
+        args.model_size = "tiny" if args.quick else "0.6b"
+    for key, value in PRESETS[args.model_size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(args.stages) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown stages {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    results = Bench(parse_args(argv), argv).run()
+    failed = [k for k, v in results.items() if v.get("status") == "error"]
+    if failed:
+        print(f"stages with errors: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Real `vllm serve` subprocesses with the plugin on tiny checkpoints, shared by the serving tests.
+
+One server slot per session: asking for another server stops the running one first, so at most one
+engine runs at a time. The main server (tiny Qwen3, every feature flag) is shared by all modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+API_KEY = "sk-vllm-metal-test"
+SERVED_NAME = "tiny-qwen3"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 64
+KV_CACHE_BYTES = 64 * 2**20
+# Documented in docs/configuration.md (test-suite variables).
+STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_METAL_TEST_SERVER_TIMEOUT", "300"))
+
+# Every flag the suite exercises. qwen3's reasoning parser matches the tiny ChatML template
+# (<think> ... </think>, and an empty pre-filled block when enable_thinking=false).
+MAIN_SERVER_ARGS = (
+    "--api-key",
+    API_KEY,
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--reasoning-parser",
+    "qwen3",
+    "--max-num-seqs",
+    str(MAX_NUM_SEQS),
+    # Compact JSON: without it a random-weight model fills schemas with whitespace until
+    # max_tokens runs out. Naming the backend is required for this option.
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests that need their own server (one per model family) run after everything that shares the
+    # main server, so the main server starts once. Correctness does not depend on this order.
+    def own_server(item: pytest.Item) -> bool:
+        return "serving" in item.path.parts and item.get_closest_marker("own_server") is not None
+
+    items.sort(key=own_server)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no server log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Server:
+    """A running `vllm serve`: where it listens, its key, its model and its log."""
+
+    base_url: str  # http://127.0.0.1:PORT (no /v1)
+    api_key: str | None
+    model: str  # the served model name
+    model_dir: Path
+    log_path: Path
+    max_model_len: int
+    process: subprocess.Popen = field(repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def post(self, path: str, body: Any, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", 120)
+        return requests.post(self.url(path), json=body, headers=self.headers, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", 30)
+        return requests.get(self.url(path), headers=self.headers, **kwargs)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, lines: int = 60) -> str:
+        return log_tail(self.log_path, lines)
+
+    def context(self) -> str:
+        """Text to append to assertion messages: the end of the server's log."""
+        state = "running" if self.alive() else f"exited with {self.process.returncode}"
+        return f"\n--- server {state}; last lines of {self.log_path} ---\n{self.tail()}"
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        """Prometheus samples of /metrics as (name, labels, value)."""
+        samples = []
+        for line in self.get("/metrics").text.splitlines():
+            m = _SAMPLE.match(line)
+            if m:
+                labels = dict(_LABEL.findall(m["labels"] or ""))
+                samples.append((m["name"], labels, float(m["value"])))
+        return samples
+
+    def gauge(self, name: str, **labels: str) -> float:
+        """Sum of the samples of metric `name` whose labels include `labels`, at this moment."""
+        return sum(
+            value
+            for sample_name, sample_labels, value in self.metrics()
+            if sample_name == name and labels.items() <= sample_labels.items()
+        )
+
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def start_server(
+    model_dir: Path,
+    log_path: Path,
+    *,
+    served_name: str,
+    api_key: str | None,
+    extra_args: Sequence[str] = (),
+    max_model_len: int = MAX_MODEL_LEN,
+) -> Server:
+    """Launch `vllm serve` with the plugin in its own process group and wait for /health."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
+        *(["--api-key", api_key] if api_key and "--api-key" not in extra_args else []),
+        *extra_args,
+    ]
+    env = dict(os.environ)
+    env.pop("VLLM_TARGET_DEVICE", None)  # that would select vLLM's own CPU platform
+    env.update(HF_HUB_OFFLINE="1", PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the process until it exits
+    log.write(("$ " + " ".join(cmd) + "\n").encode())
+    log.flush()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    log.close()
+    server = Server(
+        f"http://127.0.0.1:{port}", api_key, served_name, model_dir, log_path, max_model_len, proc
+    )
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited during startup{server.context()}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(server.url("/health"), timeout=2).status_code == 200:
+                return server
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S:.0f} s{server.context()}")
+
+
+def stop_server(server: Server, timeout: float = 30.0) -> None:
+    """SIGTERM the server's process group (API server and engine core), SIGKILL what remains."""
+    proc = server.process
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    # The engine core may outlive the API server for a moment; clear the whole group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+class ServerSlot:
+    """Holds at most one running server; asking for a different one stops the current first."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.key: tuple[Any, ...] | None = None
+        self.server: Server | None = None
+        self.starts = 0
+
+    def get(
+        self,
+        key: tuple[Any, ...],
+        model_dir: Path,
+        *,
+        served_name: str,
+        api_key: str | None,
+        extra_args: Sequence[str] = (),
+    ) -> Server:
+        if self.server is not None and self.key == key:
+            if not self.server.alive():
+                pytest.fail(f"the shared vllm serve died earlier{self.server.context()}")
+            return self.server
+        self.close()
+        self.starts += 1
+        log_path = self.log_dir / f"server-{self.starts:02d}-{served_name}.log"
+        self.server = start_server(
+            model_dir,
+            log_path,
+            served_name=served_name,
+            api_key=api_key,
+            extra_args=extra_args,
+        )
+        self.key = key
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            stop_server(self.server)
+        self.server = None
+        self.key = None
+
+
+@pytest.fixture(scope="session")
+def server_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSlot]:
+    slot = ServerSlot(tmp_path_factory.mktemp("vllm-serve-logs"))
+    try:
+        yield slot
+    finally:
+        slot.close()
+
+
+@pytest.fixture
+def vllm_server(server_slot: ServerSlot, tiny_model_dir: Callable[..., Path]) -> Server:
+    """The main server: tiny Qwen3 with API key, auto tool choice (hermes) and qwen3 reasoning.
+
+    Started on first use and kept for the session (function scope only so the slot can hand the
+    engine to a per-family server in between; it is not restarted while tests keep using it).
+    """
+    model_dir = tiny_model_dir("qwen3")
+    return server_slot.get(
+        ("main", str(model_dir)),
+        model_dir,
+        served_name=SERVED_NAME,
+        api_key=API_KEY,
+        extra_args=MAIN_SERVER_ARGS,
+    )
+
+
+@pytest.fixture
+def check(vllm_server: Server) -> Callable[[requests.Response, int], Any]:
+    """`check(response, status)` asserts the status (with the server's log on failure) and returns
+    the decoded JSON body."""
+
+    def _check(response: requests.Response, status: int = 200) -> Any:
+        assert response.status_code == status, (
+            f"{response.request.method} {response.url} -> {response.status_code}, "
+            f"wanted {status}: {response.text[:2000]}{vllm_server.context()}"
+        )
+        with contextlib.suppress(json.JSONDecodeError):
+            return response.json()
+        return response.text
+
+    return _check
+
+
+@pytest.fixture
+def client(vllm_server: Server) -> Any:
+    """The official OpenAI client pointed at the main server."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=vllm_server.url("/v1"), api_key=vllm_server.api_key, timeout=120, max_retries=0
+    )
+
+
+@pytest.fixture
+def tokenizer(vllm_server: Server) -> Any:
+    """The served checkpoint's tokenizer, loaded independently of vLLM."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(vllm_server.model_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+def whitespace_ids(tokenizer: Any) -> list[int]:
+    """Ids of tokens that decode to whitespace only.
+
+    A -100 logit_bias on them keeps grammar-constrained output of a random model short: JSON
+    allows whitespace between every pair of tokens, and the model otherwise wanders there.
+    """
+    return [
+        i
+        for i in range(tokenizer.get_vocab_size())
+        if (text := tokenizer.decode([i], skip_special_tokens=False)) and not text.strip()
+    ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "own_server: starts its own vllm serve instead of the shared main server"
+    )

@@ -1,0 +1,126 @@
+"""Proves `vllm serve` with the plugin serves every family's tiny checkpoint: chat and completions,
+streamed or not, greedy tokens equal to transformers', over-long prompts refused, disconnects freed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
+
+# qwen3 first: it is the main server's checkpoint, so that server is reused for it.
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "gemma3"]
+
+
+@pytest.fixture
+def family_server(request, server_slot, tiny_model_dir):
+    arch = request.param
+    model_dir = tiny_model_dir(arch)
+    if arch == "qwen3":
+        return request.getfixturevalue("vllm_server")
+    return server_slot.get(
+        ("family", str(model_dir)), model_dir, served_name=f"tiny-{arch}", api_key=None
+    )
+
+
+def _sse(response: requests.Response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+@pytest.mark.parametrize("family_server", FAMILIES, indirect=True)
+def test_family_serves_chat_and_completions(family_server):
+    from vllm_metal.testing.oracles import hf_greedy
+
+    server = family_server
+    ctx = server.context
+
+    # Completion, non-streaming: greedy tokens equal transformers float32 on the same prompt.
+    body = {
+        "model": server.model,
+        "prompt": "The capital of Japan is Tokyo. It is one of the",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text + ctx()
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == hf_greedy(server.model_dir, [choice["prompt_token_ids"]], 8)[0]
+
+    # Completion, streaming: the same text, chunk by chunk.
+    r = server.post("/v1/completions", {**body, "stream": True}, stream=True)
+    assert r.status_code == 200, r.text + ctx()
+    events = _sse(r)
+    streamed = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+    assert streamed == choice["token_ids"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == choice["text"]
+
+    # Chat, non-streaming and streaming.
+    chat = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "Tell me a short story."}],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = server.post("/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text + ctx()
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 6
+    message = out["choices"][0]["message"]
+    full_text = (message.get("content") or "") + (message.get("reasoning") or "")
+    r = server.post(
+        "/v1/chat/completions",
+        {**chat, "stream": True, "stream_options": {"include_usage": True}},
+        stream=True,
+    )
+    assert r.status_code == 200, r.text + ctx()
+    events = _sse(r)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    text = "".join((d.get("content") or "") + (d.get("reasoning") or "") for d in deltas)
+    assert text == full_text
+    assert events[-1]["usage"]["completion_tokens"] == 6
+
+    # A prompt longer than max_model_len is refused with 400.
+    long_prompt = [10 + i % 500 for i in range(server.max_model_len + 1)]
+    r = server.post("/v1/completions", {**body, "prompt": long_prompt, "return_token_ids": False})
+    assert r.status_code == 400, r.text
+    assert str(server.max_model_len) in r.json()["error"]["message"]
+
+    if server.model != "tiny-qwen3":
+        # No --reasoning-parser on this server: a thinking budget cannot be honoured.
+        r = server.post("/v1/completions", {**body, "thinking_token_budget": 4})
+        assert r.status_code == 400 and "reasoning" in r.json()["error"]["message"], r.text
+
+    # A client that leaves mid-stream frees its blocks.
+    with server.post(
+        "/v1/completions", {**body, "max_tokens": 400, "stream": True}, stream=True
+    ) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith(b"data: ")
+            if seen >= 3:
+                busy = server.gauge("vllm:kv_cache_usage_perc")
+                break
+    assert busy > 0, "the cache showed no use while a request was streaming"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (
+            server.gauge("vllm:kv_cache_usage_perc") == 0
+            and server.gauge("vllm:num_requests_running") == 0
+        ):
+            break
+        time.sleep(0.25)
+    assert server.gauge("vllm:kv_cache_usage_perc") == 0, ctx()
+    assert server.gauge("vllm:num_requests_running") == 0, ctx()

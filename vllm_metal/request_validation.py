@@ -1,0 +1,31 @@
+"""Per-request checks for what the MLX runner cannot serve, run by vLLM before a request is queued.
+
+A refused request gets HTTP 400 with the message below; without the check it would fail inside the
+engine core and take the server down. docs/serving.md lists every refusal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs.engine import split_enc_dec_input
+
+PROMPT_EMBEDS_REFUSAL = (
+    "vllm-metal: prompt embeddings (prompt_embeds) are not supported by the MLX model runner; "
+    "send the prompt as text or token ids"
+)
+ENCODER_DECODER_REFUSAL = "vllm-metal: encoder-decoder prompts are not supported"
+
+
+def validate_request(processed_inputs: Any, params: Any) -> None:
+    """Raise `VLLMValidationError` (a 400 for the client) for a request the MLX runner cannot run.
+
+    `processed_inputs` is vLLM's rendered `EngineInput`, `params` its `SamplingParams` or
+    `PoolingParams`; this is the body of `MetalPlatform.validate_request`.
+    """
+    encoder_input, decoder_input = split_enc_dec_input(processed_inputs)
+    if encoder_input is not None:
+        raise VLLMValidationError(ENCODER_DECODER_REFUSAL)
+    if decoder_input.get("type") == "embeds":
+        raise VLLMValidationError(PROMPT_EMBEDS_REFUSAL, parameter="prompt_embeds")
