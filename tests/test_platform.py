@@ -291,6 +291,12 @@ def test_unsupported_dtype_is_refused_by_name(metal_config) -> None:
     check_config(metal_config)  # the unchanged one passes
 
 
+def test_unsupported_head_size_is_refused_at_startup(metal_config, tiny_model_dir) -> None:
+    model = tiny_model_dir("qwen3", head_dim=48, hidden_size=192, num_heads=4)
+    with pytest.raises(ValueError, match=r"head size 48 .* not supported"):
+        _engine_config(model)
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 

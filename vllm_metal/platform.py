@@ -235,6 +235,14 @@ def check_config(vllm_config: VllmConfig) -> None:
                 f"vllm-metal: quantization={model.quantization!r} is not supported; serve an "
                 "MLX-quantized checkpoint (mlx_lm.convert -q) instead"
             )
+        from vllm_metal.ops._checks import HEAD_SIZES
+
+        head_size = model.get_head_size()
+        if head_size not in HEAD_SIZES:
+            raise MetalConfigError(
+                f"vllm-metal: attention head size {head_size} of model={model.model!r} is not "
+                f"supported; the paged attention kernels take head sizes {sorted(HEAD_SIZES)}"
+            )
         if getattr(model, "use_mla", False):
             raise MetalConfigError("vllm-metal: multi-head latent attention (MLA) models are not supported")
     cache = vllm_config.cache_config
@@ -278,6 +286,9 @@ def apply_config(vllm_config: VllmConfig) -> None:
     if not cache.user_specified_block_size:
         cache.block_size = 16
 
-    # The runner finishes each step before the next is scheduled.
+    # The runner samples each step on the host with vLLM's sampler before the next step is
+    # built, so there is nothing for async scheduling to overlap yet.
+    if vllm_config.scheduler_config.async_scheduling:
+        logger.info("vllm-metal: async scheduling is not supported yet; steps run synchronously")
     vllm_config.scheduler_config.async_scheduling = False
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
