@@ -495,4 +495,5 @@ class MLXModelRunner:
 
 
 def _to_torch(a: mx.array) -> torch.Tensor:
-    return torch.from_numpy(np.array(a, copy=False))
+    # A view of the evaluated MLX buffer where possible (the numpy array keeps it alive).
+    return torch.from_numpy(np.asarray(a))
