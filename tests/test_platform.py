@@ -234,7 +234,6 @@ def test_apply_config_picks_our_worker_and_turns_off_cuda_only_features(metal_co
     assert metal_config.cache_config.block_size == 16
     assert metal_config.compilation_config.mode == CompilationMode.NONE
     assert metal_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
-    assert metal_config.scheduler_config.async_scheduling is False
     assert metal_config.model_config.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -286,9 +286,4 @@ def apply_config(vllm_config: VllmConfig) -> None:
     if not cache.user_specified_block_size:
         cache.block_size = 16
 
-    # The runner samples each step on the host with vLLM's sampler before the next step is
-    # built, so there is nothing for async scheduling to overlap yet.
-    if vllm_config.scheduler_config.async_scheduling:
-        logger.info("vllm-metal: async scheduling is not supported yet; steps run synchronously")
-    vllm_config.scheduler_config.async_scheduling = False
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

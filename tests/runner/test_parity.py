@@ -139,3 +139,20 @@ def test_seeded_sampling_is_reproducible(family_models):
     assert tokens(first[0]) == tokens(second[0])
     assert tokens(first[1]) == tokens(second[1])
     assert tokens(first[0]) != tokens(first[1])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sync_and_async_scheduling_give_the_same_tokens(family_models, async_scheduling):
+    """Async scheduling (step N+1 scheduled while step N computes) changes nothing in the output,
+    including with chunked prefill, prefix hits and preemption from a small KV pool."""
+    model = family_models["qwen2"]
+    engine = {
+        "async_scheduling": async_scheduling,
+        "max_num_batched_tokens": 16,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": 24 * 32 * 2**10,  # 24 blocks: preemption
+        "max_model_len": 256,
+    }
+    prompts = MIXED + PREFIX_HITS
+    (batch,) = run_engine_job(model, [{"prompts": prompts, "params": [greedy(40)]}], engine=engine)
+    assert tokens(batch) == hf_greedy(model, prompts, 40)

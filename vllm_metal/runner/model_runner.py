@@ -20,7 +20,12 @@ from vllm_metal._logging import init_logger
 from vllm.sampling_params import SamplingType
 from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -51,8 +56,22 @@ def attention_layer_name(i: int) -> str:
 class _StepState:
     scheduler_output: SchedulerOutput
     packed: PackedBatch
-    logits: torch.Tensor  # [S, V] float32, one row per request
-    prompt_logits: dict[str, torch.Tensor]  # req_id -> [n, V] rows for prompt logprobs
+    logits: mx.array  # [S, V] float32, one row per request (being evaluated)
+    prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
+    grammar_output: GrammarOutput | None = None
+    output: ModelRunnerOutput | None = None
+
+
+class _PendingOutput(AsyncModelRunnerOutput):
+    """A step's output under async scheduling: sampled when the engine asks for it, or when the
+    next step needs its tokens, whichever comes first."""
+
+    def __init__(self, runner: MLXModelRunner, step: _StepState):
+        self._runner = runner
+        self._step = step
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._runner._finish_step(self._step)
 
 
 class MLXModelRunner:
@@ -88,7 +107,11 @@ class MLXModelRunner:
         self.weight_bytes = 0
         self.kv_pool: KVPool | None = None
         self._kv_num_blocks = 0
-        self._step: _StepState | None = None
+        # Under async scheduling vLLM schedules step N+1 while step N computes: the forward is
+        # queued with mx.async_eval and sampled when its output is needed.
+        self.async_scheduling = bool(self.scheduler_config.async_scheduling)
+        self._step: _StepState | None = None  # executed, waiting for sample_tokens
+        self._pending: _StepState | None = None  # sample_tokens returned, not yet sampled
 
     # ------------------------------------------------------------------ setup
 
@@ -276,12 +299,14 @@ class MLXModelRunner:
         selected = hidden[mx.array(np.concatenate(rows).astype(np.int32))]
         logits = apply_lm_head(self.model, selected)
         logits = logits.reshape(logits.shape[0], -1).astype(mx.float32)
-        mx.eval(logits, pool.arrays())
         num_reqs = len(packed.logits_indices)
         prompt = {req_id: logits[a:b] for req_id, a, b in spans}
         return logits[:num_reqs], prompt
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # The previous step's tokens are inputs of this one.
+        if self._pending is not None:
+            self._finish_step(self._pending)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -299,25 +324,41 @@ class MLXModelRunner:
         )
         prompt_rows = self._prompt_logprob_rows(packed)
         logits, prompt_logits = self._forward(packed, self.kv_pool, prompt_rows)
+        # Evaluating the cache writes with the logits keeps every step's graph self-contained.
+        mx.async_eval(logits, *prompt_logits.values(), *self.kv_pool.arrays())
         self._step = _StepState(
             scheduler_output=scheduler_output,
             packed=packed,
-            logits=_to_torch(logits),
-            prompt_logits={k: _to_torch(v) for k, v in prompt_logits.items()},
+            logits=logits,
+            prompt_logits=prompt_logits,
         )
         return None
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         step = self._step
         self._step = None
         if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        step.grammar_output = grammar_output
+        if self.async_scheduling:
+            self._pending = step
+            return _PendingOutput(self, step)
+        return self._finish_step(step)
+
+    def _finish_step(self, step: _StepState) -> ModelRunnerOutput:
+        """Sample a step's tokens and record them (once; later calls return the same output)."""
+        if step.output is not None:
+            return step.output
+        if self._pending is step:
+            self._pending = None
         batch = self.input_batch
-        logits = step.logits
-        if grammar_output is not None:
+        logits = _to_torch(step.logits)  # waits for the forward
+        if step.grammar_output is not None:
             from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-            apply_grammar_bitmask(step.scheduler_output, grammar_output, batch, logits)
+            apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
 
         sampler_output = self.sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
 
@@ -346,13 +387,14 @@ class MLXModelRunner:
         if sampler_output.logprobs_tensors is not None:
             logprobs = sampler_output.logprobs_tensors.tolists()
 
-        return ModelRunnerOutput(
+        step.output = ModelRunnerOutput(
             req_ids=batch.req_ids.copy(),
             req_id_to_index=batch.req_id_to_index.copy(),
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs_dict=self._prompt_logprobs(step),
         )
+        return step.output
 
     # ------------------------------------------------------- request state
 
@@ -474,9 +516,10 @@ class MLXModelRunner:
             if n > num_prompt - (start + 1):
                 completed.append(req_id)
                 out[req_id] = tensors
-            logits = step.prompt_logits.get(req_id)
-            if logits is None or logits.shape[0] == 0:
+            rows = step.prompt_logits.get(req_id)
+            if rows is None or rows.shape[0] == 0:
                 continue
+            logits = _to_torch(rows)
             count = logits.shape[0]
             targets = torch.tensor(state.prompt_token_ids[start + 1 : start + 1 + count])
             if self.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
