@@ -10,10 +10,10 @@ import sys
 from typing import TYPE_CHECKING
 
 import torch
-from vllm_metal._logging import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_metal import envs
+from vllm_metal._logging import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -7,17 +7,21 @@ answers vLLM's engine (device init, model load, KV sizing, execute/sample, healt
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import TYPE_CHECKING
 
 import torch
-from vllm_metal._logging import init_logger
 from vllm.utils.mem_utils import format_gib
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_metal import envs
-from vllm_metal.platform import available_memory_bytes, chip_name, mlx_device_kind, total_memory_bytes
+from vllm_metal._logging import init_logger
+from vllm_metal.platform import (
+    available_memory_bytes,
+    chip_name,
+    mlx_device_kind,
+    total_memory_bytes,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -57,6 +57,14 @@ def run_engine_job(
         return (out["results"], out["metrics"]) if with_metrics else out["results"]
 
 
+def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    """Deterministic prompts of ordinary (non-special) token ids of the tiny tokenizer."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(16, 700, size=n).tolist() for n in lengths]
+
+
 def greedy(max_tokens: int, **extra) -> dict:
     return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.runner.conftest import FAMILIES
-from tests.runner.jobs import greedy, run_engine_job, tokens
+from tests.runner.jobs import greedy, random_prompts, run_engine_job, tokens
 from vllm_metal.testing.oracles import hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -14,16 +14,11 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(16, 700, size=n).tolist() for n in lengths]
-
-
 # Mixed lengths submitted together: single-token, shorter than a block, several blocks, longer
 # than the tiny models' sliding window (32) and than the forced prefill chunk (16).
-MIXED = _prompts(1, [1, 5, 17, 40, 75])
-SHARED_PREFIX = _prompts(2, [48])[0]
-PREFIX_HITS = [SHARED_PREFIX + tail for tail in _prompts(3, [3, 9])]
+MIXED = random_prompts(1, [1, 5, 17, 40, 75])
+SHARED_PREFIX = random_prompts(2, [48])[0]
+PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -71,7 +66,7 @@ DETERMINISTIC_VARIANTS = [
 def test_same_tokens_as_vllm_cpu_backend(family_models):
     """Penalties, biases and token constraints run through vLLM's own sampler: same tokens."""
     model = family_models["qwen3"]
-    prompts = _prompts(4, [7, 23])
+    prompts = random_prompts(4, [7, 23])
     jobs = [
         {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
         {"prompts": prompts, "params": [greedy(16)]},
@@ -101,7 +96,7 @@ def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
 def test_random_sampling_respects_truncation(family_models):
     """top_k / top_p / min_p only ever draw tokens their rule admits (checked on HF logits)."""
     model = family_models["qwen3"]
-    prompts = _prompts(6, [9, 30])
+    prompts = random_prompts(6, [9, 30])
     base = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
     variants = [{"top_k": 3, "seed": 1}, {"top_p": 0.5, "seed": 2}, {"min_p": 0.3, "seed": 3},
                 {"n": 3, "seed": 4}]
@@ -130,7 +125,7 @@ def test_random_sampling_respects_truncation(family_models):
 
 def test_seeded_sampling_is_reproducible(family_models):
     model = family_models["llama"]
-    prompts = _prompts(5, [6, 19, 33])
+    prompts = random_prompts(5, [6, 19, 33])
     params = [{"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}]
     other = [{**params[0], "seed": 4321}]
     jobs = [{"prompts": prompts, "params": params}, {"prompts": prompts, "params": other}]

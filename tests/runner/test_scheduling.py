@@ -7,22 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from tests.runner.jobs import greedy, run_engine_job, tokens
+from tests.runner.jobs import greedy, random_prompts, run_engine_job, tokens
 from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(16, 700, size=n).tolist() for n in lengths]
 
 
 def test_preempted_requests_resume_with_identical_tokens(tiny_model_dir):
     """A KV pool of 32 blocks cannot hold six 124-token sequences: vLLM preempts and recomputes,
     and every request still gets exactly the transformers greedy continuation."""
     model = tiny_model_dir("qwen3")
-    prompts = _prompts(7, [60] * 6)
+    prompts = random_prompts(7, [60] * 6)
     # float32, 2 layers x 2 KV heads x 64 dims: 32 KiB per 16-token block -> 32 blocks.
     engine = {"kv_cache_memory_bytes": 32 * 32 * 2**10, "max_model_len": 256,
               "disable_log_stats": False}
@@ -35,7 +30,7 @@ def test_preempted_requests_resume_with_identical_tokens(tiny_model_dir):
 
 def test_prompt_logprobs_across_prefill_chunks(tiny_model_dir):
     model = tiny_model_dir("llama")
-    prompts = _prompts(8, [5, 37])
+    prompts = random_prompts(8, [5, 37])
     params = [greedy(2, prompt_logprobs=2)]
     (batch,) = run_engine_job(
         model, [{"prompts": prompts, "params": params}], engine={"max_num_batched_tokens": 16}

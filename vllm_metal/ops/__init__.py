@@ -6,7 +6,6 @@ VLLM_METAL_USE_REFERENCE_OPS=1, the pure-MLX reference in vllm_metal.ops.referen
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
 from vllm_metal import envs

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import torch
+from mlx import nn
+
 from vllm_metal._logging import init_logger
 
 logger = init_logger(__name__)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 import torch
-from vllm_metal._logging import init_logger
 from vllm.sampling_params import SamplingType
 from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
@@ -30,6 +29,7 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from vllm_metal._logging import init_logger
 from vllm_metal.runner.batch import PackedBatch, pack_batch
 from vllm_metal.runner.model_loader import TORCH_TO_MLX_DTYPE, load_mlx_model, parameter_bytes
 from vllm_metal.runner.paged import (
