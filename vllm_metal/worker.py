@@ -112,9 +112,11 @@ class MetalWorker(WorkerBase):
         budget = int(total * self.cache_config.gpu_memory_utilization)
         used = runner.weight_bytes + self._activation_peak
         by_budget = budget - used
-        by_free = available_memory_bytes() - self._activation_peak - HEADROOM_BYTES
+        free_now = available_memory_bytes()
+        by_free = free_now - self._activation_peak - HEADROOM_BYTES
         kv_bytes = min(by_budget, by_free)
-        per_request = runner.kv_bytes_per_block() * -(-self.model_config.max_model_len // runner.block_size)
+        blocks_per_request = -(-self.model_config.max_model_len // runner.block_size)
+        per_request = runner.kv_bytes_per_block() * blocks_per_request
         logger.info(
             "Memory: %s GiB total, budget %s GiB (utilization %.2f), weights %s GiB, "
             "activation peak %s GiB, free now %s GiB -> KV cache %s GiB",
@@ -123,7 +125,7 @@ class MetalWorker(WorkerBase):
             self.cache_config.gpu_memory_utilization,
             format_gib(runner.weight_bytes),
             format_gib(self._activation_peak),
-            format_gib(available_memory_bytes()),
+            format_gib(free_now),
             format_gib(max(kv_bytes, 0)),
         )
         if kv_bytes < per_request:

@@ -1,4 +1,5 @@
-"""Greedy tokens and logprobs of the MLX runner equal transformers float32 and vLLM's CPU backend."""
+"""Greedy tokens and logprobs of the MLX runner equal transformers float32 and vLLM's CPU
+backend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from tests.runner.conftest import FAMILIES
 from tests.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy, hf_logits
+from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -19,11 +20,6 @@ NEW_TOKENS = 32
 MIXED = random_prompts(1, [1, 5, 17, 40, 75])
 SHARED_PREFIX = random_prompts(2, [48])[0]
 PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -45,7 +41,7 @@ def test_greedy_and_logprobs_match_transformers(family_models, arch):
     for prompt, result in zip(MIXED, mixed):
         sample = result["outputs"][0]
         seq = prompt + sample["token_ids"]
-        ref = _log_softmax(hf_logits(model, seq).astype(np.float64))
+        ref = hf_logprobs(model, seq)
         for step, token in enumerate(sample["token_ids"]):
             got = sample["logprobs"][step][str(token)]
             want = ref[len(prompt) - 1 + step, token]
@@ -89,8 +85,8 @@ def test_same_tokens_as_vllm_cpu_backend(family_models):
 
 def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
     """HF float32 next-token probabilities at each generated position of `sample`."""
-    logits = hf_logits(model, prompt + sample).astype(np.float64)[len(prompt) - 1 : -1]
-    return np.exp(_log_softmax(logits))
+    logprobs = hf_logprobs(model, prompt + sample)[len(prompt) - 1 : -1]
+    return np.exp(logprobs.astype(np.float64))
 
 
 def test_random_sampling_respects_truncation(family_models):
@@ -126,7 +122,9 @@ def test_random_sampling_respects_truncation(family_models):
 def test_seeded_sampling_is_reproducible(family_models):
     model = family_models["llama"]
     prompts = random_prompts(5, [6, 19, 33])
-    params = [{"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}]
+    params = [
+        {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
+    ]
     other = [{**params[0], "seed": 4321}]
     jobs = [{"prompts": prompts, "params": params}, {"prompts": prompts, "params": other}]
     first = run_engine_job(model, jobs)
