@@ -140,7 +140,8 @@ def _proc_meminfo_total() -> int:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="compares with /proc/meminfo")
 def test_total_memory_is_the_machine_ram() -> None:
-    from vllm_metal.platform import MetalPlatform, available_memory_bytes
+    from vllm_metal.host import available_memory_bytes
+    from vllm_metal.platform import MetalPlatform
 
     total = MetalPlatform.get_device_total_memory()
     assert total == _proc_meminfo_total()
@@ -182,7 +183,8 @@ def test_device_name_has_the_chip_and_the_mlx_device(clean_env: pytest.MonkeyPat
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="a Mac has a Metal GPU")
 def test_forcing_a_missing_gpu_is_refused(clean_env: pytest.MonkeyPatch) -> None:
-    from vllm_metal.platform import MetalConfigError, MetalPlatform, mlx_device_kind
+    from vllm_metal.backends.mlx.device import device_kind as mlx_device_kind
+    from vllm_metal.platform import MetalConfigError, MetalPlatform
 
     clean_env.setenv("VLLM_METAL_DEVICE", "gpu")
     with pytest.raises(MetalConfigError, match="VLLM_METAL_DEVICE"):

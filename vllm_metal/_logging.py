@@ -10,6 +10,6 @@ import logging
 
 
 def init_logger(name: str) -> logging.Logger:
-    """`vllm_metal.runner.x` logs as `vllm.metal.runner.x`."""
+    """`vllm_metal.kv.pool` logs as `vllm.metal.kv.pool`."""
     suffix = name.removeprefix("vllm_metal").lstrip(".")
     return logging.getLogger("vllm.metal" + (f".{suffix}" if suffix else ""))

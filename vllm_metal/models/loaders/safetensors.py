@@ -1,26 +1,21 @@
-"""Load an HF-layout checkpoint (local directory or Hugging Face id) into an mlx-lm model.
+"""Load a safetensors checkpoint (local directory or Hugging Face id) into an mlx-lm model.
 
 vLLM has already parsed the config; this module fetches the weights when needed and builds the
-mlx-lm model class for the architecture, in the dtype vLLM resolved.
+mlx-lm model class for the architecture, with its floating weights in the compute dtype.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
-import torch
 from mlx import nn
 
 from vllm_metal._logging import init_logger
+from vllm_metal.models.loaders import parameter_bytes
 
 logger = init_logger(__name__)
-
-TORCH_TO_MLX_DTYPE = {
-    torch.float32: mx.float32,
-    torch.float16: mx.float16,
-    torch.bfloat16: mx.bfloat16,
-}
 
 _WEIGHT_PATTERNS = [
     "*.json",
@@ -33,7 +28,9 @@ _WEIGHT_PATTERNS = [
 ]
 
 
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> Path:
     """A local checkpoint directory for `model`: the path itself, or a Hugging Face snapshot."""
     local = Path(model).expanduser()
     if local.is_dir():
@@ -50,15 +47,15 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     return Path(path)
 
 
-def load_mlx_model(
+def load(
     model: str,
-    dtype: torch.dtype,
+    compute_dtype: mx.Dtype,
     *,
     revision: str | None = None,
     download_dir: str | None = None,
     trust_remote_code: bool = False,
-) -> tuple[nn.Module, dict, Path]:
-    """Build the mlx-lm model for the checkpoint and cast its floating weights to `dtype`."""
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The mlx-lm model of the checkpoint (evaluated, in eval mode) and its config dict."""
     from mlx_lm.utils import load_model
 
     path = resolve_model_path(model, revision, download_dir)
@@ -68,9 +65,8 @@ def load_mlx_model(
             "checkpoints (convert others with mlx_lm.convert)"
         )
     mlx_model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
-    mlx_dtype = TORCH_TO_MLX_DTYPE[dtype]
     # Quantized checkpoints keep their packed integer weights; set_dtype only touches floats.
-    mlx_model.set_dtype(mlx_dtype)
+    mlx_model.set_dtype(compute_dtype)
     mx.eval(mlx_model.parameters())
     mlx_model.eval()
     logger.info(
@@ -78,13 +74,7 @@ def load_mlx_model(
         config.get("model_type"),
         type(mlx_model).__module__.rsplit(".", 1)[-1],
         path,
-        dtype,
+        compute_dtype,
         parameter_bytes(mlx_model) / 2**20,
     )
-    return mlx_model, config, path
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return mlx_model, config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.runner.jobs import greedy, run_engine_job, tokens
+from tests.backends.mlx.runner.jobs import greedy, run_engine_job, tokens
 from vllm_metal.testing.oracles import hf_logprobs, mlx_lm_greedy
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Helpers to run engine jobs (tests/runner/engine_job.py) in subprocesses and read their results."""
+"""Helpers to run engine jobs (tests/backends/mlx/runner/engine_job.py) in subprocesses and read their results."""
 
 from __future__ import annotations
 

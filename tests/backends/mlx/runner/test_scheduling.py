@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.runner.jobs import greedy, random_prompts, run_engine_job, tokens
+from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
 from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,94 @@
+"""The KV pool follows vLLM's allocation plan: layers of different KV-cache groups that vLLM
+overlays share one region, each layer reads its own group's block table, and block copies move
+whole blocks in every region."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from vllm_metal.kv.pool import KV_CACHE_LAYOUT, KVLayout, KVPool
+from vllm_metal.kv.spec import kv_cache_specs
+from vllm_metal.models.layers import FULL_ATTENTION, STATE, LayerKind
+
+
+def test_copy_blocks_copies_every_region_and_leaves_others():
+    pool = KVPool(KVLayout.single_group(3, 6, 8), num_kv_heads=2, head_dim=64, dtype=mx.float32)
+    rng = np.random.default_rng(0)
+    for r in range(3):
+        pool.keys[r] = mx.array(rng.standard_normal((6, 8, 2, 64)).astype(np.float32))
+        pool.values[r] = mx.array(rng.standard_normal((6, 8, 2, 64)).astype(np.float32))
+    before_k = [np.array(a) for a in pool.keys]
+    before_v = [np.array(a) for a in pool.values]
+    pool.copy_blocks([1, 4], [3, 0])
+    for r in range(3):
+        k, v = np.array(pool.keys[r]), np.array(pool.values[r])
+        np.testing.assert_array_equal(k[3], before_k[r][1])
+        np.testing.assert_array_equal(k[0], before_k[r][4])
+        np.testing.assert_array_equal(v[3], before_v[r][1])
+        np.testing.assert_array_equal(v[0], before_v[r][4])
+        for untouched in (1, 2, 4, 5):
+            np.testing.assert_array_equal(k[untouched], before_k[r][untouched])
+            np.testing.assert_array_equal(v[untouched], before_v[r][untouched])
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(tiny_model_dir("qwen3")), max_model_len=256).create_engine_config()
+    config.cache_config.kv_cache_layout = KV_CACHE_LAYOUT
+    return config
+
+
+def _vllm_plan(engine_config, kinds: list[LayerKind], available: int):
+    """vLLM's own grouping and allocation plan for layers of these kinds."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    names = [f"model.layers.{i}.self_attn" for i in range(len(kinds))]
+    specs = kv_cache_specs(
+        names, kinds, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
+    )
+    groups = get_kv_cache_groups(engine_config, specs)
+    return names, specs, get_kv_cache_config_from_groups(engine_config, groups, available)
+
+
+def test_sliding_and_full_layers_share_regions_as_vllm_overlays_them(engine_config):
+    sliding = LayerKind(sliding_window=32)
+    kinds = [sliding, FULL_ATTENTION, sliding, FULL_ATTENTION]
+    names, specs, config = _vllm_plan(engine_config, kinds, available=64 * 2**20)
+    assert len(config.kv_cache_groups) == 2  # vLLM keeps the window: one group per kind
+
+    layout = KVLayout.from_config(config, names)
+    group_of = {n: g for g, grp in enumerate(config.kv_cache_groups) for n in grp.layer_names}
+    assert layout.group_of_layer == tuple(group_of[n] for n in names)
+    assert layout.num_regions == 2  # two layers per group, overlaid
+    for r in range(layout.num_regions):
+        sharing = [i for i, reg in enumerate(layout.region_of_layer) if reg == r]
+        assert len({layout.group_of_layer[i] for i in sharing}) == len(sharing)
+
+    pool = KVPool(layout, num_kv_heads=2, head_dim=64, dtype=mx.float32)
+    page = next(iter(specs.values())).page_size_bytes
+    assert pool.nbytes == layout.num_regions * config.num_blocks * page <= 64 * 2**20
+
+
+def test_uniform_model_gets_one_region_per_layer(engine_config):
+    names, _, config = _vllm_plan(engine_config, [FULL_ATTENTION] * 3, available=16 * 2**20)
+    layout = KVLayout.from_config(config, names)
+    assert layout.region_of_layer == (0, 1, 2)
+    assert layout.group_of_layer == (0, 0, 0)
+
+
+def test_layers_vllm_did_not_plan_are_an_error(engine_config):
+    names, _, config = _vllm_plan(engine_config, [FULL_ATTENTION] * 2, available=16 * 2**20)
+    with pytest.raises(ValueError, match="no memory for layers"):
+        KVLayout.from_config(config, [*names, "model.layers.9.self_attn"])
+
+
+def test_state_layers_have_no_attention_spec():
+    with pytest.raises(ValueError, match="state"):
+        kv_cache_specs(
+            ["a"], [STATE], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
+        )

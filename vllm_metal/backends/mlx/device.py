@@ -1,0 +1,104 @@
+"""Device facts of the MLX backend: which MLX device computes, memory, sync and seeding."""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING
+
+from vllm_metal import envs
+from vllm_metal.capabilities import MetalConfigError
+from vllm_metal.host import physical_memory_bytes
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from vllm.config import VllmConfig
+
+    from vllm_metal.backends.protocol import ModelRunner
+
+
+def device_kind() -> str:
+    """'gpu' or 'cpu': the MLX device the runner computes on (VLLM_METAL_DEVICE may force it)."""
+    import mlx.core as mx
+
+    wanted = envs.VLLM_METAL_DEVICE
+    has_gpu = mx.metal.is_available()
+    if wanted == "gpu" and not has_gpu:
+        raise MetalConfigError("VLLM_METAL_DEVICE=gpu but MLX reports no Metal GPU on this machine")
+    if wanted == "cpu" or not has_gpu:
+        return "cpu"
+    return "gpu"
+
+
+def compute_dtype(storage_dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype the model computes in for weights stored (and KV cached) in `storage_dtype`."""
+    return storage_dtype
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def init_device(self) -> str:
+        import mlx.core as mx
+
+        kind = device_kind()
+        mx.set_default_device(mx.gpu if kind == "gpu" else mx.cpu)
+        return self.device_description()
+
+    def device_description(self) -> str:
+        return f"MLX {device_kind()}"
+
+    def head_sizes(self) -> tuple[int, ...]:
+        from vllm_metal import ops
+
+        return tuple(ops.HEAD_SIZES)
+
+    def block_size_multiple(self) -> int:
+        from vllm_metal import ops
+
+        return int(ops.BLOCK_SIZE_MULTIPLE)
+
+    def kv_cache_layouts(self) -> list[str]:
+        from vllm_metal.kv.pool import KV_CACHE_LAYOUT
+
+        return [KV_CACHE_LAYOUT]
+
+    def total_memory_bytes(self) -> int:
+        """Unified memory Metal may use on a Mac, physical RAM elsewhere."""
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            info = mx.device_info()
+            # MLX reports Metal's recommended working set: the ceiling for wired buffers.
+            for key in ("max_recommended_working_set_size", "memory_size"):
+                if info.get(key):
+                    return int(info[key])
+        return physical_memory_bytes()
+
+    def active_memory_bytes(self) -> int:
+        import mlx.core as mx
+
+        return int(mx.get_active_memory())
+
+    def synchronize(self) -> None:
+        import mlx.core as mx
+
+        mx.synchronize()
+
+    def release_cached_memory(self) -> None:
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+
+    def seed(self, seed: int) -> None:
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+
+    def make_runner(self, vllm_config: VllmConfig) -> ModelRunner:
+        from vllm_metal.backends.mlx.runner.model_runner import MLXModelRunner
+
+        return MLXModelRunner(vllm_config)
+
+
+MLX_BACKEND = MLXBackend()

@@ -1,0 +1,103 @@
+"""Varlen batch packing: the persistent InputBatch plus this step's schedule as flat arrays.
+
+Rows follow the InputBatch order (decode requests first, then prefill chunks). Each KV-cache
+group has its own block table, hence its own slot mapping; positions and lengths are shared.
+Everything here is numpy on the host; the runner moves the result to the device once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class PackedBatch:
+    req_ids: list[str]
+    num_scheduled: np.ndarray  # [S] tokens scheduled per request
+    cu_seqlens_q: np.ndarray  # [S+1] int32
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    seq_lens: np.ndarray  # [S] int32 context length after this step
+    block_tables: list[np.ndarray]  # per KV-cache group: [S, max_blocks] int32
+    slot_mappings: list[np.ndarray]  # per KV-cache group: [T] int64
+    logits_indices: np.ndarray  # [S] row of each request's last scheduled token
+    discard: np.ndarray  # [S] bool: mid-prefill, the sampled token is thrown away
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def pack_batch(
+    req_ids: Sequence[str],
+    num_scheduled_tokens: Mapping[str, int],
+    num_computed_tokens: np.ndarray,
+    num_known_tokens: np.ndarray,
+    token_ids_table: np.ndarray,
+    block_tables: Sequence[np.ndarray],
+    block_sizes: Sequence[int],
+) -> PackedBatch:
+    """Pack the scheduled tokens of `req_ids` (InputBatch order) into one varlen batch.
+
+    num_computed_tokens / num_known_tokens / token_ids_table are the InputBatch's per-row arrays
+    and block_tables its per-group tables (rows aligned with req_ids).
+    """
+    num_reqs = len(req_ids)
+    num_sched = np.fromiter(
+        (num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=num_reqs
+    )
+    cu = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(num_sched, out=cu[1:])
+    total = int(cu[-1])
+
+    row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), num_sched)
+    start = num_computed_tokens[:num_reqs].astype(np.int32)
+    positions = start[row_of_token] + (np.arange(total, dtype=np.int32) - cu[:-1][row_of_token])
+    token_ids = token_ids_table[row_of_token, positions].astype(np.int32)
+    seq_lens = start + num_sched
+
+    tables, slots = [], []
+    for table, block_size in zip(block_tables, block_sizes):
+        max_blocks = max(1, -(-int(seq_lens.max(initial=1)) // block_size))
+        group_table = np.ascontiguousarray(table[:num_reqs, :max_blocks], dtype=np.int32)
+        block_ids = group_table[row_of_token, positions // block_size].astype(np.int64)
+        tables.append(group_table)
+        slots.append(block_ids * block_size + (positions % block_size))
+
+    return PackedBatch(
+        req_ids=list(req_ids),
+        num_scheduled=num_sched,
+        cu_seqlens_q=cu,
+        token_ids=token_ids,
+        positions=positions.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=tables,
+        slot_mappings=slots,
+        logits_indices=(cu[1:] - 1).astype(np.int32),
+        discard=seq_lens < num_known_tokens[:num_reqs],
+    )
+
+
+def prefill_batch(
+    num_tokens: int, block_size: int, num_groups: int, vocab_size: int
+) -> PackedBatch:
+    """One sequence prefilling `num_tokens` tokens from position 0 into blocks 0, 1, ...
+    (profiling and warm-up)."""
+    positions = np.arange(num_tokens, dtype=np.int32)
+    num_blocks = -(-num_tokens // block_size)
+    table = np.arange(num_blocks, dtype=np.int32)[None, :]
+    return PackedBatch(
+        req_ids=["dummy"],
+        num_scheduled=np.array([num_tokens], dtype=np.int32),
+        cu_seqlens_q=np.array([0, num_tokens], dtype=np.int32),
+        token_ids=(positions % max(2, vocab_size - 1)).astype(np.int32),
+        positions=positions,
+        seq_lens=np.array([num_tokens], dtype=np.int32),
+        block_tables=[table] * num_groups,
+        slot_mappings=[positions.astype(np.int64)] * num_groups,
+        logits_indices=np.array([num_tokens - 1], dtype=np.int32),
+        discard=np.array([False]),
+    )

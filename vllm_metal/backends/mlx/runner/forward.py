@@ -1,0 +1,66 @@
+"""One packed forward: the step's varlen metadata on the device, a paged cache view per layer,
+the adapter's embeddings -> decoder -> head on the rows that need logits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.backends.mlx.runner.batch import PackedBatch
+from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
+from vllm_metal.kv.pool import KVPool
+from vllm_metal.models import ModelAdapter
+
+
+def layer_caches(
+    pool: KVPool, packed: PackedBatch, windows: Sequence[int | None]
+) -> list[PagedLayerCache]:
+    meta = StepMetadata(
+        positions=mx.array(packed.positions),
+        seq_lens=mx.array(packed.seq_lens),
+        cu_seqlens_q=mx.array(packed.cu_seqlens_q),
+        groups=[
+            GroupTables(block_tables=mx.array(t), slot_mapping=mx.array(s))
+            for t, s in zip(packed.block_tables, packed.slot_mappings)
+        ],
+    )
+    layout = pool.layout
+    return [
+        PagedLayerCache(
+            pool,
+            layout.region_of_layer[i],
+            meta,
+            meta.groups[layout.group_of_layer[i]],
+            window,
+        )
+        for i, window in enumerate(windows)
+    ]
+
+
+def forward(
+    adapter: ModelAdapter,
+    pool: KVPool,
+    windows: Sequence[int | None],
+    packed: PackedBatch,
+    prompt_rows: Mapping[str, np.ndarray],
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """Float32 logits of each request's last row `[S, V]`, and of the rows asked for prompt
+    logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
+    caches = layer_caches(pool, packed, windows)
+    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
+    hidden = adapter.forward(embeds, caches)
+
+    rows = [packed.logits_indices]
+    spans: list[tuple[str, int, int]] = []
+    offset = len(packed.logits_indices)
+    for req_id, r in prompt_rows.items():
+        rows.append(r)
+        spans.append((req_id, offset, offset + len(r)))
+        offset += len(r)
+    selected = hidden[mx.array(np.concatenate(rows).astype(np.int32))]
+    logits = adapter.logits(selected)
+    logits = logits.reshape(logits.shape[0], -1).astype(mx.float32)
+    num_reqs = len(packed.logits_indices)
+    return logits[:num_reqs], {req_id: logits[a:b] for req_id, a, b in spans}

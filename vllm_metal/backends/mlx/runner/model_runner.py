@@ -1,0 +1,237 @@
+"""The MLX model runner: turns each `SchedulerOutput` into one packed forward over the paged KV
+cache and samples with vLLM's own `Sampler`.
+
+It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). Each concern has
+its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
+forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
+(`prompt_logprobs`), profiling and warm-up (`warmup`). KV memory lives in `vllm_metal.kv`, the
+model behind its adapter in `vllm_metal.models`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_metal._logging import init_logger
+from vllm_metal.backends.mlx.device import compute_dtype
+from vllm_metal.backends.mlx.dtypes import to_mlx_dtype
+from vllm_metal.backends.mlx.runner.batch import pack_batch
+from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
+from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.sample import sample_step
+from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
+from vllm_metal.backends.mlx.runner.warmup import DummyRuns
+from vllm_metal.backends.protocol import RunnerMemory
+from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.spec import kv_cache_specs
+from vllm_metal.models import ModelAdapter, load_model
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.tasks import SupportedTask
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds
+
+logger = init_logger(__name__)
+
+
+class MLXModelRunner:
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+        self.model_config = model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        scheduler = vllm_config.scheduler_config
+
+        self.kv_dtype = model_config.dtype  # what vLLM sized the cache for
+        self.mlx_kv_dtype = to_mlx_dtype(self.kv_dtype)
+        self.max_num_tokens = scheduler.max_num_batched_tokens
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_layers = model_config.get_num_layers(parallel)
+        self.num_kv_heads = model_config.get_num_kv_heads(parallel)
+        self.head_dim = model_config.get_head_size()
+
+        self.states = RequestStates(vllm_config, [self.block_size])
+        self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
+        self.pipeline = StepPipeline(self._sample, bool(scheduler.async_scheduling))
+
+        self.adapter: ModelAdapter | None = None
+        self.windows: list[int | None] = []  # per layer (None = full attention)
+        self.kv_layout: KVLayout | None = None
+        self.kv_pool: KVPool | None = None
+
+    # ------------------------------------------------------------ model
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        load_config = self.vllm_config.load_config
+        self.adapter = adapter = load_model(
+            self.model_config.model,
+            compute_dtype=compute_dtype(self.mlx_kv_dtype),
+            revision=self.model_config.revision,
+            download_dir=load_config.download_dir,
+            trust_remote_code=self.model_config.trust_remote_code,
+        )
+        if adapter.num_layers != self.num_layers:
+            raise ValueError(
+                f"model={self.model_config.model!r}: the MLX model has {adapter.num_layers} "
+                f"layers but the config says {self.num_layers}"
+            )
+        kinds = adapter.layer_kinds()
+        self.windows = [kind.sliding_window for kind in kinds]
+        logger.info(
+            "Model loading took %.2f s; layers: %s",
+            time.perf_counter() - start,
+            _summarize(kind.label for kind in kinds),
+        )
+
+    def get_model(self) -> Any:
+        return None if self.adapter is None else self.adapter.model
+
+    def is_loaded(self) -> bool:
+        return self.adapter is not None
+
+    def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
+        return ("generate",)
+
+    # ------------------------------------------------------------ memory
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        assert self.adapter is not None, "load the model first"
+        return kv_cache_specs(
+            self.adapter.attention_layer_names,
+            self.adapter.layer_kinds(),
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.kv_dtype,
+        )
+
+    def memory(self) -> RunnerMemory:
+        return RunnerMemory(
+            weights=0 if self.adapter is None else self.adapter.weight_bytes,
+            kv_cache=0 if self.kv_pool is None else self.kv_pool.nbytes,
+        )
+
+    def profile_run(self) -> int:
+        num_tokens = max(1, min(self.max_num_tokens, self.model_config.max_model_len))
+        return self._dummy_runs().profile(num_tokens, self.block_size)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        assert self.adapter is not None, "load the model first"
+        self.kv_layout = layout = KVLayout.from_config(
+            kv_cache_config, self.adapter.attention_layer_names
+        )
+        self.block_size = layout.block_size
+        self.states.set_block_sizes([layout.block_size] * len(kv_cache_config.kv_cache_groups))
+        self._allocate_kv_pool()
+        logger.info(
+            "KV cache: %d blocks of %d tokens in %d group(s), %d region(s) (%.1f MiB)",
+            layout.num_blocks,
+            layout.block_size,
+            layout.num_groups,
+            layout.num_regions,
+            self.kv_pool.nbytes / 2**20,
+        )
+
+    def _allocate_kv_pool(self) -> None:
+        self.kv_pool = KVPool(self.kv_layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
+
+    def warm_up(self) -> None:
+        self._dummy_runs().warm_up(self.block_size, self.max_num_tokens)
+
+    def _dummy_runs(self) -> DummyRuns:
+        assert self.adapter is not None, "load the model first"
+        return DummyRuns(
+            self.adapter,
+            self.windows,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlx_kv_dtype,
+            self.model_config.get_vocab_size(),
+        )
+
+    # ------------------------------------------------------------ the step
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.pipeline.drain()  # the previous step's tokens are inputs of this one
+        if scheduler_output.kv_cache_block_copies and self.kv_pool is not None:
+            copies = scheduler_output.kv_cache_block_copies
+            self.kv_pool.copy_blocks(
+                [c.src_block_id for c in copies], [c.dst_block_id for c in copies]
+            )
+        self.states.update(scheduler_output)
+        batch = self.states.input_batch
+        if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert self.kv_pool is not None, "KV cache not initialized"
+
+        packed = pack_batch(
+            batch.req_ids,
+            scheduler_output.num_scheduled_tokens,
+            batch.num_computed_tokens_cpu,
+            batch.num_tokens_no_spec,
+            batch.token_ids_cpu,
+            [batch.block_table[g].get_numpy_array() for g in range(self.kv_layout.num_groups)],
+            self.states.block_sizes,
+        )
+        prompt_rows = prompt_logprob_rows(self.states, packed)
+        logits, prompt_logits = forward(
+            self.adapter, self.kv_pool, self.windows, packed, prompt_rows
+        )
+        # Evaluating the cache writes with the logits keeps every step's graph self-contained.
+        mx.async_eval(logits, *prompt_logits.values(), *self.kv_pool.arrays())
+        self.pipeline.executed = StepState(scheduler_output, packed, logits, prompt_logits)
+        return None
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        return self.pipeline.hand_out(grammar_output) or EMPTY_MODEL_RUNNER_OUTPUT
+
+    def _sample(self, step: StepState) -> ModelRunnerOutput:
+        return sample_step(step, self.states, self.sampler, self.model_config.logprobs_mode)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return None  # no speculative decoding on this runner yet (spec_decode/)
+
+    # ------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache; level 2 also frees the weights (reloaded on wake-up).
+
+        CPU and GPU share one memory on Apple Silicon, so there is no host copy to offload
+        weights to: level 1 keeps them where they are.
+        """
+        self.discard(("kv_cache", "weights") if level >= 2 else ("kv_cache",))
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """Free the memory of the tagged parts; their contents are forgotten."""
+        if "kv_cache" in tags:
+            self.kv_pool = None
+        if "weights" in tags:
+            self.adapter = None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        if "weights" in tags and self.adapter is None:
+            self.load_model()
+        if "kv_cache" in tags and self.kv_pool is None and self.kv_layout is not None:
+            self._allocate_kv_pool()
+
+    def shutdown(self) -> None:
+        self.discard(("kv_cache", "weights"))
+
+
+def _summarize(labels) -> str:
+    """'full x 4, sliding(32) x 2' in first-seen order."""
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} x {n}" for label, n in counts.items())

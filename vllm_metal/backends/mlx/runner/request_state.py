@@ -1,0 +1,148 @@
+"""Per-request state across steps, kept in vLLM's own `InputBatch` and updated from each
+`SchedulerOutput`: new, resumed, preempted, finished and continuing requests, and their blocks.
+
+The batch keeps decode requests before prefill chunks (the order `batch.py` packs), and builds
+vLLM's sampling metadata for the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.sampling_params import SamplingType
+from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+# vLLM-side tensors (sampling metadata, generators) live on the host.
+HOST = torch.device("cpu")
+
+
+class RequestStates:
+    def __init__(self, vllm_config: VllmConfig, block_sizes: list[int]):
+        self.vllm_config = vllm_config
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.requests: dict[str, CachedRequestState] = {}
+        # req_id -> number of prompt logprobs asked for, while the prompt is being processed
+        self.num_prompt_logprobs: dict[str, int] = {}
+        self.block_sizes = list(block_sizes)  # one per KV-cache group
+        self.input_batch = self._make_input_batch(self.block_sizes)
+
+    def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
+        config = self.vllm_config
+        max_model_len = config.model_config.max_model_len
+        custom = tuple(config.model_config.logits_processors or ())
+        return InputBatch(
+            max_num_reqs=config.scheduler_config.max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            device=HOST,
+            vocab_size=self.vocab_size,
+            block_sizes=block_sizes,
+            max_num_blocks_per_req=[math.ceil(max_model_len / bs) for bs in block_sizes],
+            logitsprocs=build_logitsprocs(config, HOST, False, False, custom),
+            logitsprocs_need_output_token_ids=bool(custom),
+            is_pooling_model=False,
+            reasoning_config=config.reasoning_config,
+        )
+
+    def set_block_sizes(self, block_sizes: list[int]) -> None:
+        """Rebuild the (empty) batch for the KV-cache groups vLLM chose."""
+        if self.block_sizes != list(block_sizes):
+            assert not self.input_batch.req_ids, "block sizes change only before serving"
+            self.block_sizes = list(block_sizes)
+            self.input_batch = self._make_input_batch(self.block_sizes)
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.num_prompt_logprobs.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        # Requests in the persistent batch that were not scheduled this step (paused or
+        # preempted) leave the batch; their state stays in self.requests. Resumed requests
+        # leave it too: they come back with replacement blocks.
+        scheduled = scheduler_output.num_scheduled_tokens.keys()
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
+            batch.remove_request(req_id)
+
+        to_add = [self._add_new(new) for new in scheduler_output.scheduled_new_reqs]
+
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            num_computed = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            num_output = cached.num_output_tokens[i]
+            index = batch.req_id_to_index.get(req_id)
+            state.num_computed_tokens = num_computed
+            if num_output < len(state.output_token_ids):
+                # The scheduler dropped tokens (e.g. rejected); keep our copy in step.
+                del state.output_token_ids[num_output:]
+                if index is not None:
+                    batch.num_tokens_no_spec[index] = batch.num_prompt_tokens[index] + num_output
+            if req_id in cached.resumed_req_ids:
+                assert new_block_ids is not None
+                state.block_ids = new_block_ids
+            elif new_block_ids is not None:
+                for ids, extra in zip(state.block_ids, new_block_ids):
+                    ids.extend(extra)
+            if index is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[index] = num_computed
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, index)
+
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        reorder_batch_to_split_decodes_and_prefills(batch, scheduler_output, decode_threshold=1)
+        batch.refresh_metadata()
+
+    def _add_new(self, new) -> CachedRequestState:
+        if new.prompt_token_ids is None:
+            raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
+        params = new.sampling_params
+        generator = None
+        if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+            generator = torch.Generator(device=HOST)
+            generator.manual_seed(params.seed)
+        if new.req_id in self.requests:  # a streaming session continuing
+            self.input_batch.remove_request(new.req_id)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            mm_features=new.mm_features,
+            sampling_params=params,
+            generator=generator,
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=[],
+            lora_request=new.lora_request,
+        )
+        self.requests[new.req_id] = state
+        if params is not None and params.prompt_logprobs is not None:
+            k = params.prompt_logprobs
+            self.num_prompt_logprobs[new.req_id] = self.vocab_size if k == -1 else k
+        return state
+
+    def record_sampled(self, sampled: list[list[int]]) -> None:
+        """Append each row's sampled tokens to the batch and to its request's outputs."""
+        batch = self.input_batch
+        for i, token_ids in enumerate(sampled):
+            if not token_ids:
+                continue
+            start = int(batch.num_tokens_no_spec[i])
+            end = start + len(token_ids)
+            batch.token_ids_cpu[i, start:end] = token_ids
+            batch.is_token_ids[i, start:end] = True
+            batch.num_tokens_no_spec[i] = end
+            self.requests[batch.req_ids[i]].output_token_ids.extend(token_ids)

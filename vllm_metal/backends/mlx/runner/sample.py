@@ -1,0 +1,56 @@
+"""Sampling with vLLM's own `Sampler` (grammar bitmask included), token write-back into the
+request state, and the step's `ModelRunnerOutput`."""
+
+from __future__ import annotations
+
+import numpy as np
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_metal.backends.mlx.runner.prompt_logprobs import gather_prompt_logprobs
+from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.step import StepState
+from vllm_metal.backends.mlx.runner.tensors import to_torch
+
+# Random numbers torch's sampler draws per row and step (the Philox offset it advances).
+_GENERATOR_OFFSET_PER_SAMPLE = 4
+
+
+def sample_step(
+    step: StepState, states: RequestStates, sampler: Sampler, logprobs_mode: str
+) -> ModelRunnerOutput:
+    batch = states.input_batch
+    logits = to_torch(step.logits)  # waits for the forward
+    if step.grammar_output is not None:
+        from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+        apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
+
+    sampler_output = sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
+
+    discard = np.nonzero(step.packed.discard)[0]
+    for i in discard:
+        # The sampler drew random numbers for a token we drop; rewind so seeded requests
+        # see the same stream as on vLLM's other backends.
+        gen = batch.generators.get(int(i))
+        if gen is not None:
+            gen.set_offset(gen.get_offset() - _GENERATOR_OFFSET_PER_SAMPLE)
+
+    sampled = sampler_output.sampled_token_ids.tolist()
+    for i in discard:
+        sampled[int(i)] = []
+    states.record_sampled(sampled)
+
+    logprobs = None
+    if sampler_output.logprobs_tensors is not None:
+        logprobs = sampler_output.logprobs_tensors.tolists()
+
+    return ModelRunnerOutput(
+        req_ids=batch.req_ids.copy(),
+        req_id_to_index=batch.req_id_to_index.copy(),
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+        prompt_logprobs_dict=gather_prompt_logprobs(
+            states, step.packed, step.prompt_logits, sampler, logprobs_mode
+        ),
+    )

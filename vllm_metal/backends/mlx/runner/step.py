@@ -1,0 +1,75 @@
+"""The async step: a forward queued on the device, sampled when its output is needed.
+
+Under async scheduling vLLM schedules step N+1 while step N computes. `execute_model` queues the
+forward with `mx.async_eval` and keeps a `StepState`; `sample_tokens` hands vLLM a
+`PendingOutput`, and the step is sampled when vLLM asks for the output or when the next step
+needs its tokens, whichever comes first (exactly once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+from vllm_metal.backends.mlx.runner.batch import PackedBatch
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+
+
+@dataclass
+class StepState:
+    scheduler_output: SchedulerOutput
+    packed: PackedBatch
+    logits: mx.array  # [S, V] float32, one row per request (being evaluated)
+    prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
+    grammar_output: GrammarOutput | None = None
+    output: ModelRunnerOutput | None = None
+
+
+class PendingOutput(AsyncModelRunnerOutput):
+    def __init__(self, finish: Callable[[StepState], ModelRunnerOutput], step: StepState):
+        self._finish = finish
+        self._step = step
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._finish(self._step)
+
+
+class StepPipeline:
+    """At most one executed step waiting for `sample_tokens`, and one sampled lazily."""
+
+    def __init__(self, finish: Callable[[StepState], ModelRunnerOutput], async_scheduling: bool):
+        self._finish_fn = finish
+        self.async_scheduling = async_scheduling
+        self.executed: StepState | None = None  # waiting for sample_tokens
+        self.pending: StepState | None = None  # handed out, not yet sampled
+
+    def finish(self, step: StepState) -> ModelRunnerOutput:
+        """Sample a step and record its tokens, once; later calls return the same output."""
+        if step.output is None:
+            if self.pending is step:
+                self.pending = None
+            step.output = self._finish_fn(step)
+        return step.output
+
+    def drain(self) -> None:
+        """Sample the pending step: its tokens are inputs of the next one."""
+        if self.pending is not None:
+            self.finish(self.pending)
+
+    def hand_out(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        step, self.executed = self.executed, None
+        if step is None:
+            return None
+        step.grammar_output = grammar_output
+        if self.async_scheduling:
+            self.pending = step
+            return PendingOutput(self.finish, step)
+        return self.finish(step)

@@ -1,0 +1,141 @@
+"""What each backend can serve, as one table: a row per capability vLLM can be asked for.
+
+`MetalPlatform.check_and_update_config` calls `refuse_unsupported` while vLLM builds its config,
+before any model is loaded, so a request for something a backend lacks fails at startup with the
+setting to change. Enabling a capability on a backend is adding its key to `SUPPORTED`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class MetalConfigError(ValueError):
+    """A setting this platform cannot serve; raised at startup with what to change."""
+
+
+@dataclass(frozen=True)
+class Capability:
+    key: str
+    what: str  # what the user asked for, in words
+    advice: str  # the setting to change
+    # The requested setting as "name=value" when the config asks for the capability, else None.
+    requested: Callable[[VllmConfig], str | None]
+
+
+def _model_attr(config: VllmConfig, name: str, default: object = None) -> object:
+    model = config.model_config
+    return default if model is None else getattr(model, name, default)
+
+
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability(
+        "tensor_parallel",
+        "tensor parallelism (vllm-metal serves on one device)",
+        "use --tensor-parallel-size 1",
+        lambda c: (n := c.parallel_config.tensor_parallel_size) > 1 and f"tensor_parallel_size={n}",
+    ),
+    Capability(
+        "pipeline_parallel",
+        "pipeline parallelism (vllm-metal serves on one device)",
+        "use --pipeline-parallel-size 1",
+        lambda c: (
+            (n := c.parallel_config.pipeline_parallel_size) > 1 and f"pipeline_parallel_size={n}"
+        ),
+    ),
+    Capability(
+        "data_parallel",
+        "data parallelism",
+        "use --data-parallel-size 1",
+        lambda c: (n := c.parallel_config.data_parallel_size) > 1 and f"data_parallel_size={n}",
+    ),
+    Capability(
+        "lora",
+        "LoRA adapters",
+        "remove --enable-lora",
+        lambda c: c.lora_config is not None and "--enable-lora",
+    ),
+    Capability(
+        "speculative_decoding",
+        "speculative decoding",
+        "remove --speculative-config",
+        lambda c: (
+            c.speculative_config is not None
+            and f"--speculative-config method={c.speculative_config.method!r}"
+        ),
+    ),
+    Capability(
+        "pooling",
+        "pooling models (embeddings, classification, scoring)",
+        "serve a generative model (--runner generate)",
+        lambda c: _model_attr(c, "runner_type") == "pooling" and "runner='pooling'",
+    ),
+    Capability(
+        "multimodal",
+        "multimodal (image, video, audio) inputs",
+        "serve a text-only model",
+        lambda c: (
+            bool(_model_attr(c, "is_multimodal_model", False))
+            and f"model={_model_attr(c, 'model')!r} (multimodal)"
+        ),
+    ),
+    Capability(
+        "encoder_decoder",
+        "encoder-decoder models",
+        "serve a decoder-only model",
+        lambda c: (
+            bool(_model_attr(c, "is_encoder_decoder", False))
+            and f"model={_model_attr(c, 'model')!r} (encoder-decoder)"
+        ),
+    ),
+    Capability(
+        "mla",
+        "multi-head latent attention (MLA) models",
+        "serve a model with standard attention",
+        lambda c: (
+            bool(_model_attr(c, "use_mla", False)) and f"model={_model_attr(c, 'model')!r} (MLA)"
+        ),
+    ),
+    Capability(
+        "vllm_quantization",
+        "vLLM quantization methods",
+        "serve an MLX-quantized checkpoint (mlx_lm.convert -q) instead of --quantization",
+        lambda c: (q := _model_attr(c, "quantization")) is not None and f"quantization={q!r}",
+    ),
+    Capability(
+        "kv_transfer",
+        "KV offloading and KV connectors",
+        "remove --kv-offloading-size / --kv-transfer-config",
+        lambda c: (
+            (
+                c.cache_config.kv_offloading_size is not None
+                and f"kv_offloading_size={c.cache_config.kv_offloading_size}"
+            )
+            or (c.kv_transfer_config is not None and "--kv-transfer-config")
+        ),
+    ),
+)
+
+# Backend name -> keys of CAPABILITIES it serves.
+SUPPORTED: dict[str, frozenset[str]] = {
+    "mlx": frozenset(),
+}
+
+
+def refuse_unsupported(config: VllmConfig, backend: str) -> None:
+    """Raise MetalConfigError for the first capability asked for that `backend` lacks."""
+    supported = SUPPORTED.get(backend, frozenset())
+    for cap in CAPABILITIES:
+        if cap.key in supported:
+            continue
+        setting = cap.requested(config)
+        if setting:
+            raise MetalConfigError(
+                f"vllm-metal ({backend} backend): {cap.what} is not supported: {setting}; "
+                f"{cap.advice}"
+            )

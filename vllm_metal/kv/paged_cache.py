@@ -1,0 +1,97 @@
+"""What one attention layer sees as its cache during a step: a view of the paged pools.
+
+mlx-lm's attention calls `cache.update_and_fetch(keys, values)` and then attends; here the first
+writes the step's K/V into the layer's paged region (`ops.reshape_and_cache`) and `attend` runs
+`ops.paged_attention` over it. Where this departs from mlx-lm's cache contract:
+- `update_and_fetch` returns the step's own keys/values, not the whole history (the history
+  stays paged; only `attend` reads it), so attention must go through `attend`;
+- `offset` is a per-row position array (every packed row is one token of some sequence), not
+  one integer for the batch;
+- there is no `state`, trimming or rotation: vLLM's KV manager owns the blocks.
+The model may compute in a wider dtype than the cache stores; K/V are cast on write and queries
+on read, so the cache keeps the dtype vLLM sized it for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from vllm_metal import ops
+from vllm_metal.kv.pool import KVPool
+
+
+@dataclass
+class GroupTables:
+    """One KV-cache group's view of the step."""
+
+    block_tables: mx.array  # [S, max_blocks] int32
+    slot_mapping: mx.array  # [T] int64, KV slot each token writes (negative = skip)
+
+
+@dataclass
+class StepMetadata:
+    """Varlen batch of one step (the layout contract of docs/architecture.md), on the device."""
+
+    positions: mx.array  # [T] int32, position of each packed token in its sequence
+    seq_lens: mx.array  # [S] int32, context length after this step
+    cu_seqlens_q: mx.array  # [S+1] int32
+    groups: list[GroupTables]
+
+
+class PagedLayerCache:
+    def __init__(
+        self,
+        pool: KVPool,
+        region: int,
+        meta: StepMetadata,
+        tables: GroupTables,
+        sliding_window: int | None,
+    ):
+        self.pool = pool
+        self.region = region
+        self.meta = meta
+        self.tables = tables
+        self.sliding_window = sliding_window
+
+    @property
+    def offset(self) -> mx.array:
+        # mlx-lm's RoPE takes a per-batch-row offset; each packed row is one token.
+        return self.meta.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        t, h, _, d = keys.shape  # [T, H_kv, 1, D]
+        dtype = self.pool.dtype
+        kc, vc = ops.reshape_and_cache(
+            keys.reshape(t, h, d).astype(dtype),
+            values.reshape(t, h, d).astype(dtype),
+            self.pool.keys[self.region],
+            self.pool.values[self.region],
+            self.tables.slot_mapping,
+        )
+        self.pool.keys[self.region] = kc
+        self.pool.values[self.region] = vc
+        return keys, values
+
+    def attend(
+        self,
+        queries: mx.array,
+        scale: float,
+        sinks: mx.array | None,
+        softcap: float | None = None,
+    ) -> mx.array:
+        t, h, _, d = queries.shape  # [T, H_q, 1, D]
+        out = ops.paged_attention(
+            queries.reshape(t, h, d).astype(self.pool.dtype),
+            self.pool.keys[self.region],
+            self.pool.values[self.region],
+            self.tables.block_tables,
+            self.meta.seq_lens,
+            self.meta.cu_seqlens_q,
+            scale=float(scale),
+            sliding_window=self.sliding_window,
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.astype(mx.float32),
+        )
+        return out.reshape(t, h, 1, d).astype(queries.dtype)

@@ -1,0 +1,115 @@
+"""Paged K/V arrays laid out as vLLM's `KVCacheConfig` describes them.
+
+vLLM sizes the cache and decides which layers share memory: with several KV-cache groups (e.g.
+sliding-window and full-attention layers) one layer of each group overlays the same region, which
+is sound because a block id belongs to one group at a time. Here every region is one K and one V
+array `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's `LBNHC` layout, K and V apart),
+and each layer knows its region (memory) and its group (block table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+
+# vLLM's name for this layout (per layer: blocks, tokens, heads, head dim; K and V apart).
+KV_CACHE_LAYOUT = "LBNHC"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where each attention layer's K/V live and which block table it reads."""
+
+    num_blocks: int
+    block_size: int
+    region_of_layer: tuple[int, ...]
+    group_of_layer: tuple[int, ...]
+
+    @property
+    def num_regions(self) -> int:
+        return max(self.region_of_layer, default=-1) + 1
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.group_of_layer, default=-1) + 1
+
+    @classmethod
+    def single_group(cls, num_layers: int, num_blocks: int, block_size: int) -> KVLayout:
+        """Every layer in its own region, one block table (profiling and warm-up)."""
+        return cls(num_blocks, block_size, tuple(range(num_layers)), (0,) * num_layers)
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig, layer_names: Sequence[str]) -> KVLayout:
+        """Read vLLM's allocation plan for the given layers (in model order)."""
+        group_of: dict[str, int] = {}
+        block_sizes = set()
+        for g, group in enumerate(config.kv_cache_groups):
+            if not isinstance(group.kv_cache_spec, AttentionSpec):
+                raise ValueError(
+                    f"KV-cache group {g} has spec {type(group.kv_cache_spec).__name__}; "
+                    "vllm-metal allocates attention KV caches only"
+                )
+            block_sizes.add(group.kv_cache_spec.block_size)
+            for name in group.layer_names:
+                group_of[name] = g
+        if len(block_sizes) != 1:
+            raise ValueError(f"KV-cache groups with different block sizes: {sorted(block_sizes)}")
+        block_size = block_sizes.pop()
+
+        offset_of: dict[str, int] = {}
+        for tensor in config.kv_cache_tensors:
+            for i, name in enumerate(tensor.layers):
+                offset_of[name] = tensor.offset + i * tensor.layer_stride
+        missing = [n for n in layer_names if n not in offset_of or n not in group_of]
+        if missing:
+            raise ValueError(f"vLLM's KV-cache config has no memory for layers {missing}")
+        # Layers whose pages start at the same byte alias one region.
+        regions = {offset: r for r, offset in enumerate(sorted(set(offset_of.values())))}
+        return cls(
+            num_blocks=config.num_blocks,
+            block_size=block_size,
+            region_of_layer=tuple(regions[offset_of[n]] for n in layer_names),
+            group_of_layer=tuple(group_of[n] for n in layer_names),
+        )
+
+
+class KVPool:
+    """K and V arrays per region, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def __init__(self, layout: KVLayout, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        shape = (layout.num_blocks, layout.block_size, num_kv_heads, head_dim)
+        self.layout = layout
+        self.dtype = dtype
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(layout.num_regions)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(layout.num_regions)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every region (copy-on-write of shared blocks)."""
+        if not src:
+            return
+        src_idx = mx.array(src, dtype=mx.int32)
+        dst_idx = mx.array(dst, dtype=mx.int32)
+        for arrays in (self.keys, self.values):
+            for i, pool in enumerate(arrays):
+                pool[dst_idx] = pool[src_idx]
+                arrays[i] = pool
+        mx.eval(self.arrays())

@@ -1,0 +1,54 @@
+"""vLLM KV-cache specs from a model's layer kinds.
+
+Full-attention layers get `FullAttentionSpec`; sliding-window layers get `SlidingWindowSpec`, so
+vLLM's KV manager frees the blocks that fall out of the window instead of keeping the whole
+context. Layers of one kind form one KV-cache group on vLLM's side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+from vllm_metal.models.layers import LayerKind
+
+
+def attention_spec(
+    kind: LayerKind, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> KVCacheSpec:
+    if kind.is_state:
+        raise ValueError(
+            "state (recurrent) layers have no KV-cache spec in vllm-metal yet; "
+            "hybrid models are not supported"
+        )
+    if kind.sliding_window is not None:
+        return SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_dim,
+            dtype=dtype,
+            sliding_window=kind.sliding_window,
+        )
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=dtype
+    )
+
+
+def kv_cache_specs(
+    layer_names: Sequence[str],
+    layer_kinds: Sequence[LayerKind],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> dict[str, KVCacheSpec]:
+    """One spec per attention layer, keyed by the layer's real module name."""
+    if len(layer_names) != len(layer_kinds):
+        raise ValueError(f"{len(layer_names)} layer names for {len(layer_kinds)} layer kinds")
+    return {
+        name: attention_spec(kind, block_size, num_kv_heads, head_dim, dtype)
+        for name, kind in zip(layer_names, layer_kinds)
+    }

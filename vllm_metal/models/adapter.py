@@ -1,0 +1,110 @@
+"""The runner's view of an mlx-lm model: embeddings, a forward over hidden states, logits and
+the kind of each layer.
+
+The generic adapter fits mlx-lm architectures laid out as `Model.model` (embeddings, decoder
+layers, final norm) plus a head, which is most of them. A family whose mlx-lm class differs
+subclasses it in `families/<model_type>.py`. Mirrors mlx-lm 0.32.2.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cached_property
+from typing import Any
+
+import mlx.core as mx
+
+from vllm_metal.models import attention
+from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, kinds_from_caches
+from vllm_metal.models.loaders import parameter_bytes
+
+_ATTENTION_ATTRS = ("self_attn", "attention", "attn")
+
+
+class ModelAdapter:
+    def __init__(self, model: Any, config: dict[str, Any]):
+        self.model = model  # the mlx-lm `Model`
+        self.config = config  # the checkpoint's config.json, as mlx-lm read it
+        self.model_type: str = config.get("model_type", "")
+
+    # ----------------------------------------------------------- structure
+
+    @property
+    def decoder(self) -> Any:
+        """The decoder stack: embeddings, layers, final norm (mlx-lm's `Model.model`)."""
+        return self.model.model
+
+    @property
+    def weight_bytes(self) -> int:
+        return parameter_bytes(self.model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @cached_property
+    def attention_layer_names(self) -> list[str]:
+        """The module name of each layer's attention, as in the checkpoint's weights."""
+        path_of = {id(m): name for name, m in self.model.named_modules()}
+        names = []
+        for i, layer in enumerate(self.model.layers):
+            attr = next((a for a in _ATTENTION_ATTRS if hasattr(layer, a)), None)
+            if attr is None or id(layer) not in path_of:
+                raise ValueError(f"{self.model_type}: layer {i} has no attention module")
+            names.append(f"{path_of[id(layer)]}.{attr}")
+        return names
+
+    def layer_kinds(self) -> list[LayerKind]:
+        """From mlx-lm's `make_cache()` where the model declares one, else full attention."""
+        if hasattr(self.model, "make_cache"):
+            return kinds_from_caches(self.model.make_cache())
+        return [FULL_ATTENTION] * self.num_layers
+
+    def install_paged_attention(self) -> None:
+        attention.route_module_sdpa(self.model)
+
+    # ------------------------------------------------------------- compute
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """Input embeddings of `token_ids` ([T, 1] -> [T, 1, hidden]), before any scaling the
+        decoder applies itself (the form multimodal embeddings are merged in)."""
+        return self.decoder.embed_tokens(token_ids)
+
+    def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
+        """Decoder hidden states after the final norm, from input embeddings."""
+        if not self._takes_input_embeddings:
+            raise NotImplementedError(
+                f"{self.model_type}: the mlx-lm decoder takes no input embeddings; "
+                "its family adapter must implement forward"
+            )
+        return self.decoder(None, caches, input_embeddings=input_embeds)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The model's head on selected hidden rows: tied embeddings, softcapping and all."""
+        # mlx-lm's `Model.__call__` is `head(self.model(inputs, cache))`; swapping the decoder
+        # for one call turns it into `head(hidden)` without restating each family's head.
+        inner = self.model["model"]
+        self.model["model"] = _Passthrough(inner, hidden)
+        try:
+            return self.model(None)
+        finally:
+            self.model["model"] = inner
+
+    @cached_property
+    def _takes_input_embeddings(self) -> bool:
+        params = inspect.signature(type(self.decoder).__call__).parameters
+        return "input_embeddings" in params
+
+
+class _Passthrough:
+    """Stands in for the decoder: returns the given hidden states, forwards attributes."""
+
+    def __init__(self, inner: Any, hidden: mx.array):
+        self._inner = inner
+        self._hidden = hidden
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        return self._hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -1,0 +1,13 @@
+"""Mistral: mlx-lm serves it with its Llama class, which applies a sliding window only when the
+config lists `layer_types`; transformers and vLLM apply the checkpoint's `sliding_window` to
+every layer, so the windows come from the config. Mirrors mlx-lm 0.32.2 (`models/llama.py`)."""
+
+from __future__ import annotations
+
+from vllm_metal.models.adapter import ModelAdapter
+from vllm_metal.models.layers import LayerKind, kinds_from_config
+
+
+class Adapter(ModelAdapter):
+    def layer_kinds(self) -> list[LayerKind]:
+        return kinds_from_config(self.config, self.num_layers)
