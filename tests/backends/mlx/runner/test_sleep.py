@@ -1,4 +1,6 @@
-"""Sleep mode frees MLX memory (KV cache at level 1, weights too at level 2) and wakes up intact."""
+"""Sleep mode frees MLX memory (KV cache at level 1, weights too at level 2, the KV cache alone on
+`release_kv_cache_memory`) and wakes up intact; the worker answers the RPCs vLLM's engine makes
+for drafts and KV connectors."""
 
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ SCRIPT = textwrap.dedent(
         llm.wake_up()
         out["woken"] = mem()
         out["after_level2"] = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        llm.sleep(level=0)
+        llm.release_kv_cache_memory()
+        out["released"] = mem()
+        llm.wake_up(tags=["kv_cache"])
+        llm.wake_up(tags=["scheduling"])
+        out["after_release"] = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        out["drafts"] = llm.collective_rpc("take_draft_token_ids")
+        out["handshake"] = llm.collective_rpc("get_kv_connector_handshake_metadata")
         print("RESULT" + json.dumps(out))
     """
 )
@@ -55,4 +65,9 @@ def test_sleep_frees_memory_and_wakes_up(tiny_model_dir, tmp_path):
     assert level2["weights"] == 0
     assert awake["active"] - level2["active"] >= (awake["kv_cache"] + awake["weights"]) * 0.9
     assert out["woken"]["kv_cache"] == awake["kv_cache"]
-    assert out["first"] == out["after_level1"] == out["after_level2"]
+    assert out["first"] == out["after_level1"] == out["after_level2"] == out["after_release"]
+    released = out["released"]
+    assert released["kv_cache"] == 0 and released["weights"] == awake["weights"]
+    assert awake["active"] - released["active"] >= awake["kv_cache"] * 0.9
+    assert out["drafts"] == [None]  # no speculative decoding configured
+    assert out["handshake"] == [None]  # no KV connector
