@@ -264,8 +264,21 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             },
             ["speculative decoding"],
         ),
+        ({"runner": "pooling"}, ["pooling", "runner='pooling'"]),
+        ({"kv_offloading_size": 1.0}, ["KV offloading", "kv_offloading_size=1.0"]),
     ],
-    ids=["tp", "pp", "dp", "block_size", "kv_cache_dtype", "quantization", "lora", "spec"],
+    ids=[
+        "tp",
+        "pp",
+        "dp",
+        "block_size",
+        "kv_cache_dtype",
+        "quantization",
+        "lora",
+        "spec",
+        "pooling",
+        "kv_offloading",
+    ],
 )
 def test_unsupported_settings_are_refused_by_name(
     metal_config, qwen3_dir: Path, kwargs: dict, names: list[str]
@@ -276,6 +289,29 @@ def test_unsupported_settings_are_refused_by_name(
     assert "vllm-metal" in message
     for name in names:
         assert name in message
+
+
+def test_a_backend_this_build_lacks_is_refused_by_its_variable(
+    metal_config, clean_env: pytest.MonkeyPatch
+) -> None:
+    from vllm_metal.platform import MetalConfigError, check_config
+
+    clean_env.setenv("VLLM_METAL_BACKEND", "mps")
+    with pytest.raises(MetalConfigError, match="VLLM_METAL_BACKEND='mps'"):
+        check_config(metal_config)
+
+
+def test_every_capability_row_is_checked_for_every_backend(metal_config) -> None:
+    from vllm_metal.backends import BACKENDS
+    from vllm_metal.capabilities import CAPABILITIES, SUPPORTED
+
+    assert set(SUPPORTED) == set(BACKENDS)
+    keys = [cap.key for cap in CAPABILITIES]
+    assert len(keys) == len(set(keys))
+    for supported in SUPPORTED.values():
+        assert supported <= set(keys)
+    # The default config asks for none of them.
+    assert not [cap.key for cap in CAPABILITIES if cap.requested(metal_config)]
 
 
 def test_unsupported_dtype_is_refused_by_name(metal_config) -> None:
