@@ -366,3 +366,19 @@ def test_prompt_logprob_counts_are_kept_per_request(states):
     states.update(schedule({"k": 4, "all": 4, "none": 4}, new=new))
     assert states.num_prompt_logprobs == {"k": 3, "all": states.vocab_size}
     assert states.vocab_size == 768  # the tiny checkpoint's vocabulary
+
+
+def test_a_seeded_streaming_session_continues_its_random_stream(states):
+    import torch
+
+    params = SamplingParams(temperature=1.0, seed=7)
+    step(states, schedule({"s": 5}, new=[new_req("s", span(100, 5), [[1, 2]], params=params)]))
+    first_turn = states.input_batch.generators[0]
+    torch.rand(3, generator=first_turn)  # the first turn samples
+
+    prompt = span(100, 5) + [500, 900]
+    step(states, schedule({"s": 1}, new=[new_req("s", prompt, [[1, 2]], 6, params=params)]))
+    generator = states.input_batch.generators[0]
+    assert generator is first_turn
+    replay = torch.Generator().manual_seed(7)
+    assert not torch.equal(torch.rand(3, generator=generator), torch.rand(3, generator=replay))

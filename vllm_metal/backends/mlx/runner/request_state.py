@@ -110,13 +110,13 @@ class RequestStates:
     def _add_new(self, new) -> CachedRequestState:
         if new.prompt_token_ids is None:
             raise ValueError(f"request {new.req_id}: prompt embeddings are not supported")
+        if new.req_id in self.requests:
+            return self._continue_streaming(new)
         params = new.sampling_params
         generator = None
         if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
             generator = torch.Generator(device=HOST)
             generator.manual_seed(params.seed)
-        if new.req_id in self.requests:  # a streaming session continuing
-            self.input_batch.remove_request(new.req_id)
         state = CachedRequestState(
             req_id=new.req_id,
             prompt_token_ids=new.prompt_token_ids,
@@ -132,6 +132,23 @@ class RequestStates:
         if params is not None and params.prompt_logprobs is not None:
             k = params.prompt_logprobs
             self.num_prompt_logprobs[new.req_id] = self.vocab_size if k == -1 else k
+        return state
+
+    def _continue_streaming(self, new) -> CachedRequestState:
+        """A streaming session's next turn: the earlier outputs are now part of the prompt.
+
+        The request keeps its state object, so a seeded request continues its random stream
+        instead of replaying it (as on vLLM's other backends).
+        """
+        self.input_batch.remove_request(new.req_id)
+        state = self.requests[new.req_id]
+        state.prompt_token_ids = new.prompt_token_ids
+        state.num_prompt_tokens = len(new.prompt_token_ids)
+        state.mm_features = new.mm_features
+        state.sampling_params = new.sampling_params
+        state.block_ids = new.block_ids
+        state.num_computed_tokens = new.num_computed_tokens
+        state.output_token_ids.clear()
         return state
 
     def record_sampled(self, sampled: list[list[int]]) -> None:
