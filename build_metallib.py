@@ -1,7 +1,8 @@
-"""Compiles metal_kernels/*.metal into the vllm_metal.metallib shipped in the macOS wheel.
+"""Compiles metal_kernels/<op>/*.metal into the vllm_metal.metallib shipped in the macOS wheel.
 
 Used by setup.py on macOS (``xcrun -sdk macosx metal``); the NAX kernels need Metal 4 and are
-left out, with a warning, when the SDK or compiler cannot build them.
+left out, with a warning, when the SDK or compiler cannot build them. The sources include the
+headers they share with the C++ host from csrc/ (constants.h, ops/<op>/params.h).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 # Metal 3.1 is the first version with bfloat; the NAX file needs Metal 4 tensors (macOS 26.2 SDK).
 BASE_FLAGS = ["-std=metal3.1", "-O3", "-fno-fast-math", "-Wall"]
 NAX_FLAGS = ["-std=metal4.0", "-O3", "-fno-fast-math", "-Wall", "-mmacosx-version-min=26.2"]
-NAX_SOURCES = {"paged_attention_nax.metal"}
+NAX_SOURCES = {"attention/nax.metal"}
 
 
 def _metal(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -23,7 +24,7 @@ def _metal(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def build_metallib(root: Path, out_dir: Path, name: str = "vllm_metal.metallib") -> Path | None:
-    """Compile every kernel source under ``root/metal_kernels`` and link ``out_dir/name``.
+    """Compile every kernel source below ``root/metal_kernels`` and link ``out_dir/name``.
 
     Returns the library path, or None off macOS. Raises RuntimeError when a required (non-NAX)
     source fails to compile, with the compiler's message.
@@ -31,19 +32,21 @@ def build_metallib(root: Path, out_dir: Path, name: str = "vllm_metal.metallib")
     if sys.platform != "darwin":
         return None
     src_dir = root / "metal_kernels"
+    include_dir = root / "csrc"
     air_dir = root / "build" / "metallib"
     air_dir.mkdir(parents=True, exist_ok=True)
     airs: list[str] = []
-    for src in sorted(src_dir.glob("*.metal")):
-        air = air_dir / (src.stem + ".air")
-        optional = src.name in NAX_SOURCES
+    for src in sorted(src_dir.rglob("*.metal")):
+        rel = src.relative_to(src_dir).as_posix()
+        air = air_dir / (rel.removesuffix(".metal").replace("/", "_") + ".air")
+        optional = rel in NAX_SOURCES
         flags = NAX_FLAGS if optional else BASE_FLAGS
-        result = _metal(["metal", *flags, "-I", str(src_dir), "-c", str(src), "-o", str(air)])
+        result = _metal(["metal", *flags, "-I", str(include_dir), "-c", str(src), "-o", str(air)])
         if result.returncode != 0:
             if optional:
-                print(f"build_metallib: skipping {src.name} (needs Metal 4):\n{result.stderr}")
+                print(f"build_metallib: skipping {rel} (needs Metal 4):\n{result.stderr}")
                 continue
-            raise RuntimeError(f"compiling {src.name} failed:\n{result.stderr}")
+            raise RuntimeError(f"compiling {rel} failed:\n{result.stderr}")
         airs.append(str(air))
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / name

@@ -1,18 +1,25 @@
-// Python bindings of vllm_metal._C: one def per op, plus build facts the loader checks.
+// Python bindings of vllm_metal._C: one def per op, the Metal planners (for tests and diagnostics),
+// the shared constants, runtime knobs, and build facts the loader checks.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
 
-#include "cpu/cpu_features.h"
-#include "cpu/thread_pool.h"
-#include "kernel_select.h"
+#include "common/device.h"
+#include "common/thread_pool.h"
+#include "constants.h"
 #include "mlx/version.h"
-#include "ops.h"
+#include "ops/attention/cpu_isa.h"
+#include "ops/attention/op.h"
+#include "ops/attention/plan.h"
+#include "ops/cache/op.h"
+#include "ops/cache/plan.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -20,11 +27,99 @@ using namespace nb::literals;
 #define VM_STR2(x) #x
 #define VM_STR(x) VM_STR2(x)
 
-// Bumped whenever ops.h or the semantics of an op change, so a stale build is detected.
-#define VLLM_METAL_OPS_ABI 1
+namespace {
+
+namespace vm = vllm_metal;
+
+// Every constant of constants.h, keyed by its name without the VM_ prefix; list entries of one
+// field become ints, entries of several fields tuples (identifiers as strings).
+nb::dict constants() {
+  nb::dict c;
+#define VM__NUMBER(NAME) c[#NAME] = VM_##NAME;
+#define VM__INT(V, L) L.append(V);
+#define VM__PAIR(A, B, L) L.append(nb::make_tuple(A, B));
+#define VM__DTYPE(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
+#define VM__LIST(NAME, ENTRY)       \
+  {                                 \
+    nb::list l;                     \
+    VM_##NAME(ENTRY, l) c[#NAME] = nb::tuple(l); \
+  }
+  VM__NUMBER(OPS_ABI)
+  VM__NUMBER(BLOCK_SIZE_MULTIPLE)
+  VM__NUMBER(SIMD_WIDTH)
+  VM__NUMBER(THREADGROUP_MEMORY_BYTES)
+  VM__NUMBER(MAX_VALUE_COLUMNS)
+  VM__NUMBER(DECODE_THREADS)
+  VM__NUMBER(GQA_THREADS)
+  VM__NUMBER(GQA_ROWS)
+  VM__NUMBER(NAX_ROWS)
+  VM__NUMBER(NAX_KEYS)
+  VM__NUMBER(NAX_THREADS)
+  VM__NUMBER(CACHE_MAX_THREADS)
+  VM__NUMBER(PARTITION_SIZE)
+  VM__NUMBER(PARTITION_ALIGN)
+  VM__NUMBER(SPLIT_THREADGROUPS_PER_CORE)
+  VM__NUMBER(DEFAULT_GPU_CORES)
+  VM__NUMBER(DECODE_SPLIT_OUT_KEYS)
+  VM__LIST(HALF_DTYPES, VM__DTYPE)
+  VM__LIST(FLOAT_DTYPES, VM__DTYPE)
+  VM__LIST(DECODE_HEAD_SIZES, VM__INT)
+  VM__LIST(WIDE_HEAD_SIZES, VM__INT)
+  VM__LIST(HEAD_SIZES, VM__INT)
+  VM__LIST(BLOCK_DIVISORS, VM__INT)
+  VM__LIST(PREFILL_TILES, VM__PAIR)
+#undef VM__NUMBER
+#undef VM__INT
+#undef VM__PAIR
+#undef VM__DTYPE
+#undef VM__LIST
+  return c;
+}
+
+std::vector<int> triple(const int (&v)[3]) { return {v[0], v[1], v[2]}; }
+
+nb::dict launch_to_dict(const vm::AttentionLaunch& l) {
+  nb::dict d;
+  d["family"] = l.family;
+  d["kernel"] = l.kernel;
+  d["grid"] = triple(l.grid);
+  d["threads"] = l.threads;
+  d["rows_per_tile"] = l.rows_per_tile;
+  d["kernel_block"] = l.kernel_block;
+  d["work"] = l.work;
+  d["partition_size"] = l.partition_size;
+  d["part_offsets"] = l.part_offsets;
+  d["total_partitions"] = l.total_partitions;
+  d["scratch_heads"] = l.scratch_heads;
+  d["reduce_kernel"] = l.reduce_kernel;
+  d["reduce_grid"] = triple(l.reduce_grid);
+  d["reduce_threads"] = l.reduce_threads;
+  return d;
+}
+
+nb::dict plan_paged_attention(const std::string& dtype, int num_q_heads, int num_kv_heads,
+                              int head_dim, int block_size, const std::vector<int32_t>& cu_seqlens_q,
+                              const std::vector<int32_t>& seq_lens, int sliding_window,
+                              bool supports_nax, std::optional<int> gpu_cores) {
+  if (cu_seqlens_q.size() != seq_lens.size() + 1) {
+    throw std::invalid_argument("cu_seqlens_q must have len(seq_lens) + 1 entries");
+  }
+  const vm::AttentionShape shape{dtype,      num_q_heads, num_kv_heads, head_dim,
+                                 block_size, sliding_window};
+  vm::DeviceCaps caps = vm::device_caps(supports_nax);
+  if (gpu_cores.has_value()) caps.gpu_cores = *gpu_cores;
+  const vm::AttentionPlan plan = vm::select_paged_attention_kernel(
+      shape, cu_seqlens_q.data(), seq_lens.data(), static_cast<int>(seq_lens.size()), caps);
+  nb::list launches;
+  for (const auto& l : plan.launches) launches.append(launch_to_dict(l));
+  nb::dict out;
+  out["launches"] = launches;
+  return out;
+}
+
+}  // namespace
 
 NB_MODULE(_C, m) {
-  namespace vm = vllm_metal;
   namespace mx = mlx::core;
   m.doc() = "Native ops of vllm-metal (MLX primitives): paged KV-cache writes and paged attention.";
 
@@ -32,7 +127,8 @@ NB_MODULE(_C, m) {
       MLX_VERSION_PATCH);
   m.attr("NANOBIND_VERSION") = VM_STR(NB_VERSION_MAJOR) "." VM_STR(NB_VERSION_MINOR) "." VM_STR(
       NB_VERSION_PATCH);
-  m.attr("OPS_ABI") = VLLM_METAL_OPS_ABI;
+  m.attr("OPS_ABI") = VM_OPS_ABI;
+  m.attr("CONSTANTS") = constants();
 #if defined(VLLM_METAL_WITH_METAL)
   m.attr("HAS_METAL") = true;
 #else
@@ -44,17 +140,46 @@ NB_MODULE(_C, m) {
   m.def("_abi_probe", [](const mx::array& a) { return a.ndim(); }, "a"_a,
         "Returns a.ndim; fails with TypeError when this module cannot see MLX's array type.");
 
+  // The ops, unvalidated: vllm_metal.ops checks the arguments and states the semantics.
   m.def("reshape_and_cache", &vm::reshape_and_cache, "key"_a, "value"_a, "key_cache"_a,
         "value_cache"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "Writes key/value rows [T, H_kv, D] into the paged pools at slot_mapping (int64 [T], "
-        "negative = skip). Returns (key_cache, value_cache), which share the pools' memory.");
-
+        "vllm_metal.ops.reshape_and_cache without argument checks. Returns (key_cache, "
+        "value_cache), which share the pools' memory.");
   m.def("paged_attention", &vm::paged_attention, "query"_a, "key_cache"_a, "value_cache"_a,
         "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a, nb::kw_only(), "scale"_a,
         "sliding_window"_a = nb::none(), "softcap"_a = nb::none(), "sinks"_a = nb::none(),
-        "stream"_a = nb::none(),
-        "Varlen causal attention of packed queries [T, Hq, D] over paged K/V pools.");
+        "stream"_a = nb::none(), "vllm_metal.ops.paged_attention without argument checks.");
 
+  // The Metal planners: plain shapes in, plain dicts out (no GPU needed).
+  m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
+        "num_kv_heads"_a, "head_dim"_a, "block_size"_a, "cu_seqlens_q"_a, "seq_lens"_a,
+        "sliding_window"_a = 0, "supports_nax"_a = false, "gpu_cores"_a = nb::none(),
+        "Kernel plan of one paged-attention call: {'launches': [dispatch dicts]}. gpu_cores=None "
+        "plans for this device's cores (set_gpu_cores).");
+  m.def(
+      "select_reshape_and_cache_kernel",
+      [](const std::string& dtype, int num_kv_heads, int head_dim) {
+        const vm::CacheLaunch c = vm::select_reshape_and_cache_kernel(dtype, num_kv_heads, head_dim);
+        nb::dict d;
+        d["kernel"] = c.kernel;
+        d["threads"] = c.threads;
+        return d;
+      },
+      "dtype"_a, "num_kv_heads"_a, "head_dim"_a,
+      "Kernel and threadgroup size of one reshape_and_cache call.");
+  m.def(
+      "all_kernel_names",
+      [] {
+        std::vector<std::string> names = vm::cache_kernel_names();
+        for (auto& n : vm::attention_kernel_names()) names.push_back(std::move(n));
+        return names;
+      },
+      "Every Metal kernel name the host can request (the instances of constants.h).");
+
+  // Runtime knobs.
+  m.def("gpu_cores", &vm::device::gpu_cores, "GPU cores the split-KV plan assumes.");
+  m.def("set_gpu_cores", &vm::device::set_gpu_cores, "n"_a,
+        "Sets the GPU cores the split-KV plan assumes (n <= 0: the default).");
   m.def("num_threads", [] { return vm::cpu::ThreadPool::instance().num_threads(); },
         "Threads the CPU bodies use.");
   m.def("set_num_threads", [](int n) { vm::cpu::ThreadPool::instance().set_num_threads(n); },
@@ -64,6 +189,4 @@ NB_MODULE(_C, m) {
   m.def("set_cpu_isa", &vm::cpu::set_isa, "name"_a,
         "Selects the CPU attention kernel build (auto, generic, avx2, avx512); returns False when "
         "this CPU or build lacks it.");
-
-  vm::bind_kernel_select(m);
 }

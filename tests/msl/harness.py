@@ -20,6 +20,8 @@ RUNNER_SRC = HERE / "runtime" / "runner.cpp"
 REPO_ROOT = HERE.parent.parent
 # The mutation self-check (mutate.py) points the tests at mutated copies through this variable.
 KERNEL_DIR = Path(os.environ.get("VLLM_METAL_MSL_KERNEL_DIR", REPO_ROOT / "metal_kernels"))
+# Headers the kernels share with the C++ host (constants.h, ops/<op>/params.h), as for `metal -I`.
+SHARED_INCLUDE_DIR = REPO_ROOT / "csrc"
 
 CXX = os.environ.get("CXX", "g++")
 COMMON_FLAGS = ["-std=c++20", "-g1", "-fno-threadsafe-statics", "-Wno-attributes", "-w"]
@@ -180,7 +182,12 @@ def _split_top(s: str) -> list[str]:
 
 _ATTR = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]")
 _KERNEL_FN = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel)\s+void\s+([A-Za-z_]\w*)\s*\(")
-_HOST_NAME = re.compile(r"\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]")
+# The name may be adjacent literals ("a" "b"), as a name macro's stringized pieces expand to.
+_HOST_NAME = re.compile(r"\[\[\s*host_name\s*\(\s*((?:\"[^\"]*\"\s*)+)\)\s*\]\]")
+
+
+def _host_name(literals: str) -> str:
+    return "".join(re.findall(r'"([^"]*)"', literals))
 
 
 def _parse_params(plist: str, fn: str) -> list[Param]:
@@ -222,7 +229,7 @@ def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
         head = expanded[head_start + 1 : m.start()]
         if not re.search(r"\btemplate\s*<", head):
             hn = _HOST_NAME.search(head)
-            instances.append(Instance(hn[1] if hn else name, name, None))
+            instances.append(Instance(_host_name(hn[1]) if hn else name, name, None))
     for m in _HOST_NAME.finditer(expanded):
         before = expanded[max(0, m.start() - 40) : m.start()]
         if not re.search(r"\btemplate\s*$", before):
@@ -245,9 +252,12 @@ def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
                 lt = km.end() - 1
                 gt = _matching(stmt, lt, "<", ">")
                 found = (k, stmt[lt + 1 : gt - 1].strip())
+        host_name = _host_name(m[1])
         if found is None:
-            raise ValueError(f"host_name {m[1]!r}: no kernel template instantiated in {stmt!r}")
-        instances.append(Instance(m[1], found[0], found[1]))
+            raise ValueError(
+                f"host_name {host_name!r}: no kernel template instantiated in {stmt!r}"
+            )
+        instances.append(Instance(host_name, found[0], found[1]))
     names = [i.host_name for i in instances]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -348,18 +358,30 @@ class Program:
         return sorted(self.instances)
 
 
+def _dependencies(source: Path, inc_flags: list[str]) -> list[Path]:
+    """Every file the source includes (its own headers and the shared ones), by the compiler."""
+    r = subprocess.run(
+        [CXX, "-MM", "-x", "c++", "-std=c++20", "-DMSL_PARSE_ONLY", *inc_flags, str(source)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        raise MslCompileError(r.stderr[-6000:])
+    names = r.stdout.replace("\\\n", " ").split(":", 1)[1].split()
+    return sorted({Path(n).resolve() for n in names} - {source})
+
+
 def compile_source(source: Path | str, extra_include: list[Path] | None = None) -> Program:
     """Compile a .metal file (unchanged) into a grid-runner binary, reusing a cached build."""
     source = Path(source).resolve()
     text = source.read_text()
     mapped = map_source(text, str(source))
-    siblings = sorted(
-        p for p in source.parent.iterdir() if p.suffix in (".h", ".metal", ".hpp") and p != source
-    )
-    includes = [source.parent, *(extra_include or [])]
+    includes = [source.parent, SHARED_INCLUDE_DIR, *(extra_include or [])]
+    inc_flags = [*PREDEFINED, f"-I{INCLUDE_DIR}", *(f"-I{p}" for p in includes)]
     key = _digest(
         mapped.encode(),
-        *(p.read_bytes() for p in siblings),
+        *(p.read_bytes() for p in _dependencies(source, inc_flags)),
         *(p.read_bytes() for p in _harness_files()),
         _compiler_id(),
         " ".join(COMMON_FLAGS + KERNEL_FLAGS + PREDEFINED).encode(),
@@ -367,7 +389,6 @@ def compile_source(source: Path | str, extra_include: list[Path] | None = None) 
     work = cache_dir() / f"{source.stem}-{key}"
     binary = work / "kernel"
     mapped_path = work / f"{source.stem}.mapped.metal"
-    inc_flags = [*PREDEFINED, f"-I{INCLUDE_DIR}", *(f"-I{p}" for p in includes)]
     if not binary.exists():
         tmpdir = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{source.stem}-"))
         tmp_mapped = tmpdir / mapped_path.name

@@ -1,10 +1,12 @@
-"""Drives metal_kernels/*.metal through the MSL harness the way the host encodes them: argument
-structs of attention_params.h, buffer slots PA_BUF_*, launch plans from vllm_metal._C."""
+"""Drives metal_kernels/<op>/*.metal through the MSL harness the way the host encodes them: the
+buffer slots and argument structs of csrc/ops/<op>/params.h (read from those headers), launch
+plans and constants from vllm_metal._C."""
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,78 +16,38 @@ from . import harness
 from .oracle import from_device, to_device
 
 KERNEL_DIR = harness.KERNEL_DIR
+PARAMS_DIR = harness.SHARED_INCLUDE_DIR / "ops"
 
 FAMILY_SOURCE = {
-    "reshape_and_cache": "reshape_and_cache.metal",
-    "decode": "paged_attention_decode.metal",
-    "reduce": "paged_attention_decode.metal",
-    "gqa": "paged_attention_gqa.metal",
-    "prefill": "paged_attention_prefill.metal",
-    "nax": "paged_attention_nax.metal",
+    "reshape_and_cache": "cache/reshape_and_cache.metal",
+    "decode": "attention/decode.metal",
+    "reduce": "attention/decode.metal",
+    "gqa": "attention/gqa.metal",
+    "prefill": "attention/prefill.metal",
+    "nax": "attention/nax.metal",
 }
 
-# Buffer slots (attention_params.h).
-BUF = {
-    "query": 0,
-    "key_cache": 1,
-    "value_cache": 2,
-    "block_tables": 3,
-    "seq_lens": 4,
-    "cu_seqlens_q": 5,
-    "sinks": 6,
-    "out": 7,
-    "work": 8,
-    "part_offsets": 9,
-    "partial_ml": 10,
-    "partial_out": 11,
-    "params": 12,
-}
-PARTITION_ALIGN = 32
+_FIELD_TYPES = {"int": "<i4", "long_t": "<i8", "float": "<f4"}
 
-PA_PARAMS = np.dtype(
-    [
-        ("num_seqs", "<i4"),
-        ("num_q_heads", "<i4"),
-        ("num_kv_heads", "<i4"),
-        ("num_blocks", "<i4"),
-        ("block_size", "<i4"),
-        ("max_blocks_per_seq", "<i4"),
-        ("q_stride_token", "<i8"),
-        ("q_stride_head", "<i8"),
-        ("kv_stride_block", "<i8"),
-        ("kv_stride_slot", "<i8"),
-        ("kv_stride_head", "<i8"),
-        ("scale", "<f4"),
-        ("softcap", "<f4"),
-        ("sliding_window", "<i4"),
-        ("has_sinks", "<i4"),
-        ("num_work", "<i4"),
-        ("partition_size", "<i4"),
-        ("scratch_heads", "<i4"),
-        ("pad0", "<i4"),
-    ],
-    align=True,
-)
-CACHE_PARAMS = np.dtype(
-    [
-        ("num_tokens", "<i4"),
-        ("num_kv_heads", "<i4"),
-        ("head_dim", "<i4"),
-        ("pad0", "<i4"),
-        ("num_slots", "<i8"),
-        ("key_stride_token", "<i8"),
-        ("key_stride_head", "<i8"),
-        ("value_stride_token", "<i8"),
-        ("value_stride_head", "<i8"),
-        ("kv_stride_block", "<i8"),
-        ("kv_stride_slot", "<i8"),
-        ("kv_stride_head", "<i8"),
-        ("block_size", "<i4"),
-        ("pad1", "<i4"),
-    ],
-    align=True,
-)
-assert PA_PARAMS.itemsize == 96 and CACHE_PARAMS.itemsize == 88
+
+def _buffer_slots(op: str, prefix: str) -> dict[str, int]:
+    """`#define <prefix>NAME n` of csrc/ops/<op>/params.h as {"name": n}."""
+    text = (PARAMS_DIR / op / "params.h").read_text()
+    return {m[1].lower(): int(m[2]) for m in re.finditer(rf"#define {prefix}(\w+) (\d+)", text)}
+
+
+def _struct(op: str, name: str) -> np.dtype:
+    """The argument struct `name` of csrc/ops/<op>/params.h, laid out as the C compiler does."""
+    text = (PARAMS_DIR / op / "params.h").read_text()
+    body = re.search(rf"struct {name} {{(.*?)\n}};", text, re.DOTALL)[1]
+    fields = re.findall(r"^\s*(int|long_t|float)\s+(\w+);", body, re.MULTILINE)
+    return np.dtype([(n, _FIELD_TYPES[ty]) for ty, n in fields], align=True)
+
+
+BUF = _buffer_slots("attention", "PA_BUF_")
+CACHE_BUF = _buffer_slots("cache", "RC_BUF_")
+PA_PARAMS = _struct("attention", "PagedAttentionParams")
+CACHE_PARAMS = _struct("cache", "ReshapeAndCacheParams")
 
 
 @functools.cache
@@ -94,12 +56,16 @@ def program(source_name: str, kernel_dir: Path = KERNEL_DIR) -> harness.Program:
 
 
 def native():
-    """vllm_metal._C (the host's kernel-choice functions)."""
+    """vllm_metal._C (the host's kernel-choice functions and constants)."""
     import mlx.core  # noqa: F401  (loads libmlx for the extension)
 
     from vllm_metal import _C
 
     return _C
+
+
+def constant(name: str) -> object:
+    return native().CONSTANTS[name]
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,19 +100,9 @@ def reshape_and_cache(
         "value_cache": to_device(value_cache, dtype),
         "slot_mapping": slot_mapping.astype(np.int64),
     }
-    d = harness.Dispatch(
-        launch["kernel"],
-        (T, 1, 1),
-        (launch["threads"], 1, 1),
-        {
-            0: "key",
-            1: "value",
-            2: "key_cache",
-            3: "value_cache",
-            4: "slot_mapping",
-            5: np.frombuffer(p.tobytes(), np.uint8),
-        },
-    )
+    binds: dict[int, harness.BufferArg] = {i: n for n, i in CACHE_BUF.items() if n != "params"}
+    binds[CACHE_BUF["params"]] = np.frombuffer(p.tobytes(), np.uint8)
+    d = harness.Dispatch(launch["kernel"], (T, 1, 1), (launch["threads"], 1, 1), binds)
     r = harness.run(
         program(FAMILY_SOURCE["reshape_and_cache"], kernel_dir),
         bufs,
@@ -180,7 +136,7 @@ class AttentionCase:
 
 
 def host_plan(
-    case: AttentionCase, *, supports_nax: bool = False, gpu_cores: int = 16
+    case: AttentionCase, *, supports_nax: bool = False, gpu_cores: int | None = None
 ) -> list[dict]:
     """The launches the host would encode for this call (vllm_metal._C's choice rules)."""
     Hq, D = case.query.shape[1:]
@@ -194,30 +150,31 @@ def host_plan(
         case.seq_lens.tolist(),
         case.sliding_window or 0,
         supports_nax,
-        gpu_cores,
+        gpu_cores or constant("DEFAULT_GPU_CORES"),
     )["launches"]
 
 
 def split_partitions(launch: dict, case: AttentionCase, partition_size: int) -> dict:
     """A decode/gqa launch re-planned with split-KV partitions of `partition_size` keys, computed
-    as the kernels document it (partitions start at the first attended key rounded down to 32)."""
+    as the kernels document it (partitions start at the first attended key rounded down to the
+    partition alignment)."""
+    align = constant("PARTITION_ALIGN")
     assert launch["family"] in ("decode", "gqa")
-    assert partition_size % PARTITION_ALIGN == 0 and partition_size % launch["kernel_block"] == 0
+    assert partition_size % align == 0 and partition_size % launch["kernel_block"] == 0
     W = case.sliding_window or 0
     offsets, max_parts = [0], 1
     for s in launch["work"]:
         L = int(case.seq_lens[s])
         lo = max(0, L - W) if W else 0
-        base = lo - lo % PARTITION_ALIGN
+        base = lo - lo % align
         parts = max(1, math.ceil((L - base) / partition_size))
         max_parts = max(max_parts, parts)
         offsets.append(offsets[-1] + parts)
     Hq = case.query.shape[1]
     Hkv = case.key_cache.shape[2]
     G = Hq // Hkv
-    scratch = Hkv * math.ceil(G / 8) * 8 if launch["family"] == "gqa" else Hq
-    d = D = case.query.shape[2]
-    dt = case.dtype
+    rows = constant("GQA_ROWS")
+    scratch = Hkv * math.ceil(G / rows) * rows if launch["family"] == "gqa" else Hq
     return dict(
         launch,
         partition_size=partition_size,
@@ -225,9 +182,9 @@ def split_partitions(launch: dict, case: AttentionCase, partition_size: int) -> 
         total_partitions=offsets[-1],
         scratch_heads=scratch,
         grid=[launch["grid"][0], launch["grid"][1], max_parts],
-        reduce_kernel=f"paged_attention_reduce_{dt}_d{d if D <= 256 else D}",
+        reduce_kernel=f"paged_attention_reduce_{case.dtype}_d{case.query.shape[2]}",
         reduce_grid=[Hq, len(launch["work"]), 1],
-        reduce_threads=128,
+        reduce_threads=constant("DECODE_THREADS"),
     )
 
 

@@ -1,13 +1,10 @@
-"""Proves the host's Metal kernel choice rules and that every requestable kernel is instantiated.
-
-Exercises vllm_metal._C.select_paged_attention_kernel / all_kernel_names on plain shapes (no GPU).
-"""
+"""Proves the host's Metal kernel choice rules (the planners of csrc/ops/*/plan.cpp) on plain
+shapes, through vllm_metal._C.select_*_kernel (no GPU). That every name is instantiated by the
+Metal sources is proven by tests/msl/test_kernels.py."""
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 from typing import Any
 
 import mlx.core  # noqa: F401  (loads libmlx, which the extension links against)
@@ -15,7 +12,7 @@ import pytest
 
 from vllm_metal import _C
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
+C = _C.CONSTANTS
 
 
 def plan(
@@ -37,29 +34,26 @@ def plan(
     ]
 
 
-def instantiated_names() -> set[str]:
-    names: set[str] = set()
-    for src in KERNEL_DIR.glob("*.metal"):
-        for line in src.read_text().splitlines():
-            if line.startswith("#define"):
-                continue
-            names.update(re.findall(r'PA_INSTANTIATE_\w+\("([a-z0-9_]+)"', line))
-    return names
-
-
-def test_every_requestable_kernel_is_instantiated_and_nothing_else() -> None:
-    requestable = set(_C.all_kernel_names())
-    instantiated = instantiated_names()
-    assert requestable - instantiated == set()
-    assert instantiated - requestable == set()
-    assert "paged_attention_gqa_bf16_d256_k32" in requestable
+def test_kernel_names_cover_every_list_entry() -> None:
+    names = _C.all_kernel_names()
+    assert len(names) == len(set(names))
+    for tag, *_ in C["FLOAT_DTYPES"]:
+        assert f"reshape_and_cache_{tag}" in names
+        for d in C["DECODE_HEAD_SIZES"]:
+            assert f"paged_attention_reduce_{tag}_d{d}" in names
+            for b in C["BLOCK_DIVISORS"]:
+                for family in ("decode", "gqa", "prefill"):
+                    assert f"paged_attention_{family}_{tag}_d{d}_b{b}" in names
+    for tag, *_ in C["HALF_DTYPES"]:
+        for d in C["HEAD_SIZES"]:
+            assert f"paged_attention_nax_{tag}_d{d}" in names
 
 
 def test_pure_decode_uses_gqa_kernel_and_env_switch_restores_per_head_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     (launch,) = plan([1, 1, 1], [10, 20, 30], dtype="bf16", hq=24, hkv=4, d=256)
-    assert launch["kernel"] == "paged_attention_gqa_bf16_d256_k32"
+    assert launch["kernel"] == "paged_attention_gqa_bf16_d256_b32"
     assert launch["grid"][:2] == [4, 3]  # one threadgroup per kv head (6 heads <= 8) and row
     assert launch["work"] == [0, 1, 2]
     assert launch["partition_size"] == 0
@@ -67,7 +61,7 @@ def test_pure_decode_uses_gqa_kernel_and_env_switch_restores_per_head_kernel(
     monkeypatch.setenv("VLLM_METAL_DISABLE_GQA_DECODE", "1")
     (launch,) = plan([1, 1, 1], [10, 20, 30], dtype="bf16", hq=24, hkv=4, d=256)
     assert launch["family"] == "decode"
-    assert launch["kernel"] == "paged_attention_decode_bf16_d256_k32"
+    assert launch["kernel"] == "paged_attention_decode_bf16_d256_b32"
     assert launch["grid"][:2] == [24, 3]
 
 
@@ -89,7 +83,8 @@ def test_vllm_blocks_map_onto_kernel_blocks(block_size: int, kernel_block: int) 
 
 def test_float32_head_dim_256_gqa_uses_smaller_tile() -> None:
     (launch,) = plan([1], [100], dtype="f32", hq=24, hkv=4, d=256, block_size=64)
-    assert launch["kernel"] == "paged_attention_gqa_f32_d256_k16"
+    assert launch["kernel"] == "paged_attention_gqa_f32_d256_b32"
+    assert launch["kernel_block"] == 16  # 32-key tiles do not fit threadgroup memory
 
 
 def test_prefill_tiles_cover_token_head_rows() -> None:
@@ -122,8 +117,9 @@ def test_sliding_window_counts_attended_keys_for_split_out() -> None:
 def test_split_kv_scratch_is_sized_per_request() -> None:
     seq_lens = [5000, 100, 1300]
     (launch,) = plan([1, 1, 1], seq_lens, hq=8, hkv=8)
-    assert launch["partition_size"] == 512
-    parts = [math.ceil(n / 512) for n in seq_lens]
+    size = C["PARTITION_SIZE"]
+    assert launch["partition_size"] == size
+    parts = [math.ceil(n / size) for n in seq_lens]
     assert launch["part_offsets"] == [0, parts[0], parts[0] + parts[1], sum(parts)]
     assert launch["total_partitions"] == sum(parts) < len(seq_lens) * max(parts)
     assert launch["grid"] == [8, 3, max(parts)]
@@ -135,14 +131,14 @@ def test_split_kv_scratch_is_sized_per_request() -> None:
 def test_split_kv_partitions_start_at_window() -> None:
     (launch,) = plan([1], [10_000], hq=8, hkv=8, sliding_window=1000)
     first = 10_000 - 1000
-    base = first - first % 32
-    assert launch["part_offsets"] == [0, math.ceil((10_000 - base) / 512)]
+    base = first - first % C["PARTITION_ALIGN"]
+    assert launch["part_offsets"] == [0, math.ceil((10_000 - base) / C["PARTITION_SIZE"])]
 
 
 def test_gqa_split_scratch_pads_head_groups() -> None:
     (launch,) = plan([1], [9000], hq=24, hkv=4, d=256, dtype="bf16")
-    assert launch["family"] == "gqa" and launch["partition_size"] == 512
-    assert launch["scratch_heads"] == 4 * 8
+    assert launch["family"] == "gqa" and launch["partition_size"] == C["PARTITION_SIZE"]
+    assert launch["scratch_heads"] == 4 * C["GQA_ROWS"]
 
 
 def test_no_split_when_grid_already_fills_the_gpu() -> None:
@@ -172,7 +168,8 @@ def test_nax_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_head_dim_512_decode_rows_use_prefill_kernel() -> None:
     (launch,) = plan([1], [100], dtype="bf16", d=512)
-    assert launch["kernel"] == "paged_attention_prefill_bf16_d512_q16_k8"
+    assert launch["kernel"] == "paged_attention_prefill_bf16_d512_b32"
+    assert (launch["rows_per_tile"], launch["kernel_block"]) == (16, 8)
     assert launch["grid"][1] == 2 * 2
 
 

@@ -1,5 +1,6 @@
 """Every bad argument to the public ops raises ValueError naming that argument (before any work),
-and the optional value checks catch out-of-range indices.
+on the native and on the reference path alike, and the optional value checks catch out-of-range
+indices.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def cache_args() -> dict[str, Any]:
         "value_cache": mx.zeros((NB, BS, HKV, D)),
         "slot_mapping": mx.arange(T).astype(mx.int64),
     }
+
+
+@pytest.fixture(params=["native", "reference"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    # The checks run before either implementation is chosen: both paths see the same errors.
+    if request.param == "native" and not ops.native_available():
+        pytest.skip("native extension unavailable")
+    monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1" if request.param == "reference" else "0")
+    assert ops.backend() == request.param
+    return request.param
 
 
 def call_attention(**args: Any) -> mx.array:
@@ -176,7 +187,7 @@ CACHE_ERRORS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("case", "mutate", "name"), ATTENTION_ERRORS, ids=[c[0] for c in ATTENTION_ERRORS]
 )
 def test_paged_attention_errors_name_the_argument(
-    case: str, mutate: Callable[[dict[str, Any]], None], name: str
+    backend: str, case: str, mutate: Callable[[dict[str, Any]], None], name: str
 ) -> None:
     args = attention_args()
     mutate(args)
@@ -186,7 +197,7 @@ def test_paged_attention_errors_name_the_argument(
 
 @pytest.mark.parametrize(("case", "mutate", "name"), CACHE_ERRORS, ids=[c[0] for c in CACHE_ERRORS])
 def test_reshape_and_cache_errors_name_the_argument(
-    case: str, mutate: Callable[[dict[str, Any]], None], name: str
+    backend: str, case: str, mutate: Callable[[dict[str, Any]], None], name: str
 ) -> None:
     args = cache_args()
     mutate(args)
@@ -194,28 +205,10 @@ def test_reshape_and_cache_errors_name_the_argument(
         call_cache(**args)
 
 
-def test_valid_arguments_pass() -> None:
+def test_valid_arguments_pass(backend: str) -> None:
     # The unmodified arguments of the tables above are accepted (so each error is the mutation's).
     mx.eval(call_attention(**attention_args()))
     mx.eval(*call_cache(**cache_args()))
-
-
-def test_native_builders_check_shapes_too() -> None:
-    from vllm_metal.ops import _native
-
-    args = attention_args()
-    args["key_cache"] = mx.zeros((NB, BS, 3, D))
-    args["value_cache"] = mx.zeros((NB, BS, 3, D))
-    positional = [
-        args.pop(n)
-        for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "cu_seqlens_q")
-    ]
-    with pytest.raises(ValueError, match="multiple"):
-        _native._C.paged_attention(*positional, **args)
-    cargs = cache_args()
-    cargs["slot_mapping"] = mx.arange(T).astype(mx.int32)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        _native._C.reshape_and_cache(*cargs.values())
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Loader of the compiled extension ``vllm_metal._C``, checked against the MLX installed here.
+"""Loader of the compiled extension ``vllm_metal._C``, checked against the MLX installed here,
+and its unvalidated ops (vllm_metal.ops validates, then calls these) and runtime knobs.
 
 Importing this module raises ImportError, with the reason and the fix, when the extension is not
 built, was built for another MLX or ops ABI, or cannot exchange arrays with ``mlx.core``.
@@ -6,12 +7,18 @@ built, was built for another MLX or ops ABI, or cannot exchange arrays with ``ml
 
 from __future__ import annotations
 
+import functools
 import re
 
 import mlx.core as mx  # loads libmlx before the extension that links against it
 
-# Must equal VLLM_METAL_OPS_ABI in csrc/bindings.cpp.
-OPS_ABI = 1
+from vllm_metal._logging import init_logger
+from vllm_metal.ops import _gpu, _header
+
+logger = init_logger("vllm_metal.ops")
+
+# The ABI of this package's sources; a _C built from other sources reports another.
+OPS_ABI = _header.header_constants()["OPS_ABI"]
 
 _REBUILD = (
     "rebuild it with `pip install -e . --no-build-isolation --no-deps` (or reinstall vllm-metal) "
@@ -53,8 +60,26 @@ MLX_VERSION: str = _C.MLX_VERSION
 HAS_METAL: bool = _C.HAS_METAL
 
 
+@functools.cache
+def _configure_gpu() -> None:
+    # Metal has no API for the core count; the planner's split-KV choice depends on it.
+    cores = _gpu.read_gpu_core_count()
+    if cores is None:
+        logger.warning(
+            "could not read the GPU core count from the IORegistry; split-KV decode is planned "
+            "for %d cores",
+            _C.gpu_cores(),
+        )
+        return
+    _C.set_gpu_cores(cores)
+    logger.info("Metal GPU with %d cores (IORegistry gpu-core-count)", cores)
+
+
 def _on_gpu() -> bool:
-    return HAS_METAL and mx.default_device() == mx.gpu
+    if not (HAS_METAL and mx.default_device() == mx.gpu):
+        return False
+    _configure_gpu()
+    return True
 
 
 def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
@@ -63,31 +88,23 @@ def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
     return [None if a is None else mx.contiguous(a) for a in arrays]
 
 
-def reshape_and_cache(
-    key: mx.array,
-    value: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    slot_mapping: mx.array,
-) -> tuple[mx.array, mx.array]:
+def reshape_and_cache(*arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """arrays: key, value, key_cache, value_cache, slot_mapping."""
+    key, value, key_cache, value_cache, slot_mapping = arrays
     if _on_gpu():
         key, value, slot_mapping = _contiguous(key, value, slot_mapping)
     return _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
-    query: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    block_tables: mx.array,
-    seq_lens: mx.array,
-    cu_seqlens_q: mx.array,
-    *,
+    *arrays: mx.array,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
+    """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q."""
+    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if _on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
         # The GPU plan reads the per-sequence lengths on the host when it encodes the kernels.
@@ -104,6 +121,10 @@ def paged_attention(
         softcap=None if softcap is None else float(softcap),
         sinks=sinks,
     )
+
+
+def gpu_cores() -> int:
+    return _C.gpu_cores()
 
 
 def num_threads() -> int:

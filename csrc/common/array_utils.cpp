@@ -1,0 +1,70 @@
+// Layout helpers shared by the CPU bodies (see array_utils.h).
+
+#include "common/array_utils.h"
+
+#include <cstring>
+
+#include "mlx/allocator.h"
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+void copy_dim(const char* src, const std::vector<int64_t>& shape,
+              const std::vector<int64_t>& strides, size_t itemsize, size_t dim, char*& dst) {
+  const int64_t n = shape[dim];
+  const int64_t step = strides[dim] * static_cast<int64_t>(itemsize);
+  if (dim + 1 == shape.size()) {
+    if (strides[dim] == 1) {
+      std::memcpy(dst, src, n * itemsize);
+      dst += n * itemsize;
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i, dst += itemsize) std::memcpy(dst, src + i * step, itemsize);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) copy_dim(src + i * step, shape, strides, itemsize, dim + 1, dst);
+}
+
+mx::array staged_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
+  mx::array copy(x.shape(), x.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  std::vector<int64_t> shape(x.shape().begin(), x.shape().end());
+  std::vector<int64_t> strides(x.strides().begin(), x.strides().end());
+  encoder.dispatch([src = x.data<char>(), dst = copy.data<char>(), shape = std::move(shape),
+                    strides = std::move(strides), itemsize = x.itemsize()]() {
+    copy_strided(src, shape, strides, itemsize, dst);
+  });
+  encoder.add_temporary(copy);
+  return copy;
+}
+
+}  // namespace
+
+void copy_strided(const char* src, const std::vector<int64_t>& shape,
+                  const std::vector<int64_t>& strides, size_t itemsize, char* dst) {
+  if (shape.empty()) {
+    std::memcpy(dst, src, itemsize);
+    return;
+  }
+  for (int64_t n : shape) {
+    if (n == 0) return;
+  }
+  copy_dim(src, shape, strides, itemsize, 0, dst);
+}
+
+mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
+  if (x.flags().row_contiguous) return x;
+  return staged_copy(x, encoder);
+}
+
+mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
+  if (x.flags().row_contiguous) return x;
+  const size_t n = x.ndim();
+  bool packed = n >= 2 && x.strides(n - 1) == 1 &&
+                (x.shape(n - 2) == 1 || x.strides(n - 2) == x.shape(n - 1));
+  for (size_t i = 0; packed && i + 2 < n; ++i) packed = x.strides(i) >= 0;
+  return packed ? x : staged_copy(x, encoder);
+}
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,178 @@
+// The constants the native ops share: their host code (csrc/), their Metal kernels
+// (metal_kernels/) and Python (vllm_metal.ops reads _C.CONSTANTS, or parses this file when the
+// extension is not built). State a value here once and derive everything else from it.
+//
+// The file is C++20 and Metal Shading Language at once: integer macros, X-macro lists and
+// constexpr functions of ints. Python's parser (vllm_metal/ops/_header.py) reads every
+// `#define VM_NAME <integer>` and every list `#define VM_NAME(X, ...) X(a, ..., __VA_ARGS__) ...`
+// (entries may name other lists); bindings.cpp exports exactly the same set as _C.CONSTANTS, and
+// tests/ops/test_constants.py holds the two equal. Names with two underscores are helpers.
+//
+// A list calls X once per entry with the entry's fields and then the caller's context (the extra
+// arguments after X), so lists nest: a callback receives `(fields..., context...)` and must accept
+// a trailing empty argument when the list is expanded without context.
+#pragma once
+
+// Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
+#define VM_OPS_ABI 2
+
+// ---- element types -----------------------------------------------------------------------------
+// X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
+// in every kernel). The tag names kernels and plans ("f16").
+#define VM__DTYPE_F16(X, ...) X(f16, half, float16, 2, __VA_ARGS__)
+#define VM__DTYPE_BF16(X, ...) X(bf16, bfloat, bfloat16, 2, __VA_ARGS__)
+#define VM__DTYPE_F32(X, ...) X(f32, float, float32, 4, __VA_ARGS__)
+// Two-byte types: the neural-accelerator kernels take only these, and only their rows fit
+// threadgroup memory at the wide head sizes.
+#define VM_HALF_DTYPES(X, ...) VM__DTYPE_F16(X, __VA_ARGS__) VM__DTYPE_BF16(X, __VA_ARGS__)
+#define VM_FLOAT_DTYPES(X, ...) VM_HALF_DTYPES(X, __VA_ARGS__) VM__DTYPE_F32(X, __VA_ARGS__)
+
+// ---- head sizes --------------------------------------------------------------------------------
+// X(head_size, ...). Every kernel family is built for the decode head sizes; the wide ones only for
+// the prefill families (prefill, nax), which then also run their decode rows.
+#define VM_DECODE_HEAD_SIZES(X, ...) \
+  X(64, __VA_ARGS__) X(80, __VA_ARGS__) X(96, __VA_ARGS__) X(128, __VA_ARGS__) X(256, __VA_ARGS__)
+#define VM_WIDE_HEAD_SIZES(X, ...) X(512, __VA_ARGS__)
+#define VM_HEAD_SIZES(X, ...) VM_DECODE_HEAD_SIZES(X, __VA_ARGS__) VM_WIDE_HEAD_SIZES(X, __VA_ARGS__)
+
+// ---- vLLM blocks -------------------------------------------------------------------------------
+// A kernel reads the KV pools in tiles that never span two vLLM blocks. Kernels are built per block
+// divisor B, X(B, ...): for vLLM block sizes that are multiples of B, with KV tiles of at most B
+// keys. The host takes the largest divisor of the block size. Ascending.
+#define VM_BLOCK_DIVISORS(X, ...) X(8, __VA_ARGS__) X(16, __VA_ARGS__) X(32, __VA_ARGS__)
+// vLLM block sizes must be multiples of the smallest divisor.
+#define VM_BLOCK_SIZE_MULTIPLE 8
+
+// ---- tiles and threadgroups --------------------------------------------------------------------
+#define VM_SIMD_WIDTH 32
+// Metal's guaranteed threadgroup memory on Apple GPUs; every kernel's arrays fit in it.
+#define VM_THREADGROUP_MEMORY_BYTES 32768
+// V/O columns one threadgroup produces; wider heads run as column halves (separate threadgroups).
+#define VM_MAX_VALUE_COLUMNS 256
+// decode and reduce kernels: threads per threadgroup (one query head each).
+#define VM_DECODE_THREADS 128
+// gqa kernel: threads per threadgroup and query heads per threadgroup (one 8-row matrix tile).
+#define VM_GQA_THREADS 128
+#define VM_GQA_ROWS 8
+// nax kernel: (token, head) rows and keys per tile, threads per threadgroup.
+#define VM_NAX_ROWS 16
+#define VM_NAX_KEYS 16
+#define VM_NAX_THREADS 128
+// prefill kernel tiles X(rows, keys, ...), largest first: the host takes the first whose keys do not
+// exceed the block divisor and whose arrays fit threadgroup memory.
+#define VM_PREFILL_TILES(X, ...)                                                              \
+  X(32, 32, __VA_ARGS__) X(32, 16, __VA_ARGS__) X(16, 32, __VA_ARGS__) X(16, 16, __VA_ARGS__) \
+  X(32, 8, __VA_ARGS__) X(16, 8, __VA_ARGS__) X(8, 8, __VA_ARGS__)
+// reshape_and_cache: most threads per threadgroup (one threadgroup per token).
+#define VM_CACHE_MAX_THREADS 256
+
+// ---- split-KV decode ---------------------------------------------------------------------------
+// Keys per partition (a multiple of every block divisor and of the alignment).
+#define VM_PARTITION_SIZE 512
+// A row's partitions start at its first attended key rounded down to this.
+#define VM_PARTITION_ALIGN 32
+// Split when the one-pass grid has fewer threadgroups than this many per GPU core.
+#define VM_SPLIT_THREADGROUPS_PER_CORE 8
+// GPU cores assumed until the device's own count is known (vllm_metal/ops/_gpu.py).
+#define VM_DEFAULT_GPU_CORES 16
+// In a mixed batch, decode rows attending at least this many keys get their own dispatch.
+#define VM_DECODE_SPLIT_OUT_KEYS 4096
+
+// ---- tile rules (shared by the kernels' templates and the host's planner) -----------------------
+
+// Value columns of one threadgroup for a head size.
+constexpr int vm_value_columns(int head_size) {
+  return head_size > VM_MAX_VALUE_COLUMNS ? VM_MAX_VALUE_COLUMNS : head_size;
+}
+
+// Threads of a prefill threadgroup with `rows` rows: one simdgroup per 8 rows.
+constexpr int vm_prefill_threads(int rows) { return rows / 8 * VM_SIMD_WIDTH; }
+
+// Threadgroup bytes of the gqa kernel: Q rows, one K/V tile, S (float), P, diag (float 8x8). Rows
+// are padded by 16 bytes; the kernel asserts that its arrays take exactly this.
+constexpr int vm_gqa_threadgroup_bytes(int elem_bytes, int head_size, int keys) {
+  const int pad = 16 / elem_bytes;
+  const int q_pitch = head_size + pad;
+  return (VM_GQA_ROWS * q_pitch + keys * q_pitch + VM_GQA_ROWS * (keys + pad)) * elem_bytes +
+         (VM_GQA_ROWS * (keys + 4) + 64) * 4;
+}
+
+// Threadgroup bytes of the prefill kernel: Q, K, V tiles, S (float), P, diag per simdgroup.
+constexpr int vm_prefill_threadgroup_bytes(int elem_bytes, int head_size, int rows, int keys) {
+  const int pad = 16 / elem_bytes;
+  const int q_pitch = head_size + pad;
+  const int v_pitch = vm_value_columns(head_size) + pad;
+  return (rows * q_pitch + keys * q_pitch + keys * v_pitch + rows * (keys + pad)) * elem_bytes +
+         (rows * (keys + 4) + rows / 8 * 64) * 4;
+}
+
+// KV tile of the gqa kernel built for block divisor B: the largest divisor <= B that fits; 0: none.
+constexpr int vm_gqa_keys(int elem_bytes, int head_size, int divisor) {
+  int keys = 0;
+#define VM__GQA_TRY(K, ...)                                                   \
+  if (K <= divisor &&                                                         \
+      vm_gqa_threadgroup_bytes(elem_bytes, head_size, K) <= VM_THREADGROUP_MEMORY_BYTES) \
+    keys = K;
+  VM_BLOCK_DIVISORS(VM__GQA_TRY, )
+#undef VM__GQA_TRY
+  return keys;
+}
+
+// Tile of the prefill kernel built for block divisor B, as rows * 64 + keys (0: none fits).
+constexpr int vm__prefill_tile(int elem_bytes, int head_size, int divisor) {
+#define VM__PREFILL_TRY(R, K, ...)                                                          \
+  if (K <= divisor &&                                                                       \
+      vm_prefill_threadgroup_bytes(elem_bytes, head_size, R, K) <= VM_THREADGROUP_MEMORY_BYTES) \
+    return R * 64 + K;
+  VM_PREFILL_TILES(VM__PREFILL_TRY, )
+#undef VM__PREFILL_TRY
+  return 0;
+}
+constexpr int vm_prefill_rows(int elem_bytes, int head_size, int divisor) {
+  return vm__prefill_tile(elem_bytes, head_size, divisor) / 64;
+}
+constexpr int vm_prefill_keys(int elem_bytes, int head_size, int divisor) {
+  return vm__prefill_tile(elem_bytes, head_size, divisor) % 64;
+}
+
+// Largest block divisor of a vLLM block size (0 when it is not a multiple of any).
+constexpr int vm_block_divisor(int block_size) {
+  int divisor = 0;
+#define VM__DIVISOR_TRY(B, ...) \
+  if (block_size > 0 && block_size % B == 0) divisor = B;
+  VM_BLOCK_DIVISORS(VM__DIVISOR_TRY, )
+#undef VM__DIVISOR_TRY
+  return divisor;
+}
+
+// ---- kernel instances --------------------------------------------------------------------------
+// Each *_INSTANCES list calls X once per [[host_name]] instantiation, with X(tag, msl_type, bytes,
+// head_size, block_divisor) or a prefix of it. The .metal sources instantiate exactly these under
+// the names below; the host's planners choose among them and _C.all_kernel_names() lists them.
+#define VM_KERNEL_NAME_CACHE(DT) "reshape_and_cache_" #DT
+#define VM_KERNEL_NAME_DECODE(DT, D, B) "paged_attention_decode_" #DT "_d" #D "_b" #B
+#define VM_KERNEL_NAME_REDUCE(DT, D) "paged_attention_reduce_" #DT "_d" #D
+#define VM_KERNEL_NAME_GQA(DT, D, B) "paged_attention_gqa_" #DT "_d" #D "_b" #B
+#define VM_KERNEL_NAME_PREFILL(DT, D, B) "paged_attention_prefill_" #DT "_d" #D "_b" #B
+#define VM_KERNEL_NAME_NAX(DT, D) "paged_attention_nax_" #DT "_d" #D
+
+#define VM__WITH_DTYPE(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
+#define VM__WITH_HEAD(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
+#define VM__WITH_DIVISOR(B, X, DT, T, BYTES, D) X(DT, T, BYTES, D, B)
+#define VM__HEAD_DIVISORS(D, X, DT, T, BYTES) VM_BLOCK_DIVISORS(VM__WITH_DIVISOR, X, DT, T, BYTES, D)
+#define VM__DECODE_HEADS(DT, T, NAME, BYTES, X) \
+  VM_DECODE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)
+#define VM__WIDE_HEADS(DT, T, NAME, BYTES, X) VM_WIDE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)
+#define VM__REDUCE_HEADS(DT, T, NAME, BYTES, X) VM_DECODE_HEAD_SIZES(VM__WITH_HEAD, X, DT, T, BYTES)
+#define VM__ALL_HEADS(DT, T, NAME, BYTES, X) VM_HEAD_SIZES(VM__WITH_HEAD, X, DT, T, BYTES)
+
+// X(tag, msl_type, bytes): reshape_and_cache.
+#define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM__WITH_DTYPE, X)
+// X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).
+#define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM__DECODE_HEADS, X)
+// X(tag, msl_type, bytes, head_size): the split-KV reduce kernel of decode and gqa.
+#define VM_REDUCE_INSTANCES(X) VM_FLOAT_DTYPES(VM__REDUCE_HEADS, X)
+// X(tag, msl_type, bytes, head_size, block_divisor): prefill.
+#define VM_PREFILL_INSTANCES(X) VM_DECODE_INSTANCES(X) VM_HALF_DTYPES(VM__WIDE_HEADS, X)
+// X(tag, msl_type, bytes, head_size): nax (Metal 4 tensor ops).
+#define VM_NAX_INSTANCES(X) VM_HALF_DTYPES(VM__ALL_HEADS, X)

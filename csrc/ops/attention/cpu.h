@@ -1,0 +1,39 @@
+// The CPU paged-attention driver: plain pointers and shapes in, so any framework's op (the MLX
+// primitive here, a torch custom op) can call it. It partitions the batch into work items, splits
+// long key ranges across threads (merging their partial softmax states), and runs the inner kernel
+// build chosen for this CPU (cpu_isa.h) on the shared thread pool.
+//
+// Only plain data here: the ISA-specific kernel objects include this header.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_metal::cpu {
+
+enum class ElemType : int32_t { f32 = 0, f16 = 1, bf16 = 2 };
+
+struct AttentionArgs {
+  const void* query;            // [T, Hq, D], element strides q_stride_*
+  const void* key_cache;        // [NB, BS, Hkv, D]: strides kc_stride_b/o; heads packed (D apart)
+  const void* value_cache;      // same shape as key_cache, strides vc_stride_b/o
+  const int32_t* block_tables;  // [S, max_blocks] contiguous
+  const int32_t* seq_lens;      // [S]
+  const int32_t* cu_seqlens_q;  // [S + 1]
+  const float* sinks;           // [Hq] or nullptr
+  void* out;                    // [T, Hq, D] contiguous
+  ElemType dtype;
+  int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim;
+  int64_t num_blocks, block_size, max_blocks;
+  int64_t q_stride_t, q_stride_h, q_stride_d;
+  int64_t kc_stride_b, kc_stride_o;
+  int64_t vc_stride_b, vc_stride_o;
+  float scale;
+  int32_t sliding_window;  // 0 = none
+  float softcap;           // 0 = none
+};
+
+// Computes `out` on the calling thread and the pool, with the kernel build `isa` (cpu_isa.h).
+// Index values are clamped, so any values are memory-safe; tokens outside every sequence get zeros.
+void paged_attention(const AttentionArgs& args, int isa);
+
+}  // namespace vllm_metal::cpu

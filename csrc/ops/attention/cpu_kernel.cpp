@@ -1,0 +1,459 @@
+// Inner CPU kernel of paged attention: one work item = some query tokens of one sequence and a range
+// of KV heads, streamed over the keys in tiles with an online (running max / sum) softmax.
+//
+// Each key tile is widened to float32 once and used by every query head that reads it (GQA). The
+// dot products and the P·V update are written with GCC/Clang vector extensions at the width of the
+// instruction set this object is compiled for.
+//
+// Compiled several times with different instruction-set flags (VM_ISA names the variant); everything
+// except the exported run_item_<VM_ISA> has internal linkage, and no STL templates are used here, so
+// the variants cannot leak instructions into one another through the linker's merging of inline code.
+
+#include "common/convert.h"
+#include "ops/attention/cpu_kernel.h"
+
+#if defined(__x86_64__) && (defined(__AVX__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#ifndef VM_ISA
+#define VM_ISA generic
+#endif
+#define VM_CAT2(a, b) a##b
+#define VM_CAT(a, b) VM_CAT2(a, b)
+
+namespace vllm_metal::cpu {
+namespace {
+
+constexpr int TK = kKeyTile;
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#elif defined(__AVX2__)
+constexpr int VW = 8;
+#else
+constexpr int VW = 4;
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+inline vf vload(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline vf vsplat(float x) { return vf{} + x; }
+inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+template <ElemType E>
+struct Elem;
+template <>
+struct Elem<ElemType::f32> {
+  using T = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+template <>
+struct Elem<ElemType::f16> {
+  using T = uint16_t;
+  static float load(uint16_t v) { return half_to_float(v); }
+  static uint16_t store(float v) { return float_to_half(v); }
+};
+template <>
+struct Elem<ElemType::bf16> {
+  using T = uint16_t;
+  static float load(uint16_t v) { return bf16_to_float(v); }
+  static uint16_t store(float v) { return float_to_bf16(v); }
+};
+
+
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+
+inline vi vselect_i(vi mask, vi a, vi b) { return (mask & a) | (~mask & b); }
+
+// VW consecutive elements widened to float32.
+template <ElemType E>
+inline vf load_vec(const typename Elem<E>::T* p) {
+  if constexpr (E == ElemType::f32) {
+    return vload(p);
+  } else {
+    vh h;
+    __builtin_memcpy(&h, p, sizeof(h));
+    const vi x = __builtin_convertvector(h, vi);  // zero-extends
+    if constexpr (E == ElemType::bf16) {
+      return (vf)(x << 16);
+    } else {
+#if defined(__AVX512F__)
+      return (vf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__) && defined(__AVX__)
+      return (vf)_mm256_cvtph_ps((__m128i)h);
+#else
+      const vi exp = (x >> 10) & 0x1f;
+      const vi mant = x & 0x3ff;
+      const vi normal = ((exp + 112) << 23) | (mant << 13);
+      const vi special = 0x7f800000 | (mant << 13);
+      const vf subnormal = __builtin_convertvector(mant, vf) * 5.9604644775390625e-8f;
+      vi bits = vselect_i(exp == 0x1f, special, normal);
+      bits = vselect_i(exp == 0, (vi)subnormal, bits);
+      return (vf)(bits | ((x & 0x8000) << 16));
+#endif
+    }
+  }
+}
+
+inline float hsum(v4f v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+inline float hsum(v8f v) {
+  v4f lo, hi;
+  __builtin_memcpy(&lo, &v, sizeof(lo));
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return hsum(lo + hi);
+}
+inline float hsum(v16f v) {
+  v8f lo, hi;
+  __builtin_memcpy(&lo, &v, sizeof(lo));
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  return hsum(lo + hi);
+}
+
+// exp(x), ~1 ulp on [-88, 88]; below -88 (and -inf) gives 0, NaN stays NaN. Cody–Waite reduction
+// to r in [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes expf coefficients).
+inline vf vexp(vf x) {
+  x = vselect(x < vsplat(-88.0f), vsplat(-88.0f), x);
+  x = vselect(x > vsplat(88.0f), vsplat(88.0f), x);
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi e = __builtin_convertvector(n, vi) + 127;  // 0 .. 215 after the clamp
+  return p * (vf)(e << 23);
+}
+
+inline float exp1(float x) { return vexp(vsplat(x))[0]; }
+
+// c * tanh(x / c) on a row, absolute error ~1e-7 * c.
+inline void softcap_row(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t j = 0;
+  for (; j + VW <= n; j += VW) {
+    const vf y = vload(x + j) * inv;
+    const vi neg = y < vsplat(0.0f);
+    const vf a = vselect(neg, -y, y);
+    const vf t = 1.0f - 2.0f / (vexp(2.0f * a) + 1.0f);
+    vstore(x + j, cap * vselect(neg, -t, t));
+  }
+  for (; j < n; ++j) {
+    const float y = x[j] * inv;
+    const float a = y < 0 ? -y : y;
+    const float t = 1.0f - 2.0f / (exp1(2.0f * a) + 1.0f);
+    x[j] = cap * (y < 0 ? -t : t);
+  }
+}
+
+// p[r][j] = q[r] · k[j] for R query rows (stride D) and J keys at a time.
+template <ElemType E, int R, int J>
+inline void qk_block(const float* __restrict q, const typename Elem<E>::T* const* k, int64_t koff,
+                     int64_t D, float* __restrict p, int64_t j) {
+  vf acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < J; ++b) acc[r][b] = vf{};
+  int64_t d = 0;
+  for (; d + VW <= D; d += VW) {
+    vf kv[J];
+    for (int b = 0; b < J; ++b) kv[b] = load_vec<E>(k[j + b] + koff + d);
+    for (int r = 0; r < R; ++r) {
+      const vf qv = vload(q + r * D + d);
+      for (int b = 0; b < J; ++b) acc[r][b] += qv * kv[b];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < J; ++b) {
+      float s = hsum(acc[r][b]);
+      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * Elem<E>::load(k[j + b][koff + e]);
+      p[r * TK + j + b] = s;
+    }
+  }
+}
+
+template <ElemType E, int R>
+inline void qk_rows(const float* q, const typename Elem<E>::T* const* k, int64_t koff, int64_t D,
+                    float* p, int64_t j0, int64_t j1) {
+  constexpr int J = R == 1 ? 8 : (R == 2 ? 4 : 2);
+  int64_t j = j0;
+  for (; j + J <= j1; j += J) qk_block<E, R, J>(q, k, koff, D, p, j);
+  for (; j < j1; ++j) qk_block<E, R, 1>(q, k, koff, D, p, j);
+}
+
+// Scores of G query rows (one KV head) against keys [j0, j1) of the staged tile.
+template <ElemType E>
+inline void qk_group(const float* q, int64_t G, const typename Elem<E>::T* const* k, int64_t koff,
+                     int64_t D, float* p, int64_t j0, int64_t j1) {
+  int64_t r = 0;
+  for (; r + 4 <= G; r += 4) qk_rows<E, 4>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+  switch (G - r) {
+    case 3:
+      qk_rows<E, 3>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      break;
+    case 2:
+      qk_rows<E, 2>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      break;
+    case 1:
+      qk_rows<E, 1>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      break;
+    default:
+      break;
+  }
+}
+
+// o[r][d .. d + C*VW) += sum_j p[r][j] * v[j][d ..] for R rows.
+template <ElemType E, int R, int C>
+inline void pv_block(float* __restrict o, const float* __restrict p,
+                     const typename Elem<E>::T* const* v, int64_t voff, int64_t D, int64_t d,
+                     int64_t j0, int64_t j1) {
+  vf acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vload(o + r * D + d + c * VW);
+  for (int64_t j = j0; j < j1; ++j) {
+    const auto* vr = v[j] + voff + d;
+    vf vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_vec<E>(vr + c * VW);
+    for (int r = 0; r < R; ++r) {
+      const vf pr = vsplat(p[r * TK + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) vstore(o + r * D + d + c * VW, acc[r][c]);
+}
+
+template <ElemType E, int R>
+inline void pv_rows(float* o, const float* p, const typename Elem<E>::T* const* v, int64_t voff,
+                    int64_t D, int64_t j0, int64_t j1) {
+  constexpr int C = R == 1 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + C * VW <= D; d += C * VW) pv_block<E, R, C>(o, p, v, voff, D, d, j0, j1);
+  for (; d + VW <= D; d += VW) pv_block<E, R, 1>(o, p, v, voff, D, d, j0, j1);
+  for (; d < D; ++d) {
+    for (int r = 0; r < R; ++r) {
+      float acc = o[r * D + d];
+      for (int64_t j = j0; j < j1; ++j) acc += p[r * TK + j] * Elem<E>::load(v[j][voff + d]);
+      o[r * D + d] = acc;
+    }
+  }
+}
+
+template <ElemType E>
+inline void pv_group(float* o, int64_t G, const float* p, const typename Elem<E>::T* const* v,
+                     int64_t voff, int64_t D, int64_t j0, int64_t j1) {
+  int64_t r = 0;
+  for (; r + 4 <= G; r += 4) pv_rows<E, 4>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+  for (; r + 2 <= G; r += 2) pv_rows<E, 2>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+  for (; r < G; ++r) pv_rows<E, 1>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+}
+
+// Pool rows of one key tile: rows[j] points at KV head kv_begin of key t0 + j (heads D apart).
+template <ElemType E>
+inline void tile_rows(const typename Elem<E>::T* pool, int64_t stride_b, int64_t stride_o,
+                      int64_t kv_begin, const int32_t* table, int64_t block_size,
+                      int64_t num_blocks, int64_t t0, int64_t count, int64_t D,
+                      const typename Elem<E>::T* zero, const typename Elem<E>::T** rows) {
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t t = t0 + j;
+    const int64_t block = table[t / block_size];
+    // An invalid table entry reads zeros: memory-safe (the optional value checks report it).
+    rows[j] = block < 0 || block >= num_blocks
+                  ? zero
+                  : pool + block * stride_b + (t % block_size) * stride_o + kv_begin * D;
+  }
+}
+
+template <ElemType E>
+inline void prefetch_tile(const typename Elem<E>::T* pool, int64_t stride_b, int64_t stride_o,
+                          int64_t kv_begin, int64_t nh, const int32_t* table, int64_t block_size,
+                          int64_t num_blocks, int64_t t0, int64_t count, int64_t D) {
+  const int64_t bytes = nh * D * static_cast<int64_t>(sizeof(*pool));
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t t = t0 + j;
+    const int64_t block = table[t / block_size];
+    if (block < 0 || block >= num_blocks) continue;
+    const char* src = reinterpret_cast<const char*>(
+        pool + block * stride_b + (t % block_size) * stride_o + kv_begin * D);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
+  }
+}
+
+template <ElemType E>
+void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, float* partial_o,
+              float* partial_ml) {
+  using T = typename Elem<E>::T;
+  const int64_t D = a.head_dim;
+  const int64_t G = a.num_q_heads / a.num_kv_heads;
+  const int64_t nq = w.q_end - w.q_begin;
+  const int64_t nh = w.kv_end - w.kv_begin;
+  const int64_t rows_per_token = nh * G;
+  const int64_t M = nq * rows_per_token;
+  const int64_t W = a.sliding_window;
+  const int64_t tok0 = w.q_begin;
+  const float neg_inf = -__builtin_inff();
+
+  // Key range of each query token, clipped to this item's key range.
+  int64_t k_lo = w.k_end, k_hi = w.k_begin;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t p = w.pos_begin + i;
+    const int64_t lo = max64(W > 0 ? p - W + 1 : 0, w.k_begin);
+    const int64_t hi = max64(min64(p + 1, w.k_end), lo);
+    sc.token_lo[i] = static_cast<int32_t>(lo);
+    sc.token_hi[i] = static_cast<int32_t>(hi);
+    if (lo < hi) {
+      k_lo = min64(k_lo, lo);
+      k_hi = max64(k_hi, hi);
+    }
+  }
+
+  // Scaled float32 queries.
+  const T* q_base = static_cast<const T*>(a.query);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t hk = 0; hk < nh; ++hk) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = (w.kv_begin + hk) * G + g;
+        const T* src = q_base + (tok0 + i) * a.q_stride_t + h * a.q_stride_h;
+        float* dst = sc.q + ((i * nh + hk) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = Elem<E>::load(src[d * a.q_stride_d]) * a.scale;
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    sc.m[r] = neg_inf;
+    sc.l[r] = 0.0f;
+  }
+  for (int64_t x = 0; x < M * D; ++x) sc.o[x] = 0.0f;
+
+  const T* kc = static_cast<const T*>(a.key_cache);
+  const T* vc = static_cast<const T*>(a.value_cache);
+  const int32_t* table = a.block_tables + w.seq * a.max_blocks;
+  const T* zero = reinterpret_cast<const T*>(sc.zero);
+  const T* krows[TK];
+  const T* vrows[TK];
+
+  for (int64_t t0 = k_lo; t0 < k_hi; t0 += TK) {
+    const int64_t count = min64(TK, k_hi - t0);
+    tile_rows<E>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
+                 t0, count, D, zero, krows);
+    tile_rows<E>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
+                 t0, count, D, zero, vrows);
+    // Keys stream from memory: request this tile's values and the next tile's keys now.
+    prefetch_tile<E>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, nh, table, a.block_size,
+                     a.num_blocks, t0, count, D);
+    if (t0 + TK < k_hi) {
+      prefetch_tile<E>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, nh, table, a.block_size,
+                       a.num_blocks, t0 + TK, min64(TK, k_hi - t0 - TK), D);
+    }
+
+    // Token by token: scores, online softmax, then P.V for that token's rows (rows of different
+    // tokens are independent, so the order across tokens does not change any result).
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t j0 = max64(t0, sc.token_lo[i]) - t0;
+      const int64_t j1 = min64(t0 + count, sc.token_hi[i]) - t0;
+      if (j0 >= j1) continue;
+      for (int64_t hk = 0; hk < nh; ++hk) {
+        const int64_t r0 = (i * nh + hk) * G;
+        qk_group<E>(sc.q + r0 * D, G, krows, hk * D, D, sc.p + r0 * TK, j0, j1);
+      }
+      for (int64_t r = i * rows_per_token; r < (i + 1) * rows_per_token; ++r) {
+        float* pr = sc.p + r * TK;
+        if (a.softcap > 0.0f) softcap_row(pr + j0, j1 - j0, a.softcap);
+        float tile_max = pr[j0];
+        for (int64_t j = j0 + 1; j < j1; ++j) tile_max = pr[j] > tile_max ? pr[j] : tile_max;
+        const float m_old = sc.m[r];
+        const float m_new = tile_max > m_old ? tile_max : m_old;
+        float sum = 0.0f;
+        int64_t j = j0;
+        const vf mv = vsplat(m_new);
+        vf vsum = vf{};
+        for (; j + VW <= j1; j += VW) {
+          const vf e = vexp(vload(pr + j) - mv);
+          vstore(pr + j, e);
+          vsum += e;
+        }
+        for (; j < j1; ++j) {
+          pr[j] = exp1(pr[j] - m_new);
+          sum += pr[j];
+        }
+        for (int u = 0; u < VW; ++u) sum += vsum[u];
+        const float alpha = exp1(m_old - m_new);
+        sc.l[r] = sc.l[r] * alpha + sum;
+        sc.m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* orow = sc.o + r * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+        }
+      }
+      for (int64_t hk = 0; hk < nh; ++hk) {
+        const int64_t r0 = (i * nh + hk) * G;
+        pv_group<E>(sc.o + r0 * D, G, sc.p + r0 * TK, vrows, hk * D, D, j0, j1);
+      }
+    }
+  }
+
+  if (w.partial >= 0) {
+    for (int64_t x = 0; x < M * D; ++x) partial_o[x] = sc.o[x];
+    for (int64_t r = 0; r < M; ++r) {
+      partial_ml[2 * r] = sc.m[r];
+      partial_ml[2 * r + 1] = sc.l[r];
+    }
+    return;
+  }
+
+  T* out = static_cast<T*>(a.out);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t hk = 0; hk < nh; ++hk) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (i * nh + hk) * G + g;
+        const int64_t h = (w.kv_begin + hk) * G + g;
+        float* orow = sc.o + r * D;
+        float l = sc.l[r];
+        if (a.sinks != nullptr) {
+          // The sink is one more logit with a zero value: it only enlarges the denominator.
+          const float sink = a.sinks[h];
+          const float m_old = sc.m[r];
+          const float m_new = sink > m_old ? sink : m_old;
+          const float alpha = exp1(m_old - m_new);
+          l = l * alpha + exp1(sink - m_new);
+          for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        T* dst = out + ((tok0 + i) * a.num_q_heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = Elem<E>::store(orow[d] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void VM_CAT(run_item_, VM_ISA)(const AttentionArgs& a, const WorkItem& w, const Scratch& sc,
+                               float* partial_o, float* partial_ml) {
+  switch (a.dtype) {
+    case ElemType::f32:
+      return run_item<ElemType::f32>(a, w, sc, partial_o, partial_ml);
+    case ElemType::f16:
+      return run_item<ElemType::f16>(a, w, sc, partial_o, partial_ml);
+    case ElemType::bf16:
+      return run_item<ElemType::bf16>(a, w, sc, partial_o, partial_ml);
+  }
+}
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,112 @@
+// paged_attention: the op builder and eval_cpu, which hands plain pointers to the CPU driver.
+
+#include "ops/attention/op.h"
+
+#include <memory>
+#include <utility>
+
+#include "common/array_utils.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "ops/attention/cpu.h"
+#include "ops/attention/cpu_isa.h"
+
+namespace vllm_metal {
+
+namespace {
+
+cpu::ElemType elem_type(mx::Dtype t) {
+  if (t == mx::float16) return cpu::ElemType::f16;
+  if (t == mx::bfloat16) return cpu::ElemType::bf16;
+  return cpu::ElemType::f32;
+}
+
+}  // namespace
+
+mx::array paged_attention(const mx::array& query, const mx::array& key_cache,
+                          const mx::array& value_cache, const mx::array& block_tables,
+                          const mx::array& seq_lens, const mx::array& cu_seqlens_q, float scale,
+                          std::optional<int> sliding_window, std::optional<float> softcap,
+                          std::optional<mx::array> sinks, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {query, key_cache, value_cache, block_tables, seq_lens,
+                                   cu_seqlens_q};
+  if (sinks.has_value()) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
+  auto primitive = std::make_shared<PagedAttention>(stream, scale, sliding_window.value_or(0),
+                                                    softcap.value_or(0.0f), sinks.has_value());
+  return mx::array(query.shape(), query.dtype(), std::move(primitive), std::move(inputs));
+}
+
+metal_args::PagedAttentionParams paged_attention_metal_args(const PagedAttention& op,
+                                                            const std::vector<mx::array>& inputs) {
+  const mx::array& query = inputs[0];
+  const mx::array& key_cache = inputs[1];
+  return {
+      .num_seqs = inputs[4].shape(0),
+      .num_q_heads = query.shape(1),
+      .num_kv_heads = key_cache.shape(2),
+      .num_blocks = key_cache.shape(0),
+      .block_size = key_cache.shape(1),
+      .max_blocks_per_seq = inputs[3].shape(1),
+      .q_stride_token = query.strides(0),
+      .q_stride_head = query.strides(1),
+      .kv_stride_block = key_cache.strides(0),
+      .kv_stride_slot = key_cache.strides(1),
+      .kv_stride_head = key_cache.strides(2),
+      .scale = op.scale,
+      .softcap = op.softcap,
+      .sliding_window = op.sliding_window,
+      .has_sinks = op.has_sinks ? 1 : 0,
+  };
+}
+
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const mx::array& query = inputs[0];
+  mx::array key_cache = cpu::packed_rows(inputs[1], encoder);
+  mx::array value_cache = cpu::packed_rows(inputs[2], encoder);
+  mx::array block_tables = cpu::row_contiguous(inputs[3], encoder);
+  mx::array seq_lens = cpu::row_contiguous(inputs[4], encoder);
+  mx::array cu_seqlens_q = cpu::row_contiguous(inputs[5], encoder);
+  std::optional<mx::array> sinks;
+  if (has_sinks) sinks = cpu::row_contiguous(inputs[6], encoder);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  const cpu::AttentionArgs a{
+      .query = query.data<void>(),
+      .key_cache = key_cache.data<void>(),
+      .value_cache = value_cache.data<void>(),
+      .block_tables = block_tables.data<int32_t>(),
+      .seq_lens = seq_lens.data<int32_t>(),
+      .cu_seqlens_q = cu_seqlens_q.data<int32_t>(),
+      .sinks = sinks ? sinks->data<float>() : nullptr,
+      .out = out.data<void>(),
+      .dtype = elem_type(query.dtype()),
+      .num_tokens = query.shape(0),
+      .num_seqs = block_tables.shape(0),
+      .num_q_heads = query.shape(1),
+      .num_kv_heads = key_cache.shape(2),
+      .head_dim = query.shape(2),
+      .num_blocks = key_cache.shape(0),
+      .block_size = key_cache.shape(1),
+      .max_blocks = block_tables.shape(1),
+      .q_stride_t = query.strides(0),
+      .q_stride_h = query.strides(1),
+      .q_stride_d = query.strides(2),
+      .kc_stride_b = key_cache.strides(0),
+      .kc_stride_o = key_cache.strides(1),
+      .vc_stride_b = value_cache.strides(0),
+      .vc_stride_o = value_cache.strides(1),
+      .scale = scale,
+      .sliding_window = sliding_window,
+      .softcap = softcap,
+  };
+
+  encoder.set_input_array(query);
+  encoder.set_output_array(out);
+  if (a.num_tokens == 0) return;
+  encoder.dispatch([a, isa = cpu::active_isa()]() { cpu::paged_attention(a, isa); });
+}
+
+}  // namespace vllm_metal

@@ -1,0 +1,22 @@
+// The CPU reshape_and_cache driver: plain pointers and element strides in, so any framework's op
+// (the MLX primitive here, a torch custom op) can call it.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_metal::cpu {
+
+// Rows [T, H, D] (src) scattered into one pool [NB, BS, H, D] (dst) at slots[t].
+struct CacheWriteArgs {
+  const char* src;
+  char* dst;
+  const int64_t* slots;  // [T]; a slot < 0 (padding) or >= num_slots is skipped
+  int64_t num_tokens, num_heads, head_dim, block_size, num_slots, itemsize;
+  int64_t src_stride_t, src_stride_h, src_stride_d;
+  int64_t dst_stride_b, dst_stride_o, dst_stride_h, dst_stride_d;
+};
+
+// Writes the key rows and the value rows, on the calling thread or (large writes) the pool.
+void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value);
+
+}  // namespace vllm_metal::cpu

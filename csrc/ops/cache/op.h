@@ -1,0 +1,52 @@
+// reshape_and_cache as an MLX primitive: the op builder, and the primitive whose eval_cpu runs the
+// framework-neutral CPU driver (cpu.h) and whose eval_gpu encodes one Metal kernel.
+//
+// What the op computes is stated once, at the public entry point (vllm_metal/ops/cache/);
+// arguments are validated there too, so the builder assumes consistent shapes and dtypes.
+//
+// Inputs, in order: 0 key [T, Hkv, D]  1 value [T, Hkv, D]  2 key_cache [NB, BS, Hkv, D]
+//   3 value_cache (same)  4 slot_mapping [T] int64.
+// Outputs: 0 key_cache', 1 value_cache', shaped and typed as inputs 2 and 3. They alias the input
+// pools (out.copy_shared_buffer(in), no copy) whenever the pool layout maps each element to its
+// own memory (pool_is_aliasable); only a broadcast or overlapping pool is copied first.
+#pragma once
+
+#include <utility>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "ops/cache/params.h"
+
+namespace vllm_metal {
+
+namespace mx = mlx::core;
+
+class ReshapeAndCache : public mx::Primitive {
+ public:
+  explicit ReshapeAndCache(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "ReshapeAndCache"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[2].shape(), inputs[3].shape()};
+  }
+};
+
+// True when writing through `pool`'s strides touches each element's own memory (row-major order
+// with possible gaps, as for a contiguous pool or a slice of a larger one), so writes may alias it.
+bool pool_is_aliasable(const mx::array& pool);
+
+std::pair<mx::array, mx::array> reshape_and_cache(
+    const mx::array& key, const mx::array& value, const mx::array& key_cache,
+    const mx::array& value_cache, const mx::array& slot_mapping, mx::StreamOrDevice s = {});
+
+// The Metal kernel's arguments for a call with these inputs. Host code, built on every platform
+// so it is compiled off-Mac too.
+metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(const std::vector<mx::array>& inputs);
+
+}  // namespace vllm_metal

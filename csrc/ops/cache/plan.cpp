@@ -1,0 +1,45 @@
+// The planner of reshape_and_cache's Metal dispatch (see plan.h).
+#include "ops/cache/plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "constants.h"
+
+namespace vllm_metal {
+
+namespace {
+
+struct Instance {
+  const char* dtype;
+  const char* name;
+};
+
+#define VM__CACHE(DT, T, BYTES) {#DT, VM_KERNEL_NAME_CACHE(DT)},
+const Instance kCache[] = {VM_CACHE_INSTANCES(VM__CACHE)};
+#undef VM__CACHE
+
+}  // namespace
+
+CacheLaunch select_reshape_and_cache_kernel(const std::string& dtype, int num_kv_heads,
+                                            int head_dim) {
+  const auto* it = std::find_if(std::begin(kCache), std::end(kCache),
+                                [&](const Instance& k) { return dtype == k.dtype; });
+  if (it == std::end(kCache)) {
+    throw std::invalid_argument("reshape_and_cache: unsupported dtype '" + dtype + "'");
+  }
+  CacheLaunch c;
+  c.kernel = it->name;
+  const int elems = std::max(1, num_kv_heads * head_dim);
+  const int warps = (elems + VM_SIMD_WIDTH - 1) / VM_SIMD_WIDTH;
+  c.threads = std::min(VM_CACHE_MAX_THREADS, warps * VM_SIMD_WIDTH);
+  return c;
+}
+
+std::vector<std::string> cache_kernel_names() {
+  std::vector<std::string> names;
+  for (const Instance& k : kCache) names.push_back(k.name);
+  return names;
+}
+
+}  // namespace vllm_metal

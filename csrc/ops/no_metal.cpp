@@ -1,0 +1,29 @@
+// eval_gpu for builds without Metal: the primitives exist, but only their CPU bodies can run.
+
+#include <stdexcept>
+#include <string>
+
+#include "ops/attention/op.h"
+#include "ops/cache/op.h"
+
+namespace vllm_metal {
+
+namespace {
+
+[[noreturn]] void no_metal(const char* op) {
+  throw std::runtime_error(std::string("vllm_metal._C: ") + op +
+                           " was asked to run on the GPU, but this build has no Metal kernels "
+                           "(it was built without Metal). Run it on the CPU stream (mx.cpu).");
+}
+
+}  // namespace
+
+void ReshapeAndCache::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_metal("reshape_and_cache");
+}
+
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_metal("paged_attention");
+}
+
+}  // namespace vllm_metal

@@ -1,0 +1,261 @@
+// Paged prefill attention on the neural accelerators of M5-class GPUs (Metal 4 tensor ops).
+//
+// Compiled only when the compiler offers Metal 4 tensors (__HAVE_TENSOR__: -std=metal4.0, macOS
+// 26.2 SDK); otherwise this file instantiates nothing and the host never asks for its kernels
+// (kernel_select needs the device's NAX flag, which also requires the kernels in the library).
+//
+// MSL features used (beyond paged_attention_prefill.metal): <metal_tensor>,
+// <MetalPerformancePrimitives/MetalPerformancePrimitives.h>, and only this subset of them:
+//   metal::tensor<threadgroup T, metal::dextents<int32_t, 2>, metal::tensor_inline>(ptr, extents,
+//     strides) views of threadgroup arrays; extents are (columns, rows), strides {1, row_pitch};
+//   mpp::tensor_ops::matmul2d_descriptor(M, N, K, transpose_left, transpose_right,
+//     relaxed_precision = false, mode::multiply | mode::multiply_accumulate);
+//   mpp::tensor_ops::matmul2d<desc, metal::execution_simdgroups<4>> with run(A, B, C), A and B
+//     threadgroup tensors, C a threadgroup float tensor or a destination cooperative tensor;
+//     called by all 128 threads of the threadgroup (bracketed by threadgroup barriers here);
+//   op.get_destination_cooperative_tensor<A_t, B_t, E>() with get_capacity(), get_mask(i),
+//     operator[](i), get_multidimensional_index(i) -> (column, row), store(threadgroup tensor).
+//
+// paged_attention_nax_<dt>_d<D>: grid (tiles, Hkv * D / DV), VM_NAX_THREADS (128) threads,
+//   BQ = VM_NAX_ROWS (16) rows, KB = VM_NAX_KEYS (16) keys per tile (block_size % KB == 0). Rows, work list and masks as in the tiled
+//   prefill kernel. D = 512 runs as two 256-column halves: each threadgroup computes S over the
+//   full head dim in two K steps of 256 and accumulates V/O for its half only, so Q + one K/V chunk
+//   fit the 32 KB of threadgroup memory.
+
+#include <metal_stdlib>
+
+#if defined(__HAVE_TENSOR__)
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#include <metal_tensor>
+
+#include "common.h"
+
+#define NAX_THREADS VM_NAX_THREADS
+
+template <typename T, int D>
+[[kernel]] void paged_attention_nax(
+    const device T* query [[buffer(PA_BUF_QUERY)]],
+    const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],
+    const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],
+    const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]],
+    const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],
+    const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]],
+    const device float* sinks [[buffer(PA_BUF_SINKS)]],
+    device T* out [[buffer(PA_BUF_OUT)]],
+    const device int* work [[buffer(PA_BUF_WORK)]],
+    constant PagedAttentionParams& p [[buffer(PA_BUF_PARAMS)]],
+    uint3 tg_pos [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  using namespace mpp::tensor_ops;
+  using extents_t = metal::dextents<int32_t, 2>;
+  using strides_t = metal::array<int32_t, 2>;
+  using tg_tensor_t = metal::tensor<threadgroup T, extents_t, metal::tensor_inline>;
+  using tg_ftensor_t = metal::tensor<threadgroup float, extents_t, metal::tensor_inline>;
+
+  constexpr int BQ = VM_NAX_ROWS;
+  constexpr int KB = VM_NAX_KEYS;
+  constexpr int DK = vm_value_columns(D);  // head-dim chunk of one Q K^T step
+  constexpr int K_STEPS = D / DK;
+  constexpr int DV = DK;                 // output columns of one threadgroup
+  constexpr int HALVES = D / DV;
+  constexpr int PAD = 16 / sizeof(T);
+  constexpr int QP = D + PAD;
+  constexpr int KP = DK + PAD;
+  constexpr int SP = KB + 4;
+  constexpr int PP = KB + PAD;
+  constexpr int DK4 = DK / 4;
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(
+      (BQ * QP + KB * KP + BQ * PP) * sizeof(T) + (BQ * SP + BQ) * 4 <=
+          VM_THREADGROUP_MEMORY_BYTES,
+      "threadgroup memory");
+
+  threadgroup T q_tile[BQ * QP];
+  threadgroup T kv_tile[KB * KP];
+  threadgroup float s_tile[BQ * SP];
+  threadgroup T p_tile[BQ * PP];
+  threadgroup float row_scale[BQ];
+
+  const int s = work[2 * tg_pos.x];
+  const int tile = work[2 * tg_pos.x + 1];
+  const int kvh = int(tg_pos.y) / HALVES;
+  const int v_col0 = (int(tg_pos.y) % HALVES) * DV;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int q_start = cu_seqlens_q[s];
+  const int q_len = cu_seqlens_q[s + 1] - q_start;
+  const int seq_len = seq_lens[s];
+  const int ctx0 = seq_len - q_len;
+  const int n_rows = q_len * group;
+  const int row0 = tile * BQ;
+  if (row0 >= n_rows) {
+    return;
+  }
+  const int last_row = metal::min(row0 + BQ, n_rows) - 1;
+  const int tile_lo = pa_window_start(ctx0 + row0 / group, p);
+  const int tile_hi = ctx0 + last_row / group + 1;
+
+  for (int i = int(tid); i < BQ * D; i += NAX_THREADS) {
+    const int m = i / D;
+    const int c = i - m * D;
+    const int row = row0 + m;
+    T v = T(0.0f);
+    if (row < n_rows) {
+      const int tok = q_start + row / group;
+      const int head = kvh * group + row % group;
+      v = query[long_t(tok) * p.q_stride_token + long_t(head) * p.q_stride_head + c];
+    }
+    q_tile[m * QP + c] = v;
+  }
+
+  // Softmax lanes: 8 threads per row (all inside one simdgroup), 2 columns each.
+  const int srow = int(tid) / 8;
+  const int scol = int(tid) % 8;
+  const int my_row = row0 + srow;
+  const bool row_valid = my_row < n_rows;
+  const int row_pos = ctx0 + my_row / group;
+  const int row_lo = pa_window_start(row_pos, p);
+  float m_run = PA_NEG_INF;
+  float l_run = 0.0f;
+
+  constexpr auto qk_desc = matmul2d_descriptor(
+      BQ, KB, DK, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto qk_acc_desc = matmul2d_descriptor(
+      BQ, KB, DK, false, true, false, matmul2d_descriptor::mode::multiply_accumulate);
+  constexpr auto pv_desc = matmul2d_descriptor(
+      BQ, DV, KB, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, metal::execution_simdgroups<4>> qk_op;
+  matmul2d<qk_acc_desc, metal::execution_simdgroups<4>> qk_acc_op;
+  matmul2d<pv_desc, metal::execution_simdgroups<4>> pv_op;
+
+  tg_tensor_t t_k(kv_tile, extents_t(DK, KB), strides_t{1, KP});
+  tg_tensor_t t_v(kv_tile, extents_t(DV, KB), strides_t{1, KP});
+  tg_ftensor_t t_s(s_tile, extents_t(KB, BQ), strides_t{1, SP});
+  tg_tensor_t t_p(p_tile, extents_t(KB, BQ), strides_t{1, PP});
+
+  auto o_acc = pv_op.template get_destination_cooperative_tensor<tg_tensor_t, tg_tensor_t, float>();
+  for (uint16_t i = 0; i < o_acc.get_capacity(); ++i) {
+    if (o_acc.get_mask(i)) {
+      o_acc[i] = 0.0f;
+    }
+  }
+
+  const device int* block_table = block_tables + long_t(s) * p.max_blocks_per_seq;
+  const long_t head_off = long_t(kvh) * p.kv_stride_head;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (int b0 = tile_lo - tile_lo % KB; b0 < tile_hi; b0 += KB) {
+    const long_t base = pa_token_offset(block_table, b0, p);
+    for (int step = 0; step < K_STEPS; ++step) {
+      for (int i = int(tid); i < KB * DK4; i += NAX_THREADS) {
+        const int j = i / DK4;
+        const int c = (i - j * DK4) * 4;
+        const int pos = b0 + j;
+        vec<T, 4> v4 = vec<T, 4>(T(0.0f));
+        if (base >= 0 && pos >= tile_lo && pos < tile_hi) {
+          v4 = *reinterpret_cast<const device vec<T, 4>*>(
+              key_cache + base + long_t(j) * p.kv_stride_slot + head_off + step * DK + c);
+        }
+        *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * KP + c) = v4;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      tg_tensor_t t_q(q_tile + step * DK, extents_t(DK, BQ), strides_t{1, QP});
+      if (step == 0) {
+        qk_op.run(t_q, t_k, t_s);
+      } else {
+        qk_acc_op.run(t_q, t_k, t_s);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    // V chunk for this threadgroup's columns, and the online softmax of S.
+    for (int i = int(tid); i < KB * DK4; i += NAX_THREADS) {
+      const int j = i / DK4;
+      const int c = (i - j * DK4) * 4;
+      const int pos = b0 + j;
+      vec<T, 4> v4 = vec<T, 4>(T(0.0f));
+      if (base >= 0 && pos >= tile_lo && pos < tile_hi) {
+        v4 = *reinterpret_cast<const device vec<T, 4>*>(
+            value_cache + base + long_t(j) * p.kv_stride_slot + head_off + v_col0 + c);
+      }
+      *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * KP + c) = v4;
+    }
+    float x[KB / 8];
+    float mx = PA_NEG_INF;
+    for (int t = 0; t < KB / 8; ++t) {
+      const int col = scol + 8 * t;
+      const int pos = b0 + col;
+      const bool valid = row_valid && pos >= row_lo && pos <= row_pos;
+      x[t] = valid ? pa_logit(s_tile[srow * SP + col], p) : PA_NEG_INF;
+      mx = metal::max(mx, x[t]);
+    }
+    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(1)));
+    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(2)));
+    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(4)));
+    const float m_new = metal::max(m_run, mx);
+    const float shift = m_new == PA_NEG_INF ? 0.0f : m_new;
+    const float f = metal::exp(m_run - shift);
+    float ls = 0.0f;
+    for (int t = 0; t < KB / 8; ++t) {
+      const float w = metal::exp(x[t] - shift);
+      ls += w;
+      p_tile[srow * PP + scol + 8 * t] = T(w);
+    }
+    ls += simd_shuffle_xor(ls, ushort(1));
+    ls += simd_shuffle_xor(ls, ushort(2));
+    ls += simd_shuffle_xor(ls, ushort(4));
+    l_run = l_run * f + ls;
+    m_run = m_new;
+    if (scol == 0) {
+      row_scale[srow] = f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (uint16_t i = 0; i < o_acc.get_capacity(); ++i) {
+      if (o_acc.get_mask(i)) {
+        const auto idx = o_acc.get_multidimensional_index(i);
+        o_acc[i] *= row_scale[idx[1]];
+      }
+    }
+    pv_op.run(t_p, t_v, o_acc);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  float l_fin = l_run;
+  if (p.has_sinks && row_valid) {
+    const float shift = m_run == PA_NEG_INF ? 0.0f : m_run;
+    l_fin += metal::exp(sinks[kvh * group + my_row % group] - shift);
+  }
+  if (scol == 0) {
+    row_scale[srow] = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  auto o_out = pv_op.template get_destination_cooperative_tensor<tg_tensor_t, tg_tensor_t, T>();
+  for (uint16_t i = 0; i < o_acc.get_capacity(); ++i) {
+    if (o_acc.get_mask(i)) {
+      const auto idx = o_acc.get_multidimensional_index(i);
+      o_out[i] = T(o_acc[i] * row_scale[idx[1]]);
+    }
+  }
+  tg_tensor_t t_o(q_tile, extents_t(DV, BQ), strides_t{1, QP});  // Q is no longer read
+  o_out.store(t_o);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int i = int(tid); i < BQ * DV; i += NAX_THREADS) {
+    const int r = i / DV;
+    const int c = i - r * DV;
+    const int row = row0 + r;
+    if (row < n_rows) {
+      const int tok = q_start + row / group;
+      const int head = kvh * group + row % group;
+      out[(long_t(tok) * p.num_q_heads + head) * D + v_col0 + c] = q_tile[r * QP + c];
+    }
+  }
+}
+
+// Instances: VM_NAX_INSTANCES of constants.h.
+#define PA_INSTANTIATE_NAX(DT, T, BYTES, D)                                                  \
+  template [[host_name(VM_KERNEL_NAME_NAX(DT, D))]] [[kernel]]                               \
+  decltype(paged_attention_nax<T, D>) paged_attention_nax<T, D>;
+
+VM_NAX_INSTANCES(PA_INSTANTIATE_NAX)
+
+#endif  // __HAVE_TENSOR__

@@ -1,0 +1,62 @@
+"""Which implementation the ops run: the compiled extension when it loads for this MLX, otherwise
+(or with VLLM_METAL_USE_REFERENCE_OPS=1) the pure-MLX references; and the opt-in value checks."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from vllm_metal import envs
+from vllm_metal._logging import init_logger
+
+logger = init_logger("vllm_metal.ops")
+
+# Held under another name than the submodule, so that after a failed load a direct
+# `from vllm_metal.ops import _native` retries the import and shows its error.
+try:
+    from vllm_metal.ops import _native as _native_ops
+except ImportError as exc:
+    _native_ops = None
+    _NATIVE_ERROR: str | None = str(exc)
+    logger.warning("vllm-metal native ops unavailable, using the pure-MLX reference ops: %s", exc)
+else:
+    _NATIVE_ERROR = None
+
+_value_checks = False
+
+
+def loaded_native() -> ModuleType | None:
+    """The native module when it loaded (whatever VLLM_METAL_USE_REFERENCE_OPS says)."""
+    return _native_ops
+
+
+def native() -> ModuleType | None:
+    """The native module the next call uses, or None when it runs the reference."""
+    return None if envs.VLLM_METAL_USE_REFERENCE_OPS else _native_ops
+
+
+def native_available() -> bool:
+    """True when the compiled extension is importable and matches the installed MLX."""
+    return _native_ops is not None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the extension could not be used (None when it can)."""
+    return _NATIVE_ERROR
+
+
+def backend() -> str:
+    """``"native"`` or ``"reference"``: the implementation the next call will use."""
+    return "reference" if native() is None else "native"
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Also validate index values (slot range, block ids, sequence lengths) on every call.
+
+    This reads the index arrays on the host, so it synchronises; meant for tests and debugging.
+    """
+    global _value_checks
+    _value_checks = bool(enabled)
+
+
+def value_checks() -> bool:
+    return _value_checks

@@ -1,0 +1,81 @@
+"""Argument checks shared by the ops: each raises ValueError naming the argument.
+
+The ops validate here once, before choosing an implementation, so the native path and the
+reference path accept exactly the same arguments (the C++ builders do not check again). These
+read only metadata, so they never wait for the device.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from vllm_metal.ops._constants import BLOCK_SIZE_MULTIPLE, FLOAT_DTYPES, HEAD_SIZES
+
+POOL_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_size]"
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def array(name: str, x: object) -> mx.array:
+    if not isinstance(x, mx.array):
+        fail(f"{name} must be an mx.array, got {type(x).__name__}")
+    return x
+
+
+def shape(name: str, x: object, ndim: int, layout: str) -> tuple[int, ...]:
+    if array(name, x).ndim != ndim:
+        fail(f"{name} must have shape {layout} ({ndim} dims), got shape {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
+def float_dtype(name: str, x: mx.array) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        names = ", ".join(map(dtype_name, FLOAT_DTYPES))
+        fail(f"{name} must be one of {names}, got {dtype_name(x.dtype)}")
+
+
+def same_dtype(name: str, x: mx.array, ref_name: str, ref: mx.array) -> None:
+    if x.dtype != ref.dtype:
+        fail(
+            f"{name} dtype {dtype_name(x.dtype)} differs from {ref_name} dtype "
+            f"{dtype_name(ref.dtype)}"
+        )
+
+
+def index(name: str, x: object, dtype: mx.Dtype, length: int, layout: str) -> None:
+    shape(name, x, 1, layout)
+    if x.dtype != dtype:
+        fail(f"{name} must be {dtype_name(dtype)}, got {dtype_name(x.dtype)}")
+    if x.shape[0] != length:
+        fail(f"{name} must have shape {layout} = ({length},), got shape {tuple(x.shape)}")
+
+
+def head_size(name: str, size: int) -> None:
+    if size not in HEAD_SIZES:
+        sizes = ", ".join(map(str, HEAD_SIZES))
+        fail(f"{name} head_size {size} is not supported (supported: {sizes})")
+
+
+def pools(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
+    """Checks the K/V pools against each other and the supported sizes; returns their shape."""
+    pool = shape("key_cache", key_cache, 4, POOL_LAYOUT)
+    block_size = pool[1]
+    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
+        fail(
+            f"key_cache block_size must be a positive multiple of {BLOCK_SIZE_MULTIPLE}, "
+            f"got {block_size}"
+        )
+    if pool[0] <= 0 or pool[2] <= 0:
+        fail(f"key_cache must have at least one block and one KV head, got shape {pool}")
+    if tuple(array("value_cache", value_cache).shape) != pool:
+        fail(f"value_cache shape {tuple(value_cache.shape)} differs from key_cache shape {pool}")
+    float_dtype("key_cache", key_cache)
+    same_dtype("value_cache", value_cache, "key_cache", key_cache)
+    head_size("key_cache", pool[3])
+    return pool  # type: ignore[return-value]

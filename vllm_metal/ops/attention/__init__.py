@@ -1,0 +1,146 @@
+"""paged_attention, the varlen causal attention of a step's packed queries over paged K/V pools.
+
+Its docstring is the contract, and its checks are the only ones: the reference beside it, the C++
+primitive in csrc/ops/attention/ and the Metal families in metal_kernels/attention/ implement it.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.ops import _backend
+from vllm_metal.ops import _validate as v
+from vllm_metal.ops.attention import reference
+
+
+def paged_attention(
+    query: mx.array,
+    key_cache: mx.array,
+    value_cache: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    cu_seqlens_q: mx.array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Varlen causal attention of packed queries ``[T, Hq, D]`` over paged K/V pools.
+
+    Pools are ``[num_blocks, block_size, Hkv, D]`` (``Hq`` a multiple of ``Hkv``); key position
+    ``k`` of sequence ``s`` lives in block ``block_tables[s][k // block_size]`` at offset
+    ``k % block_size``. ``cu_seqlens_q [S+1]``, ``seq_lens [S]`` (context length after this
+    step's tokens) and ``block_tables [S, max_blocks]`` are int32. Query row ``i`` of sequence
+    ``s`` (token ``cu_seqlens_q[s] + i``) sits at position ``p = seq_lens[s] - q_len[s] + i`` and
+    attends to key positions ``max(0, p - sliding_window + 1) .. p`` (``0 .. p`` without a
+    window). Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Logits are ``scale * q.k``;
+    ``softcap = c`` maps each to ``c * tanh(x / c)``; ``sinks [Hq]`` adds one logit per query
+    head with a zero value (it only enlarges the softmax denominator). Math is float32; the
+    result has the query's dtype. Floating inputs share one dtype of ``ops.FLOAT_DTYPES``; the
+    head size is one of ``ops.HEAD_SIZES``; block sizes are multiples of
+    ``ops.BLOCK_SIZE_MULTIPLE``. Tokens outside every sequence get zeros.
+    """
+    arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
+    check_paged_attention(*arrays, scale, sliding_window, softcap, sinks)
+    if _backend.value_checks():
+        check_paged_attention_values(*arrays)
+    impl = _backend.native() or reference
+    options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
+    return impl.paged_attention(*arrays, scale=scale, **options)
+
+
+def check_paged_attention(
+    query: object,
+    key_cache: object,
+    value_cache: object,
+    block_tables: object,
+    seq_lens: object,
+    cu_seqlens_q: object,
+    scale: object,
+    sliding_window: object,
+    softcap: object,
+    sinks: object,
+) -> None:
+    """Raises ValueError (naming the argument) unless the shapes, dtypes and options fit."""
+    q_shape = v.shape("query", query, 3, "[num_tokens, num_heads, head_size]")
+    v.float_dtype("query", query)
+    v.head_size("query", q_shape[2])
+    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache)
+    v.same_dtype("key_cache", key_cache, "query", query)
+    if head_size != q_shape[2]:
+        v.fail(f"key_cache head_size {head_size} differs from query head_size {q_shape[2]}")
+    if q_shape[1] % num_kv_heads:
+        v.fail(
+            f"query num_heads ({q_shape[1]}) must be a multiple of key_cache num_kv_heads "
+            f"({num_kv_heads})"
+        )
+    num_seqs = v.shape("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")[0]
+    if block_tables.dtype != mx.int32:
+        v.fail(f"block_tables must be int32, got {v.dtype_name(block_tables.dtype)}")
+    v.index("seq_lens", seq_lens, mx.int32, num_seqs, "[num_seqs]")
+    v.index("cu_seqlens_q", cu_seqlens_q, mx.int32, num_seqs + 1, "[num_seqs + 1]")
+
+    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
+        v.fail(f"scale must be a finite number, got {scale!r}")
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, Integral)
+        or sliding_window <= 0
+    ):
+        v.fail(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, Real)
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        v.fail(f"softcap must be a positive number or None (None disables it), got {softcap!r}")
+    if sinks is not None:
+        v.array("sinks", sinks)
+        if tuple(sinks.shape) != (q_shape[1],):
+            v.fail(f"sinks must have shape [num_heads] = ({q_shape[1]},), got {tuple(sinks.shape)}")
+        v.float_dtype("sinks", sinks)
+
+
+def check_paged_attention_values(*arrays: mx.array) -> None:
+    """Raises ValueError when the index arrays of the op's six (checked) arrays are inconsistent
+    with each other or the pools (reads them on the host)."""
+    query, key_cache, _, block_tables, seq_lens, cu_seqlens_q = arrays
+    num_tokens = query.shape[0]
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    cu = np.asarray(cu_seqlens_q).astype(np.int64)
+    lens = np.asarray(seq_lens).astype(np.int64)
+    tables = np.asarray(block_tables)
+    if cu[0] != 0:
+        v.fail(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    q_lens = np.diff(cu)
+    if (q_lens < 0).any():
+        s = int(np.nonzero(q_lens < 0)[0][0])
+        v.fail(f"cu_seqlens_q must be non-decreasing (cu_seqlens_q[{s + 1}] < cu_seqlens_q[{s}])")
+    if cu[-1] > num_tokens:
+        v.fail(f"cu_seqlens_q[-1] = {int(cu[-1])} exceeds the {num_tokens} query tokens")
+    short = np.nonzero(lens < q_lens)[0]
+    if short.size:
+        s = int(short[0])
+        v.fail(f"seq_lens[{s}] = {int(lens[s])} is shorter than its {int(q_lens[s])} query tokens")
+    capacity = tables.shape[1] * block_size
+    long = np.nonzero(lens > capacity)[0]
+    if long.size:
+        s = int(long[0])
+        v.fail(
+            f"seq_lens[{s}] = {int(lens[s])} exceeds block_tables capacity "
+            f"({tables.shape[1]} blocks x {block_size})"
+        )
+    for s, seq_len in enumerate(lens.tolist()):
+        used = tables[s, : -(-seq_len // block_size)]
+        bad = np.nonzero((used < 0) | (used >= num_blocks))[0]
+        if bad.size:
+            b = int(bad[0])
+            v.fail(
+                f"block_tables[{s}, {b}] = {int(used[b])} is not a block id (0..{num_blocks - 1})"
+            )

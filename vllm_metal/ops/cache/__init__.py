@@ -1,0 +1,67 @@
+"""reshape_and_cache, which scatters a step's key/value rows into the paged KV pools.
+
+Defined (docstring) and validated here once; implemented by reference.py, by csrc/ops/cache/ on
+the CPU and by metal_kernels/cache/ on the GPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.ops import _backend
+from vllm_metal.ops import _validate as v
+from vllm_metal.ops.cache import reference
+
+
+def reshape_and_cache(
+    key: mx.array,
+    value: mx.array,
+    key_cache: mx.array,
+    value_cache: mx.array,
+    slot_mapping: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Writes key/value rows ``[T, Hkv, D]`` into the paged pools at ``slot_mapping`` (int64).
+
+    Pools are ``[num_blocks, block_size, Hkv, D]``; row ``t`` goes to slot ``slot_mapping[t] =
+    block_id * block_size + offset``; a negative slot is padding and skipped (so is a slot past
+    the pools' end). Rows and pools share one dtype of ``ops.FLOAT_DTYPES``. Returns the updated
+    pools: rebind your references to them. The native op writes in place, so the returned arrays
+    share the inputs' memory.
+    """
+    arrays = (key, value, key_cache, value_cache, slot_mapping)
+    check_reshape_and_cache(*arrays)
+    if _backend.value_checks():
+        check_reshape_and_cache_values(key_cache, slot_mapping)
+    return (_backend.native() or reference).reshape_and_cache(*arrays)
+
+
+def check_reshape_and_cache(
+    key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object
+) -> None:
+    """Raises ValueError (naming the argument) unless the shapes and dtypes fit together."""
+    k_shape = v.shape("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    if tuple(v.array("value", value).shape) != k_shape:
+        v.fail(f"value shape {tuple(value.shape)} differs from key shape {k_shape}")
+    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache)
+    if k_shape[1:] != (num_kv_heads, head_size):
+        v.fail(
+            f"key rows [num_kv_heads, head_size] = {list(k_shape[1:])} do not match key_cache "
+            f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]}"
+        )
+    v.same_dtype("key", key, "key_cache", key_cache)
+    v.same_dtype("value", value, "key_cache", key_cache)
+    v.index("slot_mapping", slot_mapping, mx.int64, k_shape[0], "[num_tokens]")
+
+
+def check_reshape_and_cache_values(key_cache: mx.array, slot_mapping: mx.array) -> None:
+    """Raises ValueError when a slot is past the end of the pools (reads slot_mapping)."""
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = np.asarray(slot_mapping)
+    bad = np.nonzero(slots >= num_slots)[0]
+    if bad.size:
+        t = int(bad[0])
+        v.fail(
+            f"slot_mapping[{t}] = {int(slots[t])} is out of range for {num_slots} slots "
+            f"(num_blocks * block_size)"
+        )
