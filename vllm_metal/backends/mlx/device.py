@@ -30,7 +30,17 @@ def device_kind() -> str:
 
 
 def compute_dtype(storage_dtype: mx.Dtype) -> mx.Dtype:
-    """The dtype the model computes in for weights stored (and KV cached) in `storage_dtype`."""
+    """The dtype the model computes in, for a checkpoint served (and KV-cached) in `storage_dtype`.
+
+    On the GPU that is the dtype itself. On MLX's CPU device half-precision matmuls run MLX's own
+    loops while float32 ones run on the BLAS, several times faster, so the weights are held in
+    float32 there (their bytes count against the KV budget like any weights); the KV cache keeps
+    the dtype vLLM sized it for.
+    """
+    import mlx.core as mx
+
+    if device_kind() == "cpu":
+        return mx.float32
     return storage_dtype
 
 
