@@ -26,6 +26,7 @@ def load_model(
     revision: str | None = None,
     download_dir: str | None = None,
     trust_remote_code: bool = False,
+    dequantize: bool = False,
 ) -> ModelAdapter:
     """Load `model` (a local directory or Hugging Face id) and wrap it for the runner."""
     from vllm_metal.models.loaders import safetensors
@@ -36,6 +37,7 @@ def load_model(
         revision=revision,
         download_dir=download_dir,
         trust_remote_code=trust_remote_code,
+        dequantize=dequantize,
     )
     adapter = adapter_class(config.get("model_type"))(mlx_model, config)
     adapter.install_paged_attention()

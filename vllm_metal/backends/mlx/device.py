@@ -44,6 +44,12 @@ def compute_dtype(storage_dtype: mx.Dtype) -> mx.Dtype:
     return storage_dtype
 
 
+def dense_on_this_device() -> bool:
+    """Whether MLX-quantized layers are better served dense here (the CPU device, whose quantized
+    matmul is MLX's own loop; see `models.loaders.safetensors._dequantize`)."""
+    return device_kind() == "cpu"
+
+
 class MLXBackend:
     name = "mlx"
 

@@ -18,7 +18,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.device import compute_dtype
+from vllm_metal.backends.mlx.device import compute_dtype, dense_on_this_device
 from vllm_metal.backends.mlx.dtypes import to_mlx_dtype
 from vllm_metal.backends.mlx.runner.batch import pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
@@ -74,6 +74,7 @@ class MLXModelRunner:
         self.adapter = adapter = load_model(
             self.model_config.model,
             compute_dtype=compute_dtype(self.mlx_kv_dtype),
+            dequantize=dense_on_this_device(),
             revision=self.model_config.revision,
             download_dir=load_config.download_dir,
             trust_remote_code=self.model_config.trust_remote_code,
