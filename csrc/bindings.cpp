@@ -98,7 +98,8 @@ nb::dict launch_to_dict(const vm::AttentionLaunch& l) {
 }
 
 nb::dict plan_paged_attention(const std::string& dtype, int num_q_heads, int num_kv_heads,
-                              int head_dim, int block_size, const std::vector<int32_t>& cu_seqlens_q,
+                              int head_dim, int block_size,
+                              const std::vector<int32_t>& cu_seqlens_q,
                               const std::vector<int32_t>& seq_lens, int sliding_window,
                               bool supports_nax, std::optional<int> gpu_cores) {
   if (cu_seqlens_q.size() != seq_lens.size() + 1) {
@@ -159,7 +160,8 @@ NB_MODULE(_C, m) {
   m.def(
       "select_reshape_and_cache_kernel",
       [](const std::string& dtype, int num_kv_heads, int head_dim) {
-        const vm::CacheLaunch c = vm::select_reshape_and_cache_kernel(dtype, num_kv_heads, head_dim);
+        const vm::CacheLaunch c =
+            vm::select_reshape_and_cache_kernel(dtype, num_kv_heads, head_dim);
         nb::dict d;
         d["kernel"] = c.kernel;
         d["threads"] = c.threads;

@@ -33,7 +33,8 @@
 #define VM_DECODE_HEAD_SIZES(X, ...) \
   X(64, __VA_ARGS__) X(80, __VA_ARGS__) X(96, __VA_ARGS__) X(128, __VA_ARGS__) X(256, __VA_ARGS__)
 #define VM_WIDE_HEAD_SIZES(X, ...) X(512, __VA_ARGS__)
-#define VM_HEAD_SIZES(X, ...) VM_DECODE_HEAD_SIZES(X, __VA_ARGS__) VM_WIDE_HEAD_SIZES(X, __VA_ARGS__)
+#define VM_HEAD_SIZES(X, ...) \
+  VM_DECODE_HEAD_SIZES(X, __VA_ARGS__) VM_WIDE_HEAD_SIZES(X, __VA_ARGS__)
 
 // ---- vLLM blocks -------------------------------------------------------------------------------
 // A kernel reads the KV pools in tiles that never span two vLLM blocks. Kernels are built per block
@@ -58,8 +59,8 @@
 #define VM_NAX_ROWS 16
 #define VM_NAX_KEYS 16
 #define VM_NAX_THREADS 128
-// prefill kernel tiles X(rows, keys, ...), largest first: the host takes the first whose keys do not
-// exceed the block divisor and whose arrays fit threadgroup memory.
+// prefill kernel tiles X(rows, keys, ...), largest first: the host takes the first whose keys do
+// not exceed the block divisor and whose arrays fit threadgroup memory.
 #define VM_PREFILL_TILES(X, ...)                                                              \
   X(32, 32, __VA_ARGS__) X(32, 16, __VA_ARGS__) X(16, 32, __VA_ARGS__) X(16, 16, __VA_ARGS__) \
   X(32, 8, __VA_ARGS__) X(16, 8, __VA_ARGS__) X(8, 8, __VA_ARGS__)
@@ -159,7 +160,8 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM__WITH_DTYPE(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
 #define VM__WITH_HEAD(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
 #define VM__WITH_DIVISOR(B, X, DT, T, BYTES, D) X(DT, T, BYTES, D, B)
-#define VM__HEAD_DIVISORS(D, X, DT, T, BYTES) VM_BLOCK_DIVISORS(VM__WITH_DIVISOR, X, DT, T, BYTES, D)
+#define VM__HEAD_DIVISORS(D, X, DT, T, BYTES) \
+  VM_BLOCK_DIVISORS(VM__WITH_DIVISOR, X, DT, T, BYTES, D)
 #define VM__DECODE_HEADS(DT, T, NAME, BYTES, X) \
   VM_DECODE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)
 #define VM__WIDE_HEADS(DT, T, NAME, BYTES, X) VM_WIDE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)

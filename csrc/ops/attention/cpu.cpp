@@ -246,7 +246,8 @@ void run(const AttentionArgs& a, RunItemFn kernel) {
     float* po = nullptr;
     float* pml = nullptr;
     if (it.partial >= 0) {
-      const int64_t rows = static_cast<int64_t>(it.q_end - it.q_begin) * (it.kv_end - it.kv_begin) * G;
+      const int64_t rows =
+          static_cast<int64_t>(it.q_end - it.q_begin) * (it.kv_end - it.kv_begin) * G;
       po = partials.get() + split_offset[it.partial];
       pml = po + rows * D;
     }

@@ -154,7 +154,9 @@ AttentionLaunch plan_decode(const AttentionShape& shape, const std::vector<int>&
   l.work.assign(seqs.begin(), seqs.end());
 
   int max_keys = 0;
-  for (int s : seqs) max_keys = std::max(max_keys, attended_keys(seq_lens[s], shape.sliding_window));
+  for (int s : seqs) {
+    max_keys = std::max(max_keys, attended_keys(seq_lens[s], shape.sliding_window));
+  }
   const int one_pass_groups = l.grid[0] * rows;
   if (max_keys <= VM_PARTITION_SIZE ||
       one_pass_groups >= VM_SPLIT_THREADGROUPS_PER_CORE * caps.gpu_cores) {

@@ -79,7 +79,8 @@ std::pair<mx::array, mx::array> reshape_and_cache(const mx::array& key, const mx
   return {outputs[0], outputs[1]};
 }
 
-metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(const std::vector<mx::array>& inputs) {
+metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(
+    const std::vector<mx::array>& inputs) {
   const mx::array& key = inputs[0];
   const mx::array& value = inputs[1];
   const mx::array& key_cache = inputs[2];

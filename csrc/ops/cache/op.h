@@ -47,6 +47,7 @@ std::pair<mx::array, mx::array> reshape_and_cache(
 
 // The Metal kernel's arguments for a call with these inputs. Host code, built on every platform
 // so it is compiled off-Mac too.
-metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(const std::vector<mx::array>& inputs);
+metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(
+    const std::vector<mx::array>& inputs);
 
 }  // namespace vllm_metal
