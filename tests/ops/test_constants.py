@@ -14,20 +14,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_setups import BLOCK_EXTENSION
 
 from vllm_metal import ops
 from vllm_metal.ops import _header
 
 REPO = Path(__file__).resolve().parents[2]
-
-BLOCK_EXTENSION = """
-import importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "vllm_metal._C":
-            raise ImportError("No module named 'vllm_metal._C'")
-sys.meta_path.insert(0, Block())
-"""
 
 REPORT = """
 from vllm_metal import ops

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from child_setups import BLOCK_EXTENSION, OTHER_MLX
 
 # Runs in a child interpreter; prints one JSON line with what it saw.
 PROBE = """
@@ -32,20 +33,6 @@ ops.paged_attention(q, kc, kc, mx.zeros((1, 1), dtype=mx.int32), mx.array([1], d
 warnings = [m for level, m in records if level == "WARNING" and "native ops" in m]
 print(json.dumps(dict(backend=ops.backend(), reason=ops.native_unavailable_reason(),
                       warnings=warnings, out=float(out.sum()))))
-"""
-
-BLOCK_EXTENSION = """
-import importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "vllm_metal._C":
-            raise ImportError("No module named 'vllm_metal._C'")
-sys.meta_path.insert(0, Block())
-"""
-
-OTHER_MLX = """
-import mlx.core
-mlx.core.__version__ = "0.31.1"
 """
 
 
