@@ -352,6 +352,21 @@ case "$NATIVE_OUT" in
     *) die "the native extension was built but does not load: $NATIVE_OUT" \
         "(it must be built against the installed MLX; re-run with --force)" ;;
 esac
+if [[ "$HOST" == linux ]]; then
+    # MLX's Linux wheel bundles the reference BLAS; the plugin puts its matmuls on MKL (x86_64).
+    BLAS_OUT="$(env -u VLLM_METAL_CPU_BLAS -u VLLM_METAL_CPU_THREADS "$PY" -c '
+from vllm_metal.backends.mlx import blas
+info = blas.setup_cpu_blas()
+print(("active " if info.active else "inactive ") + info.describe())' 2>/dev/null | tail -n 1)" || true
+    case "$BLAS_OUT" in
+        active*) say "CPU BLAS for MLX: ${BLAS_OUT#active }" ;;
+        *)
+            [[ "$ARCH" == x86_64 ]] && die "MLX's CPU BLAS is not MKL: '${BLAS_OUT#inactive }'." \
+                "See: $PY -c 'import vllm_metal.backends.mlx.blas as b; print(b.setup_cpu_blas())'"
+            say "CPU BLAS for MLX: ${BLAS_OUT#inactive } (no MKL on $ARCH)"
+            ;;
+    esac
+fi
 printf 'deps=%s\nplugin=%s\n' "$DEPS_FP" "$PLUGIN_FP" >"$VENV/$STAMP_NAME"
 phase ""
 

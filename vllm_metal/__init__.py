@@ -2,6 +2,10 @@
 
 vLLM calls :func:`register` through the ``vllm.platform_plugins`` entry point in every process it
 starts, so it stays cheap and never raises.
+
+Importing this package sets up the CPU BLAS that MLX uses off the Mac
+(:mod:`vllm_metal.backends.mlx.blas`); that has to happen before ``mlx.core`` is first imported,
+so nothing above the call below may import MLX.
 """
 
 from __future__ import annotations
@@ -17,6 +21,18 @@ __version__ = "0.1.0"
 PLATFORM_QUALNAME = "vllm_metal.platform.MetalPlatform"
 
 logger = logging.getLogger("vllm.metal")
+
+
+def _setup_cpu_blas() -> None:
+    try:
+        from vllm_metal.backends.mlx.blas import setup_cpu_blas
+
+        setup_cpu_blas()
+    except Exception as exc:  # noqa: BLE001 - importing the plugin must never fail over a BLAS
+        logger.warning("vllm-metal: could not set up the CPU BLAS for MLX: %s", exc)
+
+
+_setup_cpu_blas()
 
 
 def _is_apple_silicon() -> bool:
@@ -55,7 +71,7 @@ def activation_reason() -> tuple[bool, str]:
         return False, "MLX is not installed"
     try:
         import mlx.core as mx
-    except Exception as exc:  # a broken MLX install must not break vLLM
+    except Exception as exc:  # noqa: BLE001 - a broken MLX install must not break vLLM
         return False, f"MLX does not import: {exc}"
     if _is_apple_silicon():
         if mx.metal.is_available():
@@ -63,7 +79,10 @@ def activation_reason() -> tuple[bool, str]:
         return False, "macOS arm64 but MLX reports no Metal device"
     if _vllm_has_gpu_platform():
         return False, "vLLM has a GPU platform of its own on this host"
-    return True, f"MLX works on {sys.platform}/{_pyplatform.machine()} and no vLLM GPU platform applies"
+    return (
+        True,
+        f"MLX works on {sys.platform}/{_pyplatform.machine()} and no vLLM GPU platform applies",
+    )
 
 
 def register() -> str | None:
@@ -72,11 +91,11 @@ def register() -> str | None:
         from vllm_metal import envs
 
         envs.register_with_vllm()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - register() never raises
         logger.debug("could not declare VLLM_METAL_* variables to vLLM: %s", exc)
     try:
         active, reason = activation_reason()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - register() never raises
         logger.warning("vllm-metal not activated: %s", exc)
         return None
     logger.debug("vllm-metal %s: %s", "activated" if active else "not activated", reason)

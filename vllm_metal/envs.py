@@ -43,6 +43,39 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
     return parse
 
 
+def _cpu_blas(name: str) -> Callable[[], str]:
+    def parse() -> str:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return "auto"
+        value = raw.strip()
+        if value.lower() in ("auto", "reference"):
+            return value.lower()
+        if os.path.isabs(value):
+            return value
+        raise ValueError(
+            f"{name}={raw!r} is not auto, reference or an absolute path to a BLAS library"
+        )
+
+    return parse
+
+
+def _threads(name: str) -> Callable[[], int | str]:
+    def parse() -> int | str:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip().lower() in ("", "auto"):
+            return "auto"
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name}={raw!r} is not a positive number of threads (or auto)")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class EnvVar:
     parse: Callable[[], Any]
@@ -82,6 +115,20 @@ ENV_VARS: dict[str, EnvVar] = {
         _bool("VLLM_METAL_DISABLE_NAX", False),
         "0",
         "1 turns off the NAX (Metal 4 tensor op) prefill kernel on M5-class GPUs.",
+    ),
+    "VLLM_METAL_CPU_BLAS": EnvVar(
+        _cpu_blas("VLLM_METAL_CPU_BLAS"),
+        "auto",
+        "BLAS for MLX's CPU matmuls off the Mac: `auto` loads Intel MKL from the `mkl` package "
+        "(Linux x86_64), `reference` keeps the slow reference BLAS bundled with MLX's Linux "
+        "wheel, an absolute path loads that library (it must export `cblas_sgemm`). No effect on "
+        "macOS arm64 (Accelerate).",
+    ),
+    "VLLM_METAL_CPU_THREADS": EnvVar(
+        _threads("VLLM_METAL_CPU_THREADS"),
+        "auto",
+        "Threads of that BLAS: `auto` uses as many as the CPUs the process may run on "
+        "(`os.sched_getaffinity`), or a positive number.",
     ),
 }
 
