@@ -99,9 +99,34 @@ def register() -> str | None:
         logger.warning("vllm-metal not activated: %s", exc)
         return None
     logger.debug("vllm-metal %s: %s", "activated" if active else "not activated", reason)
-    if active and sys.platform != "darwin":
-        # `vllm serve` spawns its engine process, which re-imports vLLM, torch and MLX (~6 s).
-        # Off-Mac nothing in the parent holds a GPU context, so forking is safe and quick; on
-        # macOS forking after Metal is initialised is not, and vLLM's choice stays.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    if active and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = worker_start_method()
     return PLATFORM_QUALNAME if active else None
+
+
+def is_vllm_cli() -> bool:
+    """True when this process is vLLM's command line (`vllm serve ...`), not a user's program."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("vllm.entrypoints."):
+        return True  # python -m vllm.entrypoints.cli.main serve, ...openai.api_server, ...
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) == "vllm"
+
+
+def worker_start_method() -> str:
+    """How vLLM should start the engine core from this process when the user has not said.
+
+    A child forked after MLX has evaluated anything in the parent (mx.eval, .item() of a lazy
+    result, mx.synchronize, mlx-lm generation, ...) hangs for ever in its first evaluation: MLX's
+    CPU stream thread does not survive the fork. vLLM only settles the start method when it
+    launches the engine, long after this runs, and a user's program may use MLX at any point
+    before that, so `spawn` is the only choice that is right for every program. `fork` is kept
+    for vLLM's own command line off the Mac (`vllm serve`, `vllm run-batch`, ...): no user code
+    runs there, and the API server never evaluates MLX (it imports it, asks whether Metal exists,
+    reads memory counters and validates requests on host data), so forking skips re-importing
+    vLLM, torch and MLX in the engine process (several seconds). On macOS, vLLM's CLI picks
+    spawn itself; so does this.
+    """
+    if sys.platform != "darwin" and is_vllm_cli():
+        return "fork"
+    return "spawn"
