@@ -151,8 +151,15 @@ def validate() -> None:
 
 
 def register_with_vllm() -> None:
-    """Declare the variables to vLLM, which warns about VLLM_* names it does not know."""
+    """Declare the variables to vLLM, which warns about VLLM_* names it does not know.
+
+    vLLM runs this (the `vllm.general_plugins` entry point) in every process once it builds an
+    engine, when its logging is set up, so it also logs which CPU BLAS MLX uses here.
+    """
     import vllm.envs as vllm_envs
 
     for name, var in ENV_VARS.items():
         vllm_envs.environment_variables.setdefault(name, var.parse)
+    from vllm_metal.backends.mlx import blas
+
+    blas.report()

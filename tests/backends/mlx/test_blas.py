@@ -130,6 +130,36 @@ vllm_metal.register()
     assert "Intel MKL" in lines[0] and "libmkl_rt" in lines[0] and "1 thread" in lines[0]
 
 
+def test_the_line_waits_for_logging_and_comes_once_per_process() -> None:
+    # vLLM configures its log handlers after the plugin is imported: the line must not be lost
+    # then, nor repeated, and a forked child (a process of its own) says it once too.
+    code = f"""import os, sys
+import vllm_metal
+from vllm_metal.backends.mlx import blas
+print("before logging is set up", flush=True)
+{LOGGING}
+blas.report(); blas.report(); blas.setup_cpu_blas()
+sys.stderr.flush()
+pid = os.fork()
+if pid == 0:
+    blas.report(); blas.report(); sys.stderr.flush(); os._exit(0)
+os.waitpid(pid, 0)
+"""
+    proc = _python(code, VLLM_METAL_CPU_THREADS="1")
+    lines = [ln for ln in proc.stderr.splitlines() if "CPU BLAS for MLX" in ln]
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert all(ln.startswith("INFO ") and "Intel MKL" in ln for ln in lines)
+
+
+def test_vllm_general_plugin_hook_reports_it() -> None:
+    code = f"""import vllm_metal
+{LOGGING}
+from vllm_metal import envs
+envs.register_with_vllm()"""
+    proc = _python(code)
+    assert sum("CPU BLAS for MLX" in ln for ln in proc.stderr.splitlines()) == 1, proc.stderr
+
+
 def test_default_threads_follow_the_cpus_this_process_may_use() -> None:
     # taskset narrows the affinity mask: the BLAS must follow it, not os.cpu_count().
     proc = subprocess.run(

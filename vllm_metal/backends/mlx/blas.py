@@ -60,6 +60,7 @@ class CpuBlas:
     threads: int | None  # BLAS threads set, None if not set
     active: bool  # True when MLX's cblas_sgemm will bind to `path`
     note: str = ""  # why it is not active, or anything unusual
+    warn: bool = False  # logged as a warning: the optimized BLAS was wanted but is not in use
 
     def describe(self) -> str:
         parts = [self.name]
@@ -73,6 +74,7 @@ class CpuBlas:
 
 _lock = threading.Lock()
 _result: CpuBlas | None = None
+_reported_pid: int | None = None
 
 
 def uses_accelerate() -> bool:
@@ -89,6 +91,7 @@ def setup_cpu_blas() -> CpuBlas:
     global _result
     with _lock:
         if _result is not None:
+            report()
             return _result
         try:
             result = _setup()
@@ -99,10 +102,31 @@ def setup_cpu_blas() -> CpuBlas:
                 None,
                 False,
                 f"loading the optimized BLAS failed: {exc}",
+                warn=True,
             )
-            logger.warning("CPU BLAS for MLX: %s", result.describe())
         _result = result
+        report()
         return result
+
+
+def report() -> None:
+    """Log the line naming the CPU BLAS, once per process, as soon as logging is configured.
+
+    vLLM attaches its log handlers late (when it builds an engine, or at the start of an engine
+    process), after the plugin is imported; an INFO line logged before then would be dropped, so
+    it waits for the next call. Warnings go out at once (Python prints them even unconfigured).
+    """
+    global _reported_pid
+    result = _result
+    if result is None or _reported_pid == os.getpid() or uses_accelerate():
+        return
+    if result.warn:
+        logger.warning("CPU BLAS for MLX: %s", result.describe())
+    elif logger.hasHandlers():
+        logger.info("CPU BLAS for MLX: %s", result.describe())
+    else:
+        return
+    _reported_pid = os.getpid()
 
 
 def cpu_threads() -> int:
@@ -126,29 +150,24 @@ def _setup() -> CpuBlas:
     try:
         choice = envs.VLLM_METAL_CPU_BLAS
     except ValueError as exc:
-        result = CpuBlas("MLX's bundled reference BLAS", None, None, False, f"{exc}")
-        logger.warning("CPU BLAS for MLX: %s", result.describe())
-        return result
+        return CpuBlas("MLX's bundled reference BLAS", None, None, False, f"{exc}", warn=True)
     if choice == "reference":
-        result = CpuBlas(
+        return CpuBlas(
             "MLX's bundled reference BLAS", None, None, False, "VLLM_METAL_CPU_BLAS=reference"
         )
-        logger.info("CPU BLAS for MLX: %s", result.describe())
-        return result
 
     if "mlx.core" in sys.modules:
         # libmlx has bound its BLAS symbols already; loading a library now would not reach MLX.
         bound = mlx_sgemm_provider()
-        result = CpuBlas(
+        return CpuBlas(
             _library_label(bound) if bound else "unknown",
             None,
             None,
             False,
             "mlx.core was imported before vllm_metal, so MLX keeps the BLAS it bound then"
             f" ({bound or 'not found'}); import vllm_metal first",
+            warn=True,
         )
-        logger.warning("CPU BLAS for MLX: %s", result.describe())
-        return result
 
     try:
         threads = cpu_threads()
@@ -161,16 +180,15 @@ def _setup() -> CpuBlas:
     if choice == "auto":
         path = find_mkl()
         if path is None:
-            result = CpuBlas(
+            return CpuBlas(
                 "MLX's bundled reference BLAS",
                 None,
                 None,
                 False,
                 f"the `{MKL_DISTRIBUTION}` package is not installed (Linux x86_64 installs it"
                 " with vllm-metal); float32 matmuls run on the slow reference BLAS",
+                warn=True,
             )
-            logger.warning("CPU BLAS for MLX: %s", result.describe())
-            return result
     else:
         path = choice
 
@@ -189,9 +207,7 @@ def _setup() -> CpuBlas:
     note = threads_note
     if not same:
         note = f"cblas_sgemm resolves to {provider or 'nothing'} first, which MLX will use"
-    result = CpuBlas(name, path, threads, same, note)
-    (logger.info if same else logger.warning)("CPU BLAS for MLX: %s", result.describe())
-    return result
+    return CpuBlas(name, path, threads, same, note, warn=not same)
 
 
 def find_mkl() -> str | None:
