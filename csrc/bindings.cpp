@@ -35,44 +35,45 @@ namespace vm = vllm_metal;
 // field become ints, entries of several fields tuples (identifiers as strings).
 nb::dict constants() {
   nb::dict c;
-#define VM__NUMBER(NAME) c[#NAME] = VM_##NAME;
-#define VM__INT(V, L) L.append(V);
-#define VM__PAIR(A, B, L) L.append(nb::make_tuple(A, B));
-#define VM__DTYPE(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
-#define VM__LIST(NAME, ENTRY)       \
-  {                                 \
-    nb::list l;                     \
-    VM_##NAME(ENTRY, l) c[#NAME] = nb::tuple(l); \
+#define VM_NUMBER_(NAME) c[#NAME] = VM_##NAME;
+#define VM_INT_(V, L) L.append(V);
+#define VM_PAIR_(A, B, L) L.append(nb::make_tuple(A, B));
+#define VM_DTYPE_(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
+#define VM_LIST_(NAME, ENTRY)  \
+  {                            \
+    nb::list l;                \
+    VM_##NAME(ENTRY, l)        \
+    c[#NAME] = nb::tuple(l);   \
   }
-  VM__NUMBER(OPS_ABI)
-  VM__NUMBER(BLOCK_SIZE_MULTIPLE)
-  VM__NUMBER(SIMD_WIDTH)
-  VM__NUMBER(THREADGROUP_MEMORY_BYTES)
-  VM__NUMBER(MAX_VALUE_COLUMNS)
-  VM__NUMBER(DECODE_THREADS)
-  VM__NUMBER(GQA_THREADS)
-  VM__NUMBER(GQA_ROWS)
-  VM__NUMBER(NAX_ROWS)
-  VM__NUMBER(NAX_KEYS)
-  VM__NUMBER(NAX_THREADS)
-  VM__NUMBER(CACHE_MAX_THREADS)
-  VM__NUMBER(PARTITION_SIZE)
-  VM__NUMBER(PARTITION_ALIGN)
-  VM__NUMBER(SPLIT_THREADGROUPS_PER_CORE)
-  VM__NUMBER(DEFAULT_GPU_CORES)
-  VM__NUMBER(DECODE_SPLIT_OUT_KEYS)
-  VM__LIST(HALF_DTYPES, VM__DTYPE)
-  VM__LIST(FLOAT_DTYPES, VM__DTYPE)
-  VM__LIST(DECODE_HEAD_SIZES, VM__INT)
-  VM__LIST(WIDE_HEAD_SIZES, VM__INT)
-  VM__LIST(HEAD_SIZES, VM__INT)
-  VM__LIST(BLOCK_DIVISORS, VM__INT)
-  VM__LIST(PREFILL_TILES, VM__PAIR)
-#undef VM__NUMBER
-#undef VM__INT
-#undef VM__PAIR
-#undef VM__DTYPE
-#undef VM__LIST
+  VM_NUMBER_(OPS_ABI)
+  VM_NUMBER_(BLOCK_SIZE_MULTIPLE)
+  VM_NUMBER_(SIMD_WIDTH)
+  VM_NUMBER_(THREADGROUP_MEMORY_BYTES)
+  VM_NUMBER_(MAX_VALUE_COLUMNS)
+  VM_NUMBER_(DECODE_THREADS)
+  VM_NUMBER_(GQA_THREADS)
+  VM_NUMBER_(GQA_ROWS)
+  VM_NUMBER_(NAX_ROWS)
+  VM_NUMBER_(NAX_KEYS)
+  VM_NUMBER_(NAX_THREADS)
+  VM_NUMBER_(CACHE_MAX_THREADS)
+  VM_NUMBER_(PARTITION_SIZE)
+  VM_NUMBER_(PARTITION_ALIGN)
+  VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
+  VM_NUMBER_(DEFAULT_GPU_CORES)
+  VM_NUMBER_(DECODE_SPLIT_OUT_KEYS)
+  VM_LIST_(HALF_DTYPES, VM_DTYPE_)
+  VM_LIST_(FLOAT_DTYPES, VM_DTYPE_)
+  VM_LIST_(DECODE_HEAD_SIZES, VM_INT_)
+  VM_LIST_(WIDE_HEAD_SIZES, VM_INT_)
+  VM_LIST_(HEAD_SIZES, VM_INT_)
+  VM_LIST_(BLOCK_DIVISORS, VM_INT_)
+  VM_LIST_(PREFILL_TILES, VM_PAIR_)
+#undef VM_NUMBER_
+#undef VM_INT_
+#undef VM_PAIR_
+#undef VM_DTYPE_
+#undef VM_LIST_
   return c;
 }
 

@@ -6,7 +6,7 @@
 // constexpr functions of ints. Python's parser (vllm_metal/ops/_header.py) reads every
 // `#define VM_NAME <integer>` and every list `#define VM_NAME(X, ...) X(a, ..., __VA_ARGS__) ...`
 // (entries may name other lists); bindings.cpp exports exactly the same set as _C.CONSTANTS, and
-// tests/ops/test_constants.py holds the two equal. Names with two underscores are helpers.
+// tests/ops/test_constants.py holds the two equal. Names ending in an underscore are helpers.
 //
 // A list calls X once per entry with the entry's fields and then the caller's context (the extra
 // arguments after X), so lists nest: a callback receives `(fields..., context...)` and must accept
@@ -19,13 +19,13 @@
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
 // in every kernel). The tag names kernels and plans ("f16").
-#define VM__DTYPE_F16(X, ...) X(f16, half, float16, 2, __VA_ARGS__)
-#define VM__DTYPE_BF16(X, ...) X(bf16, bfloat, bfloat16, 2, __VA_ARGS__)
-#define VM__DTYPE_F32(X, ...) X(f32, float, float32, 4, __VA_ARGS__)
+#define VM_DTYPE_F16_(X, ...) X(f16, half, float16, 2, __VA_ARGS__)
+#define VM_DTYPE_BF16_(X, ...) X(bf16, bfloat, bfloat16, 2, __VA_ARGS__)
+#define VM_DTYPE_F32_(X, ...) X(f32, float, float32, 4, __VA_ARGS__)
 // Two-byte types: the neural-accelerator kernels take only these, and only their rows fit
 // threadgroup memory at the wide head sizes.
-#define VM_HALF_DTYPES(X, ...) VM__DTYPE_F16(X, __VA_ARGS__) VM__DTYPE_BF16(X, __VA_ARGS__)
-#define VM_FLOAT_DTYPES(X, ...) VM_HALF_DTYPES(X, __VA_ARGS__) VM__DTYPE_F32(X, __VA_ARGS__)
+#define VM_HALF_DTYPES(X, ...) VM_DTYPE_F16_(X, __VA_ARGS__) VM_DTYPE_BF16_(X, __VA_ARGS__)
+#define VM_FLOAT_DTYPES(X, ...) VM_HALF_DTYPES(X, __VA_ARGS__) VM_DTYPE_F32_(X, __VA_ARGS__)
 
 // ---- head sizes --------------------------------------------------------------------------------
 // X(head_size, ...). Every kernel family is built for the decode head sizes; the wide ones only for
@@ -110,39 +110,39 @@ constexpr int vm_prefill_threadgroup_bytes(int elem_bytes, int head_size, int ro
 // KV tile of the gqa kernel built for block divisor B: the largest divisor <= B that fits; 0: none.
 constexpr int vm_gqa_keys(int elem_bytes, int head_size, int divisor) {
   int keys = 0;
-#define VM__GQA_TRY(K, ...)                                                   \
-  if (K <= divisor &&                                                         \
-      vm_gqa_threadgroup_bytes(elem_bytes, head_size, K) <= VM_THREADGROUP_MEMORY_BYTES) \
+#define VM_GQA_TRY_(K, ...)                                         \
+  if (K <= divisor && vm_gqa_threadgroup_bytes(elem_bytes, head_size, K) <= \
+                          VM_THREADGROUP_MEMORY_BYTES)                      \
     keys = K;
-  VM_BLOCK_DIVISORS(VM__GQA_TRY, )
-#undef VM__GQA_TRY
+  VM_BLOCK_DIVISORS(VM_GQA_TRY_, )
+#undef VM_GQA_TRY_
   return keys;
 }
 
 // Tile of the prefill kernel built for block divisor B, as rows * 64 + keys (0: none fits).
-constexpr int vm__prefill_tile(int elem_bytes, int head_size, int divisor) {
-#define VM__PREFILL_TRY(R, K, ...)                                                          \
-  if (K <= divisor &&                                                                       \
-      vm_prefill_threadgroup_bytes(elem_bytes, head_size, R, K) <= VM_THREADGROUP_MEMORY_BYTES) \
+constexpr int vm_prefill_tile_(int elem_bytes, int head_size, int divisor) {
+#define VM_PREFILL_TRY_(R, K, ...)                                         \
+  if (K <= divisor && vm_prefill_threadgroup_bytes(elem_bytes, head_size, R, K) <= \
+                          VM_THREADGROUP_MEMORY_BYTES)                             \
     return R * 64 + K;
-  VM_PREFILL_TILES(VM__PREFILL_TRY, )
-#undef VM__PREFILL_TRY
+  VM_PREFILL_TILES(VM_PREFILL_TRY_, )
+#undef VM_PREFILL_TRY_
   return 0;
 }
 constexpr int vm_prefill_rows(int elem_bytes, int head_size, int divisor) {
-  return vm__prefill_tile(elem_bytes, head_size, divisor) / 64;
+  return vm_prefill_tile_(elem_bytes, head_size, divisor) / 64;
 }
 constexpr int vm_prefill_keys(int elem_bytes, int head_size, int divisor) {
-  return vm__prefill_tile(elem_bytes, head_size, divisor) % 64;
+  return vm_prefill_tile_(elem_bytes, head_size, divisor) % 64;
 }
 
 // Largest block divisor of a vLLM block size (0 when it is not a multiple of any).
 constexpr int vm_block_divisor(int block_size) {
   int divisor = 0;
-#define VM__DIVISOR_TRY(B, ...) \
+#define VM_DIVISOR_TRY_(B, ...) \
   if (block_size > 0 && block_size % B == 0) divisor = B;
-  VM_BLOCK_DIVISORS(VM__DIVISOR_TRY, )
-#undef VM__DIVISOR_TRY
+  VM_BLOCK_DIVISORS(VM_DIVISOR_TRY_, )
+#undef VM_DIVISOR_TRY_
   return divisor;
 }
 
@@ -157,24 +157,26 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_PREFILL(DT, D, B) "paged_attention_prefill_" #DT "_d" #D "_b" #B
 #define VM_KERNEL_NAME_NAX(DT, D) "paged_attention_nax_" #DT "_d" #D
 
-#define VM__WITH_DTYPE(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
-#define VM__WITH_HEAD(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
-#define VM__WITH_DIVISOR(B, X, DT, T, BYTES, D) X(DT, T, BYTES, D, B)
-#define VM__HEAD_DIVISORS(D, X, DT, T, BYTES) \
-  VM_BLOCK_DIVISORS(VM__WITH_DIVISOR, X, DT, T, BYTES, D)
-#define VM__DECODE_HEADS(DT, T, NAME, BYTES, X) \
-  VM_DECODE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)
-#define VM__WIDE_HEADS(DT, T, NAME, BYTES, X) VM_WIDE_HEAD_SIZES(VM__HEAD_DIVISORS, X, DT, T, BYTES)
-#define VM__REDUCE_HEADS(DT, T, NAME, BYTES, X) VM_DECODE_HEAD_SIZES(VM__WITH_HEAD, X, DT, T, BYTES)
-#define VM__ALL_HEADS(DT, T, NAME, BYTES, X) VM_HEAD_SIZES(VM__WITH_HEAD, X, DT, T, BYTES)
+#define VM_WITH_DTYPE_(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
+#define VM_WITH_HEAD_(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
+#define VM_WITH_DIVISOR_(B, X, DT, T, BYTES, D) X(DT, T, BYTES, D, B)
+#define VM_HEAD_DIVISORS_(D, X, DT, T, BYTES) \
+  VM_BLOCK_DIVISORS(VM_WITH_DIVISOR_, X, DT, T, BYTES, D)
+#define VM_DECODE_HEADS_(DT, T, NAME, BYTES, X) \
+  VM_DECODE_HEAD_SIZES(VM_HEAD_DIVISORS_, X, DT, T, BYTES)
+#define VM_WIDE_HEADS_(DT, T, NAME, BYTES, X) \
+  VM_WIDE_HEAD_SIZES(VM_HEAD_DIVISORS_, X, DT, T, BYTES)
+#define VM_REDUCE_HEADS_(DT, T, NAME, BYTES, X) \
+  VM_DECODE_HEAD_SIZES(VM_WITH_HEAD_, X, DT, T, BYTES)
+#define VM_ALL_HEADS_(DT, T, NAME, BYTES, X) VM_HEAD_SIZES(VM_WITH_HEAD_, X, DT, T, BYTES)
 
 // X(tag, msl_type, bytes): reshape_and_cache.
-#define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM__WITH_DTYPE, X)
+#define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).
-#define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM__DECODE_HEADS, X)
+#define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM_DECODE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): the split-KV reduce kernel of decode and gqa.
-#define VM_REDUCE_INSTANCES(X) VM_FLOAT_DTYPES(VM__REDUCE_HEADS, X)
+#define VM_REDUCE_INSTANCES(X) VM_FLOAT_DTYPES(VM_REDUCE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): prefill.
-#define VM_PREFILL_INSTANCES(X) VM_DECODE_INSTANCES(X) VM_HALF_DTYPES(VM__WIDE_HEADS, X)
+#define VM_PREFILL_INSTANCES(X) VM_DECODE_INSTANCES(X) VM_HALF_DTYPES(VM_WIDE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): nax (Metal 4 tensor ops).
-#define VM_NAX_INSTANCES(X) VM_HALF_DTYPES(VM__ALL_HEADS, X)
+#define VM_NAX_INSTANCES(X) VM_HALF_DTYPES(VM_ALL_HEADS_, X)

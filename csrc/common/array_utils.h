@@ -19,8 +19,9 @@ void copy_strided(const char* src, const std::vector<int64_t>& shape,
 // enqueued on `encoder` (so it runs before anything dispatched later on the stream).
 mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder);
 
-// Like row_contiguous, but only requires the last two axes to be packed (stride 1, and the second to
-// last stepping over one whole row), so pools sliced out of a larger allocation are used in place.
+// Like row_contiguous, but only requires the last two axes to be packed (stride 1, and the second
+// to last stepping over one whole row), so pools sliced out of a larger allocation are used in
+// place.
 mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder);
 
 }  // namespace vllm_metal::cpu

@@ -96,13 +96,13 @@ def test_loader_expects_the_abi_of_its_own_sources(native_C) -> None:
 def test_parser_follows_nested_lists_and_skips_helpers() -> None:
     text = """
     #define VM_A 3  // comment
-    #define VM__HIDDEN 9
-    #define VM__ONE(X, ...) X(one, 1, __VA_ARGS__)
-    #define VM_PAIRS(X, ...) VM__ONE(X, __VA_ARGS__) \\
+    #define VM_HIDDEN_ 9
+    #define VM_ONE_(X, ...) X(one, 1, __VA_ARGS__)
+    #define VM_PAIRS(X, ...) VM_ONE_(X, __VA_ARGS__) \\
       X(two, 2, __VA_ARGS__)
     #define VM_INTS(X, ...) X(8, __VA_ARGS__) X(16, __VA_ARGS__)
     #define VM_NAME(DT, D) "k_" #DT "_" #D
-    #define VM_INSTANCES(X) VM_PAIRS(VM__CB, X)
+    #define VM_INSTANCES(X) VM_PAIRS(VM_CB_, X)
     """
     text = "\n".join(line.strip() for line in text.splitlines())
     assert _header.parse(text) == {

@@ -53,8 +53,8 @@ def _expand(name: str, bodies: dict[str, str], seen: tuple[str, ...] = ()) -> li
 
 
 def parse(text: str) -> dict[str, object]:
-    """The integer macros and X-macro lists of the header, named without ``VM_``; helper names
-    (``VM__*``) are followed through but not returned."""
+    """The integer macros and X-macro lists of the header, named without ``VM_``; helpers (names
+    ending in ``_``) are followed through but not returned."""
     lines = text.replace("\\\n", " ").splitlines()
     found: dict[str, object] = {}
     bodies: dict[str, str] = {}
@@ -65,7 +65,7 @@ def parse(text: str) -> dict[str, object]:
             bodies[m[1]] = m[2].split("//")[0]
     for name in bodies:
         found[name] = tuple(_expand(name, bodies))
-    return {k.removeprefix("VM_"): v for k, v in found.items() if not k.startswith("VM__")}
+    return {k.removeprefix("VM_"): v for k, v in found.items() if not k.endswith("_")}
 
 
 @functools.cache

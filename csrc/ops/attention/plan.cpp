@@ -12,30 +12,29 @@ namespace vllm_metal {
 
 namespace {
 
-// One [[host_name]] instance of constants.h: tag, element bytes, head size, block divisor, name.
+// One [[host_name]] instance of constants.h: dtype tag, head size, block divisor, name.
 struct Instance {
   const char* dtype;
-  int bytes;
   int head_dim;
   int divisor;  // 0 for the families built per head size only (reduce, nax)
   const char* name;
 };
 
-#define VM__DECODE(DT, T, BYTES, D, B) {#DT, BYTES, D, B, VM_KERNEL_NAME_DECODE(DT, D, B)},
-#define VM__GQA(DT, T, BYTES, D, B) {#DT, BYTES, D, B, VM_KERNEL_NAME_GQA(DT, D, B)},
-#define VM__PREFILL(DT, T, BYTES, D, B) {#DT, BYTES, D, B, VM_KERNEL_NAME_PREFILL(DT, D, B)},
-#define VM__REDUCE(DT, T, BYTES, D) {#DT, BYTES, D, 0, VM_KERNEL_NAME_REDUCE(DT, D)},
-#define VM__NAX(DT, T, BYTES, D) {#DT, BYTES, D, 0, VM_KERNEL_NAME_NAX(DT, D)},
-const Instance kDecode[] = {VM_DECODE_INSTANCES(VM__DECODE)};
-const Instance kGqa[] = {VM_DECODE_INSTANCES(VM__GQA)};
-const Instance kReduce[] = {VM_REDUCE_INSTANCES(VM__REDUCE)};
-const Instance kPrefill[] = {VM_PREFILL_INSTANCES(VM__PREFILL)};
-const Instance kNax[] = {VM_NAX_INSTANCES(VM__NAX)};
-#undef VM__DECODE
-#undef VM__GQA
-#undef VM__PREFILL
-#undef VM__REDUCE
-#undef VM__NAX
+#define VM_DECODE_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_DECODE(DT, D, B)},
+#define VM_GQA_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_GQA(DT, D, B)},
+#define VM_PREFILL_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_PREFILL(DT, D, B)},
+#define VM_REDUCE_(DT, T, BYTES, D) {#DT, D, 0, VM_KERNEL_NAME_REDUCE(DT, D)},
+#define VM_NAX_(DT, T, BYTES, D) {#DT, D, 0, VM_KERNEL_NAME_NAX(DT, D)},
+const Instance kDecode[] = {VM_DECODE_INSTANCES(VM_DECODE_)};
+const Instance kGqa[] = {VM_DECODE_INSTANCES(VM_GQA_)};
+const Instance kReduce[] = {VM_REDUCE_INSTANCES(VM_REDUCE_)};
+const Instance kPrefill[] = {VM_PREFILL_INSTANCES(VM_PREFILL_)};
+const Instance kNax[] = {VM_NAX_INSTANCES(VM_NAX_)};
+#undef VM_DECODE_
+#undef VM_GQA_
+#undef VM_PREFILL_
+#undef VM_REDUCE_
+#undef VM_NAX_
 
 template <size_t N>
 const Instance* find(const Instance (&table)[N], const std::string& dtype, int d, int divisor) {
@@ -51,10 +50,10 @@ void append_names(std::vector<std::string>& names, const Instance (&table)[N]) {
 }
 
 int dtype_bytes(const std::string& dtype) {
-#define VM__BYTES(DT, T, NAME, BYTES, ...) \
+#define VM_BYTES_(DT, T, NAME, BYTES, ...) \
   if (dtype == #DT) return BYTES;
-  VM_FLOAT_DTYPES(VM__BYTES)
-#undef VM__BYTES
+  VM_FLOAT_DTYPES(VM_BYTES_)
+#undef VM_BYTES_
   throw std::invalid_argument("paged attention: unsupported dtype '" + dtype + "'");
 }
 
@@ -77,10 +76,10 @@ bool env_flag(const char* name) {
 }
 
 bool listed_head_size(int d) {
-#define VM__IS(D, ...) \
+#define VM_IS_(D, ...) \
   if (d == D) return true;
-  VM_HEAD_SIZES(VM__IS)
-#undef VM__IS
+  VM_HEAD_SIZES(VM_IS_)
+#undef VM_IS_
   return false;
 }
 

@@ -15,9 +15,9 @@ struct Instance {
   const char* name;
 };
 
-#define VM__CACHE(DT, T, BYTES) {#DT, VM_KERNEL_NAME_CACHE(DT)},
-const Instance kCache[] = {VM_CACHE_INSTANCES(VM__CACHE)};
-#undef VM__CACHE
+#define VM_CACHE_(DT, T, BYTES) {#DT, VM_KERNEL_NAME_CACHE(DT)},
+const Instance kCache[] = {VM_CACHE_INSTANCES(VM_CACHE_)};
+#undef VM_CACHE_
 
 }  // namespace
 
