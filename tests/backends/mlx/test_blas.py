@@ -269,6 +269,14 @@ def test_mlx_imported_first_is_reported_not_claimed() -> None:
     assert "imported before vllm_metal" in warning[0]
 
 
+def test_a_blas_bound_before_the_plugin_is_reported_as_it_is() -> None:
+    # LD_PRELOAD puts MKL in front before anything runs: MLX uses it even if mlx.core comes first.
+    code = f"{LOGGING}\nimport mlx.core\nimport vllm_metal\n{MATMUL}\n{REPORT}"
+    result = _result(_python(code, LD_PRELOAD=_mkl()))
+    assert result["active"] is True and "bound before vllm_metal" in result["note"]
+    assert os.path.samefile(result["bound"], _mkl())
+
+
 def test_missing_mkl_falls_back_with_a_warning() -> None:
     code = f"""{LOGGING}
 import importlib.metadata as md
@@ -284,7 +292,10 @@ import vllm_metal
     proc = _python(code)
     result = _result(proc)
     assert result["active"] is False and "mlx_cpu.libs" in result["bound"]
-    assert "WARNING" in proc.stderr and "`mkl` package is not installed" in proc.stderr
+    assert (
+        "WARNING" in proc.stderr
+        and "`mkl` package (a dependency on Linux x86_64) is missing" in proc.stderr
+    )
 
 
 def test_unloadable_library_does_not_break_the_import(tmp_path) -> None:

@@ -159,6 +159,9 @@ def _setup() -> CpuBlas:
     if "mlx.core" in sys.modules:
         # libmlx has bound its BLAS symbols already; loading a library now would not reach MLX.
         bound = mlx_sgemm_provider()
+        if bound is not None and not _library_label(bound).startswith("MLX's"):
+            # Something put an optimized BLAS in front before (e.g. LD_PRELOAD): MLX uses it.
+            return CpuBlas(_library_label(bound), bound, None, True, "bound before vllm_metal")
         return CpuBlas(
             _library_label(bound) if bound else "unknown",
             None,
@@ -180,13 +183,16 @@ def _setup() -> CpuBlas:
     if choice == "auto":
         path = find_mkl()
         if path is None:
+            if platform.machine() == "x86_64":
+                why = f"the `{MKL_DISTRIBUTION}` package (a dependency on Linux x86_64) is missing"
+            else:
+                why = f"there is no MKL for {platform.machine()}"
             return CpuBlas(
                 "MLX's bundled reference BLAS",
                 None,
                 None,
                 False,
-                f"the `{MKL_DISTRIBUTION}` package is not installed (Linux x86_64 installs it"
-                " with vllm-metal); float32 matmuls run on the slow reference BLAS",
+                f"{why}; float32 matmuls run on the slow reference BLAS",
                 warn=True,
             )
     else:
