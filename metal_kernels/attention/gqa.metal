@@ -169,32 +169,9 @@ template <typename T, int D, int B>
       *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * QP + c) = v4;
     }
     if (sg == 0) {
-      float x[KB / 4];
-      float mx = PA_NEG_INF;
-      for (int t = 0; t < KB / 4; ++t) {
-        const int col = scol + 4 * t;
-        const int pos = b0 + col;
-        const bool valid = pos >= begin && pos < end;
-        x[t] = valid ? pa_logit(s_tile[srow * SP + col], p) : PA_NEG_INF;
-        mx = metal::max(mx, x[t]);
-      }
-      mx = metal::max(mx, simd_shuffle_xor(mx, ushort(1)));
-      mx = metal::max(mx, simd_shuffle_xor(mx, ushort(2)));
-      const float m_new = metal::max(m_run, mx);
-      const float shift = m_new == PA_NEG_INF ? 0.0f : m_new;
-      const float f = metal::exp(m_run - shift);
-      float ls = 0.0f;
-      for (int t = 0; t < KB / 4; ++t) {
-        const float w = metal::exp(x[t] - shift);
-        ls += w;
-        p_tile[srow * PP + scol + 4 * t] = T(w);
-      }
-      ls += simd_shuffle_xor(ls, ushort(1));
-      ls += simd_shuffle_xor(ls, ushort(2));
-      l_run = l_run * f + ls;
-      m_run = m_new;
-      diag[srow * 8 + 2 * scol] = (2 * scol == srow) ? f : 0.0f;
-      diag[srow * 8 + 2 * scol + 1] = (2 * scol + 1 == srow) ? f : 0.0f;
+      const float f = pa_softmax_tile<T, KB, 4>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
+                                                begin, end, p, m_run, l_run);
+      pa_diag_row(diag, srow, scol, f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -240,8 +217,7 @@ template <typename T, int D, int B>
       l_fin += metal::exp(sinks[h0 + srow] - shift);
     }
     const float inv = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
-    diag[srow * 8 + 2 * scol] = (2 * scol == srow) ? inv : 0.0f;
-    diag[srow * 8 + 2 * scol + 1] = (2 * scol + 1 == srow) ? inv : 0.0f;
+    pa_diag_row(diag, srow, scol, inv);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   simdgroup_matrix<float, 8, 8> inv_m;

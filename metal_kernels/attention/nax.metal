@@ -114,6 +114,7 @@ template <typename T, int D>
   const bool row_valid = my_row < n_rows;
   const int row_pos = ctx0 + my_row / group;
   const int row_lo = pa_window_start(row_pos, p);
+  const int row_hi = row_valid ? row_pos + 1 : row_lo;  // attended keys: row_lo .. row_pos
   float m_run = PA_NEG_INF;
   float l_run = 0.0f;
 
@@ -179,32 +180,8 @@ template <typename T, int D>
       }
       *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * KP + c) = v4;
     }
-    float x[KB / 8];
-    float mx = PA_NEG_INF;
-    for (int t = 0; t < KB / 8; ++t) {
-      const int col = scol + 8 * t;
-      const int pos = b0 + col;
-      const bool valid = row_valid && pos >= row_lo && pos <= row_pos;
-      x[t] = valid ? pa_logit(s_tile[srow * SP + col], p) : PA_NEG_INF;
-      mx = metal::max(mx, x[t]);
-    }
-    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(1)));
-    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(2)));
-    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(4)));
-    const float m_new = metal::max(m_run, mx);
-    const float shift = m_new == PA_NEG_INF ? 0.0f : m_new;
-    const float f = metal::exp(m_run - shift);
-    float ls = 0.0f;
-    for (int t = 0; t < KB / 8; ++t) {
-      const float w = metal::exp(x[t] - shift);
-      ls += w;
-      p_tile[srow * PP + scol + 8 * t] = T(w);
-    }
-    ls += simd_shuffle_xor(ls, ushort(1));
-    ls += simd_shuffle_xor(ls, ushort(2));
-    ls += simd_shuffle_xor(ls, ushort(4));
-    l_run = l_run * f + ls;
-    m_run = m_new;
+    const float f = pa_softmax_tile<T, KB, 8>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
+                                              row_lo, row_hi, p, m_run, l_run);
     if (scol == 0) {
       row_scale[srow] = f;
     }

@@ -111,6 +111,7 @@ template <typename T, int D, int B>
   const bool row_valid = my_row < n_rows;
   const int row_pos = ctx0 + my_row / group;
   const int row_lo = pa_window_start(row_pos, p);
+  const int row_hi = row_valid ? row_pos + 1 : row_lo;  // attended keys: row_lo .. row_pos
   float m_run = PA_NEG_INF;
   float l_run = 0.0f;
 
@@ -170,33 +171,10 @@ template <typename T, int D, int B>
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Online softmax of the simdgroup's rows.
-    float x[KB / 4];
-    float mx = PA_NEG_INF;
-    for (int t = 0; t < KB / 4; ++t) {
-      const int col = scol + 4 * t;
-      const int pos = b0 + col;
-      const bool valid = row_valid && pos >= row_lo && pos <= row_pos;
-      x[t] = valid ? pa_logit(s_mine[srow * SP + col], p) : PA_NEG_INF;
-      mx = metal::max(mx, x[t]);
-    }
-    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(1)));
-    mx = metal::max(mx, simd_shuffle_xor(mx, ushort(2)));
-    const float m_new = metal::max(m_run, mx);
-    const float shift = m_new == PA_NEG_INF ? 0.0f : m_new;
-    const float f = metal::exp(m_run - shift);
-    float ls = 0.0f;
-    for (int t = 0; t < KB / 4; ++t) {
-      const float w = metal::exp(x[t] - shift);
-      ls += w;
-      p_mine[srow * PP + scol + 4 * t] = T(w);
-    }
-    ls += simd_shuffle_xor(ls, ushort(1));
-    ls += simd_shuffle_xor(ls, ushort(2));
-    l_run = l_run * f + ls;
-    m_run = m_new;
-    diag_mine[srow * 8 + 2 * scol] = (2 * scol == srow) ? f : 0.0f;
-    diag_mine[srow * 8 + 2 * scol + 1] = (2 * scol + 1 == srow) ? f : 0.0f;
+    // Online softmax of the simdgroup's rows (causal and window masks).
+    const float f = pa_softmax_tile<T, KB, 4>(s_mine + srow * SP, p_mine + srow * PP, scol, b0,
+                                              row_lo, row_hi, p, m_run, l_run);
+    pa_diag_row(diag_mine, srow, scol, f);
     simdgroup_barrier(mem_flags::mem_threadgroup);
 
     // O = diag(f) O + P V.
@@ -224,8 +202,7 @@ template <typename T, int D, int B>
     l_fin += metal::exp(sinks[kvh * group + my_row % group] - shift);
   }
   const float inv = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
-  diag_mine[srow * 8 + 2 * scol] = (2 * scol == srow) ? inv : 0.0f;
-  diag_mine[srow * 8 + 2 * scol + 1] = (2 * scol + 1 == srow) ? inv : 0.0f;
+  pa_diag_row(diag_mine, srow, scol, inv);
   simdgroup_barrier(mem_flags::mem_threadgroup);
   simdgroup_matrix<float, 8, 8> inv_m;
   simdgroup_load(inv_m, diag_mine, 8);

@@ -32,15 +32,15 @@ MUTATIONS = [
     Mutation(
         "prefill-causal-off-by-one",
         "attention/prefill.metal",
-        r"const bool valid = row_valid && pos >= row_lo && pos <= row_pos;",
-        "const bool valid = row_valid && pos >= row_lo && pos < row_pos;",
+        r"const int row_hi = row_valid \? row_pos \+ 1 : row_lo;",
+        "const int row_hi = row_valid ? row_pos : row_lo;",
         "prefill and not nax",
     ),
     Mutation(
         "nax-causal-off-by-one",
         "attention/nax.metal",
-        r"const bool valid = row_valid && pos >= row_lo && pos <= row_pos;",
-        "const bool valid = row_valid && pos >= row_lo && pos <= row_pos + 1;",
+        r"const int row_hi = row_valid \? row_pos \+ 1 : row_lo;",
+        "const int row_hi = row_valid ? row_pos + 2 : row_lo;",
         "nax",
     ),
     Mutation(
@@ -86,10 +86,10 @@ MUTATIONS = [
         "gqa and split",
     ),
     Mutation(
-        "gqa-row-max-misses-lanes",
-        "attention/gqa.metal",
-        r"      mx = metal::max\(mx, simd_shuffle_xor\(mx, ushort\(2\)\)\);",
-        "      mx = metal::max(mx, 0.0f * mx);",
+        "softmax-row-max-misses-lanes",
+        "attention/common.h",
+        r"  for \(ushort m = 1; m < LANES; m \*= 2\) \{\n    mx = ",
+        "  for (ushort m = 1; m < LANES / 2; m *= 2) {\n    mx = ",
         "gqa",
     ),
     Mutation(
