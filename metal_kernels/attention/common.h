@@ -1,4 +1,5 @@
-// Helpers shared by the paged-attention kernel families: KV addressing, masking, logit transform.
+// What the paged-attention kernel families share: buffer parameters, KV addressing, masks, the
+// logit transform, prefill work entries, tile staging and the online-softmax step.
 //
 // MSL features used here: metal::tanh, metal::exp, metal::max/min, `constant` struct references,
 // `device` pointers, `threadgroup` pointers and `thread` references as function parameters,
@@ -14,6 +15,24 @@
 using namespace metal;
 
 #define PA_NEG_INF (-INFINITY)
+
+// Kernel parameters binding the slots of ops/attention/params.h that the main kernels of every
+// family take (the split-KV scratch only for decode and gqa), declared once.
+#define PA_KERNEL_BUFFERS(T)                                      \
+  const device T* query [[buffer(PA_BUF_QUERY)]],                 \
+  const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],         \
+  const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],     \
+  const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]], \
+  const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],         \
+  const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]], \
+  const device float* sinks [[buffer(PA_BUF_SINKS)]],             \
+  device T* out [[buffer(PA_BUF_OUT)]],                           \
+  const device int* work [[buffer(PA_BUF_WORK)]],                 \
+  constant PagedAttentionParams& p [[buffer(PA_BUF_PARAMS)]]
+#define PA_SPLIT_BUFFERS                                          \
+  const device int* part_offsets [[buffer(PA_BUF_PART_OFFSETS)]], \
+  device float2* partial_ml [[buffer(PA_BUF_PARTIAL_ML)]],        \
+  device float* partial_out [[buffer(PA_BUF_PARTIAL_OUT)]]
 
 // Element offset of key position `pos` of a sequence (kv head applied by the caller), or -1 when
 // the block table entry is out of range (the key then reads as zeros).
@@ -42,10 +61,101 @@ inline int pa_window_start(int q_pos, constant PagedAttentionParams& p) {
   return p.sliding_window > 0 ? metal::max(0, q_pos - p.sliding_window + 1) : 0;
 }
 
+// One work entry of the prefill families (grid x: a (sequence, tile) pair of the work list; grid y:
+// the KV head and, for wide heads, the value-column half). It owns rows [row0, row0 + rows) of
+// the sequence's q_len x G (token, head) rows, token-major: row r is token r / G, head
+// kvh * G + r % G.
+struct PaWorkRows {
+  int seq;
+  int kvh;
+  int v_col0;   // first value (and output) column of this threadgroup
+  int group;    // G = Hq / Hkv
+  int q_start;  // packed index of the sequence's first query token
+  int ctx0;     // position of that token
+  int n_rows;   // q_len * G; the entry is empty when row0 >= n_rows
+  int row0;
+  int tile_lo;  // keys the entry attends: [tile_lo, tile_hi)
+  int tile_hi;
+};
+
+inline PaWorkRows pa_work_rows(
+    const device int* work, const device int* cu_seqlens_q, const device int* seq_lens,
+    uint3 tg_pos, int rows, int value_columns, int halves, constant PagedAttentionParams& p) {
+  PaWorkRows w;
+  w.seq = work[2 * tg_pos.x];
+  const int tile = work[2 * tg_pos.x + 1];
+  w.kvh = int(tg_pos.y) / halves;
+  w.v_col0 = (int(tg_pos.y) % halves) * value_columns;
+  w.group = p.num_q_heads / p.num_kv_heads;
+  w.q_start = cu_seqlens_q[w.seq];
+  const int q_len = cu_seqlens_q[w.seq + 1] - w.q_start;
+  w.ctx0 = seq_lens[w.seq] - q_len;
+  w.n_rows = q_len * w.group;
+  w.row0 = tile * rows;
+  const int last_row = metal::min(w.row0 + rows, w.n_rows) - 1;
+  // Key range of the whole tile: window start of its first token .. its last token.
+  w.tile_lo = pa_window_start(w.ctx0 + w.row0 / w.group, p);
+  w.tile_hi = w.ctx0 + last_row / w.group + 1;
+  return w;
+}
+
+inline int pa_row_token(thread const PaWorkRows& w, int row) { return w.q_start + row / w.group; }
+inline int pa_row_head(thread const PaWorkRows& w, int row) {
+  return w.kvh * w.group + row % w.group;
+}
+
+// Element of out [T, Hq, head_dim] for `row` of the entry and column c of its value columns.
+inline long_t pa_out_index(
+    thread const PaWorkRows& w, int row, int c, int head_dim, constant PagedAttentionParams& p) {
+  return (long_t(pa_row_token(w, row)) * p.num_q_heads + pa_row_head(w, row)) * head_dim +
+         w.v_col0 + c;
+}
+
+// Stages the entry's ROWS query rows (zeros past its rows) into q_tile of row pitch `pitch`.
+template <typename T, int ROWS, int D, int THREADS>
+inline void pa_stage_query(
+    threadgroup T* q_tile, int pitch, const device T* query, thread const PaWorkRows& w,
+    constant PagedAttentionParams& p, uint tid) {
+  for (int i = int(tid); i < ROWS * D; i += THREADS) {
+    const int m = i / D;
+    const int c = i - m * D;
+    const int row = w.row0 + m;
+    T v = T(0.0f);
+    if (row < w.n_rows) {
+      v = query[long_t(pa_row_token(w, row)) * p.q_stride_token +
+                long_t(pa_row_head(w, row)) * p.q_stride_head + c];
+    }
+    q_tile[m * pitch + c] = v;
+  }
+}
+
+// Stages the KB keys b0 .. b0 + KB - 1 of one KV head, COLS columns each, into a threadgroup tile
+// of row pitch `pitch`, THREADS threads cooperating with 4-element vectors. `rows` points at the
+// head's first staged column in the pool and `base` is the element offset of b0's slot
+// (pa_token_offset; < 0 for an unmapped block). Keys outside [lo, hi) and unmapped ones read zero.
+template <typename T, int KB, int COLS, int THREADS>
+inline void pa_stage_kv(
+    threadgroup T* tile, int pitch, const device T* rows, long_t base, int b0, int lo, int hi,
+    constant PagedAttentionParams& p, uint tid) {
+  constexpr int C4 = COLS / 4;
+  for (int i = int(tid); i < KB * C4; i += THREADS) {
+    const int j = i / C4;
+    const int c = (i - j * C4) * 4;
+    const int pos = b0 + j;
+    vec<T, 4> v4 = vec<T, 4>(T(0.0f));
+    if (base >= 0 && pos >= lo && pos < hi) {
+      const device T* src = rows + base + long_t(j) * p.kv_stride_slot + c;
+      v4 = *reinterpret_cast<const device vec<T, 4>*>(src);
+    }
+    *reinterpret_cast<threadgroup vec<T, 4>*>(tile + j * pitch + c) = v4;
+  }
+}
+
 // One online-softmax step over a tile of KB scores for a row held by LANES lanes of a simdgroup
 // (4 or 8; lane `col0` of the row owns columns col0, col0 + LANES, ...). Tile column c is key
-// position b0 + c; keys outside [lo, hi) are masked. Folds the tile into the running (m_run, l_run),
-// stores the probabilities as T in p_row and returns the factor that rescales the row's output.
+// position b0 + c; keys outside [lo, hi) are masked. Folds the tile into the running
+// (m_run, l_run), stores the probabilities as T in p_row and returns the factor that rescales the
+// row's output.
 template <typename T, int KB, int LANES>
 inline float pa_softmax_tile(
     threadgroup const float* s_row, threadgroup T* p_row, int col0, int b0, int lo, int hi,

@@ -53,19 +53,8 @@ inline bool dec_partition_range(
 
 template <typename T, int D, int KB>
 [[kernel]] void paged_attention_decode(
-    const device T* query [[buffer(PA_BUF_QUERY)]],
-    const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],
-    const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],
-    const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]],
-    const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],
-    const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]],
-    const device float* sinks [[buffer(PA_BUF_SINKS)]],
-    device T* out [[buffer(PA_BUF_OUT)]],
-    const device int* work [[buffer(PA_BUF_WORK)]],
-    const device int* part_offsets [[buffer(PA_BUF_PART_OFFSETS)]],
-    device float2* partial_ml [[buffer(PA_BUF_PARTIAL_ML)]],
-    device float* partial_out [[buffer(PA_BUF_PARTIAL_OUT)]],
-    constant PagedAttentionParams& p [[buffer(PA_BUF_PARAMS)]],
+    PA_KERNEL_BUFFERS(T),
+    PA_SPLIT_BUFFERS,
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],

@@ -32,19 +32,8 @@
 
 template <typename T, int D, int B>
 [[kernel]] void paged_attention_gqa(
-    const device T* query [[buffer(PA_BUF_QUERY)]],
-    const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],
-    const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],
-    const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]],
-    const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],
-    const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]],
-    const device float* sinks [[buffer(PA_BUF_SINKS)]],
-    device T* out [[buffer(PA_BUF_OUT)]],
-    const device int* work [[buffer(PA_BUF_WORK)]],
-    const device int* part_offsets [[buffer(PA_BUF_PART_OFFSETS)]],
-    device float2* partial_ml [[buffer(PA_BUF_PARTIAL_ML)]],
-    device float* partial_out [[buffer(PA_BUF_PARTIAL_OUT)]],
-    constant PagedAttentionParams& p [[buffer(PA_BUF_PARAMS)]],
+    PA_KERNEL_BUFFERS(T),
+    PA_SPLIT_BUFFERS,
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -55,7 +44,6 @@ template <typename T, int D, int B>
   constexpr int QP = D + PAD;    // pitch of Q and K/V rows (elements of T)
   constexpr int SP = KB + 4;     // pitch of S rows (float)
   constexpr int PP = KB + PAD;   // pitch of P rows (T)
-  constexpr int D4 = D / 4;
   constexpr int COL_TILES = D / 8;
   constexpr int MY_TILES = (COL_TILES + GQA_SIMDGROUPS - 1) / GQA_SIMDGROUPS;
 
@@ -129,17 +117,8 @@ template <typename T, int D, int B>
   for (int b0 = begin - begin % KB; b0 < end; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     // 1. K tile.
-    for (int i = int(tid); i < KB * D4; i += GQA_THREADS) {
-      const int j = i / D4;
-      const int c = (i - j * D4) * 4;
-      const int pos = b0 + j;
-      vec<T, 4> v4 = vec<T, 4>(T(0.0f));
-      if (base >= 0 && pos >= begin && pos < end) {
-        v4 = *reinterpret_cast<const device vec<T, 4>*>(
-            key_cache + base + long_t(j) * p.kv_stride_slot + head_off + c);
-      }
-      *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * QP + c) = v4;
-    }
+    pa_stage_kv<T, KB, D, GQA_THREADS>(kv_tile, QP, key_cache + head_off, base, b0, begin, end, p,
+                                       tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 2. S = Q K^T, one 8-key column tile per simdgroup.
@@ -157,17 +136,8 @@ template <typename T, int D, int B>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 3. V tile (all threads) and online softmax (simdgroup 0).
-    for (int i = int(tid); i < KB * D4; i += GQA_THREADS) {
-      const int j = i / D4;
-      const int c = (i - j * D4) * 4;
-      const int pos = b0 + j;
-      vec<T, 4> v4 = vec<T, 4>(T(0.0f));
-      if (base >= 0 && pos >= begin && pos < end) {
-        v4 = *reinterpret_cast<const device vec<T, 4>*>(
-            value_cache + base + long_t(j) * p.kv_stride_slot + head_off + c);
-      }
-      *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * QP + c) = v4;
-    }
+    pa_stage_kv<T, KB, D, GQA_THREADS>(kv_tile, QP, value_cache + head_off, base, b0, begin, end,
+                                       p, tid);
     if (sg == 0) {
       const float f = pa_softmax_tile<T, KB, 4>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
                                                 begin, end, p, m_run, l_run);

@@ -17,10 +17,10 @@
 //     operator[](i), get_multidimensional_index(i) -> (column, row), store(threadgroup tensor).
 //
 // paged_attention_nax_<dt>_d<D>: grid (tiles, Hkv * D / DV), VM_NAX_THREADS (128) threads,
-//   BQ = VM_NAX_ROWS (16) rows, KB = VM_NAX_KEYS (16) keys per tile (block_size % KB == 0). Rows, work list and masks as in the tiled
-//   prefill kernel. D = 512 runs as two 256-column halves: each threadgroup computes S over the
-//   full head dim in two K steps of 256 and accumulates V/O for its half only, so Q + one K/V chunk
-//   fit the 32 KB of threadgroup memory.
+//   BQ = VM_NAX_ROWS (16) rows, KB = VM_NAX_KEYS (16) keys per tile (block_size % KB == 0).
+//   Rows, work list and masks as in the tiled prefill kernel. D = 512 runs as two 256-column
+//   halves: each threadgroup computes S over the full head dim in two K steps of 256 and
+//   accumulates V/O for its half only, so Q + one K/V chunk fit the 32 KB of threadgroup memory.
 
 #include <metal_stdlib>
 
@@ -34,16 +34,7 @@
 
 template <typename T, int D>
 [[kernel]] void paged_attention_nax(
-    const device T* query [[buffer(PA_BUF_QUERY)]],
-    const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],
-    const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],
-    const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]],
-    const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],
-    const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]],
-    const device float* sinks [[buffer(PA_BUF_SINKS)]],
-    device T* out [[buffer(PA_BUF_OUT)]],
-    const device int* work [[buffer(PA_BUF_WORK)]],
-    constant PagedAttentionParams& p [[buffer(PA_BUF_PARAMS)]],
+    PA_KERNEL_BUFFERS(T),
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   using namespace mpp::tensor_ops;
@@ -63,7 +54,6 @@ template <typename T, int D>
   constexpr int KP = DK + PAD;
   constexpr int SP = KB + 4;
   constexpr int PP = KB + PAD;
-  constexpr int DK4 = DK / 4;
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(
       (BQ * QP + KB * KP + BQ * PP) * sizeof(T) + (BQ * SP + BQ) * 4 <=
@@ -76,43 +66,18 @@ template <typename T, int D>
   threadgroup T p_tile[BQ * PP];
   threadgroup float row_scale[BQ];
 
-  const int s = work[2 * tg_pos.x];
-  const int tile = work[2 * tg_pos.x + 1];
-  const int kvh = int(tg_pos.y) / HALVES;
-  const int v_col0 = (int(tg_pos.y) % HALVES) * DV;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int q_start = cu_seqlens_q[s];
-  const int q_len = cu_seqlens_q[s + 1] - q_start;
-  const int seq_len = seq_lens[s];
-  const int ctx0 = seq_len - q_len;
-  const int n_rows = q_len * group;
-  const int row0 = tile * BQ;
-  if (row0 >= n_rows) {
+  const PaWorkRows w = pa_work_rows(work, cu_seqlens_q, seq_lens, tg_pos, BQ, DV, HALVES, p);
+  if (w.row0 >= w.n_rows) {
     return;
   }
-  const int last_row = metal::min(row0 + BQ, n_rows) - 1;
-  const int tile_lo = pa_window_start(ctx0 + row0 / group, p);
-  const int tile_hi = ctx0 + last_row / group + 1;
-
-  for (int i = int(tid); i < BQ * D; i += NAX_THREADS) {
-    const int m = i / D;
-    const int c = i - m * D;
-    const int row = row0 + m;
-    T v = T(0.0f);
-    if (row < n_rows) {
-      const int tok = q_start + row / group;
-      const int head = kvh * group + row % group;
-      v = query[long_t(tok) * p.q_stride_token + long_t(head) * p.q_stride_head + c];
-    }
-    q_tile[m * QP + c] = v;
-  }
+  pa_stage_query<T, BQ, D, NAX_THREADS>(q_tile, QP, query, w, p, tid);
 
   // Softmax lanes: 8 threads per row (all inside one simdgroup), 2 columns each.
   const int srow = int(tid) / 8;
   const int scol = int(tid) % 8;
-  const int my_row = row0 + srow;
-  const bool row_valid = my_row < n_rows;
-  const int row_pos = ctx0 + my_row / group;
+  const int my_row = w.row0 + srow;
+  const bool row_valid = my_row < w.n_rows;
+  const int row_pos = w.ctx0 + my_row / w.group;
   const int row_lo = pa_window_start(row_pos, p);
   const int row_hi = row_valid ? row_pos + 1 : row_lo;  // attended keys: row_lo .. row_pos
   float m_run = PA_NEG_INF;
@@ -140,24 +105,15 @@ template <typename T, int D>
     }
   }
 
-  const device int* block_table = block_tables + long_t(s) * p.max_blocks_per_seq;
-  const long_t head_off = long_t(kvh) * p.kv_stride_head;
+  const device int* block_table = block_tables + long_t(w.seq) * p.max_blocks_per_seq;
+  const long_t head_off = long_t(w.kvh) * p.kv_stride_head;
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  for (int b0 = tile_lo - tile_lo % KB; b0 < tile_hi; b0 += KB) {
+  for (int b0 = w.tile_lo - w.tile_lo % KB; b0 < w.tile_hi; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     for (int step = 0; step < K_STEPS; ++step) {
-      for (int i = int(tid); i < KB * DK4; i += NAX_THREADS) {
-        const int j = i / DK4;
-        const int c = (i - j * DK4) * 4;
-        const int pos = b0 + j;
-        vec<T, 4> v4 = vec<T, 4>(T(0.0f));
-        if (base >= 0 && pos >= tile_lo && pos < tile_hi) {
-          v4 = *reinterpret_cast<const device vec<T, 4>*>(
-              key_cache + base + long_t(j) * p.kv_stride_slot + head_off + step * DK + c);
-        }
-        *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * KP + c) = v4;
-      }
+      pa_stage_kv<T, KB, DK, NAX_THREADS>(kv_tile, KP, key_cache + head_off + step * DK, base, b0,
+                                          w.tile_lo, w.tile_hi, p, tid);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       tg_tensor_t t_q(q_tile + step * DK, extents_t(DK, BQ), strides_t{1, QP});
       if (step == 0) {
@@ -169,17 +125,8 @@ template <typename T, int D>
     }
 
     // V chunk for this threadgroup's columns, and the online softmax of S.
-    for (int i = int(tid); i < KB * DK4; i += NAX_THREADS) {
-      const int j = i / DK4;
-      const int c = (i - j * DK4) * 4;
-      const int pos = b0 + j;
-      vec<T, 4> v4 = vec<T, 4>(T(0.0f));
-      if (base >= 0 && pos >= tile_lo && pos < tile_hi) {
-        v4 = *reinterpret_cast<const device vec<T, 4>*>(
-            value_cache + base + long_t(j) * p.kv_stride_slot + head_off + v_col0 + c);
-      }
-      *reinterpret_cast<threadgroup vec<T, 4>*>(kv_tile + j * KP + c) = v4;
-    }
+    pa_stage_kv<T, KB, DV, NAX_THREADS>(kv_tile, KP, value_cache + head_off + w.v_col0, base, b0,
+                                        w.tile_lo, w.tile_hi, p, tid);
     const float f = pa_softmax_tile<T, KB, 8>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
                                               row_lo, row_hi, p, m_run, l_run);
     if (scol == 0) {
@@ -200,7 +147,7 @@ template <typename T, int D>
   float l_fin = l_run;
   if (p.has_sinks && row_valid) {
     const float shift = m_run == PA_NEG_INF ? 0.0f : m_run;
-    l_fin += metal::exp(sinks[kvh * group + my_row % group] - shift);
+    l_fin += metal::exp(sinks[pa_row_head(w, my_row)] - shift);
   }
   if (scol == 0) {
     row_scale[srow] = l_fin > 0.0f ? 1.0f / l_fin : 0.0f;
@@ -219,11 +166,9 @@ template <typename T, int D>
   for (int i = int(tid); i < BQ * DV; i += NAX_THREADS) {
     const int r = i / DV;
     const int c = i - r * DV;
-    const int row = row0 + r;
-    if (row < n_rows) {
-      const int tok = q_start + row / group;
-      const int head = kvh * group + row % group;
-      out[(long_t(tok) * p.num_q_heads + head) * D + v_col0 + c] = q_tile[r * QP + c];
+    const int row = w.row0 + r;
+    if (row < w.n_rows) {
+      out[pa_out_index(w, row, c, D, p)] = q_tile[r * QP + c];
     }
   }
 }
