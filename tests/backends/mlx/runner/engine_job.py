@@ -39,14 +39,27 @@ def run(spec: dict) -> dict:
                 lp = None
                 if c.logprobs is not None:
                     lp = [{str(t): v.logprob for t, v in d.items()} for d in c.logprobs]
-                samples.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason})
+                samples.append(
+                    {
+                        "token_ids": list(c.token_ids),
+                        "text": c.text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             plp = None
             if out.prompt_logprobs is not None:
-                plp = [None if d is None else {str(t): v.logprob for t, v in d.items()}
-                       for d in out.prompt_logprobs]
-            batch.append({"outputs": samples, "prompt_logprobs": plp,
-                          "num_cached_tokens": out.num_cached_tokens})
+                plp = [
+                    None if d is None else {str(t): v.logprob for t, v in d.items()}
+                    for d in out.prompt_logprobs
+                ]
+            batch.append(
+                {
+                    "outputs": samples,
+                    "prompt_logprobs": plp,
+                    "num_cached_tokens": out.num_cached_tokens,
+                }
+            )
         results.append(batch)
     counters = {}
     stats_on = not spec.get("engine", {}).get("disable_log_stats", True)

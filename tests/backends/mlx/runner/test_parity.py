@@ -94,8 +94,12 @@ def test_random_sampling_respects_truncation(family_models):
     model = family_models["qwen3"]
     prompts = random_prompts(6, [9, 30])
     base = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
-    variants = [{"top_k": 3, "seed": 1}, {"top_p": 0.5, "seed": 2}, {"min_p": 0.3, "seed": 3},
-                {"n": 3, "seed": 4}]
+    variants = [
+        {"top_k": 3, "seed": 1},
+        {"top_p": 0.5, "seed": 2},
+        {"min_p": 0.3, "seed": 3},
+        {"n": 3, "seed": 4},
+    ]
     jobs = [{"prompts": prompts, "params": [{**base, **v}]} for v in variants]
     top_k, top_p, min_p, multi = run_engine_job(model, jobs)
     for prompt, res in zip(prompts, top_k):

@@ -19,8 +19,11 @@ def test_preempted_requests_resume_with_identical_tokens(tiny_model_dir):
     model = tiny_model_dir("qwen3")
     prompts = random_prompts(7, [60] * 6)
     # float32, 2 layers x 2 KV heads x 64 dims: 32 KiB per 16-token block -> 32 blocks.
-    engine = {"kv_cache_memory_bytes": 32 * 32 * 2**10, "max_model_len": 256,
-              "disable_log_stats": False}
+    engine = {
+        "kv_cache_memory_bytes": 32 * 32 * 2**10,
+        "max_model_len": 256,
+        "disable_log_stats": False,
+    }
     results, metrics = run_engine_job(
         model, [{"prompts": prompts, "params": [greedy(64)]}], engine=engine, with_metrics=True
     )
@@ -51,7 +54,10 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_model_dir):
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -62,16 +68,46 @@ def test_grammar_bitmask_constrains_random_model(tiny_model_dir):
 
     model = tiny_model_dir("qwen3")
     jobs = [
-        {"prompts": ["Person:"] * 2,
-         "params": [{"max_tokens": 200, "temperature": 0.8, "seed": 3,
-                     "structured_outputs": {"json": SCHEMA}}]},
-        {"prompts": ["Pick:"], "params": [{"max_tokens": 8, "temperature": 1.0, "seed": 5,
-                                           "structured_outputs": {"choice": ["red", "blue"]}}]},
-        {"prompts": ["Code:"], "params": [{"max_tokens": 12, "temperature": 1.0, "seed": 6,
-                                           "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}]},
+        {
+            "prompts": ["Person:"] * 2,
+            "params": [
+                {
+                    "max_tokens": 200,
+                    "temperature": 0.8,
+                    "seed": 3,
+                    "structured_outputs": {"json": SCHEMA},
+                }
+            ],
+        },
+        {
+            "prompts": ["Pick:"],
+            "params": [
+                {
+                    "max_tokens": 8,
+                    "temperature": 1.0,
+                    "seed": 5,
+                    "structured_outputs": {"choice": ["red", "blue"]},
+                }
+            ],
+        },
+        {
+            "prompts": ["Code:"],
+            "params": [
+                {
+                    "max_tokens": 12,
+                    "temperature": 1.0,
+                    "seed": 6,
+                    "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"},
+                }
+            ],
+        },
     ]
     as_json, choice, regex = run_engine_job(
-        model, jobs, engine={"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}},
+        model,
+        jobs,
+        engine={
+            "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
+        },
     )
     for r in as_json:
         assert r["outputs"][0]["finish_reason"] == "stop", r["outputs"][0]

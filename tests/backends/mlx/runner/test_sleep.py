@@ -57,7 +57,7 @@ def test_sleep_frees_memory_and_wakes_up(tiny_model_dir, tmp_path):
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, proc.stderr[-4000:]
-    out = json.loads(line[len("RESULT"):])
+    out = json.loads(line[len("RESULT") :])
     awake, level1, level2 = out["awake"], out["level1"], out["level2"]
     assert awake["kv_cache"] == 16 * 2**20 and awake["weights"] > 0
     assert level1["kv_cache"] == 0 and level1["weights"] == awake["weights"]
