@@ -11,6 +11,10 @@ from typing import Any
 
 import pytest
 
+# The plugin sets up MLX's CPU BLAS when it is imported, which must come before mlx.core: in-process
+# MLX tests then run on the same BLAS as the engines.
+import vllm_metal  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:

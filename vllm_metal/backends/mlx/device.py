@@ -56,8 +56,12 @@ class MLXBackend:
     def init_device(self) -> str:
         import mlx.core as mx
 
+        from vllm_metal.backends.mlx import blas
+
         kind = device_kind()
         mx.set_default_device(mx.gpu if kind == "gpu" else mx.cpu)
+        if kind == "cpu":
+            blas.report()  # the process that runs the model says which BLAS its matmuls use
         return self.device_description()
 
     def device_description(self) -> str:

@@ -5,6 +5,7 @@ for drafts and KV connectors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -52,8 +53,14 @@ def test_sleep_frees_memory_and_wakes_up(tiny_model_dir, tmp_path):
     model = tiny_model_dir("qwen3")
     script = tmp_path / "sleep_job.py"
     script.write_text(SCRIPT)
+    # The script runs no MLX before building the engine: forking its engine core is safe.
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     proc = subprocess.run(
-        [sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, proc.stderr[-4000:]
