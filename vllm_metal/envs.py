@@ -92,8 +92,9 @@ ENV_VARS: dict[str, EnvVar] = {
     "VLLM_METAL_BACKEND": EnvVar(
         _choice("VLLM_METAL_BACKEND", "mlx", ("mlx", "mps")),
         "mlx",
-        "Model runner: `mlx` (MLX models, default) or `mps` (experimental: vLLM's torch models "
-        "on the `mps` device; `cpu` off-Mac).",
+        "Compute backend: `mlx` (mlx-lm models on MLX, the default). `mps` names the torch "
+        "backend (vLLM's own model classes), which this build does not include yet: choosing it "
+        "is refused at startup.",
     ),
     "VLLM_METAL_DEVICE": EnvVar(
         _choice("VLLM_METAL_DEVICE", "auto", ("auto", "gpu", "cpu")),
