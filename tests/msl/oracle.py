@@ -1,5 +1,5 @@
-"""Independent float64 numpy oracle for the attention contract in DESIGN.md, plus dtype helpers
-(bfloat16 is carried as uint16 bit patterns, rounded to nearest even)."""
+"""Independent float64 numpy oracle for the attention contract of `ops.paged_attention`, plus
+dtype helpers (bfloat16 is carried as uint16 bit patterns, rounded to nearest even)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def naive_attention(
     softcap: float | None,
     sinks: np.ndarray | None,
 ) -> np.ndarray:
-    """DESIGN.md's definition, literally, in float64."""
+    """The contract of `ops.paged_attention` (its docstring), literally, in float64."""
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
