@@ -117,11 +117,11 @@ def test_disconnected_clients_are_aborted_and_their_kv_blocks_freed(vllm_server)
                     running = await asyncio.to_thread(
                         vllm_server.gauge, "vllm:num_requests_running"
                     )
+                    kv = await asyncio.to_thread(vllm_server.gauge, "vllm:kv_cache_usage_perc")
+                    # The most seen while this request runs (it may finish before the deadline).
+                    busy["running"] = max(busy.get("running", 0), running)
+                    busy["kv"] = max(busy.get("kv", 0), kv)
                     if running >= NUM_DISCONNECTS or time.monotonic() > deadline:
-                        busy["running"] = running
-                        busy["kv"] = await asyncio.to_thread(
-                            vllm_server.gauge, "vllm:kv_cache_usage_perc"
-                        )
                         break
             return await asyncio.gather(*tasks)
 
