@@ -11,7 +11,7 @@ from typing import Any
 _EXPORTS = {
     "ARCHS": "tiny_models",
     "DTYPES": "tiny_models",
-    "build_tokenizer_json": "tiny_models",
+    "build_tokenizer_json": "tiny_tokenizer",
     "quantize_tiny_model": "tiny_models",
     "write_tiny_model": "tiny_models",
     "hf_greedy": "oracles",
