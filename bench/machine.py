@@ -15,6 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The plugin sets up MLX's CPU BLAS when imported, which has to precede mlx.core: the bandwidth
+# and matmul figures below then use the BLAS the plugin's engine uses.
+import vllm_metal  # noqa: F401
+
 _PACKAGES = (
     "vllm-metal",
     "vllm",
@@ -68,8 +72,40 @@ def _git_revision(repo: Path) -> dict[str, Any]:
         return {"commit": None, "dirty": None}
 
 
+# Variables that change which BLAS MLX's CPU matmuls use, or how many threads they get.
+_BLAS_ENV = (
+    "VLLM_METAL_CPU_BLAS",
+    "VLLM_METAL_CPU_THREADS",
+    "MKL_THREADING_LAYER",
+    "MKL_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "LD_PRELOAD",
+)
+
+
+def describe_cpu_blas() -> dict[str, Any]:
+    """The BLAS MLX's CPU matmuls run on in this process (the plugin's loader decides it, in every
+    process it is imported into first) and the library libmlx's `cblas_sgemm` is bound to."""
+    from vllm_metal.backends.mlx import blas
+
+    info = blas.setup_cpu_blas()
+    import mlx.core  # noqa: F401  (binds libmlx's BLAS symbols, read below)
+
+    return {
+        "name": info.name,
+        "threads": info.threads,
+        "active": info.active,
+        "path": info.path,
+        "note": info.note,
+        "describe": info.describe(),
+        "mlx_cblas_sgemm": blas.mlx_sgemm_provider(),
+        "env": {k: os.environ[k] for k in _BLAS_ENV if k in os.environ},
+    }
+
+
 def describe_machine() -> dict[str, Any]:
-    """CPU, cores, RAM, OS, MLX device and package versions."""
+    """CPU, cores, RAM, OS, MLX device, CPU BLAS and package versions."""
+    cpu_blas = describe_cpu_blas()
     import mlx.core as mx
     import psutil
 
@@ -84,6 +120,7 @@ def describe_machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "mlx_device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),
+        "cpu_blas": cpu_blas,
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {name: v for name in _PACKAGES if (v := _version(name)) is not None},
         "git": _git_revision(Path(__file__).resolve().parents[1]),

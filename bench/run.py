@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,10 +48,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 CONCURRENCY = (1, 4, 16, 32)
 TARGETS = {
-    "single_stream_vs_mlx_lm": 1.0,  # plugin decode tok/s / mlx-lm decode tok/s
+    "single_stream_vs_mlx_lm": 1.0,  # plugin decode tok/s / mlx-lm decode tok/s (faster variant)
     "aggregate_32_vs_single": 12.0,  # serve output tok/s at 32 concurrent / at 1
+    "plugin_32_vs_cpu_32": 1.0,  # plugin serve output tok/s at 32 / vLLM CPU's at 32
     "tiny_startup_s": 10.0,  # `vllm serve` tiny model: launch to first served token
 }
+# The line the plugin logs in every process whose MLX matmuls it set up (vllm_metal/backends/mlx/
+# blas.py); each stage records the ones its processes printed.
+_BLAS_LINE = re.compile(r"CPU BLAS for MLX: (.*)$")
 
 
 def _python_stage(module: str, argv: list[str], timeout: float, log: Path) -> dict[str, Any]:
@@ -70,7 +75,21 @@ def _python_stage(module: str, argv: list[str], timeout: float, log: Path) -> di
     if proc.returncode != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise RuntimeError(f"{module} exited with {proc.returncode}; log {log}:\n{tail}")
-    return json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    blas_lines = blas_log_lines(log.read_text(encoding="utf-8", errors="replace"))
+    if blas_lines:
+        data["cpu_blas_logged"] = blas_lines
+    return data
+
+
+def blas_log_lines(text: str) -> list[str]:
+    """The distinct `CPU BLAS for MLX: ...` reports in a log, in order."""
+    found: list[str] = []
+    for line in text.splitlines():
+        m = _BLAS_LINE.search(line)
+        if m and m.group(1).strip() not in found:
+            found.append(m.group(1).strip())
+    return found
 
 
 def _env() -> dict[str, str]:
@@ -174,6 +193,9 @@ class Bench:
 
     def mlx_lm(self) -> dict[str, Any]:
         argv = ["--engine", "mlx-lm", *self._common(), "--num-prompts", str(self.args.num_prompts)]
+        if "cpu" in str(self.results["machine"].get("mlx_device", "")).lower():
+            # The plugin computes in float32 on MLX's CPU device: measure mlx-lm that way too.
+            argv.append("--also-float32")
         return _python_stage(
             "bench.single_stream", argv, self.args.timeout, self.work / "mlx_lm.log"
         )
@@ -204,9 +226,15 @@ class Bench:
         if startup_only:
             argv.append("--startup-only")
         name = f"serve_{backend}{'_startup' if startup_only else ''}"
-        return _python_stage(
+        data = _python_stage(
             "bench.serving", argv, self.args.timeout * 4, self.work / f"{name}.log"
         )
+        server_log = self.work / f"serve-{backend}" / f"server-{backend}.log"
+        if server_log.is_file():
+            lines = blas_log_lines(server_log.read_text(encoding="utf-8", errors="replace"))
+            if lines:
+                data["cpu_blas_logged"] = lines
+        return data
 
     def startup(self) -> dict[str, Any]:
         """Launch-to-first-token of `vllm serve` on the tiny model (and the benchmark model)."""
@@ -242,17 +270,30 @@ class Bench:
         return {"attention_decode": data, "files": [f"attention_decode.{s}" for s in ("md", "png")]}
 
     def profile(self) -> dict[str, Any]:
+        """The decode step profiled at batch 1 and 32: on the tiny model, where the work around
+        the forward shows, and on the benchmark model, where the forward dominates."""
         tiny = write_model(self.work / "models", "tiny", self.args.dtype)
-        argv = [
-            "--model", str(tiny),
-            "--dtype", self.args.dtype,
-            "--output-len", "32" if self.args.quick else "64",
-            "--batch-sizes", "1", "32",
-            "--text-dir", str(self.work / "profile"),
-        ]  # fmt: skip
-        return _python_stage(
-            "bench.profile_step", argv, self.args.timeout, self.work / "profile.log"
-        )
+        targets = [("tiny", tiny, 32, 32 if self.args.quick else 64)]
+        if not self.args.quick and self.model_path is not None and self.model_path != tiny:
+            targets.append(("bench_model", self.model_path, self.args.input_len, 16))
+        out: dict[str, Any] = {"models": []}
+        for name, path, input_len, output_len in targets:
+            model = describe_model(path)
+            max_len = input_len + output_len + 16
+            argv = [
+                "--model", str(path),
+                "--dtype", self.args.dtype,
+                "--input-len", str(input_len),
+                "--output-len", str(output_len),
+                "--batch-sizes", "1", "32",
+                "--kv-cache-memory-bytes", str(_kv_bytes(model, max_len, 32)),
+                "--text-dir", str(self.work / f"profile-{name}"),
+            ]  # fmt: skip
+            data = _python_stage(
+                "bench.profile_step", argv, self.args.timeout, self.work / f"profile-{name}.log"
+            )
+            out["models"].append({"name": name, "model_name": path.name, **data})
+        return out
 
     # --------------------------------------------------------------------- run
 

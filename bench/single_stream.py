@@ -51,20 +51,11 @@ def _request_figures(ttft: float, decode: float, e2e: float, num_tokens: int) ->
     }
 
 
-def run_mlx_lm(args: argparse.Namespace) -> dict[str, Any]:
-    """mlx-lm as its users call it: `load` then `stream_generate`, one prompt at a time."""
-    import mlx.core as mx
-    from mlx_lm import load, stream_generate
+def _mlx_lm_requests(model: Any, tokenizer: Any, prompts: list[list[int]], args) -> dict:
+    from mlx_lm import stream_generate
 
-    started = time.perf_counter()
-    model, tokenizer = load(args.model)
-    load_s = time.perf_counter() - started
-    tokenizer.eos_token_ids = set()  # generate exactly output_len tokens, as ignore_eos does
-
-    prompts = make_prompts(args.num_prompts + 1, args.input_len, args.seed)
     for _ in stream_generate(model, tokenizer, prompts[0], max_tokens=min(4, args.output_len)):
         pass  # warm-up: first-call allocations and kernel setup
-
     requests = []
     for prompt in prompts[1:]:
         times = []
@@ -74,8 +65,49 @@ def run_mlx_lm(args: argparse.Namespace) -> dict[str, Any]:
         requests.append(
             _request_figures(times[0] - start, times[-1] - times[0], times[-1] - start, len(times))
         )
-    out = _summarize(requests)
-    out.update(load_s=load_s, device=str(mx.default_device()))
+    return _summarize(requests)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def run_mlx_lm(args: argparse.Namespace) -> dict[str, Any]:
+    """mlx-lm as its users call it: `load` then `stream_generate`, one prompt at a time.
+
+    With ``--also-float32`` the same model is then cast to float32 and measured again: the dtype
+    the plugin computes in on MLX's CPU device, where float32 matmuls run on the BLAS and half
+    precision ones on MLX's own loops.
+    """
+    # The plugin's import sets up MLX's CPU BLAS, which has to precede mlx.core: mlx-lm's float32
+    # matmuls then run on the same library as the plugin's engine.
+    import vllm_metal  # noqa: F401, I001
+    from vllm_metal.backends.mlx import blas
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    started = time.perf_counter()
+    model, tokenizer = load(args.model)
+    load_s = time.perf_counter() - started
+    tokenizer.eos_token_ids = set()  # generate exactly output_len tokens, as ignore_eos does
+    from mlx.utils import tree_flatten
+
+    dtype = _dtype_name(tree_flatten(model.parameters())[0][1].dtype)
+
+    prompts = make_prompts(args.num_prompts + 1, args.input_len, args.seed)
+    out = _mlx_lm_requests(model, tokenizer, prompts, args)
+    out.update(
+        load_s=load_s,
+        device=str(mx.default_device()),
+        compute_dtype=dtype,
+        cpu_blas=blas.setup_cpu_blas().describe(),
+        mlx_cblas_sgemm=blas.mlx_sgemm_provider(),
+    )
+    if args.also_float32 and dtype != "float32":
+        model.set_dtype(mx.float32)
+        out["float32"] = {**_mlx_lm_requests(model, tokenizer, prompts, args),
+                          "compute_dtype": "float32"}  # fmt: skip
     return out
 
 
@@ -97,6 +129,13 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     platform = type(current_platform).__name__
+    compute = None
+    if platform == "MetalPlatform":
+        import mlx.core as mx
+
+        from vllm_metal.backends.mlx.device import compute_dtype
+
+        compute = _dtype_name(compute_dtype(getattr(mx, args.dtype)))
 
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     prompts = make_prompts(args.num_prompts + 1, args.input_len, args.seed)
@@ -118,7 +157,7 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
             _request_figures(m.first_token_latency, m.last_token_ts - m.first_token_ts, e2e, n)
         )
     out_summary = _summarize(requests)
-    out_summary.update(engine_start_s=engine_start_s, platform=platform)
+    out_summary.update(engine_start_s=engine_start_s, platform=platform, compute_dtype=compute)
     return out_summary
 
 
@@ -134,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=64 * 2**20)
+    p.add_argument(
+        "--also-float32",
+        action="store_true",
+        help="mlx-lm: also measure the model cast to float32 (the plugin's CPU compute dtype)",
+    )
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     result = run_mlx_lm(args) if args.engine == "mlx-lm" else run_vllm(args)

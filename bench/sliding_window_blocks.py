@@ -13,7 +13,6 @@ import os
 import tempfile
 from pathlib import Path
 
-
 KV_BYTES = 32 * 2**20
 
 
