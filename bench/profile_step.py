@@ -156,6 +156,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
         warm = SamplingParams(max_tokens=min(8, args.output_len), ignore_eos=True, temperature=0.0)
         _drive(engine, batch, warm, prompts, None)  # warm-up at this batch size
+        # Once without the profiler (the true step time), once with it (where the time goes;
+        # the profiler's own cost inflates the Python parts).
+        plain = _drive(engine, batch, params, prompts, None)
         profiler = Profiler(interval=args.interval)
         run = _drive(engine, batch, params, prompts, profiler)
         steps = run["steps"]
@@ -173,6 +176,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 "wall_s": run["wall"],
                 "ms_per_step": 1e3 * run["wall"] / max(1, steps),
                 "cpu_ms_per_step": 1e3 * run["cpu"] / max(1, steps),
+                "unprofiled_ms_per_step": 1e3 * plain["wall"] / max(1, plain["steps"]),
+                "unprofiled_cpu_ms_per_step": 1e3 * plain["cpu"] / max(1, plain["steps"]),
                 "phases": _phase_table(root, steps),
             }
         )

@@ -39,11 +39,13 @@ SECTIONS = (
     "profile",
 )
 
-# Defaults per model size. MLX's CPU backend spends ~0.5-1 s per token of a bf16 0.6B model,
-# prefill or decode, batched or not (its bf16 matmul is compute-bound), so the plugin's serve runs
-# cost ~(1+4+16+32) x (input+output) token-forwards: 8+8 keeps the full run near 15-20 minutes.
+# Defaults per model size. With MLX's CPU float32 matmuls on MKL a decode step of the 0.6B model
+# takes ~0.15 s at batch 1 and ~0.5 s at batch 32 on the 2-core reference machine (mlx-lm in bf16,
+# on MLX's own loops, ~0.5 s per token). 128 output tokens make every serve level a decode-bound
+# run of 128 steps (a 32-token prompt is under 10% of the 32-concurrent run); the whole run stays
+# near 17 minutes there, most of it mlx-lm in bf16 and the kernel micro-benchmark.
 PRESETS: dict[str, dict[str, Any]] = {
-    "0.6b": {"input_len": 8, "output_len": 8, "num_prompts": 2},
+    "0.6b": {"input_len": 32, "output_len": 128, "num_prompts": 3},
     "tiny": {"input_len": 32, "output_len": 32, "num_prompts": 3},
 }
 CONCURRENCY = (1, 4, 16, 32)
