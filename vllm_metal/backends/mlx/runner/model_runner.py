@@ -30,7 +30,7 @@ from vllm_metal.backends.mlx.runner.warmup import DummyRuns
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.spec import kv_cache_specs
-from vllm_metal.models import ModelAdapter, load_model
+from vllm_metal.models import LayerKind, ModelAdapter, load_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +62,7 @@ class MLXModelRunner:
         self.pipeline = StepPipeline(self._sample, bool(scheduler.async_scheduling))
 
         self.adapter: ModelAdapter | None = None
+        self.layer_kinds: list[LayerKind] = []  # read from the adapter once per load
         self.windows: list[int | None] = []  # per layer (None = full attention)
         self.kv_layout: KVLayout | None = None
         self.kv_pool: KVPool | None = None
@@ -84,7 +85,7 @@ class MLXModelRunner:
                 f"model={self.model_config.model!r}: the MLX model has {adapter.num_layers} "
                 f"layers but the config says {self.num_layers}"
             )
-        kinds = adapter.layer_kinds()
+        self.layer_kinds = kinds = adapter.layer_kinds()
         self.windows = [kind.sliding_window for kind in kinds]
         logger.info(
             "Model loading took %.2f s; layers: %s",
@@ -107,7 +108,7 @@ class MLXModelRunner:
         assert self.adapter is not None, "load the model first"
         return kv_cache_specs(
             self.adapter.attention_layer_names,
-            self.adapter.layer_kinds(),
+            self.layer_kinds,
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
