@@ -123,7 +123,12 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset(),
+    "mlx": frozenset({"speculative_decoding"}),
+}
+
+# Backend name -> the `--speculative-config` methods it runs.
+SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
+    "mlx": ("ngram", "draft_model"),
 }
 
 
@@ -139,3 +144,28 @@ def refuse_unsupported(config: VllmConfig, backend: str) -> None:
                 f"vllm-metal ({backend} backend): {cap.what} is not supported: {setting}; "
                 f"{cap.advice}"
             )
+    if config.speculative_config is not None:
+        _refuse_unsupported_speculation(config, backend)
+
+
+def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
+    spec = config.speculative_config
+    methods = SPECULATIVE_METHODS.get(backend, ())
+    prefix = f"vllm-metal ({backend} backend): --speculative-config"
+    if spec.method not in methods:
+        raise MetalConfigError(
+            f"{prefix} method={spec.method!r} is not supported; use method "
+            + " or ".join(repr(m) for m in methods)
+        )
+    if spec.draft_sample_method != "greedy":
+        raise MetalConfigError(
+            f"{prefix} draft_sample_method={spec.draft_sample_method!r} is not supported; "
+            "use 'greedy' (the default)"
+        )
+    if spec.parallel_drafting:
+        raise MetalConfigError(f"{prefix} parallel_drafting=True is not supported; remove it")
+    if spec.rejection_sample_method != "standard":
+        raise MetalConfigError(
+            f"{prefix} rejection_sample_method={spec.rejection_sample_method!r} is not "
+            "supported; use 'standard' (the default)"
+        )

@@ -151,13 +151,16 @@ def check_config(vllm_config: VllmConfig) -> None:
                 f"vllm-metal: dtype={model.dtype} is not supported; use one of "
                 "float16, bfloat16, float32 (--dtype)"
             )
-        head_size = model.get_head_size()
+        spec = vllm_config.speculative_config
+        draft = spec.draft_model_config if spec is not None and spec.uses_draft_model() else None
         head_sizes = backend.head_sizes()
-        if head_size not in head_sizes:
-            raise MetalConfigError(
-                f"vllm-metal: attention head size {head_size} of model={model.model!r} is not "
-                f"supported; the paged attention kernels take head sizes {sorted(head_sizes)}"
-            )
+        for checked in (model, draft):
+            if checked is not None and checked.get_head_size() not in head_sizes:
+                raise MetalConfigError(
+                    f"vllm-metal: attention head size {checked.get_head_size()} of "
+                    f"model={checked.model!r} is not supported; the paged attention kernels "
+                    f"take head sizes {sorted(head_sizes)}"
+                )
     cache = vllm_config.cache_config
     if cache.cache_dtype not in ("auto", None) and not str(cache.cache_dtype).startswith(
         ("bfloat16", "float16", "float32")
@@ -195,5 +198,12 @@ def apply_config(vllm_config: VllmConfig) -> None:
     cache = vllm_config.cache_config
     if not cache.user_specified_block_size:
         cache.block_size = 16
+
+    scheduler = vllm_config.scheduler_config
+    if vllm_config.speculative_config is not None and scheduler.async_scheduling:
+        # The runner proposes drafts after sampling each step; the async scheduler would send
+        # placeholders for drafts the runner has not made yet.
+        logger.info("vllm-metal: speculative decoding runs with async scheduling off")
+        scheduler.async_scheduling = False
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

@@ -66,8 +66,10 @@ class KVLayout:
         missing = [n for n in layer_names if n not in offset_of or n not in group_of]
         if missing:
             raise ValueError(f"vLLM's KV-cache config has no memory for layers {missing}")
-        # Layers whose pages start at the same byte alias one region.
-        regions = {offset: r for r, offset in enumerate(sorted(set(offset_of.values())))}
+        # Layers whose pages start at the same byte alias one region. Only the given layers
+        # count: the config may also hold another model's layers (a draft model's).
+        offsets = sorted({offset_of[n] for n in layer_names})
+        regions = {offset: r for r, offset in enumerate(offsets)}
         return cls(
             num_blocks=config.num_blocks,
             block_size=block_size,

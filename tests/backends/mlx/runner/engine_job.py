@@ -67,6 +67,8 @@ def run(spec: dict) -> dict:
         value = getattr(metric, "value", None)
         if isinstance(value, (int, float)):
             counters[metric.name] = value
+        elif isinstance(values := getattr(metric, "values", None), list):  # a labelled vector
+            counters[metric.name] = values
     return {"results": results, "metrics": counters}
 
 

@@ -23,8 +23,11 @@ class PackedBatch:
     seq_lens: np.ndarray  # [S] int32 context length after this step
     block_tables: list[np.ndarray]  # per KV-cache group: [S, max_blocks] int32
     slot_mappings: list[np.ndarray]  # per KV-cache group: [T] int64
-    logits_indices: np.ndarray  # [S] row of each request's last scheduled token
+    # Rows that need logits: each request's last scheduled token, or for a request verifying
+    # k drafts its last k+1 tokens ([last sampled, d1..dk]); in request order.
+    logits_indices: np.ndarray  # [S + sum(num_draft_tokens)]
     discard: np.ndarray  # [S] bool: mid-prefill, the sampled token is thrown away
+    num_draft_tokens: np.ndarray  # [S] drafts verified per request (all 0 without speculation)
 
     @property
     def num_tokens(self) -> int:
@@ -39,11 +42,14 @@ def pack_batch(
     token_ids_table: np.ndarray,
     block_tables: Sequence[np.ndarray],
     block_sizes: Sequence[int],
+    num_draft_tokens: np.ndarray | None = None,
 ) -> PackedBatch:
     """Pack the scheduled tokens of `req_ids` (InputBatch order) into one varlen batch.
 
     num_computed_tokens / num_known_tokens / token_ids_table are the InputBatch's per-row arrays
-    and block_tables its per-group tables (rows aligned with req_ids).
+    and block_tables its per-group tables (rows aligned with req_ids). num_draft_tokens[i] of a
+    request's scheduled tokens are drafts to verify (they sit in the token table after the known
+    tokens); the scheduler's `-1` placeholders among them are read as token 0.
     """
     num_reqs = len(req_ids)
     num_sched = np.fromiter(
@@ -56,16 +62,15 @@ def pack_batch(
     row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), num_sched)
     start = num_computed_tokens[:num_reqs].astype(np.int32)
     positions = start[row_of_token] + (np.arange(total, dtype=np.int32) - cu[:-1][row_of_token])
-    token_ids = token_ids_table[row_of_token, positions].astype(np.int32)
+    token_ids = np.maximum(token_ids_table[row_of_token, positions], 0).astype(np.int32)
     seq_lens = start + num_sched
 
-    tables, slots = [], []
-    for table, block_size in zip(block_tables, block_sizes):
-        max_blocks = max(1, -(-int(seq_lens.max(initial=1)) // block_size))
-        group_table = np.ascontiguousarray(table[:num_reqs, :max_blocks], dtype=np.int32)
-        block_ids = group_table[row_of_token, positions // block_size].astype(np.int64)
-        tables.append(group_table)
-        slots.append(block_ids * block_size + (positions % block_size))
+    tables, slots = _tables_and_slots(block_tables, block_sizes, row_of_token, positions, seq_lens)
+
+    if num_draft_tokens is None:
+        num_draft_tokens = np.zeros(num_reqs, dtype=np.int32)
+    num_logits = num_draft_tokens + 1
+    logits_indices = np.repeat(cu[1:] - num_logits, num_logits) + ranges(num_logits)
 
     return PackedBatch(
         req_ids=list(req_ids),
@@ -76,9 +81,37 @@ def pack_batch(
         seq_lens=seq_lens.astype(np.int32),
         block_tables=tables,
         slot_mappings=slots,
-        logits_indices=(cu[1:] - 1).astype(np.int32),
+        logits_indices=logits_indices.astype(np.int32),
         discard=seq_lens < num_known_tokens[:num_reqs],
+        num_draft_tokens=np.asarray(num_draft_tokens, dtype=np.int32),
     )
+
+
+def _tables_and_slots(
+    block_tables: Sequence[np.ndarray],
+    block_sizes: Sequence[int],
+    row_of_token: np.ndarray,
+    positions: np.ndarray,
+    seq_lens: np.ndarray,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per KV-cache group: the block table cut to the step's rows and longest context, and each
+    token's slot (block id * block size + offset)."""
+    num_reqs = len(seq_lens)
+    tables, slots = [], []
+    for table, block_size in zip(block_tables, block_sizes):
+        max_blocks = max(1, -(-int(seq_lens.max(initial=1)) // block_size))
+        group_table = np.ascontiguousarray(table[:num_reqs, :max_blocks], dtype=np.int32)
+        block_ids = group_table[row_of_token, positions // block_size].astype(np.int64)
+        tables.append(group_table)
+        slots.append(block_ids * block_size + (positions % block_size))
+    return tables, slots
+
+
+def ranges(counts: np.ndarray) -> np.ndarray:
+    """[0..counts[0]), [0..counts[1]), ... concatenated."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - starts
 
 
 def prefill_batch(
@@ -100,4 +133,34 @@ def prefill_batch(
         slot_mappings=[positions.astype(np.int64)] * num_groups,
         logits_indices=np.array([num_tokens - 1], dtype=np.int32),
         discard=np.array([False]),
+        num_draft_tokens=np.zeros(1, dtype=np.int32),
+    )
+
+
+def decode_batch(
+    req_ids: Sequence[str],
+    positions: np.ndarray,
+    token_ids: np.ndarray,
+    block_tables: Sequence[np.ndarray],
+    block_sizes: Sequence[int],
+) -> PackedBatch:
+    """One token per row at `positions` (a draft model's next step); block tables have one row
+    per request of `req_ids`."""
+    num_reqs = len(req_ids)
+    positions = positions.astype(np.int32)
+    seq_lens = positions + 1
+    rows = np.arange(num_reqs, dtype=np.int32)
+    tables, slots = _tables_and_slots(block_tables, block_sizes, rows, positions, seq_lens)
+    return PackedBatch(
+        req_ids=list(req_ids),
+        num_scheduled=np.ones(num_reqs, dtype=np.int32),
+        cu_seqlens_q=np.arange(num_reqs + 1, dtype=np.int32),
+        token_ids=np.maximum(token_ids, 0).astype(np.int32),
+        positions=positions,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        slot_mappings=slots,
+        logits_indices=rows,
+        discard=np.zeros(num_reqs, dtype=bool),
+        num_draft_tokens=np.zeros(num_reqs, dtype=np.int32),
     )

@@ -46,8 +46,8 @@ def forward(
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
 ) -> tuple[mx.array, dict[str, mx.array]]:
-    """Float32 logits of each request's last row `[S, V]`, and of the rows asked for prompt
-    logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
+    """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
+    rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
     caches = layer_caches(pool, packed, windows)
     embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
     hidden = adapter.forward(embeds, caches)
@@ -62,5 +62,5 @@ def forward(
     selected = hidden[mx.array(np.concatenate(rows).astype(np.int32))]
     logits = adapter.logits(selected)
     logits = logits.reshape(logits.shape[0], -1).astype(mx.float32)
-    num_reqs = len(packed.logits_indices)
-    return logits[:num_reqs], {req_id: logits[a:b] for req_id, a, b in spans}
+    num_rows = len(packed.logits_indices)
+    return logits[:num_rows], {req_id: logits[a:b] for req_id, a, b in spans}

@@ -4,7 +4,7 @@ cache and samples with vLLM's own `Sampler`.
 It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). Each concern has
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
-(`prompt_logprobs`), profiling and warm-up (`warmup`). KV memory lives in `vllm_metal.kv`, the
+(`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`). KV memory lives in `vllm_metal.kv`, the
 model behind its adapter in `vllm_metal.models`.
 """
 
@@ -25,6 +25,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.sample import sample_step
+from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
 from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
 from vllm_metal.backends.mlx.runner.warmup import DummyRuns
 from vllm_metal.backends.protocol import RunnerMemory
@@ -60,6 +61,13 @@ class MLXModelRunner:
         self.states = RequestStates(vllm_config, [self.block_size])
         self.sampler = Sampler(logprobs_mode=model_config.logprobs_mode)
         self.pipeline = StepPipeline(self._sample, bool(scheduler.async_scheduling))
+        self.spec = make_spec_decoder(
+            vllm_config,
+            self.sampler,
+            compute_dtype=compute_dtype(self.mlx_kv_dtype),
+            kv_dtype=self.mlx_kv_dtype,
+            dequantize=dense_on_this_device(),
+        )
 
         self.adapter: ModelAdapter | None = None
         self.layer_kinds: list[LayerKind] = []  # read from the adapter once per load
@@ -87,6 +95,8 @@ class MLXModelRunner:
             )
         self.layer_kinds = kinds = adapter.layer_kinds()
         self.windows = [kind.sliding_window for kind in kinds]
+        if self.spec is not None:
+            self.spec.drafter.load()
         logger.info(
             "Model loading took %.2f s; layers: %s",
             time.perf_counter() - start,
@@ -106,7 +116,7 @@ class MLXModelRunner:
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         assert self.adapter is not None, "load the model first"
-        return kv_cache_specs(
+        specs = kv_cache_specs(
             self.adapter.attention_layer_names,
             self.layer_kinds,
             block_size=self.block_size,
@@ -114,11 +124,17 @@ class MLXModelRunner:
             head_dim=self.head_dim,
             dtype=self.kv_dtype,
         )
+        if self.spec is not None:  # a draft model's layers take part in vLLM's KV sizing
+            specs.update(self.spec.drafter.kv_cache_specs(self.block_size, self.kv_dtype))
+        return specs
 
     def memory(self) -> RunnerMemory:
+        drafter = None if self.spec is None else self.spec.drafter
         return RunnerMemory(
-            weights=0 if self.adapter is None else self.adapter.weight_bytes,
-            kv_cache=0 if self.kv_pool is None else self.kv_pool.nbytes,
+            weights=(0 if self.adapter is None else self.adapter.weight_bytes)
+            + (0 if drafter is None else drafter.weight_bytes),
+            kv_cache=(0 if self.kv_pool is None else self.kv_pool.nbytes)
+            + (0 if drafter is None else drafter.kv_bytes),
         )
 
     def profile_run(self) -> int:
@@ -133,6 +149,8 @@ class MLXModelRunner:
         self.block_size = layout.block_size
         self.states.set_block_sizes([layout.block_size] * len(kv_cache_config.kv_cache_groups))
         self._allocate_kv_pool()
+        if self.spec is not None:
+            self.spec.drafter.initialize_kv_cache(kv_cache_config)
         logger.info(
             "KV cache: %d blocks of %d tokens in %d group(s), %d region(s) (%.1f MiB)",
             layout.num_blocks,
@@ -168,6 +186,9 @@ class MLXModelRunner:
             self.kv_pool.copy_blocks(
                 [c.src_block_id for c in copies], [c.dst_block_id for c in copies]
             )
+        if self.spec is not None:
+            for req_id in scheduler_output.finished_req_ids:
+                self.spec.forget(req_id)
         self.states.update(scheduler_output)
         batch = self.states.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
@@ -182,6 +203,7 @@ class MLXModelRunner:
             batch.token_ids_cpu,
             [batch.block_table[g].get_numpy_array() for g in range(self.kv_layout.num_groups)],
             self.states.block_sizes,
+            None if self.spec is None else self.states.num_draft_tokens(),
         )
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = forward(
@@ -198,10 +220,20 @@ class MLXModelRunner:
         return self.pipeline.hand_out(grammar_output) or EMPTY_MODEL_RUNNER_OUTPUT
 
     def _sample(self, step: StepState) -> ModelRunnerOutput:
-        return sample_step(step, self.states, self.sampler, self.model_config.logprobs_mode)
+        spec = self.spec
+        output = sample_step(
+            step,
+            self.states,
+            self.sampler,
+            self.model_config.logprobs_mode,
+            None if spec is None else spec.rejection_sampler,
+        )
+        if spec is not None:
+            spec.after_step(step, self.states, output.sampled_token_ids)
+        return output
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        return None  # no speculative decoding on this runner yet (spec_decode/)
+        return None if self.spec is None else self.spec.take()
 
     # ------------------------------------------------------------ sleep mode
 
@@ -219,6 +251,8 @@ class MLXModelRunner:
             self.kv_pool = None
         if "weights" in tags:
             self.adapter = None
+        if self.spec is not None:
+            self.spec.drafter.discard(tags)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         tags = tags or ["weights", "kv_cache"]
@@ -226,6 +260,8 @@ class MLXModelRunner:
             self.load_model()
         if "kv_cache" in tags and self.kv_pool is None and self.kv_layout is not None:
             self._allocate_kv_pool()
+        if self.spec is not None:
+            self.spec.drafter.wake_up(tags)
 
     def shutdown(self) -> None:
         self.discard(("kv_cache", "weights"))

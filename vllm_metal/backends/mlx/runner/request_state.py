@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.sampling_params import SamplingType
 from vllm.v1.attention.backends.utils import reorder_batch_to_split_decodes_and_prefills
@@ -38,6 +39,7 @@ class RequestStates:
         config = self.vllm_config
         max_model_len = config.model_config.max_model_len
         custom = tuple(config.model_config.logits_processors or ())
+        spec = config.speculative_config
         return InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs,
             max_model_len=max_model_len,
@@ -48,6 +50,7 @@ class RequestStates:
             max_num_blocks_per_req=[math.ceil(max_model_len / bs) for bs in block_sizes],
             logitsprocs=build_logitsprocs(config, HOST, False, False, custom),
             logitsprocs_need_output_token_ids=bool(custom),
+            num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
             is_pooling_model=False,
             reasoning_config=config.reasoning_config,
         )
@@ -71,6 +74,7 @@ class RequestStates:
         # leave it too: they come back with replacement blocks.
         scheduled = scheduler_output.num_scheduled_tokens.keys()
         cached = scheduler_output.scheduled_cached_reqs
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
             batch.remove_request(req_id)
 
@@ -100,9 +104,12 @@ class RequestStates:
             batch.num_computed_tokens_cpu[index] = num_computed
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, index)
+            # Drafts to verify go after the known tokens (or clear last step's).
+            batch.update_req_spec_token_ids(state, drafts)
 
         for state in to_add:
             batch.add_request(state)
+            batch.update_req_spec_token_ids(state, drafts)
         batch.condense()
         reorder_batch_to_split_decodes_and_prefills(batch, scheduler_output, decode_threshold=1)
         batch.refresh_metadata()
@@ -150,6 +157,15 @@ class RequestStates:
         state.num_computed_tokens = new.num_computed_tokens
         state.output_token_ids.clear()
         return state
+
+    def num_draft_tokens(self) -> np.ndarray:
+        """Drafts each row verifies this step ([num_reqs] int32)."""
+        batch = self.input_batch
+        return np.fromiter(
+            (len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)),
+            dtype=np.int32,
+            count=batch.num_reqs,
+        )
 
     def record_sampled(self, sampled: list[list[int]]) -> None:
         """Append each row's sampled tokens to the batch and to its request's outputs."""

@@ -1,10 +1,12 @@
-"""Sampling with vLLM's own `Sampler` (grammar bitmask included), token write-back into the
-request state, and the step's `ModelRunnerOutput`."""
+"""Sampling with vLLM's own `Sampler` (grammar bitmask included), or its `RejectionSampler` on a
+step that verifies drafts (`spec_decode/verify.py`); token write-back into the request state,
+and the step's `ModelRunnerOutput`."""
 
 from __future__ import annotations
 
 import numpy as np
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner.prompt_logprobs import gather_prompt_logprobs
@@ -17,7 +19,11 @@ _GENERATOR_OFFSET_PER_SAMPLE = 4
 
 
 def sample_step(
-    step: StepState, states: RequestStates, sampler: Sampler, logprobs_mode: str
+    step: StepState,
+    states: RequestStates,
+    sampler: Sampler,
+    logprobs_mode: str,
+    rejection_sampler: RejectionSampler | None = None,
 ) -> ModelRunnerOutput:
     batch = states.input_batch
     logits = to_torch(step.logits)  # waits for the forward
@@ -26,24 +32,15 @@ def sample_step(
 
         apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
 
-    sampler_output = sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
+    if step.packed.num_draft_tokens.any():
+        assert rejection_sampler is not None, "drafts scheduled without speculative decoding"
+        from vllm_metal.backends.mlx.runner.spec_decode.verify import verify
 
-    discard = np.nonzero(step.packed.discard)[0]
-    for i in discard:
-        # The sampler drew random numbers for a token we drop; rewind so seeded requests
-        # see the same stream as on vLLM's other backends.
-        gen = batch.generators.get(int(i))
-        if gen is not None:
-            gen.set_offset(gen.get_offset() - _GENERATOR_OFFSET_PER_SAMPLE)
-
-    sampled = sampler_output.sampled_token_ids.tolist()
-    for i in discard:
-        sampled[int(i)] = []
+        sampled, logprobs = verify(rejection_sampler, logits, step.packed, batch, states.vocab_size)
+    else:
+        sampled, logprobs = _sample(sampler, logits, batch, step.packed.discard)
+    _rewind_generators(batch, step.packed.discard)
     states.record_sampled(sampled)
-
-    logprobs = None
-    if sampler_output.logprobs_tensors is not None:
-        logprobs = sampler_output.logprobs_tensors.tolists()
 
     return ModelRunnerOutput(
         req_ids=batch.req_ids.copy(),
@@ -54,3 +51,24 @@ def sample_step(
             states, step.packed, step.prompt_logits, sampler, logprobs_mode
         ),
     )
+
+
+def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
+    sampler_output = sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
+    sampled = sampler_output.sampled_token_ids.tolist()
+    for i in np.nonzero(discard)[0]:
+        sampled[int(i)] = []
+
+    logprobs = None
+    if sampler_output.logprobs_tensors is not None:
+        logprobs = sampler_output.logprobs_tensors.tolists()
+    return sampled, logprobs
+
+
+def _rewind_generators(batch, discard: np.ndarray) -> None:
+    """The sampler drew random numbers for tokens we drop (rows mid-prefill); rewind so seeded
+    requests see the same stream as on vLLM's other backends."""
+    for i in np.nonzero(discard)[0]:
+        gen = batch.generators.get(int(i))
+        if gen is not None:
+            gen.set_offset(gen.get_offset() - _GENERATOR_OFFSET_PER_SAMPLE)

@@ -1,4 +1,54 @@
-"""Speculative decoding on the MLX runner: proposers (n-gram, draft model) that fill
-`take_draft_token_ids`, and verification of `scheduled_spec_decode_tokens` as ordinary varlen
-query rows (q_len = 1 + drafts) with vLLM's rejection-sampling semantics. Not built yet:
-`--speculative-config` is refused at startup by the capability table."""
+"""Speculative decoding on the MLX runner (vLLM's `--speculative-config`).
+
+Proposers (`ngram.py`: vLLM's n-gram proposer; `draft_model.py`: a smaller mlx-lm model with its
+own paged KV) fill `take_draft_token_ids` after each step; the scheduler sends the drafts back
+as `scheduled_spec_decode_tokens`, and the runner verifies them as ordinary varlen query rows
+(q_len = 1 + drafts) with vLLM's rejection sampler (`verify.py`, kernels in `kernels.py`).
+`backoff.py` stops drafting where it does not pay; `decoder.py` ties the pieces together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_metal import envs
+from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
+from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.sampler import Sampler
+
+
+def make_spec_decoder(
+    vllm_config: VllmConfig,
+    sampler: Sampler,
+    *,
+    compute_dtype: mx.Dtype,
+    kv_dtype: mx.Dtype,
+    dequantize: bool,
+) -> SpecDecoder | None:
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+
+    register_rejection_kernels()
+    if spec.method == "ngram":
+        from vllm_metal.backends.mlx.runner.spec_decode.ngram import NgramDrafter
+
+        drafter = NgramDrafter(vllm_config)
+    elif spec.method == "draft_model":
+        from vllm_metal.backends.mlx.runner.spec_decode.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(
+            vllm_config, compute_dtype=compute_dtype, kv_dtype=kv_dtype, dequantize=dequantize
+        )
+    else:  # the platform refuses other methods at startup
+        raise ValueError(f"speculative method {spec.method!r} is not supported by vllm-metal")
+    backoff = Backoff(
+        min_acceptance=envs.VLLM_METAL_SPEC_MIN_ACCEPTANCE,
+        max_batch=envs.VLLM_METAL_SPEC_MAX_BATCH,
+    )
+    return SpecDecoder(vllm_config, sampler, drafter, backoff)

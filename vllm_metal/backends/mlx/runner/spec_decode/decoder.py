@@ -1,0 +1,79 @@
+"""Speculative decoding for the runner: after each step, record how the drafts fared, decide who
+may draft and how many, and keep the drafts for vLLM's `take_draft_token_ids`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.request_state import RequestStates
+    from vllm_metal.backends.mlx.runner.step import StepState
+
+
+class SpecDecoder:
+    def __init__(
+        self, vllm_config: VllmConfig, sampler: Sampler, drafter: Drafter, backoff: Backoff
+    ):
+        spec = vllm_config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.drafter = drafter
+        self.backoff = backoff
+        self.rejection_sampler = RejectionSampler(sampler, spec)
+        self._drafts: DraftTokenIds | None = None
+
+    def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
+        """Called once the step's tokens are recorded in `states`."""
+        batch = states.input_batch
+        req_ids = batch.req_ids
+        for i, req_id in enumerate(req_ids):
+            real = sum(1 for t in batch.spec_token_ids[i] if t >= 0)  # -1: placeholders
+            if real and sampled[i]:
+                self.backoff.record(req_id, real, len(sampled[i]) - 1)
+        caps = self.caps(states, sampled)
+        drafts = self.drafter.propose(step, states, sampled, caps)
+        self._drafts = DraftTokenIds(
+            list(req_ids), [list(d[:c]) for d, c in zip(drafts, caps.tolist())]
+        )
+        self.backoff.end_step()
+
+    def caps(self, states: RequestStates, sampled: list[list[int]]) -> np.ndarray:
+        """The most drafts each row may propose for the next step.
+
+        A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
+        request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
+        drafts nor verifies tokens it cannot return.
+        """
+        batch = states.input_batch
+        num_decoding = sum(1 for s in sampled if s)
+        caps = np.zeros(batch.num_reqs, dtype=np.int32)
+        for i, req_id in enumerate(batch.req_ids):
+            if not sampled[i] or not self.backoff.allowed(req_id, num_decoding):
+                continue
+            state = states.requests[req_id]
+            cap = min(
+                self.num_speculative_tokens,
+                self.max_model_len - int(batch.num_tokens_no_spec[i]) - 1,
+            )
+            max_tokens = state.sampling_params.max_tokens if state.sampling_params else None
+            if max_tokens is not None:
+                cap = min(cap, max_tokens - len(state.output_token_ids) - 1)
+            caps[i] = max(cap, 0)
+        return caps
+
+    def take(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts
+
+    def forget(self, req_id: str) -> None:
+        self.backoff.forget(req_id)

@@ -1,0 +1,174 @@
+"""Drafts from a smaller model that shares the target's tokenizer, with a paged KV cache of its
+own.
+
+The draft's attention layers are declared to vLLM beside the target's (names prefixed with
+`draft.`), so they take part in vLLM's KV sizing and live in the same KV-cache group: the draft
+reads the target's block tables and writes its K/V at the same slots. After each step it runs
+once over every token the target consumed and kept (the accepted part of a verified row plus the
+new token, or a prefill chunk), which keeps its cache in step with the target's through prefix
+caching, chunked prefill and preemption; then one token at a time for the remaining drafts, at
+positions the scheduler reserved as lookahead slots. Drafts are the draft model's argmax (vLLM's
+`draft_sample_method="greedy"`), so verification treats them as one-hot proposals.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
+from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
+from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.spec import kv_cache_specs
+from vllm_metal.models import ModelAdapter, load_model
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
+    from vllm_metal.backends.mlx.runner.request_state import RequestStates
+    from vllm_metal.backends.mlx.runner.step import StepState
+
+# Prefix of the draft model's layer names in vLLM's KV-cache config.
+DRAFT_LAYER_PREFIX = "draft."
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        *,
+        compute_dtype: mx.Dtype,
+        kv_dtype: mx.Dtype,
+        dequantize: bool,
+    ):
+        spec = vllm_config.speculative_config
+        self.model_config = spec.draft_model_config
+        self.num_kv_heads = self.model_config.get_num_kv_heads(spec.draft_parallel_config)
+        self.head_dim = self.model_config.get_head_size()
+        self.download_dir = vllm_config.load_config.download_dir
+        self.compute_dtype = compute_dtype
+        self.kv_dtype = kv_dtype
+        self.dequantize = dequantize
+        self.adapter: ModelAdapter | None = None
+        self.layer_names: list[str] = []
+        self.windows: list[int | None] = []
+        self.layout: KVLayout | None = None
+        self.pool: KVPool | None = None
+
+    # ------------------------------------------------------------ memory
+
+    def load(self) -> None:
+        self.adapter = adapter = load_model(
+            self.model_config.model,
+            compute_dtype=self.compute_dtype,
+            dequantize=self.dequantize,
+            revision=self.model_config.revision,
+            download_dir=self.download_dir,
+            trust_remote_code=self.model_config.trust_remote_code,
+        )
+        self.kinds = adapter.layer_kinds()
+        self.windows = [kind.sliding_window for kind in self.kinds]
+        self.layer_names = [DRAFT_LAYER_PREFIX + n for n in adapter.attention_layer_names]
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0 if self.adapter is None else self.adapter.weight_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+        assert self.adapter is not None, "load the draft model first"
+        return kv_cache_specs(
+            self.layer_names,
+            self.kinds,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.layout = KVLayout.from_config(kv_cache_config, self.layer_names)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        self.pool = KVPool(self.layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        if "kv_cache" in tags:
+            self.pool = None
+        if "weights" in tags:
+            self.adapter = None
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags and self.adapter is None:
+            self.load()
+        if "kv_cache" in tags and self.pool is None and self.layout is not None:
+            self._allocate()
+
+    # ------------------------------------------------------------ drafting
+
+    def propose(
+        self,
+        step: StepState,
+        states: RequestStates,
+        sampled: list[list[int]],
+        caps: np.ndarray,
+    ) -> list[list[int]]:
+        assert self.adapter is not None and self.pool is not None, "draft model not ready"
+        batch = states.input_batch
+        packed = step.packed
+        n = batch.num_reqs
+        req_ids = batch.req_ids[:n]
+        tables = [
+            batch.block_table[g].get_numpy_array()[:n] for g in range(len(packed.block_tables))
+        ]
+        block_sizes = states.block_sizes
+
+        # Catch up: every token the target consumed and kept, plus the one it just sampled.
+        start = packed.seq_lens - packed.num_scheduled
+        kept = packed.num_scheduled - packed.num_draft_tokens
+        end = start + kept + np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
+        first = pack_batch(
+            req_ids,
+            dict(zip(req_ids, (end - start).tolist())),
+            start,
+            end,
+            batch.token_ids_cpu,
+            tables,
+            block_sizes,
+        )
+        tokens = self._next_tokens(first)
+
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        rows = np.nonzero(caps > 0)[0]
+        for r in rows:
+            drafts[r].append(int(tokens[r]))
+        # One token at a time: draft j sits at position end - 1 + j.
+        for j in range(1, int(caps.max(initial=0))):
+            rows = rows[caps[rows] > j]
+            if rows.size == 0:
+                break
+            step_batch = decode_batch(
+                [req_ids[r] for r in rows],
+                end[rows] - 1 + j,
+                np.array([drafts[r][-1] for r in rows], dtype=np.int32),
+                [t[rows] for t in tables],
+                block_sizes,
+            )
+            for r, token in zip(rows, self._next_tokens(step_batch)):
+                drafts[r].append(int(token))
+        return drafts
+
+    def _next_tokens(self, packed: PackedBatch) -> np.ndarray:
+        logits, _ = forward(self.adapter, self.pool, self.windows, packed, {})
+        tokens = mx.argmax(logits, axis=-1)
+        mx.eval(tokens, *self.pool.arrays())
+        return np.array(tokens)
