@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
 
 # vLLM's name for this layout (per layer: blocks, tokens, heads, head dim; K and V apart).
 KV_CACHE_LAYOUT = "LBNHC"
@@ -47,12 +47,21 @@ class KVLayout:
         group_of: dict[str, int] = {}
         block_sizes = set()
         for g, group in enumerate(config.kv_cache_groups):
-            if not isinstance(group.kv_cache_spec, AttentionSpec):
+            spec = group.kv_cache_spec
+            # Layers of one kind but different shapes (a draft model's beside the target's)
+            # share a group as UniformTypeKVCacheSpecs.
+            members = (
+                spec.kv_cache_specs.values()
+                if isinstance(spec, UniformTypeKVCacheSpecs)
+                else [spec]
+            )
+            odd = [type(m).__name__ for m in members if not isinstance(m, AttentionSpec)]
+            if odd:
                 raise ValueError(
-                    f"KV-cache group {g} has spec {type(group.kv_cache_spec).__name__}; "
+                    f"KV-cache group {g} has spec {odd[0]}; "
                     "vllm-metal allocates attention KV caches only"
                 )
-            block_sizes.add(group.kv_cache_spec.block_size)
+            block_sizes.add(spec.block_size)
             for name in group.layer_names:
                 group_of[name] = g
         if len(block_sizes) != 1:

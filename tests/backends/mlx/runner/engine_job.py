@@ -21,11 +21,23 @@ def _decode_params(p: dict) -> dict:
     return p
 
 
+def _counters(llm) -> dict:
+    counters = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            counters[metric.name] = value
+        elif isinstance(values := getattr(metric, "values", None), list):  # a labelled vector
+            counters[metric.name] = values
+    return counters
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
-    results = []
+    stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
+    results, snapshots = [], []  # snapshots: the engine's counters after each job
     for job in spec["jobs"]:
         params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
         prompts = [
@@ -61,15 +73,13 @@ def run(spec: dict) -> dict:
                 }
             )
         results.append(batch)
-    counters = {}
-    stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
-    for metric in llm.get_metrics() if stats_on else []:
-        value = getattr(metric, "value", None)
-        if isinstance(value, (int, float)):
-            counters[metric.name] = value
-        elif isinstance(values := getattr(metric, "values", None), list):  # a labelled vector
-            counters[metric.name] = values
-    return {"results": results, "metrics": counters}
+        if stats_on:
+            snapshots.append(_counters(llm))
+    return {
+        "results": results,
+        "metrics": snapshots[-1] if snapshots else {},
+        "job_metrics": snapshots,
+    }
 
 
 if __name__ == "__main__":

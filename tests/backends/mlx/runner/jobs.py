@@ -28,9 +28,13 @@ def run_engine_job(
     engine: dict | None = None,
     backend: str = "metal",
     timeout: float = 600,
-    with_metrics: bool = False,
+    with_metrics: bool | str = False,
 ) -> list[list[dict]] | tuple[list[list[dict]], dict]:
-    """Run `jobs` on one engine in a fresh process; backend 'metal' (this plugin) or 'cpu'."""
+    """Run `jobs` on one engine in a fresh process; backend 'metal' (this plugin) or 'cpu'.
+
+    with_metrics=True also returns the engine's counters at the end (engine option
+    disable_log_stats=False), "per_job" a list of them, one after each job.
+    """
     env = dict(os.environ)
     env.pop("VLLM_TARGET_DEVICE", None)
     # The job script runs no MLX before it builds the engine, so forking its engine core is
@@ -57,6 +61,8 @@ def run_engine_job(
                 f"{proc.stderr[-6000:]}"
             )
         out = json.loads(out_path.read_text())
+        if with_metrics == "per_job":
+            return out["results"], out["job_metrics"]
         return (out["results"], out["metrics"]) if with_metrics else out["results"]
 
 

@@ -5,6 +5,7 @@ and the step's `ModelRunnerOutput`."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
@@ -13,9 +14,6 @@ from vllm_metal.backends.mlx.runner.prompt_logprobs import gather_prompt_logprob
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.step import StepState
 from vllm_metal.backends.mlx.runner.tensors import to_torch
-
-# Random numbers torch's sampler draws per row and step (the Philox offset it advances).
-_GENERATOR_OFFSET_PER_SAMPLE = 4
 
 
 def sample_step(
@@ -32,6 +30,9 @@ def sample_step(
 
         apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
 
+    # The sampler draws random numbers for rows mid-prefill too, whose token is dropped; their
+    # seeded generators are put back so the request sees the stream of vLLM's other backends.
+    saved = _generator_states(batch, step.packed.discard)
     if step.packed.num_draft_tokens.any():
         assert rejection_sampler is not None, "drafts scheduled without speculative decoding"
         from vllm_metal.backends.mlx.runner.spec_decode.verify import verify
@@ -39,7 +40,8 @@ def sample_step(
         sampled, logprobs = verify(rejection_sampler, logits, step.packed, batch, states.vocab_size)
     else:
         sampled, logprobs = _sample(sampler, logits, batch, step.packed.discard)
-    _rewind_generators(batch, step.packed.discard)
+    for i, state in saved.items():
+        batch.generators[i].set_state(state)
     states.record_sampled(sampled)
 
     return ModelRunnerOutput(
@@ -65,10 +67,9 @@ def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
     return sampled, logprobs
 
 
-def _rewind_generators(batch, discard: np.ndarray) -> None:
-    """The sampler drew random numbers for tokens we drop (rows mid-prefill); rewind so seeded
-    requests see the same stream as on vLLM's other backends."""
-    for i in np.nonzero(discard)[0]:
-        gen = batch.generators.get(int(i))
-        if gen is not None:
-            gen.set_offset(gen.get_offset() - _GENERATOR_OFFSET_PER_SAMPLE)
+def _generator_states(batch, discard: np.ndarray) -> dict[int, torch.Tensor]:
+    return {
+        int(i): batch.generators[int(i)].get_state()
+        for i in np.nonzero(discard)[0]
+        if int(i) in batch.generators
+    }
