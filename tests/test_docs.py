@@ -38,7 +38,11 @@ def _source_files() -> set[str]:
     files = set()
     for root in ROOTS:
         for path in (ROOT / root).rglob("*"):
-            if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+            if (
+                path.is_file()
+                and path.suffix in SOURCE_SUFFIXES
+                and "__pycache__" not in path.parts
+            ):
                 if path.name not in OPTIONAL:
                     files.add(str(path.relative_to(ROOT)))
     return files

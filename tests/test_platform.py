@@ -7,6 +7,8 @@ in fresh subprocesses, the way `vllm serve` starts.
 
 from __future__ import annotations
 
+import json
+
 import os
 import subprocess
 import sys
@@ -257,12 +259,22 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         (
             {
                 "speculative_config": {
-                    "method": "ngram",
+                    "method": "eagle3",
+                    "model": "{model}",
                     "num_speculative_tokens": 2,
-                    "prompt_lookup_max": 2,
                 }
             },
-            ["speculative decoding"],
+            ["--speculative-config method='eagle3'", "'ngram' or 'draft_model'"],
+        ),
+        (
+            {
+                "speculative_config": {
+                    "model": "{model}",
+                    "num_speculative_tokens": 2,
+                    "draft_sample_method": "probabilistic",
+                }
+            },
+            ["draft_sample_method='probabilistic'"],
         ),
         ({"runner": "pooling"}, ["pooling", "runner='pooling'"]),
         ({"kv_offloading_size": 1.0}, ["KV offloading", "kv_offloading_size=1.0"]),
@@ -275,7 +287,8 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "kv_cache_dtype",
         "quantization",
         "lora",
-        "spec",
+        "spec_eagle3",
+        "spec_probabilistic",
         "pooling",
         "kv_offloading",
     ],
@@ -283,12 +296,26 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
 def test_unsupported_settings_are_refused_by_name(
     metal_config, qwen3_dir: Path, kwargs: dict, names: list[str]
 ) -> None:
+    kwargs = json.loads(json.dumps(kwargs).replace("{model}", str(qwen3_dir)))
     with pytest.raises(ValueError) as info:
         _engine_config(qwen3_dir, **kwargs)
     message = str(info.value)
     assert "vllm-metal" in message
     for name in names:
         assert name in message
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_is_served_with_async_scheduling_off(
+    metal_config, qwen3_dir: Path, method: str
+) -> None:
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_max": 3} if method == "ngram" else {"model": str(qwen3_dir)})
+    # vLLM itself refuses async scheduling asked for with ngram, and allows it with a draft model.
+    asked = True if method == "draft_model" else None
+    config = _engine_config(qwen3_dir, speculative_config=spec, async_scheduling=asked)
+    assert config.speculative_config.method == method
+    assert config.scheduler_config.async_scheduling is False
 
 
 def test_a_backend_this_build_lacks_is_refused_by_its_variable(

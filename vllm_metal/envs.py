@@ -76,22 +76,6 @@ def _threads(name: str) -> Callable[[], int | str]:
     return parse
 
 
-def _number(name: str, default: float, cast: type, low: float, high: float) -> Callable[[], Any]:
-    def parse() -> Any:
-        raw = os.environ.get(name)
-        if raw is None or raw.strip() == "":
-            return cast(default)
-        try:
-            value = cast(raw.strip())
-        except ValueError:
-            value = None
-        if value is None or not low <= value <= high:
-            raise ValueError(f"{name}={raw!r} is not a {cast.__name__} in [{low}, {high}]")
-        return value
-
-    return parse
-
-
 @dataclass(frozen=True)
 class EnvVar:
     parse: Callable[[], Any]
@@ -147,17 +131,12 @@ ENV_VARS: dict[str, EnvVar] = {
         "Threads of that BLAS: `auto` uses as many as the CPUs the process may run on "
         "(`os.sched_getaffinity`), or a positive number.",
     ),
-    "VLLM_METAL_SPEC_MIN_ACCEPTANCE": EnvVar(
-        _number("VLLM_METAL_SPEC_MIN_ACCEPTANCE", 0.3, float, 0.0, 1.0),
-        "0.3",
-        "Speculative decoding: a request whose recent share of accepted drafts falls below this "
-        "stops drafting for a while (0 never stops).",
-    ),
-    "VLLM_METAL_SPEC_MAX_BATCH": EnvVar(
-        _number("VLLM_METAL_SPEC_MAX_BATCH", 8, int, 0, 1 << 20),
-        "8",
-        "Speculative decoding: with more requests decoding than this, no request drafts (a large "
-        "batch is compute-bound, so rejected drafts cost as much as real tokens).",
+    "VLLM_METAL_SPEC_BACKOFF": EnvVar(
+        _bool("VLLM_METAL_SPEC_BACKOFF", True),
+        "1",
+        "Speculative decoding: 1 lets a request draft only while its measured acceptance and the "
+        "measured step cost say drafting raises the batch's token rate; 0 drafts for every "
+        "request up to its cap, as vLLM's other backends do.",
     ),
 }
 

@@ -38,7 +38,9 @@ def test_copy_blocks_copies_every_region_and_leaves_others():
 def engine_config(tiny_model_dir):
     from vllm.engine.arg_utils import EngineArgs
 
-    config = EngineArgs(model=str(tiny_model_dir("qwen3")), max_model_len=256).create_engine_config()
+    config = EngineArgs(
+        model=str(tiny_model_dir("qwen3")), max_model_len=256
+    ).create_engine_config()
     config.cache_config.kv_cache_layout = KV_CACHE_LAYOUT
     return config
 

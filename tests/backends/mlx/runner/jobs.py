@@ -29,13 +29,14 @@ def run_engine_job(
     backend: str = "metal",
     timeout: float = 600,
     with_metrics: bool | str = False,
+    env: dict[str, str] | None = None,
 ) -> list[list[dict]] | tuple[list[list[dict]], dict]:
     """Run `jobs` on one engine in a fresh process; backend 'metal' (this plugin) or 'cpu'.
 
     with_metrics=True also returns the engine's counters at the end (engine option
     disable_log_stats=False), "per_job" a list of them, one after each job.
     """
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.pop("VLLM_TARGET_DEVICE", None)
     # The job script runs no MLX before it builds the engine, so forking its engine core is
     # safe, and ~10 s quicker than the spawn the plugin picks for scripts.

@@ -35,7 +35,9 @@ def new_req(req_id, prompt, blocks, num_computed=0, params=None) -> NewRequestDa
     )
 
 
-def schedule(scheduled: dict[str, int], new=(), cached=(), finished=()) -> SchedulerOutput:
+def schedule(
+    scheduled: dict[str, int], new=(), cached=(), finished=(), drafts=None
+) -> SchedulerOutput:
     cached_data = CachedRequestData(
         req_ids=[c.req_id for c in cached],
         resumed_req_ids={c.req_id for c in cached if c.resumed},
@@ -50,7 +52,7 @@ def schedule(scheduled: dict[str, int], new=(), cached=(), finished=()) -> Sched
         scheduled_cached_reqs=cached_data,
         num_scheduled_tokens=dict(scheduled),
         total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={},
+        scheduled_spec_decode_tokens=dict(drafts or {}),
         scheduled_encoder_inputs={},
         finished_req_ids=set(finished),
         free_encoder_mm_hashes=[],
@@ -69,12 +71,17 @@ def step(states: RequestStates, scheduler_output: SchedulerOutput) -> PackedBatc
         batch.token_ids_cpu,
         [batch.block_table[g].get_numpy_array() for g in range(len(states.block_sizes))],
         states.block_sizes,
+        states.num_draft_tokens(),
     )
 
 
-def sample(states: RequestStates, tokens: dict[str, int]) -> None:
-    """Record one sampled token for the named requests (the others' samples are discarded)."""
-    states.record_sampled([[tokens[r]] if r in tokens else [] for r in states.input_batch.req_ids])
+def sample(states: RequestStates, tokens: dict[str, int | list[int]]) -> None:
+    """Record the sampled token(s) of the named requests (the others' samples are discarded)."""
+    rows = []
+    for r in states.input_batch.req_ids:
+        t = tokens.get(r, [])
+        rows.append(list(t) if isinstance(t, list) else [t])
+    states.record_sampled(rows)
 
 
 def span(start: int, n: int) -> list[int]:

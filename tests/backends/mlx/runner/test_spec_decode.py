@@ -56,7 +56,7 @@ STRUCTURED = [
 
 ENGINE = {
     "max_num_batched_tokens": 32,  # forces chunked prefill next to decodes
-    "max_num_seqs": 8,  # at most VLLM_METAL_SPEC_MAX_BATCH: every decoding request may draft
+    "max_num_seqs": 8,  # with K=3, 8 x (1 + K) rows fit one step's token budget
     "enable_prefix_caching": True,
     "disable_log_stats": False,
     "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
@@ -84,12 +84,13 @@ def models(tmp_path_factory):
     return {"target": target, "draft": draft}
 
 
-def _run(models, speculative_config, **engine):
+def _run(models, speculative_config, env=None):
     return run_engine_job(
         models["target"],
         JOBS,
-        engine={**ENGINE, **engine, "speculative_config": speculative_config},
+        engine={**ENGINE, "speculative_config": speculative_config},
         with_metrics="per_job",
+        env=env,
     )
 
 
@@ -113,10 +114,13 @@ def ngram(models):
 
 @pytest.fixture(scope="module")
 def self_draft(models):
-    """The target as its own draft model: every greedy draft is the target's own argmax."""
+    """The target as its own draft model: every greedy draft is the target's own argmax.
+    Without the back-off (drafting with a copy of the target never pays), so every request
+    drafts up to its cap."""
     return _run(
         models,
         {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": K},
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
     )
 
 

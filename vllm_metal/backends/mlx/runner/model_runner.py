@@ -181,6 +181,7 @@ class MLXModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.pipeline.drain()  # the previous step's tokens are inputs of this one
+        started = time.perf_counter()
         if scheduler_output.kv_cache_block_copies and self.kv_pool is not None:
             copies = scheduler_output.kv_cache_block_copies
             self.kv_pool.copy_blocks(
@@ -211,7 +212,9 @@ class MLXModelRunner:
         )
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         mx.async_eval(logits, *prompt_logits.values(), *self.kv_pool.arrays())
-        self.pipeline.executed = StepState(scheduler_output, packed, logits, prompt_logits)
+        self.pipeline.executed = StepState(
+            scheduler_output, packed, logits, prompt_logits, started=started
+        )
         return None
 
     def sample_tokens(

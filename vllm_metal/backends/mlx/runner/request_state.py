@@ -33,13 +33,14 @@ class RequestStates:
         # req_id -> number of prompt logprobs asked for, while the prompt is being processed
         self.num_prompt_logprobs: dict[str, int] = {}
         self.block_sizes = list(block_sizes)  # one per KV-cache group
+        spec = vllm_config.speculative_config
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.input_batch = self._make_input_batch(self.block_sizes)
 
     def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
         config = self.vllm_config
         max_model_len = config.model_config.max_model_len
         custom = tuple(config.model_config.logits_processors or ())
-        spec = config.speculative_config
         return InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs,
             max_model_len=max_model_len,
@@ -50,7 +51,7 @@ class RequestStates:
             max_num_blocks_per_req=[math.ceil(max_model_len / bs) for bs in block_sizes],
             logitsprocs=build_logitsprocs(config, HOST, False, False, custom),
             logitsprocs_need_output_token_ids=bool(custom),
-            num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+            num_spec_tokens=self.num_spec_tokens,
             is_pooling_model=False,
             reasoning_config=config.reasoning_config,
         )
@@ -111,7 +112,10 @@ class RequestStates:
             batch.add_request(state)
             batch.update_req_spec_token_ids(state, drafts)
         batch.condense()
-        reorder_batch_to_split_decodes_and_prefills(batch, scheduler_output, decode_threshold=1)
+        # A row verifying drafts counts as a decode, as on vLLM's GPU runner.
+        reorder_batch_to_split_decodes_and_prefills(
+            batch, scheduler_output, decode_threshold=1 + self.num_spec_tokens
+        )
         batch.refresh_metadata()
 
     def _add_new(self, new) -> CachedRequestState:

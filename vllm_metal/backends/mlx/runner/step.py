@@ -27,6 +27,7 @@ class StepState:
     packed: PackedBatch
     logits: mx.array  # [S + drafts, V] float32, the rows of packed.logits_indices (being evaluated)
     prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
+    started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
 

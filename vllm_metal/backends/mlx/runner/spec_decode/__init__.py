@@ -47,8 +47,4 @@ def make_spec_decoder(
         )
     else:  # the platform refuses other methods at startup
         raise ValueError(f"speculative method {spec.method!r} is not supported by vllm-metal")
-    backoff = Backoff(
-        min_acceptance=envs.VLLM_METAL_SPEC_MIN_ACCEPTANCE,
-        max_batch=envs.VLLM_METAL_SPEC_MAX_BATCH,
-    )
-    return SpecDecoder(vllm_config, sampler, drafter, backoff)
+    return SpecDecoder(vllm_config, sampler, drafter, Backoff(enabled=envs.VLLM_METAL_SPEC_BACKOFF))

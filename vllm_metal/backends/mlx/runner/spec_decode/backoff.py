@@ -1,66 +1,145 @@
-"""When drafting pays: a per-request acceptance record and a batch-size limit.
+"""Who drafts in the next step: speculation goes on only where it is measured to pay.
 
-Verifying k drafts costs k extra query rows in the step. At batch 1 on Apple Silicon the step is
-bound by reading the weights, so extra rows are nearly free and any reasonable acceptance wins;
-in a large batch the step is bound by compute and every rejected draft costs about as much as a
-real token. So a request drafts only while its recent acceptance rate stays above a floor
-(after a run of poor verifications it pauses, for longer each time, then tries again), and no
-request drafts while more than `max_batch` requests are decoding.
+Verifying k drafts adds k query rows to a step. When the step is bound by reading the weights
+(batch 1, above all on Apple Silicon) the extra rows are nearly free and any reasonable
+acceptance wins; in a large, compute-bound batch every rejected draft costs about as much as a
+real token. Instead of modelling the device, the policy measures:
+
+- **per batch size** (decoding requests, in powers of two), the token rate of decode steps that
+  verified drafts and of decode steps that did not: tokens produced per second, the drafter's
+  own time included. The faster mode is used; the slower one is tried again now and then, so a
+  change (a stream turning repetitive, a longer context) is noticed;
+- **per request**, the share of its drafts that were accepted (with a weak prior). A request
+  whose share falls below `MIN_ACCEPTANCE` stops drafting for a pause that doubles (up to a cap)
+  each time it is still poor, so one bad stream does not weigh down a batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Weight of the newest verification in a request's acceptance rate.
-_EMA_WEIGHT = 0.3
-# Verifications before a request's rate is trusted.
-_WARMUP_VERIFICATIONS = 2
-# Steps a request stops drafting after its rate falls below the floor (doubling, capped).
-_FIRST_PAUSE, _MAX_PAUSE = 4, 64
+# A request drafts while at least this share of its drafts is accepted.
+MIN_ACCEPTANCE = 0.25
+# Prior of a request's acceptance counts: as if one draft had been accepted and one rejected.
+_PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
+_ACCEPTANCE_DECAY = 0.8  # per verification
+_RATE_WEIGHT = 0.25  # weight of the newest step in a mode's token rate
+# Samples of a mode before its rate is trusted; the first one of each (new shapes, JIT) is not
+# counted.
+_MIN_SAMPLES = 3
+_EXPLORE_EVERY = 32  # decode steps in a batch size between tries of the slower mode
+_FIRST_PAUSE, _MAX_PAUSE = 4, 64  # steps a poor request waits before drafting again
 
 
 @dataclass
-class _Record:
-    rate: float = 1.0
-    verifications: int = 0
+class _Request:
+    accepted: float = _PRIOR_ACCEPTED
+    rejected: float = _PRIOR_REJECTED
     pause: int = _FIRST_PAUSE
     paused_until: int = -1
+    verified: bool = False  # verifications since the counts were last reset
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class _Rate:
+    samples: int = 0
+    tokens_per_s: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.samples += 1
+        if self.samples == 2:
+            self.tokens_per_s = value
+        elif self.samples > 2:
+            self.tokens_per_s += _RATE_WEIGHT * (value - self.tokens_per_s)
+
+
+@dataclass
+class _Bucket:
+    spec: _Rate = field(default_factory=_Rate)
+    plain: _Rate = field(default_factory=_Rate)
+    steps: int = 0
+
+
+def batch_bucket(num_decoding: int) -> int:
+    """1, 2, 3-4, 5-8, ... decoding requests -> 0, 1, 2, 3, ..."""
+    return max(0, num_decoding - 1).bit_length()
 
 
 @dataclass
 class Backoff:
-    min_acceptance: float  # accepted / drafted below which a request stops drafting
-    max_batch: int  # more decoding requests than this: nobody drafts
+    enabled: bool = True  # False: every request drafts up to its cap (vLLM's own behaviour)
     step: int = 0
-    records: dict[str, _Record] = field(default_factory=dict)
+    requests: dict[str, _Request] = field(default_factory=dict)
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    drafting_seconds: float = 0.0  # the drafter's time after the last step
 
-    def allowed(self, req_id: str, num_decoding: int) -> bool:
-        if num_decoding > self.max_batch:
-            return False
-        record = self.records.get(req_id)
-        return record is None or self.step >= record.paused_until
+    # ------------------------------------------------------------ measurements
 
-    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+    def record_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verification of `num_drafts` real drafts, `num_accepted` of them accepted."""
         if num_drafts <= 0:
             return
-        rec = self.records.setdefault(req_id, _Record())
-        rate = num_accepted / num_drafts
-        rec.rate = (
-            rate if rec.verifications == 0 else (_EMA_WEIGHT * rate + (1 - _EMA_WEIGHT) * rec.rate)
-        )
-        rec.verifications += 1
-        if rec.verifications >= _WARMUP_VERIFICATIONS and rec.rate < self.min_acceptance:
-            rec.paused_until = self.step + rec.pause
-            rec.pause = min(2 * rec.pause, _MAX_PAUSE)
-            # Start afresh after the pause: the text may have become repetitive.
-            rec.rate, rec.verifications = 1.0, 0
-        elif rec.rate >= self.min_acceptance:
-            rec.pause = _FIRST_PAUSE
+        r = self.requests.setdefault(req_id, _Request())
+        r.accepted = _ACCEPTANCE_DECAY * r.accepted + num_accepted
+        r.rejected = _ACCEPTANCE_DECAY * r.rejected + (num_drafts - num_accepted)
+        r.verified = True
 
-    def end_step(self) -> None:
-        self.step += 1
+    def record_decode_step(
+        self, num_decoding: int, num_tokens_out: int, seconds: float, verified_drafts: bool
+    ) -> None:
+        """A step of decoding rows only: tokens it produced and its time (sampling included)."""
+        bucket = self.buckets.setdefault(batch_bucket(num_decoding), _Bucket())
+        bucket.steps += 1
+        # The drafter's time before the step (its catch-up forward too) is part of its cost.
+        rate = num_tokens_out / (seconds + self.drafting_seconds)
+        (bucket.spec if verified_drafts else bucket.plain).add(rate)
+
+    def record_drafting(self, seconds: float) -> None:
+        self.drafting_seconds = seconds
 
     def forget(self, req_id: str) -> None:
-        self.records.pop(req_id, None)
+        self.requests.pop(req_id, None)
+
+    # ------------------------------------------------------------ decision
+
+    def choose(self, req_ids: Sequence[str], caps: Sequence[int], num_decoding: int) -> list[int]:
+        """Caps for the next step: each row's `caps[i]`, or 0 where drafting does not pay."""
+        self.step += 1
+        caps = list(caps)
+        if not self.enabled:
+            return caps
+        if not self._speculate(num_decoding):
+            return [0] * len(caps)
+        for i, (req_id, cap) in enumerate(zip(req_ids, caps)):
+            r = self.requests.get(req_id)
+            if cap <= 0 or r is None:
+                continue
+            if self.step < r.paused_until:
+                caps[i] = 0
+            elif r.acceptance < MIN_ACCEPTANCE:
+                caps[i] = 0
+                r.paused_until = self.step + r.pause
+                r.pause = min(2 * r.pause, _MAX_PAUSE)
+                # Afresh after the pause: the stream may have changed.
+                r.accepted, r.rejected, r.verified = _PRIOR_ACCEPTED, _PRIOR_REJECTED, False
+            elif r.verified:  # good drafts since the last pause
+                r.pause = _FIRST_PAUSE
+        return caps
+
+    def _speculate(self, num_decoding: int) -> bool:
+        bucket = self.buckets.get(batch_bucket(num_decoding))
+        if bucket is None:
+            return True
+        spec, plain = bucket.spec, bucket.plain
+        if spec.samples < _MIN_SAMPLES:
+            return True
+        if plain.samples < _MIN_SAMPLES:
+            return False
+        better = spec.tokens_per_s >= plain.tokens_per_s
+        explore = bucket.steps % _EXPLORE_EVERY == 0
+        return better != explore

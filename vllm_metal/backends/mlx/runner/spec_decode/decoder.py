@@ -1,8 +1,10 @@
-"""Speculative decoding for the runner: after each step, record how the drafts fared, decide who
-may draft and how many, and keep the drafts for vLLM's `take_draft_token_ids`."""
+"""Speculative decoding for the runner: after each step, record how the drafts fared and what the
+step cost, decide who may draft and how many, and keep the drafts for vLLM's
+`take_draft_token_ids`."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,31 +36,42 @@ class SpecDecoder:
 
     def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
         """Called once the step's tokens are recorded in `states`."""
+        seconds = time.perf_counter() - step.started
         batch = states.input_batch
         req_ids = batch.req_ids
+        packed = step.packed
+        verified = False
         for i, req_id in enumerate(req_ids):
             real = sum(1 for t in batch.spec_token_ids[i] if t >= 0)  # -1: placeholders
             if real and sampled[i]:
-                self.backoff.record(req_id, real, len(sampled[i]) - 1)
+                verified = True
+                self.backoff.record_verification(req_id, real, len(sampled[i]) - 1)
+        # Decode steps only (one known token per row, drafts aside): a prefill chunk's cost
+        # says nothing about what drafting costs.
+        if not (packed.num_scheduled - packed.num_draft_tokens != 1).any():
+            self.backoff.record_decode_step(
+                len(req_ids), sum(len(s) for s in sampled), seconds, verified
+            )
         caps = self.caps(states, sampled)
+        started = time.perf_counter()
         drafts = self.drafter.propose(step, states, sampled, caps)
+        self.backoff.record_drafting(time.perf_counter() - started)
         self._drafts = DraftTokenIds(
             list(req_ids), [list(d[:c]) for d, c in zip(drafts, caps.tolist())]
         )
-        self.backoff.end_step()
 
     def caps(self, states: RequestStates, sampled: list[list[int]]) -> np.ndarray:
         """The most drafts each row may propose for the next step.
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
-        drafts nor verifies tokens it cannot return.
+        drafts nor verifies tokens it cannot return. The back-off then keeps only the rows
+        where drafting pays.
         """
         batch = states.input_batch
-        num_decoding = sum(1 for s in sampled if s)
         caps = np.zeros(batch.num_reqs, dtype=np.int32)
         for i, req_id in enumerate(batch.req_ids):
-            if not sampled[i] or not self.backoff.allowed(req_id, num_decoding):
+            if not sampled[i]:
                 continue
             state = states.requests[req_id]
             cap = min(
@@ -69,7 +82,10 @@ class SpecDecoder:
             if max_tokens is not None:
                 cap = min(cap, max_tokens - len(state.output_token_ids) - 1)
             caps[i] = max(cap, 0)
-        return caps
+        num_decoding = sum(1 for s in sampled if s)
+        return np.array(
+            self.backoff.choose(batch.req_ids, caps.tolist(), num_decoding), dtype=np.int32
+        )
 
     def take(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None

@@ -18,7 +18,14 @@ if TYPE_CHECKING:
 
 class NgramDrafter(Drafter):
     def __init__(self, vllm_config: VllmConfig):
-        self.proposer = NgramProposer(vllm_config)
+        self.proposer = proposer = NgramProposer(vllm_config)
+        # Its own warm-up proposes for no request, so numba would compile the search on the
+        # first real step (about two seconds); compile it now on one repetitive row.
+        row = np.tile(np.arange(1, 5, dtype=np.int32), proposer.max_model_len // 4 + 1)
+        tokens = row[None, : proposer.max_model_len]
+        proposer.propose(
+            proposer.k, [[1]], np.array([min(16, tokens.shape[1])], dtype=np.int32), tokens
+        )
 
     def propose(
         self,

@@ -1,0 +1,191 @@
+"""Verification rows in hand-built schedules: drafts packed after the last sampled token, logits
+rows and vLLM's SpecDecodeMetadata for them, -1 placeholders, rejected drafts rolled back, and
+the drafts' caps at max_tokens - 1 and max_model_len."""
+
+from __future__ import annotations
+
+import pytest
+from numpy.testing import assert_array_equal
+from vllm.sampling_params import SamplingParams
+
+from tests.backends.mlx.runner.schedules import BS, Cached, new_req, sample, schedule, span, step
+from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
+from vllm_metal.backends.mlx.runner.spec_decode.verify import spec_decode_metadata
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2}
+    return EngineArgs(
+        model=str(tiny_model_dir("qwen3")),
+        max_model_len=256,
+        max_num_seqs=8,
+        speculative_config=spec,
+    ).create_engine_config()
+
+
+@pytest.fixture
+def states(vllm_config) -> RequestStates:
+    return RequestStates(vllm_config, [BS])
+
+
+def _two_decoding(states):
+    """a (7-token prompt) and b (3-token prompt) prefilled, each with one sampled token."""
+    step(
+        states,
+        schedule(
+            {"a": 7, "b": 3},
+            new=[new_req("a", span(100, 7), [[5, 2]]), new_req("b", span(200, 3), [[4]])],
+        ),
+    )
+    sample(states, {"a": 500, "b": 600})
+
+
+def test_drafts_are_query_rows_after_the_last_sampled_token(states):
+    _two_decoding(states)
+    packed = step(
+        states,
+        schedule(
+            {"a": 3, "b": 1},
+            cached=[Cached("a", 7, 1, ([9],)), Cached("b", 3, 1)],
+            drafts={"a": [501, 502]},
+        ),
+    )
+    assert_array_equal(packed.token_ids, [500, 501, 502, 600])
+    assert_array_equal(packed.positions, [7, 8, 9, 3])
+    assert_array_equal(packed.seq_lens, [10, 4])
+    # a: position 7 is the last slot of block 2; the drafts go to its new block 9. b: block 4.
+    assert_array_equal(packed.slot_mappings[0], [11, 36, 37, 19])
+    assert_array_equal(packed.num_draft_tokens, [2, 0])
+    # Logits for every row of a (scoring d1, d2, and the bonus), the last row of b.
+    assert_array_equal(packed.logits_indices, [0, 1, 2, 3])
+
+    meta = spec_decode_metadata(packed, states.input_batch)
+    assert meta.num_draft_tokens == [2, 0]
+    assert meta.draft_token_ids.tolist() == [501, 502]
+    assert meta.target_logits_indices.tolist() == [0, 1]
+    assert meta.bonus_logits_indices.tolist() == [2, 3]
+    assert meta.cu_num_draft_tokens.tolist() == [2, 2]
+    assert meta.cu_num_sampled_tokens.tolist() == [3, 4]
+
+
+def test_placeholders_never_reach_the_embedding_and_are_kept_for_rejection(states):
+    _two_decoding(states)
+    packed = step(
+        states,
+        schedule(
+            {"a": 3, "b": 1}, cached=[Cached("a", 7, 1), Cached("b", 3, 1)], drafts={"a": [-1, -1]}
+        ),
+    )
+    assert_array_equal(packed.token_ids, [500, 0, 0, 600])
+    meta = spec_decode_metadata(packed, states.input_batch)
+    assert meta.draft_token_ids.tolist() == [-1, -1]
+
+
+def test_rejected_drafts_are_rolled_back_by_the_next_schedule(states):
+    _two_decoding(states)
+    step(states, schedule({"a": 3}, cached=[Cached("a", 7, 1)], drafts={"a": [501, 502]}))
+    sample(states, {"a": [501, 777]})  # d1 accepted, d2 rejected: 777 recovered
+    batch = states.input_batch
+    i = batch.req_id_to_index["a"]
+    assert batch.num_tokens_no_spec[i] == 10
+    assert states.requests["a"].output_token_ids == [500, 501, 777]
+
+    # vLLM computed 7 + 1 + 1 accepted: the next row starts at 777's position, no drafts.
+    packed = step(states, schedule({"a": 1}, cached=[Cached("a", 9, 3)]))
+    assert_array_equal(packed.token_ids, [777])
+    assert_array_equal(packed.positions, [9])
+    assert_array_equal(packed.num_draft_tokens, [0])
+    assert batch.spec_token_ids[i] == []
+
+
+def _decoder(vllm_config, backoff=None):
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+    from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
+
+    return SpecDecoder(vllm_config, Sampler(), Drafter(), backoff or Backoff(enabled=False))
+
+
+def test_caps_stop_one_short_of_max_tokens_and_max_model_len(states, vllm_config):
+    max_len = vllm_config.model_config.max_model_len  # 256
+    step(
+        states,
+        schedule(
+            {"a": 4, "b": 4, "c": max_len - 2},
+            new=[
+                new_req("a", span(100, 4), [[1]], params=SamplingParams(max_tokens=3)),
+                new_req("b", span(110, 4), [[2]], params=SamplingParams(max_tokens=100)),
+                new_req("c", span(1, max_len - 2), [list(range(3, 3 + 64))]),
+            ],
+        ),
+    )
+    sampled = [[7], [8], [9]]
+    states.record_sampled(sampled)
+    caps = _decoder(vllm_config).caps(states, sampled)
+    # a: 1 of 3 tokens out, 2 more at most: one draft + bonus. b: K. c: at max_model_len - 1
+    # tokens, one more fits: no draft.
+    order = states.input_batch.req_ids
+    assert dict(zip(order, caps.tolist())) == {"a": 1, "b": 4, "c": 0}
+    # A row with nothing sampled (mid-prefill) never drafts.
+    assert _decoder(vllm_config).caps(states, [[], [8], []]).tolist()[order.index("b")] == 4
+    assert _decoder(vllm_config).caps(states, [[], [8], []]).tolist()[order.index("a")] == 0
+
+
+def _measured(spec_rate: float, plain_rate: float, num_decoding: int = 1) -> Backoff:
+    backoff = Backoff()
+    for _ in range(4):
+        backoff.record_decode_step(num_decoding, 10, 10 / spec_rate, verified_drafts=True)
+        backoff.record_decode_step(num_decoding, 10, 10 / plain_rate, verified_drafts=False)
+    return backoff
+
+
+def test_backoff_drafts_until_both_modes_are_measured():
+    backoff = Backoff()
+    assert backoff.choose(["a"], [4], 1) == [4]  # nothing measured: draft
+    for _ in range(3):
+        backoff.record_decode_step(1, 10, 1.0, verified_drafts=True)
+    assert backoff.choose(["a"], [4], 1) == [0]  # drafting measured: now try without
+
+
+def test_backoff_keeps_the_faster_mode_per_batch_size_and_retries_the_other():
+    backoff = _measured(spec_rate=20.0, plain_rate=10.0, num_decoding=1)
+    assert backoff.choose(["a"], [4], 1) == [4]
+    slow = _measured(spec_rate=5.0, plain_rate=10.0, num_decoding=16)
+    assert slow.choose(["a"], [4], 16) == [0]
+    # Batch sizes are measured apart: 16 decoding requests say nothing about 2.
+    assert slow.choose(["a"], [4], 2) == [4]
+    # Every 32 decode steps of a batch size, the slower mode is tried once.
+    choices = []
+    for _ in range(64):
+        slow.record_decode_step(16, 16, 1.6, verified_drafts=False)
+        choices.append(slow.choose(["a"], [4], 16)[0])
+    assert choices.count(4) == 2
+
+
+def test_backoff_pauses_a_poor_request_for_longer_each_time():
+    backoff = Backoff()
+    for _ in range(3):
+        backoff.record_verification("good", 4, 4)
+        backoff.record_verification("poor", 4, 0)
+    assert backoff.choose(["good", "poor"], [4, 4], 2) == [4, 0]
+    # Left out at step 1 for 4 steps: steps 2-4 it waits, step 5 it is weighed again.
+    assert [backoff.choose(["poor"], [4], 2) for _ in range(3)] == [[0]] * 3
+    assert backoff.requests["poor"].pause == 8
+    assert backoff.choose(["poor"], [4], 2) == [4]  # afresh: it may try again
+    backoff.record_verification("poor", 4, 0)  # and is still poor
+    assert backoff.choose(["poor"], [4], 2) == [0]
+    assert backoff.requests["poor"].pause == 16
+
+
+def test_backoff_disabled_drafts_every_row_up_to_its_cap():
+    backoff = _measured(spec_rate=1.0, plain_rate=10.0, num_decoding=2)
+    backoff.enabled = False
+    backoff.record_verification("poor", 4, 0)
+    assert backoff.choose(["poor", "b"], [4, 2], 2) == [4, 2]
