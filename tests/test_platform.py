@@ -8,7 +8,6 @@ in fresh subprocesses, the way `vllm serve` starts.
 from __future__ import annotations
 
 import json
-
 import os
 import subprocess
 import sys
