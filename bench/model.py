@@ -141,6 +141,41 @@ def _pad_tokenizer(tokenizer_path: Path, vocab_size: int) -> None:
     tokenizer_path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
+def write_layer_subset(target: Path, out_dir: Path, num_layers: int) -> Path:
+    """Write (or reuse) a draft checkpoint: the target's first ``num_layers`` decoder layers, with
+    its embeddings, final norm, head and tokenizer (a "layer-skip" draft of the same weights)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    target_stamp = Path(target) / _STAMP
+    stamp = {
+        "target": str(target),
+        "num_layers": num_layers,
+        "target_stamp": target_stamp.read_text() if target_stamp.is_file() else None,
+    }
+    if (out_dir / _STAMP).is_file() and json.loads((out_dir / _STAMP).read_text()) == stamp:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(target).iterdir():
+        if f.name not in ("model.safetensors", "config.json", _STAMP):
+            shutil.copy(f, out_dir / f.name)
+    config = json.loads((Path(target) / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    keep = {}
+    for name, array in load_file(str(Path(target) / "model.safetensors")).items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        keep[name] = array
+    save_file(keep, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+    return out_dir
+
+
 def describe_model(path: Path) -> dict[str, Any]:
     """Shape, parameter count and the weight bytes one decode step must read, from the files."""
     config = json.loads((path / "config.json").read_text())

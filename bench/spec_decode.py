@@ -1,0 +1,264 @@
+"""Speculative decoding: TPOT and throughput with and without `--speculative-config`, one run.
+
+Every case is one `vllm.LLM` in a fresh process, on the benchmark checkpoint (`bench/model.py`),
+with the same prompts and output length:
+
+- single stream, greedy (the *repetitive* workload: the random model's greedy continuation falls
+  into a short cycle within a few tokens, so, as in a code edit, most of what comes next is
+  already in the context), plain / n-gram / draft model;
+- single stream, sampled at temperature 1 (the *non-repetitive* workload: the random model's
+  distribution is close to uniform, so drafts are almost never right), plain / n-gram / draft
+  model, and the two speculative ones again with the back-off off (what it saves);
+- 8 and 32 concurrent requests, greedy, plain / n-gram.
+
+The draft model is the target's first two layers with its embeddings and norm (a "layer-skip"
+draft of the same random weights). Each case records the median TPOT, output tok/s and vLLM's
+spec-decode counters. Ratios are taken between cases of the same run.
+
+    python -m bench.spec_decode --out docs/benchmarks            # ~15 min on 2 cores
+    python -m bench.spec_decode --quick --out /tmp/spec-quick    # tiny model, checks the harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.model import write_layer_subset, write_model
+from bench.run import _python_stage
+from bench.single_stream import make_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+DRAFT_TOKENS = 3
+DRAFT_LAYERS = 2
+GREEDY = {"temperature": 0.0}
+SAMPLED = {"temperature": 1.0, "seed": 0}
+TARGETS = {
+    "ngram_repetitive_tpot_speedup": 1.5,  # plain TPOT / n-gram TPOT, greedy single stream
+    "ngram_non_repetitive_tpot_speedup": 0.95,  # the same, sampled
+}
+
+
+def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
+    draft_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
+    out = []
+    for workload, params in (("repetitive", GREEDY), ("non_repetitive", SAMPLED)):
+        out += [
+            {"name": f"plain_{workload}", "spec": None, "params": params, "concurrency": 1},
+            {"name": f"ngram_{workload}", "spec": NGRAM, "params": params, "concurrency": 1},
+            {"name": f"draft_{workload}", "spec": draft_cfg, "params": params, "concurrency": 1},
+        ]
+    out += [
+        {"name": "ngram_non_repetitive_no_backoff", "spec": NGRAM, "params": SAMPLED,
+         "concurrency": 1, "backoff": False},
+        {"name": "draft_non_repetitive_no_backoff", "spec": draft_cfg, "params": SAMPLED,
+         "concurrency": 1, "backoff": False},
+    ]  # fmt: skip
+    for n in concurrency:
+        out += [
+            {"name": f"plain_c{n}", "spec": None, "params": GREEDY, "concurrency": n},
+            {"name": f"ngram_c{n}", "spec": NGRAM, "params": GREEDY, "concurrency": n},
+        ]
+    return out
+
+
+# ------------------------------------------------------------------ one case (in its own process)
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            value = getattr(metric, "value", None)
+            found[metric.name.removeprefix("vllm:spec_decode_")] = (
+                value if value is not None else getattr(metric, "values", None)
+            )
+    return found
+
+
+def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    n = case["concurrency"]
+    engine: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": args.input_len + args.output_len + 16,
+        "max_num_seqs": max(1, n),
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    if case["spec"] is not None:
+        engine["speculative_config"] = case["spec"]
+    started = time.perf_counter()
+    llm = LLM(**engine)
+    engine_start_s = time.perf_counter() - started
+
+    def params(i: int) -> Any:
+        p = dict(case["params"])
+        if "seed" in p:
+            p["seed"] += i
+        return SamplingParams(max_tokens=args.output_len, ignore_eos=True, **p)
+
+    prompts = make_prompts(args.num_prompts * max(1, n) + 1, args.input_len, args.seed)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+    before = _spec_counters(llm)
+
+    tpots, rates = [], []
+    for r in range(args.num_prompts):
+        batch = prompts[1 + r * n : 1 + (r + 1) * n]
+        start = time.perf_counter()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            [params(r * n + i) for i in range(len(batch))],
+            use_tqdm=False,
+        )
+        wall = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+        for o in outs:
+            m, k = o.metrics, len(o.outputs[0].token_ids)
+            tpots.append((m.last_token_ts - m.first_token_ts) / max(1, k - 1) * 1e3)
+    after = _spec_counters(llm)
+    counters = {
+        k: (
+            [a - b for a, b in zip(v, before.get(k) or [0] * len(v))]
+            if isinstance(v, list)
+            else v - (before.get(k) or 0)
+        )
+        for k, v in after.items()
+    }
+    drafts, drafted = counters.get("num_drafts", 0), counters.get("num_draft_tokens", 0)
+    accepted = counters.get("num_accepted_tokens", 0)
+    return {
+        **case,
+        "engine_start_s": round(engine_start_s, 1),
+        "median_tpot_ms": statistics.median(tpots),
+        "output_tok_s": statistics.median(rates),
+        "spec_counters": counters,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+# ------------------------------------------------------------------------------- the whole run
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def ratio(num: str, den: str, key: str, invert: bool = False) -> float | None:
+        a, b = results.get(num, {}).get(key), results.get(den, {}).get(key)
+        if not a or not b:
+            return None
+        return round(b / a if invert else a / b, 3)
+
+    speedups = {}
+    for workload in ("repetitive", "non_repetitive"):
+        for method in ("ngram", "draft"):
+            speedups[f"{method}_{workload}_tpot_speedup"] = ratio(
+                f"{method}_{workload}", f"plain_{workload}", "median_tpot_ms", invert=True
+            )
+        for method in ("ngram", "draft"):
+            name = f"{method}_{workload}_no_backoff"
+            if name in results:
+                speedups[f"{name}_tpot_speedup"] = ratio(
+                    name, f"plain_{workload}", "median_tpot_ms", invert=True
+                )
+    for name in results:
+        if name.startswith("ngram_c"):
+            n = name.removeprefix("ngram_c")
+            speedups[f"ngram_c{n}_throughput_speedup"] = ratio(name, f"plain_c{n}", "output_tok_s")
+    targets = {
+        key: {"goal": goal, "measured": speedups.get(key),
+              "met": speedups.get(key) is not None and speedups[key] >= goal}
+        for key, goal in TARGETS.items()
+    }  # fmt: skip
+    return {"speedups": speedups, "targets": targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__)
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--quick", action="store_true", help="tiny model: checks the harness")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
+    p.add_argument("--num-prompts", type=int, default=2, help="rounds per case")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in-process
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 64
+
+    if args.case is not None:  # a child process: run one case
+        result = run_case(json.loads(args.case), args)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0
+
+    import os
+
+    work = Path(args.work_dir) / "models"
+    model = write_model(work, "tiny" if args.quick else "0.6b", args.dtype)
+    draft = write_layer_subset(model, work / f"{model.name}-first{DRAFT_LAYERS}", DRAFT_LAYERS)
+    logs = Path(args.work_dir) / "spec_decode"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    common = [
+        "--model", str(model), "--dtype", args.dtype, "--input-len", str(args.input_len),
+        "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+        "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
+    ]  # fmt: skip
+    for case in cases(str(draft), args.concurrency):
+        print(f"[spec_decode] {case['name']}", flush=True)
+        backoff = case.pop("backoff", True)
+        os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
+        results[case["name"]] = _python_stage(
+            "bench.spec_decode",
+            [*common, "--case", json.dumps(case)],
+            args.timeout,
+            logs / f"{case['name']}.log",
+        )
+        results[case["name"]]["backoff"] = backoff
+    os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
+    report = {
+        "settings": {
+            "model": str(model),
+            "draft": str(draft),
+            "dtype": args.dtype,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "concurrency": args.concurrency,
+            "ngram": NGRAM,
+            "draft_tokens": DRAFT_TOKENS,
+            "total_seconds": round(time.perf_counter() - started, 1),
+        },
+        "cases": results,
+        "summary": summarize(results),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_decode.json").write_text(json.dumps(report, indent=2) + "\n")
+    from bench.spec_decode_report import write_report
+
+    write_report(report, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
