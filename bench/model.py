@@ -176,6 +176,45 @@ def write_layer_subset(target: Path, out_dir: Path, num_layers: int) -> Path:
     return out_dir
 
 
+def write_draftable(source: Path, out_dir: Path, draft_layers: int, last_scale: float) -> Path:
+    """Write (or reuse) a copy of ``source`` whose first ``draft_layers`` layers predict most of
+    its output, as a trained draft model would: the attention and MLP outputs of the layers in
+    between are zero and the last layer's are scaled by ``last_scale``.
+
+    Every layer still runs at full size (a dense matmul costs the same whatever the values), so
+    the decode cost is the source's; only which tokens come out changes. With random weights a
+    draft of the source's own first layers agrees with it on almost no token.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    source_stamp = Path(source) / _STAMP
+    stamp = {
+        "source": str(source),
+        "draft_layers": draft_layers,
+        "last_scale": last_scale,
+        "source_stamp": source_stamp.read_text() if source_stamp.is_file() else None,
+    }
+    if (out_dir / _STAMP).is_file() and json.loads((out_dir / _STAMP).read_text()) == stamp:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(source).iterdir():
+        if f.name not in ("model.safetensors", _STAMP):
+            shutil.copy(f, out_dir / f.name)
+    num_layers = json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    for i in range(draft_layers, num_layers):
+        scale = last_scale if i == num_layers - 1 else 0.0
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            key = f"model.layers.{i}.{name}"
+            tensors[key] = tensors[key] * scale
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+    return out_dir
+
+
 def describe_model(path: Path) -> dict[str, Any]:
     """Shape, parameter count and the weight bytes one decode step must read, from the files."""
     config = json.loads((path / "config.json").read_text())

@@ -59,7 +59,10 @@ def forward(
         rows.append(r)
         spans.append((req_id, offset, offset + len(r)))
         offset += len(r)
-    selected = hidden[mx.array(np.concatenate(rows).astype(np.int32))]
+    indices = np.concatenate(rows).astype(np.int32)
+    if indices.size == 0:  # nothing needs logits (a draft model's cache-filling pass)
+        return mx.zeros((0, 0), dtype=mx.float32), {}
+    selected = hidden[mx.array(indices)]
     logits = adapter.logits(selected)
     logits = logits.reshape(logits.shape[0], -1).astype(mx.float32)
     num_rows = len(packed.logits_indices)

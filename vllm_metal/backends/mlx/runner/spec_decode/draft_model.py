@@ -145,12 +145,12 @@ class DraftModelDrafter(Drafter):
             tables,
             block_sizes,
         )
-        tokens = self._next_tokens(first)
-
         drafts: list[list[int]] = [[] for _ in range(n)]
         rows = np.nonzero(caps > 0)[0]
-        for r in rows:
-            drafts[r].append(int(tokens[r]))
+        # The LM head runs only for rows that draft; with none, the pass only fills the cache.
+        first.logits_indices = first.logits_indices[rows]
+        for r, token in zip(rows, self._next_tokens(first)):
+            drafts[r].append(int(token))
         # One token at a time: draft j sits at position end - 1 + j.
         for j in range(1, int(caps.max(initial=0))):
             rows = rows[caps[rows] > j]
@@ -168,7 +168,11 @@ class DraftModelDrafter(Drafter):
         return drafts
 
     def _next_tokens(self, packed: PackedBatch) -> np.ndarray:
+        """The argmax at `packed.logits_indices`, with the step's K/V written to the pool."""
         logits, _ = forward(self.adapter, self.pool, self.windows, packed, {})
+        if len(packed.logits_indices) == 0:
+            mx.eval(*self.pool.arrays())  # the logits stay unevaluated: no LM head
+            return np.zeros(0, dtype=np.int32)
         tokens = mx.argmax(logits, axis=-1)
         mx.eval(tokens, *self.pool.arrays())
         return np.array(tokens)
