@@ -190,6 +190,7 @@ class MLXModelRunner:
         if self.spec is not None:
             for req_id in scheduler_output.finished_req_ids:
                 self.spec.forget(req_id)
+            self.spec.restart(scheduler_output)
         self.states.update(scheduler_output)
         batch = self.states.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:

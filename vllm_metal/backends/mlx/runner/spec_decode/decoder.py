@@ -92,4 +92,14 @@ class SpecDecoder:
         return drafts
 
     def forget(self, req_id: str) -> None:
+        """A finished request."""
         self.backoff.forget(req_id)
+        self.drafter.reset(req_id)
+
+    def restart(self, scheduler_output) -> None:
+        """Requests that start over on new blocks (resumed after preemption, or a streaming
+        session's next turn): a draft model recomputes them."""
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            self.drafter.reset(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.drafter.reset(new.req_id)

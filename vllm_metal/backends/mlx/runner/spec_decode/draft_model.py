@@ -3,11 +3,12 @@ own.
 
 The draft's attention layers are declared to vLLM beside the target's (names prefixed with
 `draft.`), so they take part in vLLM's KV sizing and live in the same KV-cache group: the draft
-reads the target's block tables and writes its K/V at the same slots. After each step it runs
-once over every token the target consumed and kept (the accepted part of a verified row plus the
-new token, or a prefill chunk), which keeps its cache in step with the target's through prefix
-caching, chunked prefill and preemption; then one token at a time for the remaining drafts, at
-positions the scheduler reserved as lookahead slots. Drafts are the draft model's argmax (vLLM's
+reads the target's block tables and writes its K/V at the same slots. A request that drafts after a step first
+catches up: one pass over every token of its sequence the draft has not seen yet (after a
+verified row, the accepted drafts and the new token; at its first draft, the whole sequence), then
+one token at a time for the remaining drafts, at positions the scheduler reserved as lookahead
+slots. A request that does not draft costs the draft nothing. The draft never relies on K/V it
+did not write for that request itself, so prefix-cache hits and preemption need no special care. Drafts are the draft model's argmax (vLLM's
 `draft_sample_method="greedy"`), so verification treats them as one-hot proposals.
 """
 
@@ -59,6 +60,7 @@ class DraftModelDrafter(Drafter):
         self.windows: list[int | None] = []
         self.layout: KVLayout | None = None
         self.pool: KVPool | None = None
+        self.seen: dict[str, int] = {}  # req_id -> tokens of it whose K/V the draft wrote
 
     # ------------------------------------------------------------ memory
 
@@ -104,6 +106,7 @@ class DraftModelDrafter(Drafter):
     def discard(self, tags: tuple[str, ...]) -> None:
         if "kv_cache" in tags:
             self.pool = None
+            self.seen.clear()
         if "weights" in tags:
             self.adapter = None
 
@@ -114,6 +117,9 @@ class DraftModelDrafter(Drafter):
             self._allocate()
 
     # ------------------------------------------------------------ drafting
+
+    def reset(self, req_id: str) -> None:
+        self.seen.pop(req_id, None)
 
     def propose(
         self,
@@ -132,25 +138,29 @@ class DraftModelDrafter(Drafter):
         ]
         block_sizes = states.block_sizes
 
-        # Catch up: every token the target consumed and kept, plus the one it just sampled.
+        # The sequence after this step: what the target consumed and kept, plus the new token.
         start = packed.seq_lens - packed.num_scheduled
         kept = packed.num_scheduled - packed.num_draft_tokens
         end = start + kept + np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
-        first = pack_batch(
-            req_ids,
-            dict(zip(req_ids, (end - start).tolist())),
-            start,
-            end,
-            batch.token_ids_cpu,
-            tables,
-            block_sizes,
-        )
         drafts: list[list[int]] = [[] for _ in range(n)]
         rows = np.nonzero(caps > 0)[0]
-        # The LM head runs only for rows that draft; with none, the pass only fills the cache.
-        first.logits_indices = first.logits_indices[rows]
+        if rows.size == 0:
+            return drafts
+        # Catch up each drafting request on the tokens it has not seen; the last one's logits
+        # give its first draft.
+        seen = np.array([min(self.seen.get(req_ids[r], 0), int(end[r]) - 1) for r in rows])
+        first = pack_batch(
+            [req_ids[r] for r in rows],
+            {req_ids[r]: int(end[r] - s) for r, s in zip(rows, seen)},
+            seen,
+            end[rows],
+            batch.token_ids_cpu[rows],
+            [t[rows] for t in tables],
+            block_sizes,
+        )
         for r, token in zip(rows, self._next_tokens(first)):
             drafts[r].append(int(token))
+            self.seen[req_ids[r]] = int(end[r])
         # One token at a time: draft j sits at position end - 1 + j.
         for j in range(1, int(caps.max(initial=0))):
             rows = rows[caps[rows] > j]
@@ -170,9 +180,6 @@ class DraftModelDrafter(Drafter):
     def _next_tokens(self, packed: PackedBatch) -> np.ndarray:
         """The argmax at `packed.logits_indices`, with the step's K/V written to the pool."""
         logits, _ = forward(self.adapter, self.pool, self.windows, packed, {})
-        if len(packed.logits_indices) == 0:
-            mx.eval(*self.pool.arrays())  # the logits stay unevaluated: no LM head
-            return np.zeros(0, dtype=np.int32)
         tokens = mx.argmax(logits, axis=-1)
         mx.eval(tokens, *self.pool.arrays())
         return np.array(tokens)

@@ -27,6 +27,10 @@ class Drafter:
         caps[i] is the most drafts row i may use (0: none); longer lists are cut."""
         raise NotImplementedError
 
+    def reset(self, req_id: str) -> None:
+        """Forget what was computed for a request (finished, preempted or restarted)."""
+        return
+
     def load(self) -> None:
         return None
 
