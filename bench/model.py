@@ -141,39 +141,50 @@ def _pad_tokenizer(tokenizer_path: Path, vocab_size: int) -> None:
     tokenizer_path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
+def _derived(source: Path, out_dir: Path, stamp: dict[str, Any], own: tuple[str, ...]) -> bool:
+    """Whether ``out_dir`` already holds the checkpoint ``stamp`` describes; if not, prepare it
+    with every file of ``source`` but the stamp and the files in ``own``."""
+    import shutil
+
+    source_stamp = Path(source) / _STAMP
+    stamp = {**stamp, "source": str(source)}
+    stamp["source_stamp"] = source_stamp.read_text() if source_stamp.is_file() else None
+    if (out_dir / _STAMP).is_file() and json.loads((out_dir / _STAMP).read_text()) == stamp:
+        return True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(source).iterdir():
+        if f.name not in (*own, _STAMP):
+            shutil.copy(f, out_dir / f.name)
+    (out_dir / f"{_STAMP}.pending").write_text(json.dumps(stamp, indent=2) + "\n")
+    return False
+
+
+def _finish(out_dir: Path) -> Path:
+    (out_dir / f"{_STAMP}.pending").replace(out_dir / _STAMP)
+    return out_dir
+
+
 def write_layer_subset(target: Path, out_dir: Path, num_layers: int) -> Path:
     """Write (or reuse) a draft checkpoint: the target's first ``num_layers`` decoder layers, with
     its embeddings, final norm, head and tokenizer (a "layer-skip" draft of the same weights)."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     out_dir = Path(out_dir)
-    target_stamp = Path(target) / _STAMP
-    stamp = {
-        "target": str(target),
-        "num_layers": num_layers,
-        "target_stamp": target_stamp.read_text() if target_stamp.is_file() else None,
-    }
-    if (out_dir / _STAMP).is_file() and json.loads((out_dir / _STAMP).read_text()) == stamp:
+    own = ("model.safetensors", "config.json")
+    if _derived(target, out_dir, {"num_layers": num_layers}, own):
         return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in Path(target).iterdir():
-        if f.name not in ("model.safetensors", "config.json", _STAMP):
-            shutil.copy(f, out_dir / f.name)
     config = json.loads((Path(target) / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"][:num_layers]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    keep = {}
-    for name, array in load_file(str(Path(target) / "model.safetensors")).items():
-        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
-            continue
-        keep[name] = array
+    keep = {
+        name: array
+        for name, array in load_file(str(Path(target) / "model.safetensors")).items()
+        if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers)
+    }
     save_file(keep, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    return out_dir
+    return _finish(out_dir)
 
 
 def write_draftable(source: Path, out_dir: Path, draft_layers: int, last_scale: float) -> Path:
@@ -185,24 +196,12 @@ def write_draftable(source: Path, out_dir: Path, draft_layers: int, last_scale: 
     the decode cost is the source's; only which tokens come out changes. With random weights a
     draft of the source's own first layers agrees with it on almost no token.
     """
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     out_dir = Path(out_dir)
-    source_stamp = Path(source) / _STAMP
-    stamp = {
-        "source": str(source),
-        "draft_layers": draft_layers,
-        "last_scale": last_scale,
-        "source_stamp": source_stamp.read_text() if source_stamp.is_file() else None,
-    }
-    if (out_dir / _STAMP).is_file() and json.loads((out_dir / _STAMP).read_text()) == stamp:
+    stamp = {"draft_layers": draft_layers, "last_scale": last_scale}
+    if _derived(source, out_dir, stamp, ("model.safetensors",)):
         return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in Path(source).iterdir():
-        if f.name not in ("model.safetensors", _STAMP):
-            shutil.copy(f, out_dir / f.name)
     num_layers = json.loads((Path(source) / "config.json").read_text())["num_hidden_layers"]
     tensors = load_file(str(Path(source) / "model.safetensors"))
     for i in range(draft_layers, num_layers):
@@ -211,8 +210,7 @@ def write_draftable(source: Path, out_dir: Path, draft_layers: int, last_scale: 
             key = f"model.layers.{i}.{name}"
             tensors[key] = tensors[key] * scale
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    return out_dir
+    return _finish(out_dir)
 
 
 def describe_model(path: Path) -> dict[str, Any]:
