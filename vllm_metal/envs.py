@@ -134,9 +134,10 @@ ENV_VARS: dict[str, EnvVar] = {
     "VLLM_METAL_SPEC_BACKOFF": EnvVar(
         _bool("VLLM_METAL_SPEC_BACKOFF", True),
         "1",
-        "Speculative decoding: 1 lets a request draft only while its measured acceptance and the "
-        "measured step cost say drafting raises the batch's token rate; 0 drafts for every "
-        "request up to its cap, as vLLM's other backends do.",
+        "Speculative decoding: 1 drafts only where it is measured to pay (per batch size, the "
+        "token rate of decode steps with and without drafts; per request, a minimum share of its "
+        "drafts accepted, else a pause); 0 drafts for every request up to its cap, as vLLM's "
+        "other backends do.",
     ),
 }
 

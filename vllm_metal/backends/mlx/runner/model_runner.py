@@ -4,8 +4,8 @@ cache and samples with vLLM's own `Sampler`.
 It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). Each concern has
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
-(`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`). KV memory lives in `vllm_metal.kv`, the
-model behind its adapter in `vllm_metal.models`.
+(`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`). KV
+memory lives in `vllm_metal.kv`, the model behind its adapter in `vllm_metal.models`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class StepState:
     scheduler_output: SchedulerOutput
     packed: PackedBatch
-    logits: mx.array  # [S + drafts, V] float32, the rows of packed.logits_indices (being evaluated)
+    logits: mx.array  # [S + drafts, V] float32 at packed.logits_indices (being evaluated)
     prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None

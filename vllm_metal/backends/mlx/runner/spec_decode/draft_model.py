@@ -24,7 +24,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.spec import kv_cache_specs
-from vllm_metal.models import ModelAdapter, load_model
+from vllm_metal.models import LayerKind, ModelAdapter, load_model
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,7 @@ class DraftModelDrafter(Drafter):
         self.kv_dtype = kv_dtype
         self.dequantize = dequantize
         self.adapter: ModelAdapter | None = None
+        self.kinds: list[LayerKind] = []
         self.layer_names: list[str] = []
         self.windows: list[int | None] = []
         self.layout: KVLayout | None = None
