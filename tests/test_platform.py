@@ -240,6 +240,11 @@ def test_apply_config_picks_our_worker_and_turns_off_cuda_only_features(metal_co
     assert metal_config.model_config.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
+def test_lora_settings_are_accepted(qwen3_dir: Path) -> None:
+    config = _engine_config(qwen3_dir, enable_lora=True, max_loras=3, max_lora_rank=32)
+    assert (config.lora_config.max_loras, config.lora_config.max_lora_rank) == (3, 32)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
     assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size
@@ -254,7 +259,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
         ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype", "fp8"]),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
-        ({"enable_lora": True}, ["LoRA", "--enable-lora"]),
         (
             {
                 "speculative_config": {
@@ -285,7 +289,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "block_size",
         "kv_cache_dtype",
         "quantization",
-        "lora",
         "spec_eagle3",
         "spec_probabilistic",
         "pooling",

@@ -123,7 +123,7 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset({"speculative_decoding"}),
+    "mlx": frozenset({"speculative_decoding", "lora"}),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

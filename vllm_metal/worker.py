@@ -208,16 +208,16 @@ class MetalWorker(WorkerBase):
     # ------------------------------------------------------------ adapters
 
     def add_lora(self, lora_request) -> bool:
-        raise ValueError("vllm-metal: LoRA adapters are not supported yet")
+        return self.model_runner.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return False
+        return self.model_runner.remove_lora(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        return False
+        return self.model_runner.pin_lora(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        return self.model_runner.list_loras()
 
     # ------------------------------------------------------------ lifecycle
 

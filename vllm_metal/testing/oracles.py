@@ -1,6 +1,8 @@
 """Reference outputs for tests: transformers float32 greedy tokens and logprobs, mlx-lm greedy.
 
-HF runs eager attention, the only HF path that applies Gemma2's attention soft-capping.
+HF runs eager attention, the only HF path that applies Gemma2's attention soft-capping. With a
+LoRA adapter, the transformers oracle is PEFT's merged model (`merge_and_unload`) and the mlx-lm
+one is mlx-lm's own `LoRALinear` over the loaded (possibly quantized) projections.
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ import numpy as np
 
 
 @functools.lru_cache(maxsize=8)
-def _load(model_dir: str, mtime_ns: int) -> Any:
+def _load(model_dir: str, mtime_ns: int, adapter_dir: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     )
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     # generate() fills unset fields from the model's own generation config, so end-of-sequence
     # has to be removed there for greedy runs of a fixed length.
     model.generation_config.eos_token_id = None
     return model.eval()
 
 
-def load_hf_model(model_dir: str | Path) -> Any:
-    """The checkpoint as a float32 transformers model (cached per directory and file version)."""
+def load_hf_model(model_dir: str | Path, adapter: str | Path | None = None) -> Any:
+    """The checkpoint as a float32 transformers model (cached per directory and file version),
+    with the PEFT `adapter` merged into its weights if given."""
     path = Path(model_dir).resolve()
-    return _load(str(path), (path / "config.json").stat().st_mtime_ns)
+    adapter_dir = None if adapter is None else str(Path(adapter).resolve())
+    return _load(str(path), (path / "config.json").stat().st_mtime_ns, adapter_dir)
 
 
 @contextlib.contextmanager
@@ -50,16 +58,21 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def hf_greedy(
-    model_dir: str | Path, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int
+    model_dir: str | Path,
+    prompts_token_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    adapter: str | Path | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of exactly ``max_new_tokens`` tokens for each prompt.
 
     End-of-sequence tokens neither stop generation nor are masked out, which is what a vLLM
-    request with ``ignore_eos=True`` and ``temperature=0`` produces.
+    request with ``ignore_eos=True`` and ``temperature=0`` produces. ``adapter``: a PEFT LoRA
+    directory, merged into the weights.
     """
     import torch
 
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, adapter)
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.eos_token_id = None
     gen_config.do_sample = False
@@ -114,10 +127,12 @@ def mlx_lm_greedy(
     max_new_tokens: int,
     *,
     dtype: str | None = None,
+    adapter: str | Path | None = None,
 ) -> list[list[int]]:
     """Greedy continuations from stock mlx-lm (its own model classes, caches and generate loop).
 
     ``dtype`` (e.g. ``"float32"``) casts the loaded weights first; None keeps the checkpoint's.
+    ``adapter``: a PEFT LoRA directory, applied through mlx-lm's `LoRALinear` (unfused).
     Like :func:`hf_greedy`, end-of-sequence tokens do not stop generation.
     """
     import mlx.core as mx
@@ -127,8 +142,38 @@ def mlx_lm_greedy(
     model, _ = load(str(model_dir))
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
+    if adapter is not None:
+        _apply_peft_with_mlx_lm(model, Path(adapter))
     results = []
     for prompt in prompts_token_ids:
         steps = generate_step(mx.array(list(prompt)), model, max_tokens=max_new_tokens)
         results.append([int(token) for token, _ in steps])
     return results
+
+
+def _apply_peft_with_mlx_lm(model: Any, adapter: Path) -> None:
+    """Replace each projection the PEFT adapter changes by mlx-lm's `LoRALinear` over it."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+    from safetensors.numpy import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    modules = dict(model.named_modules())
+    replaced = []
+    prefix = "base_model.model."
+    for key in sorted(k for k in tensors if k.endswith("lora_A.weight")):
+        path = key[len(prefix) : -len(".lora_A.weight")]
+        a = tensors[key]  # [r, in]
+        b = tensors[key.replace("lora_A", "lora_B")]  # [out, r]
+        rank = config.get("rank_pattern", {}).get(path.split(".")[-1], config["r"])
+        alpha = config["lora_alpha"]
+        scale = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+        layer = LoRALinear.from_base(modules[path], r=rank, scale=scale)
+        layer.lora_a = mx.array(a.T)
+        layer.lora_b = mx.array(b.T)
+        replaced.append((path, layer))
+    model.update_modules(tree_unflatten(replaced))

@@ -32,6 +32,33 @@ def _counters(llm) -> dict:
     return counters
 
 
+def _lora_request(entry):
+    """[name, id, path] -> LoRARequest (None for the base model)."""
+    if entry is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    name, lora_id, path = entry
+    return LoRARequest(name, lora_id, path)
+
+
+def _adapter_action(llm, job: dict) -> dict:
+    """{"action": "add_lora" | "remove_lora" | "pin_lora", "lora": [name, id, path]}: the call's
+    result (or its error) and the adapter ids the workers hold afterwards."""
+    engine = llm.llm_engine
+    request = _lora_request(job["lora"])
+    try:
+        if job["action"] == "add_lora":
+            result = engine.add_lora(request)
+        else:
+            result = getattr(engine, job["action"])(request.lora_int_id)
+        out = {"result": result}
+    except Exception as e:  # the error is the result the test looks at
+        out = {"error": f"{type(e).__name__}: {e}"}
+    out["loras"] = sorted(engine.list_loras())
+    return out
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -39,11 +66,20 @@ def run(spec: dict) -> dict:
     stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
     results, snapshots = [], []  # snapshots: the engine's counters after each job
     for job in spec["jobs"]:
+        if "action" in job:
+            results.append(_adapter_action(llm, job))
+            continue
         params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
         prompts = [
             {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]
         ]
-        outs = llm.generate(prompts, params if len(params) > 1 else params[0], use_tqdm=False)
+        loras = [_lora_request(e) for e in job.get("loras", [])] or None
+        outs = llm.generate(
+            prompts,
+            params if len(params) > 1 else params[0],
+            use_tqdm=False,
+            lora_request=loras,
+        )
         batch = []
         for out in outs:
             samples = []

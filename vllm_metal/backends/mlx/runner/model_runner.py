@@ -4,7 +4,8 @@ cache and samples with vLLM's own `Sampler`.
 It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). Each concern has
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
-(`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`). KV
+(`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`), LoRA
+adapters (`lora/`). KV
 memory lives in `vllm_metal.kv`, the model behind its adapter in `vllm_metal.models`.
 """
 
@@ -22,6 +23,7 @@ from vllm_metal.backends.mlx.device import compute_dtype, dense_on_this_device
 from vllm_metal.backends.mlx.dtypes import to_mlx_dtype
 from vllm_metal.backends.mlx.runner.batch import pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.sample import sample_step
@@ -35,6 +37,7 @@ from vllm_metal.models import LayerKind, ModelAdapter, load_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -68,6 +71,7 @@ class MLXModelRunner:
             kv_dtype=self.mlx_kv_dtype,
             dequantize=dense_on_this_device(),
         )
+        self.lora = make_lora_manager(vllm_config, compute_dtype(self.mlx_kv_dtype))
 
         self.adapter: ModelAdapter | None = None
         self.layer_kinds: list[LayerKind] = []  # read from the adapter once per load
@@ -95,6 +99,8 @@ class MLXModelRunner:
             )
         self.layer_kinds = kinds = adapter.layer_kinds()
         self.windows = [kind.sliding_window for kind in kinds]
+        if self.lora is not None:
+            self.lora.wrap(adapter.model)
         if self.spec is not None:
             self.spec.drafter.load()
         logger.info(
@@ -130,9 +136,12 @@ class MLXModelRunner:
 
     def memory(self) -> RunnerMemory:
         drafter = None if self.spec is None else self.spec.drafter
+        # The LoRA slots are parameters of the wrapped model; its host cache is reserved here.
+        lora = self.lora
         return RunnerMemory(
             weights=(0 if self.adapter is None else self.adapter.weight_bytes)
-            + (0 if drafter is None else drafter.weight_bytes),
+            + (0 if drafter is None else drafter.weight_bytes)
+            + (0 if lora is None else lora.reserved_bytes - lora.slot_bytes),
             kv_cache=(0 if self.kv_pool is None else self.kv_pool.nbytes)
             + (0 if drafter is None else drafter.kv_bytes),
         )
@@ -208,9 +217,17 @@ class MLXModelRunner:
             None if self.spec is None else self.states.num_draft_tokens(),
         )
         prompt_rows = prompt_logprob_rows(self.states, packed)
+        if self.lora is not None:
+            self.lora.prepare(
+                batch.request_lora_mapping[: batch.num_reqs],
+                batch.lora_id_to_lora_request,
+                packed.num_scheduled,
+            )
         logits, prompt_logits = forward(
             self.adapter, self.kv_pool, self.windows, packed, prompt_rows
         )
+        if self.lora is not None:
+            self.lora.clear_step()  # the graph holds this step's mask; dummy runs get none
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         mx.async_eval(logits, *prompt_logits.values(), *self.kv_pool.arrays())
         self.pipeline.executed = StepState(
@@ -238,6 +255,25 @@ class MLXModelRunner:
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return None if self.spec is None else self.spec.take()
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else self.lora.list()
+
+    def _lora_manager(self):
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return self.lora
 
     # ------------------------------------------------------------ sleep mode
 
