@@ -206,4 +206,9 @@ def apply_config(vllm_config: VllmConfig) -> None:
         logger.info("vllm-metal: speculative decoding runs with async scheduling off")
         scheduler.async_scheduling = False
 
+    if vllm_config.lora_config is not None:
+        from vllm_metal import lora_frontend
+
+        lora_frontend.install()
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

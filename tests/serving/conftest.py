@@ -142,6 +142,7 @@ def start_server(
     api_key: str | None,
     extra_args: Sequence[str] = (),
     max_model_len: int = MAX_MODEL_LEN,
+    env: dict[str, str] | None = None,
 ) -> Server:
     """Launch `vllm serve` with the plugin in its own process group and wait for /health."""
     port = free_port()
@@ -168,7 +169,7 @@ def start_server(
         *(["--api-key", api_key] if api_key and "--api-key" not in extra_args else []),
         *extra_args,
     ]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.pop("VLLM_TARGET_DEVICE", None)  # that would select vLLM's own CPU platform
     env.update(HF_HUB_OFFLINE="1", PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the process until it exits
@@ -231,6 +232,7 @@ class ServerSlot:
         served_name: str,
         api_key: str | None,
         extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> Server:
         if self.server is not None and self.key == key:
             if not self.server.alive():
@@ -245,6 +247,7 @@ class ServerSlot:
             served_name=served_name,
             api_key=api_key,
             extra_args=extra_args,
+            env=env,
         )
         self.key = key
         return self.server

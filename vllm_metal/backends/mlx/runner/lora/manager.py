@@ -175,7 +175,9 @@ class LoRAManager:
         free = [s for s, owner in enumerate(self.slot_owner) if owner is None and s not in busy]
         if free:
             return free[0]
-        return min((s for s in range(self.num_slots) if s not in busy), key=self.slot_used.__getitem__)
+        return min(
+            (s for s in range(self.num_slots) if s not in busy), key=self.slot_used.__getitem__
+        )
 
     def _fill(self, slot: int, adapter: Adapter) -> None:
         columns = slice(slot * self.rank, (slot + 1) * self.rank)
@@ -198,9 +200,7 @@ class LoRAManager:
             max_position_embeddings=self.max_position_embeddings,
         )
         while len(self.cache) >= self.config.max_cpu_loras:
-            victim = next(
-                (i for i in self.cache if i not in self.pinned and i not in keep), None
-            )
+            victim = next((i for i in self.cache if i not in self.pinned and i not in keep), None)
             if victim is None:
                 raise AdapterError(
                     f"LoRA adapter {request.lora_name!r}: all {len(self.cache)} cached adapters "
