@@ -143,7 +143,7 @@ def mlx_lm_greedy(
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
     if adapter is not None:
-        _apply_peft_with_mlx_lm(model, Path(adapter))
+        apply_peft_with_mlx_lm(model, Path(adapter))
     results = []
     for prompt in prompts_token_ids:
         steps = generate_step(mx.array(list(prompt)), model, max_tokens=max_new_tokens)
@@ -151,7 +151,7 @@ def mlx_lm_greedy(
     return results
 
 
-def _apply_peft_with_mlx_lm(model: Any, adapter: Path) -> None:
+def apply_peft_with_mlx_lm(model: Any, adapter: Path) -> None:
     """Replace each projection the PEFT adapter changes by mlx-lm's `LoRALinear` over it."""
     import json
 

@@ -160,6 +160,35 @@ def test_engine_keeps_serving_after_bad_adapters(llama, llama_run):
     assert tokens(llama_run[STILL_SERVING]) == _oracle(model, adapters, PROMPTS[:2], ["a", None])
 
 
+def test_ngram_speculation_verifies_adapter_rows(llama):
+    """Verification rows carry their request's adapter: drafts are judged by the adapted model."""
+    model, adapters = llama
+    prompts = [[20, 21, 22, 23, 24] * 5, [100, 101, 102] * 8, *PROMPTS[:2]]
+    names = ["a", "b", None, "a"]
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+    out, metrics = run_engine_job(
+        model,
+        [_job(adapters, prompts, names)],
+        # vLLM asks max_num_batched_tokens >= max_num_seqs * (1 + K) with LoRA and drafts.
+        engine={
+            **ENGINE,
+            "max_num_batched_tokens": 32,
+            "max_num_seqs": 8,
+            "speculative_config": spec,
+            "disable_log_stats": False,
+        },
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},  # draft whenever the n-gram proposer finds one
+    )
+    assert tokens(out[0]) == _oracle(model, adapters, prompts, names)
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+
+
 # ---------------------------------------------------------------- a second family, quantized
 
 

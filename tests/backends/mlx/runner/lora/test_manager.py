@@ -17,7 +17,7 @@ from vllm.lora.request import LoRARequest
 from vllm_metal.backends.mlx.runner.lora.checkpoint import AdapterError, read_adapter
 from vllm_metal.backends.mlx.runner.lora.layer import LoRALinear, StepMask
 from vllm_metal.backends.mlx.runner.lora.manager import LoRAManager
-from vllm_metal.testing.oracles import _apply_peft_with_mlx_lm, load_hf_model
+from vllm_metal.testing.oracles import apply_peft_with_mlx_lm, load_hf_model
 from vllm_metal.testing.tiny_lora import write_tiny_adapter
 
 RANK = 8
@@ -182,7 +182,7 @@ def test_quantized_projections_match_mlx_lm_lora_layers(
     got = np.array(model(mx.array([tokens])).astype(mx.float32))
 
     reference, _ = load(str(quantized))
-    _apply_peft_with_mlx_lm(reference, adapter)
+    apply_peft_with_mlx_lm(reference, adapter)
     want = np.array(reference(mx.array([tokens])).astype(mx.float32))
     # bfloat16 logits of magnitude ~16: one ulp is 0.125; the adapter moves them by far more.
     np.testing.assert_allclose(got, want, atol=0.125, rtol=0)
