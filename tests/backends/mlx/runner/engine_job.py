@@ -44,8 +44,13 @@ def _lora_request(entry):
 
 def _adapter_action(llm, job: dict) -> dict:
     """{"action": "add_lora" | "remove_lora" | "pin_lora", "lora": [name, id, path]}: the call's
-    result (or its error) and the adapter ids the workers hold afterwards."""
+    result (or its error) and the adapter ids the workers hold afterwards. {"action":
+    "sleep_wake"}: sleep at level 2 and wake up."""
     engine = llm.llm_engine
+    if job["action"] == "sleep_wake":  # level 2 frees the weights; wake-up reloads them
+        llm.sleep(level=2)
+        llm.wake_up()
+        return {"loras": sorted(engine.list_loras())}
     request = _lora_request(job["lora"])
     try:
         if job["action"] == "add_lora":

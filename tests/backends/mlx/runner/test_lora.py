@@ -89,6 +89,7 @@ MIXED, CACHED, OTHER_ADAPTER, EVICT, REMOVE, AFTER_REMOVE = range(6)
 BAD = ["too_big", "head", "other", "missing"]
 BAD_JOBS = range(AFTER_REMOVE + 1, AFTER_REMOVE + 1 + len(BAD))
 STILL_SERVING = BAD_JOBS[-1] + 1
+SLEEP, AFTER_SLEEP = STILL_SERVING + 1, STILL_SERVING + 2
 # The first long prompt (adapter "b" in MIXED) under adapter "a" and under the base model.
 SWAPPED = [PROMPTS[2], PROMPTS[2]]
 SWAPPED_ADAPTERS = ["a", None]
@@ -106,8 +107,10 @@ def llama_run(llama):
         _job(adapters, EVICT_PROMPTS[:1], ["c"]),  # read again from its path
         *({"action": "add_lora", "lora": _entry(adapters, name)} for name in BAD),
         _job(adapters, PROMPTS[:2], ["a", None]),
+        {"action": "sleep_wake"},
+        _job(adapters, PROMPTS[:3], ["b", "a", None]),
     ]
-    return run_engine_job(model, jobs, engine=ENGINE)
+    return run_engine_job(model, jobs, engine={**ENGINE, "enable_sleep_mode": True})
 
 
 def test_mixed_batch_rows_match_peft_merged_models(llama, llama_run):
@@ -158,6 +161,17 @@ def test_bad_adapters_are_refused_with_the_cause(llama_run, name, words):
 def test_engine_keeps_serving_after_bad_adapters(llama, llama_run):
     model, adapters = llama
     assert tokens(llama_run[STILL_SERVING]) == _oracle(model, adapters, PROMPTS[:2], ["a", None])
+
+
+def test_adapters_survive_sleep_and_wake_up(llama, llama_run):
+    """Level 2 reloads the model: its projections are wrapped again, the cached adapters refill
+    the new slots."""
+    model, adapters = llama
+    # The host cache (two adapters, the last used "a" among them) outlives the model.
+    loras = llama_run[SLEEP]["loras"]
+    assert len(loras) == 2 and 1 in loras
+    expected = _oracle(model, adapters, PROMPTS[:3], ["b", "a", None])
+    assert tokens(llama_run[AFTER_SLEEP]) == expected
 
 
 def test_ngram_speculation_verifies_adapter_rows(llama):
