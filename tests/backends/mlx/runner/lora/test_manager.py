@@ -113,11 +113,21 @@ def test_slots_and_host_cache_evict_least_recently_used(llama):
         manager.prepare(np.array([1, 3]), reqs, np.array([1, 1]))
 
 
-def test_a_step_without_adapters_leaves_the_base_path(llama):
-    model_dir, _ = llama
-    _, manager = _manager(model_dir)
+def test_a_step_computes_only_the_slots_up_to_the_highest_in_use(llama):
+    model_dir, adapters = llama
+    _, manager = _manager(model_dir)  # two slots of rank 16
     manager.prepare(np.array([0, 0]), {}, np.array([3, 1]))
-    assert manager.step.mask is None
+    assert manager.step.mask is None  # no adapter: the base path
+    reqs = {1: _request("a", 1, adapters["a"]), 2: _request("b", 2, adapters["b"])}
+    manager.prepare(np.array([1, 0]), reqs, np.array([3, 1]))
+    assert manager.step.mask.shape == (4, 1, 16)
+    manager.prepare(np.array([2, 1]), reqs, np.array([1, 2]))
+    assert manager.step.mask.shape == (3, 1, 32)
+    assert np.array(manager.step.mask)[:, 0].tolist() == [
+        [0.0] * 16 + [1.0] * 16,  # adapter b took the second slot
+        [1.0] * 16 + [0.0] * 16,
+        [1.0] * 16 + [0.0] * 16,
+    ]
 
 
 def test_target_modules_restrict_the_wrapped_projections(llama):

@@ -1,11 +1,12 @@
 """A linear projection with LoRA slots, and the batched update every row of a step shares.
 
-Each wrapped projection keeps its adapters side by side: `lora_a` is `[in, slots * rank]`, and
-`lora_b` is `[slots * rank, out]` with each adapter's scaling folded in; an adapter of a smaller
-rank fills the front of its block and leaves the rest zero. One step's update for all tokens is
-two dense matmuls,
+Each wrapped projection keeps its adapters stacked by rank block: `lora_a` is
+`[slots * rank, in]` (each adapter's A transposed) and `lora_b` is `[slots * rank, out]` with each
+adapter's scaling folded in; an adapter of a smaller rank fills the front of its block and leaves
+the rest zero. One step's update for all tokens is two dense matmuls over the first `w` rows,
+the blocks up to the highest slot the step uses (a row prefix, so no copy):
 
-    y = base(x) + ((x @ lora_a) * mask) @ lora_b
+    y = base(x) + ((x @ lora_a[:w].T) * mask) @ lora_b[:w]
 
 where `mask[t]` is 1 on the rank block of token t's adapter and 0 elsewhere (all 0 for a base
 model token). Rows of different adapters and of the base model therefore run in one forward, in
@@ -26,7 +27,7 @@ class StepMask:
     """The token -> adapter mask of the step being built, shared by every wrapped projection."""
 
     def __init__(self) -> None:
-        self.mask: mx.array | None = None  # [T, 1, slots * rank]; None: no adapter this step
+        self.mask: mx.array | None = None  # [T, 1, w]; None: no adapter this step
 
 
 class LoRALinear(nn.Module):
@@ -36,7 +37,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         in_features, out_features = shape
-        self.lora_a = mx.zeros((in_features, width), dtype=dtype)
+        self.lora_a = mx.zeros((width, in_features), dtype=dtype)
         self.lora_b = mx.zeros((width, out_features), dtype=dtype)
         self._step = step
 
@@ -45,22 +46,26 @@ class LoRALinear(nn.Module):
         mask = self._step.mask
         if mask is None:
             return y
-        delta = ((x.astype(self.lora_a.dtype) @ self.lora_a) * mask) @ self.lora_b
-        return y + delta.astype(y.dtype)
+        return y + self.update(x, mask).astype(y.dtype)
 
-    def write(self, columns: slice, a: mx.array, b: mx.array) -> None:
-        """Put one adapter's `a [in, r]` and `b [r, out]` into the rank block `columns`."""
-        block = columns.stop - columns.start
+    def update(self, x: mx.array, mask: mx.array) -> mx.array:
+        """The adapters' contribution for tokens `x` under `mask` (`[T, 1, w]`)."""
+        w = mask.shape[-1]
+        return ((x.astype(self.lora_a.dtype) @ self.lora_a[:w].T) * mask) @ self.lora_b[:w]
+
+    def write(self, block_rows: slice, a: mx.array, b: mx.array) -> None:
+        """Put one adapter's `a [in, r]` and `b [r, out]` into the rank block `block_rows`."""
+        block = block_rows.stop - block_rows.start
         rank = a.shape[1]
         if rank < block:
             a = mx.pad(a, [(0, 0), (0, block - rank)])
             b = mx.pad(b, [(0, block - rank), (0, 0)])
-        self.lora_a[:, columns] = a.astype(self.lora_a.dtype)
-        self.lora_b[columns, :] = b.astype(self.lora_b.dtype)
+        self.lora_a[block_rows, :] = a.T.astype(self.lora_a.dtype)
+        self.lora_b[block_rows, :] = b.astype(self.lora_b.dtype)
 
-    def clear(self, columns: slice) -> None:
-        self.lora_a[:, columns] = 0
-        self.lora_b[columns, :] = 0
+    def clear(self, block_rows: slice) -> None:
+        self.lora_a[block_rows, :] = 0
+        self.lora_b[block_rows, :] = 0
 
 
 def projection_shape(module: Any) -> tuple[int, int] | None:

@@ -89,7 +89,7 @@ class LoRAManager:
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {
-            path: (layer.lora_a.shape[0], layer.lora_b.shape[1])
+            path: (layer.lora_a.shape[1], layer.lora_b.shape[1])
             for path, layer in self.layers.items()
         }
 
@@ -144,7 +144,8 @@ class LoRAManager:
         slot_of = self._activate(needed, requests)
         row_slots = np.array([slot_of.get(int(i), -1) for i in row_lora_ids], dtype=np.int32)
         token_slots = np.repeat(row_slots, tokens_per_row)
-        block = np.arange(self.num_slots * self.rank, dtype=np.int32) // self.rank
+        # Only the blocks up to the highest slot in use take part (slots fill from the lowest).
+        block = np.arange((max(slot_of.values()) + 1) * self.rank, dtype=np.int32) // self.rank
         mask = (block[None, :] == token_slots[:, None]).astype(np.float32)
         self.step.mask = mx.array(mask, dtype=self.dtype)[:, None, :]
 
@@ -180,13 +181,13 @@ class LoRAManager:
         )
 
     def _fill(self, slot: int, adapter: Adapter) -> None:
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
         for path, layer in self.layers.items():
             delta = adapter.deltas.get(path)
             if delta is None:
-                layer.clear(columns)
+                layer.clear(rows)
             else:
-                layer.write(columns, mx.array(delta.a), mx.array(delta.b))
+                layer.write(rows, mx.array(delta.a), mx.array(delta.b))
         mx.eval([(layer.lora_a, layer.lora_b) for layer in self.layers.values()])
         self.slot_owner[slot] = adapter.lora_id
 
@@ -221,9 +222,9 @@ class LoRAManager:
         self.cache.pop(lora_id, None)
         for slot, owner in enumerate(self.slot_owner):
             if owner == lora_id:
-                columns = slice(slot * self.rank, (slot + 1) * self.rank)
+                rows = slice(slot * self.rank, (slot + 1) * self.rank)
                 for layer in self.layers.values():
-                    layer.clear(columns)
+                    layer.clear(rows)
                 self.slot_owner[slot] = None
 
 
