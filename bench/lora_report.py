@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from bench.publish import publish, regenerate
 
 QUICK_NOTE = "*Quick run on the tiny model: it checks the harness; its figures are no speed claim.*"
 
@@ -52,7 +52,8 @@ def _markdown(report: dict[str, Any]) -> str:
             f"adapters of rank {s['rank']} (alpha {s['alpha']}) on every attention and MLP "
             f"projection; engines with LoRA use `--enable-lora --max-loras {len(s['adapters'])} "
             f"--max-lora-rank {s['rank']}`. Prompts {s['input_len']} tokens, outputs "
-            f"{s['output_len']} tokens (greedy, EOS ignored), {s['num_prompts']} rounds per case."
+            f"{s['output_len']} tokens (greedy, EOS ignored), {s['num_prompts']} rounds per case, "
+            f"the cases run round-robin {s.get('passes', 1)} time(s) (median over passes)."
         ),
         "",
         "## Targets",
@@ -72,13 +73,17 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "## Engine cases",
         "",
-        "| case | concurrency | requests | TPOT ms | output tok/s | engine start s |",
-        "|---|---:|---|---:|---:|---:|",
+        (
+            "| case | concurrency | requests | TPOT ms | TPOT ms per pass | output tok/s | "
+            "engine start s |"
+        ),
+        "|---|---:|---|---:|---|---:|---:|",
     ]
     for name, c in report["cases"].items():
+        per_pass = ", ".join(_f(v) for v in c.get("median_tpot_ms_passes", []))
         lines.append(
             f"| {name} | {c['concurrency']} | {_adapters(c)} | {_f(c['median_tpot_ms'])} | "
-            f"{_f(c['output_tok_s'], 2)} | {_f(c['engine_start_s'])} |"
+            f"{per_pass} | {_f(c['output_tok_s'], 2)} | {_f(c['engine_start_s'])} |"
         )
     lines += [
         "",
@@ -108,13 +113,7 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict[str, Any], out: Path) -> Path | None:
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot(report: dict[str, Any], plt: Any) -> Any:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     cases = report["cases"]
@@ -141,20 +140,12 @@ def _plot(report: dict[str, Any], out: Path) -> Path | None:
     right.set_ylabel("ms per call (log)")
     right.set_title("one projection, float32, rank 16")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "lora.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:
-    md = out / "lora.md"
-    md.write_text(_markdown(report))
-    png = _plot(report, out)
-    return [md] + ([png] if png else [])
+    return publish(report, out, "lora", _markdown, _plot)
 
 
 if __name__ == "__main__":  # regenerate from lora.json
-    folder = Path(sys.argv[1])
-    write_report(json.loads((folder / "lora.json").read_text()), folder)
+    regenerate("lora", _markdown, _plot)

@@ -263,12 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         "cases": results,
         "summary": summarize(results),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_decode.json").write_text(json.dumps(report, indent=2) + "\n")
     from bench.spec_decode_report import write_report
 
-    write_report(report, out)
+    write_report(report, Path(args.out))
     return 0
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from bench.publish import publish, regenerate
 
 
 def _f(x: Any, nd: int = 1) -> str:
@@ -64,13 +64,7 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict[str, Any], out: Path) -> Path | None:
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot(report: dict[str, Any], plt: Any) -> Any:
 
     speedups = {k: v for k, v in report["summary"]["speedups"].items() if v is not None}
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(speedups) + 1.2))
@@ -83,20 +77,12 @@ def _plot(report: dict[str, Any], out: Path) -> Path | None:
     ax.invert_yaxis()
     for y, v in enumerate(values):
         ax.text(v, y, f" {v:.2f}x", va="center")
-    fig.tight_layout()
-    path = out / "spec_decode.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:
-    md = out / "spec_decode.md"
-    md.write_text(_markdown(report))
-    png = _plot(report, out)
-    return [md] + ([png] if png else [])
+    return publish(report, out, "spec_decode", _markdown, _plot)
 
 
 if __name__ == "__main__":  # regenerate from spec_decode.json
-    folder = Path(sys.argv[1])
-    write_report(json.loads((folder / "spec_decode.json").read_text()), folder)
+    regenerate("spec_decode", _markdown, _plot)

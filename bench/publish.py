@@ -1,0 +1,42 @@
+"""Where a benchmark's results go: `<stem>.json` (raw figures), `<stem>.md` and `<stem>.png`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Markdown = Callable[[dict[str, Any]], str]
+# (report, matplotlib.pyplot) -> the figure to save as <stem>.png
+Plot = Callable[[dict[str, Any], Any], Any]
+
+
+def publish(
+    report: dict[str, Any], out: Path, stem: str, markdown: Markdown, plot: Plot
+) -> list[Path]:
+    """Write the report's JSON, markdown and plot (when matplotlib is there) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = out / f"{stem}.md"
+    md.write_text(markdown(report))
+    try:
+        import matplotlib
+    except ImportError:
+        return [md]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot(report, plt)
+    fig.tight_layout()
+    png = out / f"{stem}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [md, png]
+
+
+def regenerate(stem: str, markdown: Markdown, plot: Plot) -> None:
+    """`python -m bench.<name>_report DIR`: the markdown and plot again from DIR/<stem>.json."""
+    folder = Path(sys.argv[1])
+    publish(json.loads((folder / f"{stem}.json").read_text()), folder, stem, markdown, plot)
