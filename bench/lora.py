@@ -102,6 +102,7 @@ def op_case(tokens: int, shape: tuple[int, int], slots: int, warmup: int, repeat
     token_slot = np.array([t % (slots + 1) for t in range(tokens)], dtype=np.int32)
     token_slot[token_slot == slots] = -1
     block = np.arange(slots * RANK) // RANK
+    step.rows = slice(0, slots * RANK)
     step.mask = mx.array((block[None, :] == token_slot[:, None]).astype(np.float32))[:, None, :]
     a0 = mx.concatenate([mx.zeros((1, fin, RANK)), a])  # slot 0: the base model's zero update
     b0 = mx.concatenate([mx.zeros((1, RANK, fout)), b])
@@ -110,7 +111,7 @@ def op_case(tokens: int, shape: tuple[int, int], slots: int, warmup: int, repeat
     mx.eval(layer.parameters(), step.mask, a0, b0, index, x)
 
     def stacked() -> mx.array:  # the update of LoRALinear.__call__
-        return layer.update(x, step.mask)
+        return layer.update(x, step.rows, step.mask)
 
     def gathered() -> mx.array:
         return mx.gather_mm(mx.gather_mm(x, a0, rhs_indices=index), b0, rhs_indices=index)

@@ -38,6 +38,7 @@ def test_rows_of_different_adapters_get_their_own_update():
     x = rng.standard_normal((5, 1, in_f)).astype(np.float32)
     token_slots = np.array([2, -1, 0, 1, 2])  # -1: a base-model token
     block = np.arange(slots * RANK) // RANK
+    step.rows = slice(0, slots * RANK)
     step.mask = mx.array((block[None] == token_slots[:, None]).astype(np.float32))[:, None]
     got = np.array(layer(mx.array(x)))
 
@@ -48,7 +49,7 @@ def test_rows_of_different_adapters_get_their_own_update():
             a, b = deltas[s]
             want = want + x[t] @ a @ b
         np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5)
-    step.mask = None
+    step.clear()
     np.testing.assert_array_equal(np.array(layer(mx.array(x))), np.array(base(mx.array(x))))
 
 
@@ -87,7 +88,7 @@ def test_wrapped_model_with_an_adapter_matches_the_peft_merged_model(llama):
     request = _request("a", 1, adapters["a"])
     tokens = [5, 100, 200, 300, 17, 42]
     manager.prepare(np.array([1]), {1: request}, np.array([len(tokens)]))
-    manager.step.mask = manager.step.mask.reshape(1, len(tokens), -1)  # one [1, T] sequence
+    assert manager.step.mask is None  # one adapter for every token: its block, no mask
     got = np.array(model(mx.array([tokens])))[0]
     with torch.no_grad():
         want = load_hf_model(model_dir, adapters["a"])(torch.tensor([tokens])).logits[0].numpy()
@@ -117,10 +118,12 @@ def test_a_step_computes_only_the_slots_up_to_the_highest_in_use(llama):
     model_dir, adapters = llama
     _, manager = _manager(model_dir)  # two slots of rank 16
     manager.prepare(np.array([0, 0]), {}, np.array([3, 1]))
-    assert manager.step.mask is None  # no adapter: the base path
+    assert manager.step.rows is None  # no adapter: the base path
     reqs = {1: _request("a", 1, adapters["a"]), 2: _request("b", 2, adapters["b"])}
     manager.prepare(np.array([1, 0]), reqs, np.array([3, 1]))
     assert manager.step.mask.shape == (4, 1, 16)
+    manager.prepare(np.array([2, 2]), reqs, np.array([1, 2]))  # one adapter: its block alone
+    assert manager.step.rows == slice(16, 32) and manager.step.mask is None
     manager.prepare(np.array([2, 1]), reqs, np.array([1, 2]))
     assert manager.step.mask.shape == (3, 1, 32)
     assert np.array(manager.step.mask)[:, 0].tolist() == [
@@ -188,7 +191,6 @@ def test_quantized_projections_match_mlx_lm_lora_layers(
     manager.add(_request("q", 1, adapter))
     tokens = [3, 50, 700, 12]
     manager.prepare(np.array([1]), {1: _request("q", 1, adapter)}, np.array([len(tokens)]))
-    manager.step.mask = manager.step.mask.reshape(1, len(tokens), -1)
     got = np.array(model(mx.array([tokens])).astype(mx.float32))
 
     reference, _ = load(str(quantized))

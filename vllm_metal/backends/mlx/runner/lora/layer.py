@@ -9,7 +9,8 @@ the blocks up to the highest slot the step uses (a row prefix, so no copy):
     y = base(x) + ((x @ lora_a[:w].T) * mask) @ lora_b[:w]
 
 where `mask[t]` is 1 on the rank block of token t's adapter and 0 elsewhere (all 0 for a base
-model token). Rows of different adapters and of the base model therefore run in one forward, in
+model token). When every token of the step uses one adapter (a single stream, or a batch on one
+adapter), the update is that adapter's block alone, without a mask. Rows of different adapters and of the base model therefore run in one forward, in
 prefill and in decode alike, without regrouping the batch; the extra work per token is
 `slots * rank * (in + out)` multiply-adds, against `in * out` for the projection itself.
 (`bench/lora.py` compares this with MLX's `gather_mm`, which selects one adapter per row.)
@@ -24,10 +25,16 @@ from mlx import nn
 
 
 class StepMask:
-    """The token -> adapter mask of the step being built, shared by every wrapped projection."""
+    """The token -> adapter mapping of the step being built, shared by every wrapped projection:
+    the rank-block rows the step reads (None: no adapter this step) and the token mask over
+    them (None: every token uses all of them, i.e. one adapter)."""
 
     def __init__(self) -> None:
-        self.mask: mx.array | None = None  # [T, 1, w]; None: no adapter this step
+        self.rows: slice | None = None
+        self.mask: mx.array | None = None  # [T, 1, rows]
+
+    def clear(self) -> None:
+        self.rows = self.mask = None
 
 
 class LoRALinear(nn.Module):
@@ -43,15 +50,20 @@ class LoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
-        mask = self._step.mask
-        if mask is None:
+        step = self._step
+        if step.rows is None:
             return y
-        return y + self.update(x, mask).astype(y.dtype)
+        delta = self.update(x, step.rows, step.mask)
+        return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
-    def update(self, x: mx.array, mask: mx.array) -> mx.array:
-        """The adapters' contribution for tokens `x` under `mask` (`[T, 1, w]`)."""
-        w = mask.shape[-1]
-        return ((x.astype(self.lora_a.dtype) @ self.lora_a[:w].T) * mask) @ self.lora_b[:w]
+    def update(self, x: mx.array, rows: slice, mask: mx.array | None) -> mx.array:
+        """The adapters' contribution for tokens `x`: rank-block `rows`, under `mask` if given."""
+        if x.dtype != self.lora_a.dtype:
+            x = x.astype(self.lora_a.dtype)
+        h = x @ self.lora_a[rows].T
+        if mask is not None:
+            h = h * mask
+        return h @ self.lora_b[rows]
 
     def write(self, block_rows: slice, a: mx.array, b: mx.array) -> None:
         """Put one adapter's `a [in, r]` and `b [r, out]` into the rank block `block_rows`."""

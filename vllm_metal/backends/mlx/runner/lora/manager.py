@@ -138,19 +138,26 @@ class LoRAManager:
         """Set the mask of the next forward: row i (lora id, 0 for none) has tokens_per_row[i]."""
         self.steps += 1
         needed = sorted({int(i) for i in row_lora_ids} - {0})
+        step = self.step
+        step.clear()
         if not needed:
-            self.step.mask = None
             return
         slot_of = self._activate(needed, requests)
         row_slots = np.array([slot_of.get(int(i), -1) for i in row_lora_ids], dtype=np.int32)
+        if len(needed) == 1 and (row_slots >= 0).all():  # one adapter, no base-model row
+            slot = slot_of[needed[0]]
+            step.rows = slice(slot * self.rank, (slot + 1) * self.rank)
+            return
         token_slots = np.repeat(row_slots, tokens_per_row)
         # Only the blocks up to the highest slot in use take part (slots fill from the lowest).
-        block = np.arange((max(slot_of.values()) + 1) * self.rank, dtype=np.int32) // self.rank
+        width = (max(slot_of.values()) + 1) * self.rank
+        block = np.arange(width, dtype=np.int32) // self.rank
         mask = (block[None, :] == token_slots[:, None]).astype(np.float32)
-        self.step.mask = mx.array(mask, dtype=self.dtype)[:, None, :]
+        step.rows = slice(0, width)
+        step.mask = mx.array(mask, dtype=self.dtype)[:, None, :]
 
     def clear_step(self) -> None:
-        self.step.mask = None
+        self.step.clear()
 
     def _activate(self, needed: list[int], requests: dict[int, LoRARequest]) -> dict[int, int]:
         if len(needed) > self.num_slots:
