@@ -5,8 +5,8 @@ It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). E
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
 (`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`), LoRA
-adapters (`lora/`). KV
-memory lives in `vllm_metal.kv`, the model behind its adapter in `vllm_metal.models`.
+adapters (`lora/`). KV memory lives in `vllm_metal.kv`, the model behind its adapter in
+`vllm_metal.models`.
 """
 
 from __future__ import annotations
@@ -137,11 +137,10 @@ class MLXModelRunner:
     def memory(self) -> RunnerMemory:
         drafter = None if self.spec is None else self.spec.drafter
         # The LoRA slots are parameters of the wrapped model; its host cache is reserved here.
-        lora = self.lora
         return RunnerMemory(
             weights=(0 if self.adapter is None else self.adapter.weight_bytes)
             + (0 if drafter is None else drafter.weight_bytes)
-            + (0 if lora is None else lora.reserved_bytes - lora.slot_bytes),
+            + (0 if self.lora is None else self.lora.host_cache_bytes),
             kv_cache=(0 if self.kv_pool is None else self.kv_pool.nbytes)
             + (0 if drafter is None else drafter.kv_bytes),
         )

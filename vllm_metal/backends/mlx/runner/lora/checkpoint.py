@@ -36,10 +36,6 @@ class ModuleDelta:
     a: np.ndarray  # [in, r] float32
     b: np.ndarray  # [r, out] float32
 
-    @property
-    def rank(self) -> int:
-        return self.a.shape[1]
-
 
 @dataclass(frozen=True)
 class Adapter:

@@ -10,9 +10,10 @@ the blocks up to the highest slot the step uses (a row prefix, so no copy):
 
 where `mask[t]` is 1 on the rank block of token t's adapter and 0 elsewhere (all 0 for a base
 model token). When every token of the step uses one adapter (a single stream, or a batch on one
-adapter), the update is that adapter's block alone, without a mask. Rows of different adapters and of the base model therefore run in one forward, in
-prefill and in decode alike, without regrouping the batch; the extra work per token is
-`slots * rank * (in + out)` multiply-adds, against `in * out` for the projection itself.
+adapter), the update is that adapter's block alone, without a mask. Rows of different adapters
+and of the base model therefore run in one forward, in prefill and in decode alike, without
+regrouping the batch; the extra work per token is at most `slots * rank * (in + out)`
+multiply-adds, against `in * out` for the projection itself.
 (`bench/lora.py` compares this with MLX's `gather_mm`, which selects one adapter per row.)
 """
 

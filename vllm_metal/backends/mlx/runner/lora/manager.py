@@ -9,7 +9,7 @@
 - Before each forward, `prepare` turns the rows' adapters into the token mask the wrapped
   projections read (`layer.py`).
 
-The slots are allocated with the model and counted in its weights, together with room for a
+The slots are allocated with the model and counted in its weights; the runner adds room for a
 full host cache at `max_lora_rank`, so the KV cache is sized with adapters in mind.
 """
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.runner.lora.checkpoint import Adapter, AdapterError, read_adapter
@@ -69,12 +70,11 @@ class LoRAManager:
         if not replacements:
             raise ValueError("--enable-lora: the model has no linear projections to adapt")
         width = self.num_slots * self.rank
-        self.layers = {}
-        for path, module, shape in replacements:
-            layer = LoRALinear(module, shape, width, self.dtype, self.step)
-            parent, _, attr = path.rpartition(".")
-            _set_child(model, parent, attr, layer)
-            self.layers[path] = layer
+        self.layers = {
+            path: LoRALinear(module, shape, width, self.dtype, self.step)
+            for path, module, shape in replacements
+        }
+        model.update_modules(tree_unflatten(list(self.layers.items())))
         mx.eval([(layer.lora_a, layer.lora_b) for layer in self.layers.values()])
         # A new model starts with empty slots; adapters stay in the host cache.
         self.slot_owner = [None] * self.num_slots
@@ -98,10 +98,10 @@ class LoRAManager:
         return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers.values())
 
     @property
-    def reserved_bytes(self) -> int:
-        """Slots plus a full host cache of adapters at `max_lora_rank` (float32 on the host)."""
+    def host_cache_bytes(self) -> int:
+        """Room for a full host cache: `max_cpu_loras` adapters at `max_lora_rank` (float32)."""
         per_adapter = sum(self.rank * (i + o) * 4 for i, o in self.shapes.values())
-        return self.slot_bytes + self.config.max_cpu_loras * per_adapter
+        return self.config.max_cpu_loras * per_adapter
 
     # ------------------------------------------------------------ vLLM's adapter calls
 
@@ -145,8 +145,7 @@ class LoRAManager:
         slot_of = self._activate(needed, requests)
         row_slots = np.array([slot_of.get(int(i), -1) for i in row_lora_ids], dtype=np.int32)
         if len(needed) == 1 and (row_slots >= 0).all():  # one adapter, no base-model row
-            slot = slot_of[needed[0]]
-            step.rows = slice(slot * self.rank, (slot + 1) * self.rank)
+            step.rows = self._block(slot_of[needed[0]])
             return
         token_slots = np.repeat(row_slots, tokens_per_row)
         # Only the blocks up to the highest slot in use take part (slots fill from the lowest).
@@ -187,8 +186,12 @@ class LoRAManager:
             (s for s in range(self.num_slots) if s not in busy), key=self.slot_used.__getitem__
         )
 
+    def _block(self, slot: int) -> slice:
+        """The rank-block rows of `slot` in every wrapped projection."""
+        return slice(slot * self.rank, (slot + 1) * self.rank)
+
     def _fill(self, slot: int, adapter: Adapter) -> None:
-        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        rows = self._block(slot)
         for path, layer in self.layers.items():
             delta = adapter.deltas.get(path)
             if delta is None:
@@ -229,17 +232,6 @@ class LoRAManager:
         self.cache.pop(lora_id, None)
         for slot, owner in enumerate(self.slot_owner):
             if owner == lora_id:
-                rows = slice(slot * self.rank, (slot + 1) * self.rank)
                 for layer in self.layers.values():
-                    layer.clear(rows)
+                    layer.clear(self._block(slot))
                 self.slot_owner[slot] = None
-
-
-def _set_child(model: Any, parent: str, attr: str, child: Any) -> None:
-    owner = model
-    for part in parent.split(".") if parent else ():
-        owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
-    if isinstance(owner, list):
-        owner[int(attr)] = child
-    else:
-        setattr(owner, attr, child)
