@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.publish import publish, regenerate
+from bench.publish import publish, regenerate, targets_table
 
 QUICK_NOTE = "*Quick run on the tiny model: it checks the harness; its figures are no speed claim.*"
 
@@ -56,14 +56,8 @@ def _markdown(report: dict[str, Any]) -> str:
             f"the cases run round-robin {s.get('passes', 1)} time(s) (median over passes)."
         ),
         "",
-        "## Targets",
-        "",
-        "| target | goal | measured | status |",
-        "|---|---:|---:|---|",
+        *targets_table(summary["targets"], "≤"),
     ]
-    for key, t in summary["targets"].items():
-        status = "met" if t["met"] else "missed"
-        lines.append(f"| {key} | ≤ {t['goal']}x | {_f(t['measured'], 2)}x | {status} |")
     lines += ["", "## Ratios (same run)", "", "| ratio | value |", "|---|---:|"]
     for key, value in summary["ratios"].items():
         lines.append(f"| {key} | {_f(value, 2)}x |")

@@ -36,6 +36,17 @@ def publish(
     return [md, png]
 
 
+def targets_table(targets: dict[str, dict[str, Any]], relation: str) -> list[str]:
+    """Markdown lines of a `## Targets` section: each ratio against its goal (`relation` is
+    "≥" or "≤"), met or missed."""
+    lines = ["## Targets", "", "| target | goal | measured | status |", "|---|---:|---:|---|"]
+    for key, t in targets.items():
+        measured = "—" if t["measured"] is None else f"{t['measured']:.2f}"
+        status = "met" if t["met"] else "missed"
+        lines.append(f"| {key} | {relation} {t['goal']}x | {measured}x | {status} |")
+    return lines
+
+
 def regenerate(stem: str, markdown: Markdown, plot: Plot) -> None:
     """`python -m bench.<name>_report DIR`: the markdown and plot again from DIR/<stem>.json."""
     folder = Path(sys.argv[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.publish import publish, regenerate
+from bench.publish import publish, regenerate, targets_table
 
 
 def _f(x: Any, nd: int = 1) -> str:
@@ -32,14 +32,8 @@ def _markdown(report: dict[str, Any]) -> str:
             f" draft model: {s['draft_tokens']} tokens."
         ),
         "",
-        "## Targets",
-        "",
-        "| target | goal | measured | status |",
-        "|---|---:|---:|---|",
+        *targets_table(summary["targets"], "≥"),
     ]
-    for key, t in summary["targets"].items():
-        status = "met" if t["met"] else "missed"
-        lines.append(f"| {key} | ≥ {t['goal']}x | {_f(t['measured'], 2)}x | {status} |")
     lines += [
         "",
         "## Cases",
