@@ -279,7 +279,10 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             },
             ["draft_sample_method='probabilistic'"],
         ),
-        ({"runner": "pooling"}, ["pooling", "runner='pooling'"]),
+        (
+            {"runner": "pooling", "enable_lora": True},
+            ["LoRA adapters on pooling models", "--enable-lora"],
+        ),
         ({"kv_offloading_size": 1.0}, ["KV offloading", "kv_offloading_size=1.0"]),
     ],
     ids=[
@@ -291,7 +294,7 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "quantization",
         "spec_eagle3",
         "spec_probabilistic",
-        "pooling",
+        "pooling_lora",
         "kv_offloading",
     ],
 )

@@ -76,6 +76,16 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda c: _model_attr(c, "runner_type") == "pooling" and "runner='pooling'",
     ),
     Capability(
+        "pooling_lora",
+        "LoRA adapters on pooling models",
+        "remove --enable-lora",
+        lambda c: (
+            c.lora_config is not None
+            and _model_attr(c, "runner_type") == "pooling"
+            and "--enable-lora with runner='pooling'"
+        ),
+    ),
+    Capability(
         "multimodal",
         "multimodal (image, video, audio) inputs",
         "serve a text-only model",
@@ -123,7 +133,7 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset({"speculative_decoding", "lora"}),
+    "mlx": frozenset({"speculative_decoding", "lora", "pooling"}),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

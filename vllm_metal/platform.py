@@ -154,8 +154,10 @@ def check_config(vllm_config: VllmConfig) -> None:
         spec = vllm_config.speculative_config
         draft = spec.draft_model_config if spec is not None and spec.uses_draft_model() else None
         head_sizes = backend.head_sizes()
-        for checked in (model, draft):
-            if checked is not None and checked.get_head_size() not in head_sizes:
+        # Encoder-only pooling models attend without the paged kernels (no KV cache).
+        paged = [m for m in (model, draft) if m is not None and m.attn_type != "encoder_only"]
+        for checked in paged:
+            if checked.get_head_size() not in head_sizes:
                 raise MetalConfigError(
                     f"vllm-metal: attention head size {checked.get_head_size()} of "
                     f"model={checked.model!r} is not supported; the paged attention kernels "

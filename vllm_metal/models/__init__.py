@@ -3,6 +3,7 @@
 `load_model` reads a checkpoint with the loader for its format (`loaders/`) and wraps the model in
 the adapter for its family (`families/`, the generic `ModelAdapter` otherwise). The runner only
 talks to the adapter: embeddings, a forward over hidden states, logits and the layer kinds.
+Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAdapter`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from vllm_metal.models.layers import LayerKind
 if TYPE_CHECKING:
     import mlx.core as mx
 
-__all__ = ["LayerKind", "ModelAdapter", "load_model"]
+    from vllm_metal.models.encoder import EncoderAdapter
+
+__all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model"]
 
 
 def load_model(
@@ -27,8 +30,12 @@ def load_model(
     download_dir: str | None = None,
     trust_remote_code: bool = False,
     dequantize: bool = False,
+    lm_head: bool = True,
 ) -> ModelAdapter:
-    """Load `model` (a local directory or Hugging Face id) and wrap it for the runner."""
+    """Load `model` (a local directory or Hugging Face id) and wrap it for the runner.
+
+    Without `lm_head` (pooling models) the decoder is loaded without its head; `logits` is then
+    unavailable and the pooling heads read what they need from the checkpoint."""
     from vllm_metal.models.loaders import safetensors
 
     mlx_model, config = safetensors.load(
@@ -38,7 +45,31 @@ def load_model(
         download_dir=download_dir,
         trust_remote_code=trust_remote_code,
         dequantize=dequantize,
+        lm_head=lm_head,
     )
     adapter = adapter_class(config.get("model_type"))(mlx_model, config)
     adapter.install_paged_attention()
     return adapter
+
+
+def load_encoder(
+    model: str,
+    *,
+    compute_dtype: mx.Dtype,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> EncoderAdapter:
+    """Load the encoder-only checkpoint `model` (BERT, RoBERTa, XLM-RoBERTa) for pooling."""
+    import json
+
+    from vllm_metal.models import encoder
+    from vllm_metal.models.loaders.safetensors import resolve_model_path
+
+    path = resolve_model_path(model, revision, download_dir)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in encoder.ENCODER_MODEL_TYPES:
+        raise ValueError(
+            f"model={model!r}: encoder-only model_type {config.get('model_type')!r} is not "
+            f"supported; vllm-metal serves {sorted(encoder.ENCODER_MODEL_TYPES)}"
+        )
+    return encoder.load_encoder(path, config, compute_dtype)

@@ -116,6 +116,10 @@ class MLXBackend:
         mx.random.seed(seed)
 
     def make_runner(self, vllm_config: VllmConfig) -> ModelRunner:
+        if vllm_config.model_config.runner_type == "pooling":
+            from vllm_metal.backends.mlx.runner.pool.runner import MLXPoolingRunner
+
+            return MLXPoolingRunner(vllm_config)
         from vllm_metal.backends.mlx.runner.model_runner import MLXModelRunner
 
         return MLXModelRunner(vllm_config)

@@ -55,13 +55,16 @@ def load(
     download_dir: str | None = None,
     trust_remote_code: bool = False,
     dequantize: bool = False,
+    lm_head: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model of the checkpoint (evaluated, in eval mode) and its config dict.
 
     With `dequantize`, MLX-quantized layers become dense layers in `compute_dtype` when that fits
-    in half of the memory free now (see `_dequantize`).
+    in half of the memory free now (see `_dequantize`). Without `lm_head` (pooling models) the
+    model is built without its language-model head, and the checkpoint's head tensors
+    (`lm_head.*`, a classifier's `score.*`) are left to the pooling heads that read them.
     """
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import _get_classes, load_model
 
     path = resolve_model_path(model, revision, download_dir)
     if not list(path.glob("*.safetensors")):
@@ -69,7 +72,12 @@ def load(
             f"model={model!r}: no .safetensors weights in {path}; vllm-metal loads safetensors "
             "checkpoints (convert others with mlx_lm.convert)"
         )
-    mlx_model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
+    mlx_model, config = load_model(
+        path,
+        lazy=True,
+        trust_remote_code=trust_remote_code,
+        get_model_classes=_get_classes if lm_head else _headless(_get_classes),
+    )
     # Quantized checkpoints keep their packed integer weights; set_dtype only touches floats.
     mlx_model.set_dtype(compute_dtype)
     if dequantize:
@@ -85,6 +93,34 @@ def load(
         parameter_bytes(mlx_model) / 2**20,
     )
     return mlx_model, config
+
+
+# Checkpoint tensors that only heads read: the LM head, and a sequence classifier's `score`.
+HEAD_PREFIXES = ("lm_head.", "score.")
+
+
+def _headless(get_classes):
+    """mlx-lm's class lookup, returning a subclass built without `lm_head` that sets the head
+    tensors aside, so the decoder still loads strictly (every other tensor must match)."""
+
+    def get(config: dict) -> tuple[type, type]:
+        model_class, args_class = get_classes(config)
+
+        class Headless(model_class):
+            def __init__(self, args):
+                super().__init__(args)
+                if "lm_head" in self:
+                    del self["lm_head"]
+
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items() if not k.startswith(HEAD_PREFIXES)}
+                return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+
+        Headless.__name__ = Headless.__qualname__ = model_class.__name__
+        Headless.__module__ = model_class.__module__
+        return Headless, args_class
+
+    return get
 
 
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -1,5 +1,6 @@
 """One packed forward: the step's varlen metadata on the device, a paged cache view per layer,
-the adapter's embeddings -> decoder -> head on the rows that need logits."""
+the adapter's embeddings -> decoder (`hidden_states`, what pooling heads read) -> head on the
+rows that need logits (`forward`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def layer_caches(
     ]
 
 
+def hidden_states(
+    adapter: ModelAdapter, pool: KVPool, windows: Sequence[int | None], packed: PackedBatch
+) -> mx.array:
+    """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
+    step's K/V into the pool. Lazy."""
+    caches = layer_caches(pool, packed, windows)
+    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
+    return adapter.forward(embeds, caches)
+
+
 def forward(
     adapter: ModelAdapter,
     pool: KVPool,
@@ -48,9 +59,7 @@ def forward(
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    caches = layer_caches(pool, packed, windows)
-    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
-    hidden = adapter.forward(embeds, caches)
+    hidden = hidden_states(adapter, pool, windows, packed)
 
     rows = [packed.logits_indices]
     spans: list[tuple[str, int, int]] = []

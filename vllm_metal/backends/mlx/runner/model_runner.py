@@ -5,8 +5,8 @@ It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). E
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
 (`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`), LoRA
-adapters (`lora/`). KV memory lives in `vllm_metal.kv`, the model behind its adapter in
-`vllm_metal.models`.
+adapters (`lora/`); the runner of pooling models extends it in `pool/`. KV memory lives in
+`vllm_metal.kv`, the model behind its adapter in `vllm_metal.models`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ logger = init_logger(__name__)
 
 
 class MLXModelRunner:
+    # Steps end in logits and sampling; the pooling runner (`pool/`) ends them at the hidden
+    # states and loads the model without its LM head.
+    produces_logits = True
+
     def __init__(self, vllm_config: VllmConfig):
         self.vllm_config = vllm_config
         self.model_config = model_config = vllm_config.model_config
@@ -91,6 +95,7 @@ class MLXModelRunner:
             revision=self.model_config.revision,
             download_dir=load_config.download_dir,
             trust_remote_code=self.model_config.trust_remote_code,
+            lm_head=self.produces_logits,
         )
         if adapter.num_layers != self.num_layers:
             raise ValueError(
@@ -183,6 +188,7 @@ class MLXModelRunner:
             self.head_dim,
             self.mlx_kv_dtype,
             self.model_config.get_vocab_size(),
+            logits=self.produces_logits,
         )
 
     # ------------------------------------------------------------ the step

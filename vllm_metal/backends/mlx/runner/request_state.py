@@ -29,6 +29,7 @@ class RequestStates:
     def __init__(self, vllm_config: VllmConfig, block_sizes: list[int]):
         self.vllm_config = vllm_config
         self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.is_pooling = vllm_config.model_config.runner_type == "pooling"
         self.requests: dict[str, CachedRequestState] = {}
         # req_id -> number of prompt logprobs asked for, while the prompt is being processed
         self.num_prompt_logprobs: dict[str, int] = {}
@@ -49,10 +50,10 @@ class RequestStates:
             vocab_size=self.vocab_size,
             block_sizes=block_sizes,
             max_num_blocks_per_req=[math.ceil(max_model_len / bs) for bs in block_sizes],
-            logitsprocs=build_logitsprocs(config, HOST, False, False, custom),
+            logitsprocs=build_logitsprocs(config, HOST, False, self.is_pooling, custom),
             logitsprocs_need_output_token_ids=bool(custom),
             num_spec_tokens=self.num_spec_tokens,
-            is_pooling_model=False,
+            is_pooling_model=self.is_pooling,
             reasoning_config=config.reasoning_config,
         )
 
@@ -133,6 +134,7 @@ class RequestStates:
             prompt_token_ids=new.prompt_token_ids,
             mm_features=new.mm_features,
             sampling_params=params,
+            pooling_params=new.pooling_params,
             generator=generator,
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,

@@ -7,15 +7,25 @@ first request does not pay for MLX's one-time setup.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
 from vllm_metal.backends.mlx.runner.batch import prefill_batch
-from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.models import ModelAdapter
+
+
+def activation_peak(run: Callable[[], None]) -> int:
+    """Peak bytes `run` allocates beyond what is allocated before it."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    run()
+    return max(0, int(mx.get_peak_memory() - before))
 
 
 class DummyRuns:
@@ -27,8 +37,11 @@ class DummyRuns:
         head_dim: int,
         kv_dtype: mx.Dtype,
         vocab_size: int,
+        *,
+        logits: bool = True,
     ):
         self.adapter = adapter
+        self.logits = logits  # False: a pooling model, whose steps end at the hidden states
         self.windows = list(windows)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -41,20 +54,21 @@ class DummyRuns:
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
         packed = prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size)
-        logits, _ = forward(self.adapter, pool, self.windows, packed, {})
-        mx.eval(logits)
+        if self.logits:
+            mx.eval(forward(self.adapter, pool, self.windows, packed, {})[0])
+        else:
+            mx.eval(hidden_states(self.adapter, pool, self.windows, packed))
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         """Peak bytes a prefill of `num_tokens` needs beyond what is allocated now."""
-        pool = self._pool(math.ceil(num_tokens / block_size), block_size)
+        # The scratch pool is allocated before the measurement starts and freed after it.
+        run = functools.partial(
+            self._prefill, num_tokens, self._pool(math.ceil(num_tokens / block_size), block_size)
+        )
+        peak = activation_peak(run)
+        del run
         mx.clear_cache()
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
-        self._prefill(num_tokens, pool)
-        peak = mx.get_peak_memory() - before
-        del pool
-        mx.clear_cache()
-        return max(0, int(peak))
+        return peak
 
     def warm_up(self, block_size: int, max_num_tokens: int) -> None:
         pool = self._pool(2, block_size)

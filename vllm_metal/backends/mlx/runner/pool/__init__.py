@@ -1,3 +1,5 @@
-"""Pooling on the MLX runner: hidden states of the scheduled rows reduced per request (last
-token, mean, CLS) and the model's head for `embed` / `classify` tasks. Not built yet:
-`--runner pooling` is refused at startup by the capability table."""
+"""Pooling models on the MLX runner (`--runner pooling`): embeddings, classification, scoring.
+
+`runner.py` is the pooling runner (decoders on the paged KV cache, encoder-only models without
+one); `heads.py` builds vLLM's own pooler over the hidden states, with the model's classifier.
+"""
