@@ -40,10 +40,14 @@ def is_classifier(vllm_config: VllmConfig) -> bool:
     )
 
 
-def build_pooler(vllm_config: VllmConfig, classifier: Classifier | None) -> Pooler:
-    """vLLM's pooler for the model: embed + token_embed, or classify + token_classify."""
+def build_pooler(
+    vllm_config: VllmConfig, classifier: Classifier | None, *, token_classify: bool = True
+) -> Pooler:
+    """vLLM's pooler for the model: embed + token_embed, or classify (+ token_classify, which
+    applies `classifier` to every token: off for classifiers meant for one pooled row only)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.pooler import DispatchPooler
+    from vllm.model_executor.layers.pooler.seqwise import pooler_for_classify
 
     pooler_config = vllm_config.model_config.pooler_config
     # vLLM's pooler builders read the model config (head dtype, the sentence-transformers
@@ -51,7 +55,11 @@ def build_pooler(vllm_config: VllmConfig, classifier: Classifier | None) -> Pool
     with set_current_vllm_config(vllm_config):
         if classifier is None:
             return DispatchPooler.for_embedding(pooler_config)
-        return DispatchPooler.for_seq_cls(pooler_config, classifier=classifier)
+        if token_classify:
+            return DispatchPooler.for_seq_cls(pooler_config, classifier=classifier)
+        return DispatchPooler(
+            {"classify": pooler_for_classify(pooler_config, classifier=classifier)}
+        )
 
 
 def decoder_classifier(vllm_config: VllmConfig) -> Classifier:
@@ -108,6 +116,12 @@ def _weight_from_lm_head(
         trust_remote_code=model.trust_remote_code,
     )
     ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(
+            f"model={model.model!r}: classifier_from_token {unknown!r} are not tokens of the "
+            "tokenizer's vocabulary"
+        )
     tied = bool(getattr(model.hf_config.get_text_config(), "tie_word_embeddings", False))
     head = "model.embed_tokens" if tied else "lm_head"
     rows = reader.rows(head, ids).to(torch.float32)

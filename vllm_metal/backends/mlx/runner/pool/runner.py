@@ -73,7 +73,11 @@ class MLXPoolingRunner(MLXModelRunner):
         else:
             self._load_encoder()
             classifier = self._encoder_classifier() if self._classifies() else None
-        self.pooler = build_pooler(self.vllm_config, classifier)
+        # An encoder's head (BERT's pooler + classifier, RoBERTa's classification head) reads
+        # the pooled first token only.
+        self.pooler = build_pooler(
+            self.vllm_config, classifier, token_classify=not self.encoder_only
+        )
         logger.info("Pooling tasks: %s", ", ".join(self.get_supported_tasks()))
 
     def _classifies(self) -> bool:

@@ -1,0 +1,201 @@
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa) for embeddings, reranking and classification.
+
+`load_encoder` builds the family's MLX module from config.json (`families/bert.py`,
+`families/xlm_roberta.py`), loads the checkpoint's safetensors into it strictly and wraps it in an
+`EncoderAdapter`, the runner's view: `encode` turns packed token ids into final hidden states and
+`classify` runs the checkpoint's classification head on pooled rows. Pooling itself (CLS, mean,
+normalisation) is the runner's business; it follows vLLM's pooler config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from vllm_metal.models.families import bert, xlm_roberta
+from vllm_metal.models.loaders import parameter_bytes
+
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+
+# architectures[0] -> (model class, the model_types it belongs to, default pad_token_id)
+_ROBERTA = ({"roberta", "xlm-roberta"}, xlm_roberta.ROBERTA_PAD_TOKEN_ID)
+ARCHITECTURES: dict[str, tuple[type[nn.Module], set[str], int]] = {
+    "BertModel": (bert.BertModel, {"bert"}, 0),
+    "BertForSequenceClassification": (bert.BertForSequenceClassification, {"bert"}, 0),
+    "RobertaModel": (xlm_roberta.RobertaModel, *_ROBERTA),
+    "RobertaForSequenceClassification": (xlm_roberta.RobertaForSequenceClassification, *_ROBERTA),
+    "XLMRobertaModel": (xlm_roberta.RobertaModel, *_ROBERTA),
+    "XLMRobertaForSequenceClassification": (
+        xlm_roberta.RobertaForSequenceClassification,
+        *_ROBERTA,
+    ),
+}
+# Buffers some checkpoints carry next to the weights; they are not parameters.
+_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+class EncoderAdapter:
+    """The runner's view of an encoder-only model."""
+
+    def __init__(self, model: nn.Module, config: dict[str, Any], model_type: str):
+        encoder = model.encoder_model
+        args: bert.EncoderArgs = encoder.args
+        self.model = model
+        self.config = config
+        self.model_type = model_type
+        self.weight_bytes = parameter_bytes(model)
+        self.num_layers = args.num_hidden_layers
+        self.hidden_size = args.hidden_size
+        self.num_labels = args.num_labels if hasattr(model, "classify") else None
+        self.max_length = encoder.embeddings.max_length  # longest sequence `encode` takes
+        self.dtype = encoder.embeddings.word_embeddings.weight.dtype
+        self._encoder = encoder
+        self._uses_token_types = args.type_vocab_size > 1
+
+    def encode(
+        self, token_ids: mx.array, token_type_ids: mx.array | None, seq_lens: Sequence[int]
+    ) -> mx.array:
+        """token_ids [T] int32 packing S whole sequences back to back (lengths seq_lens, sum T);
+        token_type_ids [T] or None (= all 0; ignored by models with one token type). Returns the
+        final hidden states [T, hidden] in the compute dtype, each sequence attending
+        bidirectionally to its own tokens only; positions restart at each sequence.
+
+        The sequences run as one padded batch [S, max(seq_lens)] with a key-padding mask."""
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        if lens.ndim != 1 or lens.size == 0 or lens.min() < 1:
+            raise ValueError(f"seq_lens must be one or more positive lengths, got {seq_lens}")
+        if token_ids.shape != (int(lens.sum()),):
+            raise ValueError(f"token_ids has shape {token_ids.shape}; seq_lens sum to {lens.sum()}")
+        longest = int(lens.max())
+        if longest > self.max_length:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the model's {self.max_length}"
+            )
+
+        cols = np.arange(longest)
+        valid = cols[None, :] < lens[:, None]  # [S, L]
+        starts = np.cumsum(lens) - lens
+        # Where each padded slot reads from in the packed input (pad slots repeat a real token).
+        gather = starts[:, None] + np.minimum(cols[None, :], lens[:, None] - 1)
+        gather = mx.array(gather.astype(np.int32))
+        ids = token_ids[gather]
+        if token_type_ids is None or not self._uses_token_types:
+            types = mx.zeros(ids.shape, dtype=mx.int32)
+        else:
+            types = token_type_ids[gather]
+        positions = mx.broadcast_to(mx.array(cols, dtype=mx.int32), ids.shape)
+        mask = None
+        if not valid.all():
+            blocked = np.where(valid, 0.0, float(mx.finfo(self.dtype).min)).astype(np.float32)
+            mask = mx.array(blocked[:, None, None, :]).astype(self.dtype)
+
+        hidden = self._encoder(ids, types, positions, mask)
+        if mask is None:
+            return hidden.reshape(-1, self.hidden_size)
+        # Row-major order of the real slots is the packed order.
+        rows = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))
+        return hidden.reshape(-1, self.hidden_size)[rows]
+
+    def classify(self, pooled: mx.array) -> mx.array:
+        """[N, hidden] first-token hidden states -> [N, num_labels] raw float32 logits through the
+        checkpoint's head (BERT: pooler dense + tanh, then classifier; RoBERTa: dense + tanh +
+        out_proj). The head runs in float32, as vLLM's pooling heads do."""
+        if self.num_labels is None:
+            raise ValueError(f"this {self.model_type} checkpoint has no classification head")
+        return self.model.classify(pooled.astype(mx.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_checkpoint(path: Path) -> dict[str, tuple[mx.array, str]]:
+    """Every tensor of the folder's `*.safetensors` files -> (tensor, file name)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    tensors: dict[str, tuple[mx.array, str]] = {}
+    for file in files:
+        for name, value in mx.load(str(file)).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is in both {tensors[name][1]} and {file.name}")
+            tensors[name] = (value, file.name)
+    return tensors
+
+
+def _map_names(
+    tensors: dict[str, tuple[mx.array, str]], expected: dict[str, mx.array]
+) -> dict[str, tuple[mx.array, str]]:
+    """Checkpoint names -> this module tree's names."""
+    mapped = {}
+    for name, entry in tensors.items():
+        # Original Google BERT checkpoints name LayerNorm parameters gamma and beta.
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight")
+        name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+        if not name.endswith(_BUFFERS):
+            mapped[name] = entry
+    # A bare encoder checkpoint saved from a wrapper keeps the wrapper's prefix.
+    for prefix in ("bert.", "roberta."):
+        if not any(k.startswith(prefix) for k in expected) and all(
+            k.startswith(prefix) for k in mapped
+        ):
+            mapped = {k.removeprefix(prefix): v for k, v in mapped.items()}
+    # *Model checkpoints carry the BERT pooler, which embeddings never use.
+    if not any(k.startswith("pooler.") for k in expected):
+        mapped = {k: v for k, v in mapped.items() if not k.startswith("pooler.")}
+    return mapped
+
+
+def load_encoder(path: Path, config: dict[str, Any], compute_dtype: mx.Dtype) -> EncoderAdapter:
+    """Build the encoder family for `config`, load the checkpoint at `path` strictly (a missing,
+    unexpected or misshapen tensor is a ValueError naming it), cast floats to `compute_dtype`
+    (classification heads to float32) and wrap it for the runner."""
+    path = Path(path)
+    model_type = config.get("model_type")
+    if model_type not in ENCODER_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not an encoder-only family handled here")
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture is None:
+        architecture = "BertModel" if model_type == "bert" else "XLMRobertaModel"
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; choose from {sorted(ARCHITECTURES)}"
+        )
+    cls, model_types, pad_token_id = ARCHITECTURES[architecture]
+    if model_type not in model_types:
+        raise ValueError(f"architecture {architecture} does not belong to model_type {model_type}")
+
+    args = bert.EncoderArgs.from_config(
+        config, pad_token_id=pad_token_id, with_labels=hasattr(cls, "classify")
+    )
+    model = cls(args)
+    expected = dict(tree_flatten(model.parameters()))
+    tensors = _map_names(_read_checkpoint(path), expected)
+
+    if missing := sorted(expected.keys() - tensors.keys()):
+        files = sorted({file for _, file in tensors.values()})
+        raise ValueError(f"{architecture} needs tensors {missing} that {path} ({files}) lacks")
+    if unexpected := sorted(tensors.keys() - expected.keys()):
+        where = [f"{name!r} in {tensors[name][1]}" for name in unexpected]
+        raise ValueError(f"{architecture} has no place for tensors in {path}: {', '.join(where)}")
+    weights = []
+    for name, (value, file) in tensors.items():
+        if value.shape != expected[name].shape:
+            raise ValueError(
+                f"tensor {name!r} in {path / file} has shape {value.shape}, "
+                f"expected {expected[name].shape}"
+            )
+        if mx.issubdtype(value.dtype, mx.floating):
+            head = name.startswith(model.head_prefixes)
+            value = value.astype(mx.float32 if head else compute_dtype)
+        weights.append((name, value))
+    model.load_weights(weights, strict=True)
+    mx.eval(model.parameters())
+    return EncoderAdapter(model, config, model_type)
