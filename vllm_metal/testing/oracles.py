@@ -1,4 +1,5 @@
-"""Reference outputs for tests: transformers float32 greedy tokens and logprobs, mlx-lm greedy.
+"""Reference outputs for tests: transformers float32 greedy tokens and logprobs, mlx-lm greedy,
+and the hidden states and classifier logits pooling models are checked against.
 
 HF runs eager attention, the only HF path that applies Gemma2's attention soft-capping. With a
 LoRA adapter, the transformers oracle is PEFT's merged model (`merge_and_unload`) and the mlx-lm
@@ -119,6 +120,54 @@ def hf_logprobs(model_dir: str | Path, token_ids: Sequence[int]) -> np.ndarray:
     logits -= logits.max(axis=-1, keepdims=True)
     logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     return logprobs.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_pooling(model_dir: str, mtime_ns: int, head: bool) -> Any:
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if head else AutoModel
+    return auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _pooling_model(model_dir: str | Path, head: bool) -> Any:
+    path = Path(model_dir).resolve()
+    return _load_pooling(str(path), (path / "config.json").stat().st_mtime_ns, head)
+
+
+def _inputs(token_ids: Sequence[int], token_type_ids: Sequence[int] | None) -> dict[str, Any]:
+    import torch
+
+    inputs = {"input_ids": torch.tensor([list(token_ids)], dtype=torch.long)}
+    if token_type_ids is not None:
+        inputs["token_type_ids"] = torch.tensor([list(token_type_ids)], dtype=torch.long)
+    return inputs
+
+
+def hf_hidden_states(
+    model_dir: str | Path, token_ids: Sequence[int], token_type_ids: Sequence[int] | None = None
+) -> np.ndarray:
+    """Float32 final hidden states ``[len(token_ids), hidden]`` of the checkpoint's base model
+    (`AutoModel`: a decoder after its final norm, an encoder's last layer), one sequence."""
+    import torch
+
+    model = _pooling_model(model_dir, head=False)
+    with torch.no_grad(), _one_torch_thread():
+        hidden = model(**_inputs(token_ids, token_type_ids)).last_hidden_state[0]
+    return hidden.float().numpy()
+
+
+def hf_classifier_logits(
+    model_dir: str | Path, token_ids: Sequence[int], token_type_ids: Sequence[int] | None = None
+) -> np.ndarray:
+    """Float32 logits ``[num_labels]`` of `AutoModelForSequenceClassification`, one sequence."""
+    import torch
+
+    model = _pooling_model(model_dir, head=True)
+    with torch.no_grad(), _one_torch_thread():
+        logits = model(**_inputs(token_ids, token_type_ids)).logits[0]
+    return logits.float().numpy()
 
 
 def mlx_lm_greedy(

@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm_metal.testing.tiny_tokenizer import _CORPUS
 
-KINDS = ("bert-embed", "bert-cls", "xlmr-rerank", "xlmr-embed")
+KINDS = ("bert-embed", "bert-cls", "bert-rerank", "xlmr-rerank", "xlmr-embed")
 DTYPES = ("float32", "float16", "bfloat16")
 
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4
@@ -220,6 +220,9 @@ def _build_model(kind: str, vocab_size: int, hidden_size: int) -> Any:
     if kind == "bert-cls":
         config.id2label = dict(CLS_LABELS)
         config.label2id = {v: k for k, v in CLS_LABELS.items()}
+        return tf.BertForSequenceClassification(config)
+    if kind == "bert-rerank":  # a cross-encoder that reads the pair's token types
+        config.num_labels = 1
         return tf.BertForSequenceClassification(config)
     if kind == "xlmr-rerank":
         config.num_labels = 1

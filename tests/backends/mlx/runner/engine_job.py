@@ -64,6 +64,37 @@ def _adapter_action(llm, job: dict) -> dict:
     return out
 
 
+def _pool(llm, job: dict) -> list[dict] | dict:
+    """{"pool": "embed" | "classify" | "score" | "token_embed" | "token_classify", "prompts",
+    "params" (PoolingParams fields), for "score" "query" and "documents"}: each request's pooled
+    output as a list of floats (a score as [score]) and its cached tokens, or {"error": ...}
+    when the API raises (a refused parameter)."""
+    from vllm import PoolingParams
+
+    task = job["pool"]
+    params = PoolingParams(**job["params"]) if job.get("params") else None
+    prompts = [
+        {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
+        for p in job.get("prompts", [])
+    ]
+    try:
+        if task == "score":
+            outs = llm.score(job["query"], job["documents"], pooling_params=params, use_tqdm=False)
+            return [{"data": [o.outputs.score]} for o in outs]
+        if task == "embed":
+            outs = llm.embed(prompts, pooling_params=params, use_tqdm=False)
+            data = [o.outputs.embedding for o in outs]
+        elif task == "classify":
+            outs = llm.classify(prompts, pooling_params=params, use_tqdm=False)
+            data = [o.outputs.probs for o in outs]
+        else:
+            outs = llm.encode(prompts, params, pooling_task=task, use_tqdm=False)
+            data = [o.outputs.data.tolist() for o in outs]
+    except Exception as e:  # noqa: BLE001 (the error is the result the test looks at)
+        return {"error": f"{type(e).__name__}: {e}"}
+    return [{"data": d, "num_cached_tokens": o.num_cached_tokens} for d, o in zip(data, outs)]
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -73,6 +104,9 @@ def run(spec: dict) -> dict:
     for job in spec["jobs"]:
         if "action" in job:
             results.append(_adapter_action(llm, job))
+            continue
+        if "pool" in job:
+            results.append(_pool(llm, job))
             continue
         params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
         prompts = [
