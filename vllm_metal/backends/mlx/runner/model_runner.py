@@ -196,11 +196,7 @@ class MLXModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.pipeline.drain()  # the previous step's tokens are inputs of this one
         started = time.perf_counter()
-        if scheduler_output.kv_cache_block_copies and self.kv_pool is not None:
-            copies = scheduler_output.kv_cache_block_copies
-            self.kv_pool.copy_blocks(
-                [c.src_block_id for c in copies], [c.dst_block_id for c in copies]
-            )
+        self._copy_blocks(scheduler_output)
         if self.spec is not None:
             for req_id in scheduler_output.finished_req_ids:
                 self.spec.forget(req_id)
@@ -239,6 +235,14 @@ class MLXModelRunner:
             scheduler_output, packed, logits, prompt_logits, started=started
         )
         return None
+
+    def _copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """The KV block copies the scheduler asks for before this step."""
+        if scheduler_output.kv_cache_block_copies and self.kv_pool is not None:
+            copies = scheduler_output.kv_cache_block_copies
+            self.kv_pool.copy_blocks(
+                [c.src_block_id for c in copies], [c.dst_block_id for c in copies]
+            )
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None

@@ -168,11 +168,7 @@ class MLXPoolingRunner(MLXModelRunner):
     # ------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.kv_cache_block_copies and self.kv_pool is not None:
-            copies = scheduler_output.kv_cache_block_copies
-            self.kv_pool.copy_blocks(
-                [c.src_block_id for c in copies], [c.dst_block_id for c in copies]
-            )
+        self._copy_blocks(scheduler_output)
         self.late_interaction.on_requests_finished(scheduler_output.finished_req_ids)
         self.states.update(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
