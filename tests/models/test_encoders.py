@@ -288,3 +288,33 @@ def test_the_writer_is_deterministic(checkpoints, tmp_path, capsys):
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         original = (checkpoints["xlmr-rerank"] / name).read_bytes()
         assert (tmp_path / "again" / name).read_bytes() == original, name
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching by length
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lens", [[5, 5, 5], [3, 200, 4, 180, 10, 9], [1], [512, 1, 1, 1, 1, 1, 1, 1, 1, 1]]
+)
+def test_length_groups_cover_every_sequence_and_bound_the_padding(lens: list[int]) -> None:
+    from vllm_metal.models.encoder import length_groups
+
+    lens_np = np.asarray(lens)
+    groups = length_groups(lens_np)
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(len(lens)))
+    for g in groups:
+        padded = len(g) * lens_np[g].max()
+        assert len(g) == 1 or lens_np[g].sum() >= padded / 2
+
+
+def test_a_batch_of_very_different_lengths_equals_each_sequence_alone(checkpoints) -> None:
+    adapter = _load(checkpoints["bert-embed"])
+    lens = [3, 200, 4, 180, 10, 9]  # three length groups: packed rows are permuted and back
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 400, size=sum(lens)).astype(np.int32)
+    together = _split(adapter.encode(mx.array(ids), None, lens), lens)
+    pieces = np.split(ids, np.cumsum(lens)[:-1])
+    alone = [_split(adapter.encode(mx.array(p), None, [len(p)]), [len(p)])[0] for p in pieces]
+    assert max(_max_error(together, alone)) < 1e-4

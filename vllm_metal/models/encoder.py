@@ -66,7 +66,8 @@ class EncoderAdapter:
         final hidden states [T, hidden] in the compute dtype, each sequence attending
         bidirectionally to its own tokens only; positions restart at each sequence.
 
-        The sequences run as one padded batch [S, max(seq_lens)] with a key-padding mask."""
+        Sequences of similar length run together as padded batches [n, longest] with a
+        key-padding mask (`length_groups`), so a long prompt does not pad many short ones."""
         lens = np.asarray(seq_lens, dtype=np.int64)
         if lens.ndim != 1 or lens.size == 0 or lens.min() < 1:
             raise ValueError(f"seq_lens must be one or more positive lengths, got {seq_lens}")
@@ -77,15 +78,37 @@ class EncoderAdapter:
             raise ValueError(
                 f"a sequence of {longest} tokens exceeds the model's {self.max_length}"
             )
-
-        cols = np.arange(longest)
-        valid = cols[None, :] < lens[:, None]  # [S, L]
+        if token_type_ids is None or not self._uses_token_types:
+            token_type_ids = None
         starts = np.cumsum(lens) - lens
+        groups = length_groups(lens)
+        outputs = [
+            self._encode_padded(token_ids, token_type_ids, starts[g], lens[g]) for g in groups
+        ]
+        if len(groups) == 1 and np.array_equal(groups[0], np.arange(lens.size)):
+            return outputs[0]
+        # The groups' rows, concatenated, are a permutation of the packed rows: undo it.
+        source = np.concatenate(
+            [np.arange(starts[i], starts[i] + lens[i]) for g in groups for i in g]
+        )
+        return mx.concatenate(outputs)[mx.array(np.argsort(source).astype(np.int32))]
+
+    def _encode_padded(
+        self,
+        token_ids: mx.array,
+        token_type_ids: mx.array | None,
+        starts: np.ndarray,
+        lens: np.ndarray,
+    ) -> mx.array:
+        """The sequences at `starts` (lengths `lens`) as one padded batch; their rows in order."""
+        longest = int(lens.max())
+        cols = np.arange(longest)
+        valid = cols[None, :] < lens[:, None]  # [n, L]
         # Where each padded slot reads from in the packed input (pad slots repeat a real token).
         gather = starts[:, None] + np.minimum(cols[None, :], lens[:, None] - 1)
         gather = mx.array(gather.astype(np.int32))
         ids = token_ids[gather]
-        if token_type_ids is None or not self._uses_token_types:
+        if token_type_ids is None:
             types = mx.zeros(ids.shape, dtype=mx.int32)
         else:
             types = token_type_ids[gather]
@@ -95,12 +118,11 @@ class EncoderAdapter:
             blocked = np.where(valid, 0.0, float(mx.finfo(self.dtype).min)).astype(np.float32)
             mask = mx.array(blocked[:, None, None, :]).astype(self.dtype)
 
-        hidden = self._encoder(ids, types, positions, mask)
+        hidden = self._encoder(ids, types, positions, mask).reshape(-1, self.hidden_size)
         if mask is None:
-            return hidden.reshape(-1, self.hidden_size)
-        # Row-major order of the real slots is the packed order.
-        rows = mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))
-        return hidden.reshape(-1, self.hidden_size)[rows]
+            return hidden
+        # Row-major order of the real slots is the sequences' order.
+        return hidden[mx.array(np.flatnonzero(valid.reshape(-1)).astype(np.int32))]
 
     def classify(self, pooled: mx.array) -> mx.array:
         """[N, hidden] first-token hidden states -> [N, num_labels] raw float32 logits through the
@@ -109,6 +131,25 @@ class EncoderAdapter:
         if self.num_labels is None:
             raise ValueError(f"this {self.model_type} checkpoint has no classification head")
         return self.model.classify(pooled.astype(mx.float32))
+
+
+def length_groups(lens: np.ndarray, max_padding: float = 0.5) -> list[np.ndarray]:
+    """Sequence indices in groups of similar length, longest first: a group's padded size
+    (members x its longest) exceeds its real tokens by at most `max_padding` of the padded size,
+    except for a group of one."""
+    order = np.argsort(-lens, kind="stable")
+    groups: list[list[int]] = []
+    real = 0
+    for i in order.tolist():
+        if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] * (1 - max_padding) <= (
+            real + lens[i]
+        ):
+            groups[-1].append(i)
+            real += int(lens[i])
+        else:
+            groups.append([i])
+            real = int(lens[i])
+    return [np.asarray(g, dtype=np.int64) for g in groups]
 
 
 # --------------------------------------------------------------------------------------------------
