@@ -158,6 +158,11 @@ def hf_hidden_states(
     return hidden.float().numpy()
 
 
+def load_hf_classifier(model_dir: str | Path) -> Any:
+    """The checkpoint as a float32 `AutoModelForSequenceClassification` (cached)."""
+    return _pooling_model(model_dir, head=True)
+
+
 def hf_classifier_logits(
     model_dir: str | Path, token_ids: Sequence[int], token_type_ids: Sequence[int] | None = None
 ) -> np.ndarray:

@@ -149,6 +149,21 @@ def test_class_probabilities_match_transformers(classifier, classify_results):
     _close(logits, hf_classifier_logits(classifier, MIXED[3]), 1e-3)
 
 
+def test_token_classification_applies_the_score_head_to_every_token(classifier):
+    import torch
+
+    from vllm_metal.testing.oracles import load_hf_classifier
+
+    engine = {**DECODER_ENGINE, "pooler_config": {"task": "token_classify"}}
+    (got,) = run_engine_job(
+        classifier, [{"pool": "token_classify", "prompts": MIXED[1:4]}], engine=engine
+    )
+    head = load_hf_classifier(classifier).score.weight.detach().numpy()
+    for prompt, probs in zip(MIXED[1:4], _data(got)):
+        logits = torch.from_numpy(hf_hidden_states(classifier, prompt) @ head.T)
+        _close(probs, torch.softmax(logits, dim=-1).numpy())
+
+
 # Qwen3-Reranker style: a CausalLM whose "yes" and "no" LM-head rows make the score
 # (vLLM's from_2_way_softmax conversion). Two ordinary tokens of the tiny vocabulary stand in.
 RERANK_TOKENS = ["Ġnot", "Ġfound"]
