@@ -186,15 +186,17 @@ def _tokenizer_files(tokenizer: Any, bert_style: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _build_model(kind: str, vocab_size: int, hidden_size: int) -> Any:
+def _build_model(
+    kind: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int
+) -> Any:
     """A float32 transformers model of ``kind`` with transformers' default (narrow) init."""
     import transformers as tf
 
     common = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
         "intermediate_size": 4 * hidden_size,
         "hidden_act": "gelu",
         "hidden_dropout_prob": 0.0,
@@ -278,10 +280,15 @@ def write_tiny_encoder(
     dtype: str = "float32",
     seed: int = 0,
     hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    vocab_size: int | None = None,
     weight_std: float = 0.2,
 ) -> Path:
     """Write a random-weight encoder checkpoint of ``kind`` (one of `KINDS`) to ``out_dir`` and
-    return it. The same arguments always give the same weights and tokenizer."""
+    return it. The same arguments always give the same weights and tokenizer. The MLP is 4 x
+    ``hidden_size``; ``vocab_size`` (default: the tokenizer's) may be larger than the tokenizer's
+    vocabulary, as in real checkpoints (benchmarks)."""
     import torch
 
     if kind not in KINDS:
@@ -290,7 +297,8 @@ def write_tiny_encoder(
         raise ValueError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
     bert_style = kind.startswith("bert")
     tokenizer = build_bert_tokenizer() if bert_style else build_xlmr_tokenizer()
-    model = _build_model(kind, tokenizer.get_vocab_size(), hidden_size)
+    vocab = tokenizer.get_vocab_size() if vocab_size is None else vocab_size
+    model = _build_model(kind, vocab, hidden_size, num_layers, num_heads)
     # Mix the kind into the seed: two kinds never share an encoder by accident.
     _widen_weights(model, seed * len(KINDS) + KINDS.index(kind), weight_std)
 

@@ -21,7 +21,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import compute_dtype, dense_on_this_device
 from vllm_metal.backends.mlx.dtypes import to_mlx_dtype
-from vllm_metal.backends.mlx.runner.batch import pack_batch
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
@@ -207,16 +207,7 @@ class MLXModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.kv_pool is not None, "KV cache not initialized"
 
-        packed = pack_batch(
-            batch.req_ids,
-            scheduler_output.num_scheduled_tokens,
-            batch.num_computed_tokens_cpu,
-            batch.num_tokens_no_spec,
-            batch.token_ids_cpu,
-            [batch.block_table[g].get_numpy_array() for g in range(self.kv_layout.num_groups)],
-            self.states.block_sizes,
-            None if self.spec is None else self.states.num_draft_tokens(),
-        )
+        packed = self._pack(scheduler_output)
         prompt_rows = prompt_logprob_rows(self.states, packed)
         if self.lora is not None:
             self.lora.prepare(
@@ -235,6 +226,21 @@ class MLXModelRunner:
             scheduler_output, packed, logits, prompt_logits, started=started
         )
         return None
+
+    def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
+        """This step's scheduled tokens of the InputBatch as one varlen batch (`batch.py`)."""
+        batch = self.states.input_batch
+        num_groups = 0 if self.kv_layout is None else self.kv_layout.num_groups
+        return pack_batch(
+            batch.req_ids,
+            scheduler_output.num_scheduled_tokens,
+            batch.num_computed_tokens_cpu,
+            batch.num_tokens_no_spec,
+            batch.token_ids_cpu,
+            [batch.block_table[g].get_numpy_array() for g in range(num_groups)],
+            self.states.block_sizes,
+            None if self.spec is None else self.states.num_draft_tokens(),
+        )
 
     def _copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The KV block copies the scheduler asks for before this step."""

@@ -24,7 +24,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.pool.late_interaction_runner import LateInteractionRunner
 
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
+from vllm_metal.backends.mlx.runner.batch import PackedBatch
 from vllm_metal.backends.mlx.runner.forward import hidden_states
 from vllm_metal.backends.mlx.runner.model_runner import MLXModelRunner
 from vllm_metal.backends.mlx.runner.pool.heads import (
@@ -181,16 +181,7 @@ class MLXPoolingRunner(MLXModelRunner):
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
-        num_groups = 0 if self.kv_layout is None else self.kv_layout.num_groups
-        packed = pack_batch(
-            batch.req_ids,
-            scheduler_output.num_scheduled_tokens,
-            batch.num_computed_tokens_cpu,
-            batch.num_tokens_no_spec,
-            batch.token_ids_cpu,
-            [batch.block_table[g].get_numpy_array() for g in range(num_groups)],
-            self.states.block_sizes,
-        )
+        packed = self._pack(scheduler_output)
         hidden = self._hidden_states(packed).astype(mx.float32)
         mx.eval(hidden, *([] if self.kv_pool is None else self.kv_pool.arrays()))
         return self._pool(to_torch(hidden), packed)
