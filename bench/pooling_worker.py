@@ -1,0 +1,178 @@
+"""A worker of `bench.pooling`: one `vllm.LLM` of one backend in a process of its own, embedding
+the inputs it is told to, and the parent's handle on it (`Worker`).
+
+    python -m bench.pooling_worker --engine JSON --inputs FILE --reply-fd FD
+
+Commands arrive as JSON lines on stdin (`{"op": "embed", "start", "n", "save"}`, `{"op":
+"quit"}`); each gets one JSON reply line on the reply pipe. Nothing here imports the plugin or
+MLX at module level: the parent must not run MLX before it starts engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.run import ROOT
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One `vllm.LLM`; commands (JSON lines) on stdin, one JSON reply line each on --reply-fd."""
+    reply_file = os.fdopen(args.reply_fd, "w", buffering=1)
+
+    def reply(obj: dict[str, Any]) -> None:
+        reply_file.write(json.dumps(obj) + "\n")
+        reply_file.flush()
+
+    from vllm import LLM
+
+    texts = json.loads(Path(args.inputs).read_text())
+    started = time.perf_counter()
+    llm = LLM(**json.loads(args.engine))
+    engine_start_s = time.perf_counter() - started
+    from vllm.platforms import current_platform
+
+    reply({
+        "ready": True,
+        "engine_start_s": round(engine_start_s, 2),
+        "pooler_config": str(llm.llm_engine.vllm_config.model_config.pooler_config),
+        "platform": type(current_platform).__name__,
+    })  # fmt: skip
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        batch = texts[cmd["start"] : cmd["start"] + cmd["n"]]
+        t0 = time.perf_counter()
+        outs = llm.embed(batch, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        if cmd.get("save"):
+            import numpy as np
+
+            np.save(cmd["save"], np.array([o.outputs.embedding for o in outs], dtype=np.float32))
+        reply({
+            "seconds": seconds,
+            "tokens": [len(o.prompt_token_ids) for o in outs],
+            "dim": len(outs[0].outputs.embedding),
+        })  # fmt: skip
+    reply({"bye": True})
+    return 0
+
+
+class Worker:
+    """A worker process, its command pipe and its reply pipe."""
+
+    def __init__(self, name: str, backend: str, engine: dict, inputs: Path, log: Path,
+                 timeout: float):  # fmt: skip
+        from bench.run import _env
+
+        self.name, self.backend, self.log, self.timeout = name, backend, log, timeout
+        env = _env()
+        if backend == "cpu":
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["PYTHONUNBUFFERED"] = "1"
+        read_fd, write_fd = os.pipe()
+        cmd = [sys.executable, "-m", "bench.pooling_worker", "--engine", json.dumps(engine),
+               "--inputs", str(inputs), "--reply-fd", str(write_fd)]  # fmt: skip
+        with open(log, "w", encoding="utf-8") as f:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=f,
+                stderr=subprocess.STDOUT, text=True, pass_fds=(write_fd,),
+                start_new_session=True,
+            )  # fmt: skip
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+
+    def receive(self) -> dict[str, Any]:
+        ready, _, _ = select.select([self.replies], [], [], self.timeout)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            tail = self.log.read_text(encoding="utf-8", errors="replace")[-3000:]
+            why = "no reply in time" if not ready else "the worker exited"
+            raise RuntimeError(f"{self.name}: {why}; log {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the worker and every process under it (its engine core)."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return total
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    def settle(self, window: float = 0.1, busy: float = 0.02, limit: float = 5.0) -> float:
+        """Wait until the worker's processes are idle (under `busy` CPU seconds in a `window`),
+        at most `limit` seconds; return the wait. vLLM's CPU worker keeps a core busy for about
+        a second after a call returns, which would slow the other backend's next call."""
+        started = time.perf_counter()
+        before = self.cpu_seconds()
+        while time.perf_counter() - started < limit:
+            time.sleep(window)
+            now = self.cpu_seconds()
+            if now - before < busy:
+                break
+            before = now
+        return time.perf_counter() - started
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.receive()
+
+    def quit(self) -> None:
+        """Ask the worker to shut its engine down (no wait)."""
+        if self.proc.poll() is None and self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def close(self, timeout: float = 120) -> None:
+        self.quit()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # its session holds the worker and its engine core
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.replies.close()
+
+
+def close_all(workers: list[Worker]) -> None:
+    """Shut the workers down side by side."""
+    for w in workers:
+        w.quit()
+    for w in workers:
+        w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pooling_worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--engine", required=True, help="vllm.LLM arguments as JSON")
+    p.add_argument("--inputs", required=True, help="a JSON list of the input texts")
+    p.add_argument("--reply-fd", type=int, required=True, help="pipe for the replies")
+    return worker(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
