@@ -34,6 +34,7 @@ from vllm_metal.backends.mlx.runner.pool.heads import (
 )
 from vllm_metal.backends.mlx.runner.tensors import to_torch
 from vllm_metal.backends.mlx.runner.warmup import activation_peak
+from vllm_metal.backends.protocol import RunnerMemory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-    from vllm_metal.backends.protocol import RunnerMemory
     from vllm_metal.models.encoder import EncoderAdapter
 
 logger = init_logger(__name__)
@@ -67,21 +67,19 @@ class MLXPoolingRunner(MLXModelRunner):
     # ------------------------------------------------------------ model
 
     def load_model(self) -> None:
+        classifies = is_classifier(self.vllm_config)
         if not self.encoder_only:
             super().load_model()
-            classifier = decoder_classifier(self.vllm_config) if self._classifies() else None
+            classifier = decoder_classifier(self.vllm_config) if classifies else None
         else:
             self._load_encoder()
-            classifier = self._encoder_classifier() if self._classifies() else None
+            classifier = self._encoder_classifier() if classifies else None
         # An encoder's head (BERT's pooler + classifier, RoBERTa's classification head) reads
         # the pooled first token only.
         self.pooler = build_pooler(
             self.vllm_config, classifier, token_classify=not self.encoder_only
         )
         logger.info("Pooling tasks: %s", ", ".join(self.get_supported_tasks()))
-
-    def _classifies(self) -> bool:
-        return is_classifier(self.vllm_config)
 
     def _load_encoder(self) -> None:
         from vllm_metal.backends.mlx.device import compute_dtype
@@ -132,8 +130,6 @@ class MLXPoolingRunner(MLXModelRunner):
         return {} if self.encoder_only else super().get_kv_cache_spec()
 
     def memory(self) -> RunnerMemory:
-        from vllm_metal.backends.protocol import RunnerMemory
-
         if self.encoder is None:
             return super().memory()
         return RunnerMemory(weights=self.encoder.weight_bytes, kv_cache=0)
