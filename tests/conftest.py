@@ -16,6 +16,23 @@ import pytest
 import vllm_metal  # noqa: F401
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-full",
+        action="store_true",
+        help="also run the tests marked `full` (minutes each; not part of CI's run)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-full"):
+        return
+    skip = pytest.mark.skip(reason="marked `full`: run with --run-full")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory ``(arch, dtype="float32", **write_tiny_model_kwargs) -> Path``, cached per session."""

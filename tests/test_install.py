@@ -68,17 +68,41 @@ def test_homebrew_formula_is_valid_ruby() -> None:
     formula = ROOT / "Formula" / "vllm-metal.rb"
     proc = subprocess.run(["ruby", "-c", str(formula)], check=False, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    text = formula.read_text()
+
+
+def test_homebrew_formula_installs_the_release() -> None:
+    text = (ROOT / "Formula" / "vllm-metal.rb").read_text()
     for needed in (
         "depends_on arch: :arm64",
         'depends_on "python@3.12"',
         "test do",
-        '"cmake" => :build',
+        "--find-links",
         "vllm==0.32.0",
         "mlx==0.32.4",
         "nanobind==3.1.0",
     ):
         assert needed in text
+
+
+def _shell_value(name: str) -> str:
+    match = re.search(rf'^{name}="([^"]+)"$', INSTALL.read_text(), re.MULTILINE)
+    assert match, f"{name}= not found in install.sh"
+    return match.group(1)
+
+
+def test_release_version_and_wheel_index_agree() -> None:
+    """install.sh and the formula install the release of the plugin's own version, from one
+    index; the version follows vLLM's."""
+    from vllm_metal import __version__
+
+    version = _shell_value("PLUGIN_VERSION")
+    assert version == __version__
+    assert version.split(".")[:2] == _shell_value("VLLM_VERSION").split(".")[:2]
+    index = _shell_value("RELEASE_INDEX").replace("$PLUGIN_VERSION", version)
+    formula = (ROOT / "Formula" / "vllm-metal.rb").read_text()
+    assert f'WHEEL_INDEX = "{index}"' in formula
+    assert f'tag: "v{version}"' in formula
+    assert f"vllm-metal=={version}" in formula
 
 
 # --- install.sh refuses what it cannot serve --------------------------------------------------

@@ -16,7 +16,7 @@ import os
 import platform as _pyplatform
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.32.0"
 
 PLATFORM_QUALNAME = "vllm_metal.platform.MetalPlatform"
 
