@@ -222,3 +222,37 @@ def test_stable_install_from_a_local_release_folder(plugin_wheel: Path, tmp_path
     where = subprocess.run([str(py), "-c", "import vllm_metal; print(vllm_metal.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
     assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout
+
+
+# --- the release workflow -------------------------------------------------------------------------
+
+
+def test_release_workflow_builds_checks_and_publishes_what_installers_read() -> None:
+    import yaml
+
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yml").read_text())
+    jobs = flow["jobs"]
+    assert set(jobs) == {"wheels", "test", "publish"}
+    pythons = jobs["wheels"]["strategy"]["matrix"]["python"]
+    assert pythons == jobs["test"]["strategy"]["matrix"]["python"]
+    # Every supported Python from the package's floor up has wheels.
+    import tomllib
+
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert pythons[0] == floor.removeprefix(">=")
+    steps = lambda job: "\n".join(s.get("run", "") for s in jobs[job]["steps"])  # noqa: E731
+    assert "release/wheels.py\" check" in steps("wheels") and "--metal --nax" in steps("wheels")
+    assert "VLLM_TARGET_DEVICE" in str(jobs["wheels"]["steps"])
+    assert "./install.sh --stable --wheels dist" in steps("test")
+    assert jobs["publish"]["needs"] == ["wheels", "test"]
+    publish = steps("publish")
+    assert "release/wheels.py index dist" in publish and "index.html" in publish
+    # The index is published where install.sh looks for it.
+    install = (ROOT / "install.sh").read_text()
+    assert 'RELEASE_INDEX="https://github.com/vllm-project/vllm-metal/releases/download/' \
+        'v$PLUGIN_VERSION/index.html"' in install
+    assert "releases/download/$GITHUB_REF_NAME" in publish
+    # The commands the workflow runs exist with those options.
+    with pytest.raises(SystemExit) as done:
+        wheels.main(["index", "--help"])
+    assert done.value.code == 0
