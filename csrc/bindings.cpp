@@ -12,6 +12,9 @@
 #include <string>
 
 #include "common/device.h"
+#if defined(VLLM_METAL_WITH_METAL)
+#include "common/metal_library.h"
+#endif
 #include "common/thread_pool.h"
 #include "constants.h"
 #include "mlx/version.h"
@@ -183,6 +186,24 @@ NB_MODULE(_C, m) {
   m.def("gpu_cores", &vm::device::gpu_cores, "GPU cores the split-KV plan assumes.");
   m.def("set_gpu_cores", &vm::device::set_gpu_cores, "n"_a,
         "Sets the GPU cores the split-KV plan assumes (n <= 0: the default).");
+  m.def("nax_eligible", &vm::device::nax_eligible, "os_has_metal4"_a, "architecture"_a,
+        "architecture_gen"_a,
+        "Whether a GPU of that MLX architecture name and generation, on an OS with Metal 4 "
+        "tensors or not, can run the NAX kernels (the rule the GPU build applies).");
+#if defined(VLLM_METAL_WITH_METAL)
+  m.def(
+      "metal_device_facts",
+      [] {
+        const vm::metal::DeviceFacts f = vm::metal::device_facts();
+        nb::dict d;
+        d["architecture"] = f.architecture;
+        d["architecture_gen"] = f.architecture_gen;
+        d["nax"] = f.nax;
+        return d;
+      },
+      "The default GPU as the kernel choice sees it: {'architecture', 'architecture_gen', "
+      "'nax'}.");
+#endif
   m.def("num_threads", [] { return vm::cpu::ThreadPool::instance().num_threads(); },
         "Threads the CPU bodies use.");
   m.def("set_num_threads", [](int n) { vm::cpu::ThreadPool::instance().set_num_threads(n); },

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include "common/device.h"
 #include "constants.h"
 
 namespace vllm_metal::metal {
@@ -47,10 +48,9 @@ bool supports_nax(mx::metal::Device& d) {
     if (__builtin_available(macOS 26.2, iOS 26.2, *)) {
       os_ok = true;
     }
-    const std::string& arch = d.get_architecture();
-    if (!os_ok || arch.empty()) return false;
-    // Neural accelerators arrive with GPU generation 17 (18 for phone-class parts).
-    if (d.get_architecture_gen() < (arch.back() == 'p' ? 18 : 17)) return false;
+    if (!device::nax_eligible(os_ok, d.get_architecture(), d.get_architecture_gen())) {
+      return false;
+    }
     auto* fname = NS::String::string(VM_KERNEL_NAME_NAX(f16, 128), NS::UTF8StringEncoding);
     MTL::Function* f = kernel_library(d)->newFunction(fname);
     if (f == nullptr) return false;  // library built without Metal 4
@@ -58,6 +58,11 @@ bool supports_nax(mx::metal::Device& d) {
     return true;
   }();
   return supported;
+}
+
+DeviceFacts device_facts() {
+  auto& d = mx::metal::device(mx::Device::gpu);
+  return DeviceFacts{d.get_architecture(), d.get_architecture_gen(), supports_nax(d)};
 }
 
 std::string dtype_tag(mx::Dtype t) {

@@ -21,6 +21,15 @@ MTL::ComputePipelineState* kernel(mx::metal::Device& d, const std::string& name)
 // M5-class GPU, an OS with Metal 4 tensor ops, and NAX kernels present in the library.
 bool supports_nax(mx::metal::Device& d);
 
+// What the kernel choice knows of the default GPU: MLX's architecture name and generation, and
+// supports_nax; for logging at startup.
+struct DeviceFacts {
+  std::string architecture;
+  int architecture_gen = 0;
+  bool nax = false;
+};
+DeviceFacts device_facts();
+
 // "f32", "f16", "bf16"; throws for other dtypes.
 std::string dtype_tag(mx::Dtype t);
 

@@ -144,12 +144,37 @@ def test_native_hands_the_count_to_the_planner_once(
 
     reads = []
     monkeypatch.setattr(_gpu, "read_gpu_core_count", lambda: reads.append(1) or 19)
+    # What a GPU build's _C.metal_device_facts() answers on an M2 Pro.
+    facts = {"architecture": "applegpu_g14s", "architecture_gen": 14, "nax": False}
+    monkeypatch.setattr(_native, "_metal_facts", lambda: facts)
     _native._configure_gpu.cache_clear()
     _native._configure_gpu()
     _native._configure_gpu()
     assert native_C.gpu_cores() == 19 and len(reads) == 1
-    assert records.seen == [("INFO", "Metal GPU with 19 cores (IORegistry gpu-core-count)")]
+    ((level, message),) = records.seen
+    assert level == "INFO"
+    assert message.startswith("Metal GPU applegpu_g14s (generation 14), 19 cores; NAX prefill")
+    assert "kernels: no (they need an M5-class GPU" in message
     _native._configure_gpu.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "os_has_metal4, architecture, gen, expected",
+    [
+        (True, "applegpu_g17s", 17, True),  # M5
+        (True, "applegpu_g17g", 17, True),
+        (True, "applegpu_g18s", 18, True),  # later Mac GPUs
+        (True, "applegpu_g16s", 16, False),  # M4
+        (True, "applegpu_g17p", 17, False),  # a phone-class part needs generation 18
+        (True, "applegpu_g18p", 18, True),
+        (False, "applegpu_g17s", 17, False),  # an OS before macOS 26.2
+        (True, "", 17, False),  # MLX could not name the GPU
+    ],
+)
+def test_nax_eligibility_follows_gpu_generation_and_os(
+    native_C, os_has_metal4: bool, architecture: str, gen: int, expected: bool
+) -> None:
+    assert native_C.nax_eligible(os_has_metal4, architecture, gen) is expected
 
 
 def test_unknown_count_keeps_the_default_and_says_so(

@@ -60,8 +60,14 @@ MLX_VERSION: str = _C.MLX_VERSION
 HAS_METAL: bool = _C.HAS_METAL
 
 
+def _metal_facts() -> dict | None:
+    """MLX's name and generation of the GPU, and whether the NAX kernels run on it (GPU builds)."""
+    return _C.metal_device_facts() if HAS_METAL else None
+
+
 @functools.cache
 def _configure_gpu() -> None:
+    """Hands the GPU's core count to the planner and logs what the kernel choice will use."""
     # Metal has no API for the core count; the planner's split-KV choice depends on it.
     cores = _gpu.read_gpu_core_count()
     if cores is None:
@@ -70,9 +76,18 @@ def _configure_gpu() -> None:
             "for %d cores",
             _C.gpu_cores(),
         )
+    else:
+        _C.set_gpu_cores(cores)
+    facts = _metal_facts()
+    if facts is None:
         return
-    _C.set_gpu_cores(cores)
-    logger.info("Metal GPU with %d cores (IORegistry gpu-core-count)", cores)
+    logger.info(
+        "Metal GPU %s (generation %d), %d cores; NAX prefill kernels: %s",
+        facts["architecture"],
+        facts["architecture_gen"],
+        _C.gpu_cores(),
+        "yes" if facts["nax"] else "no (they need an M5-class GPU, macOS 26.2 and a Metal 4 build)",
+    )
 
 
 def _on_gpu() -> bool:

@@ -1,0 +1,6 @@
+// Stand-in for Apple's <mach/mach.h> (not on Linux): the types of MTL::Resource::setOwner.
+#pragma once
+
+typedef int kern_return_t;
+typedef unsigned int mach_port_t;
+typedef mach_port_t task_id_token_t;
