@@ -106,8 +106,8 @@ MUTATIONS = [
     Mutation(
         "architecture-gen-misnamed",
         "common/metal_library.cpp",
-        r"d\.get_architecture_gen\(\)",
-        "d.get_architecture_generation()",
+        r"d\.get_architecture\(\), d\.get_architecture_gen\(\)\)\)",
+        "d.get_architecture(), d.get_architecture_generation()))",
     ),
     Mutation(
         "availability-without-wildcard",
