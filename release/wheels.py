@@ -73,8 +73,8 @@ def inspect(path: Path, kernel_names: list[str] = ()) -> WheelReport:
         for member in names:
             if member.endswith(".dist-info/entry_points.txt"):
                 text = zf.read(member).decode()
-                report.entry_point = "[vllm.platform_plugins]" in text and f"{PACKAGE}:register" in (
-                    text
+                report.entry_point = (
+                    "[vllm.platform_plugins]" in text and f"{PACKAGE}:register" in (text)
                 )
     return report
 

@@ -3,13 +3,15 @@ the cached build (source mapping and discovery: translate.py) and the dispatch A
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,26 @@ def _runner_object() -> Path:
 
 
 @dataclass
+class TgArray:
+    """An in-body `threadgroup T name[N];` declaration of one kernel instance."""
+
+    name: str
+    size: int
+    align: int
+    file: str
+    line: int
+
+
+@dataclass
+class InstanceLimits:
+    """What the compiled program knows of one [[host_name]] instance before any dispatch."""
+
+    max_threads: int | None  # [[max_total_threads_per_threadgroup]]
+    static_threadgroup_bytes: int  # its arrays at natural alignment, rounded up to 16
+    arrays: list[TgArray]
+
+
+@dataclass
 class Program:
     """One Metal source compiled for the host: its binary and its [[host_name]] instances."""
 
@@ -112,6 +134,26 @@ class Program:
     @property
     def kernel_names(self) -> list[str]:
         return sorted(self.instances)
+
+    @functools.cached_property
+    def limits(self) -> tuple[dict[str, InstanceLimits], list[tuple[TgArray, str]]]:
+        """Per instance: declared max threads and static threadgroup arrays (every array its
+        instantiation declares, whether or not a dispatch reaches it); and the arrays declared
+        outside every kernel instance, with their declaring function."""
+        r = subprocess.run(
+            [str(self.binary), "--describe"], capture_output=True, text=True, check=True
+        )
+        limits: dict[str, InstanceLimits] = {}
+        orphans: list[tuple[TgArray, str]] = []
+        for line in r.stdout.splitlines():
+            kind, *f = line.split("\t")
+            if kind == "kernel":
+                limits[f[0]] = InstanceLimits(int(f[1]) or None, int(f[2]), [])
+            elif kind == "tgvar":
+                limits[f[0]].arrays.append(TgArray(f[3], int(f[1]), int(f[2]), f[5], int(f[4])))
+            elif kind == "orphan":
+                orphans.append((TgArray(f[2], int(f[0]), int(f[1]), f[4], int(f[3])), f[5]))
+        return limits, orphans
 
 
 def _dependencies(source: Path, inc_flags: list[str]) -> list[Path]:
@@ -194,14 +236,7 @@ def compile_source(source: Path | str, extra_include: list[Path] | None = None) 
         (work_tmp / "instances.txt").write_text(
             "".join(f"{i.host_name} {i.function} {i.template_args or ''}\n" for i in instances)
         )
-        (work_tmp / "kernels.txt").write_text(
-            "".join(
-                f"{k.name} "
-                + " ".join(f"{p.name}:{p.attr}:{p.index}:{int(p.is_pointer)}" for p in k.params)
-                + "\n"
-                for k in kernels.values()
-            )
-        )
+        (work_tmp / "kernels.json").write_text(json.dumps([asdict(k) for k in kernels.values()]))
         try:
             os.replace(work_tmp, work)
         except OSError:
@@ -212,13 +247,9 @@ def compile_source(source: Path | str, extra_include: list[Path] | None = None) 
 
 def _load_program(source: Path, work: Path) -> Program:
     kernels: dict[str, KernelDef] = {}
-    for line in (work / "kernels.txt").read_text().splitlines():
-        name, *ps = line.split(" ")
-        params = []
-        for p in ps:
-            pn, attr, idx, ptr = p.split(":")
-            params.append(Param(pn, attr, None if idx == "None" else int(idx), ptr == "1"))
-        kernels[name] = KernelDef(name, params)
+    for k in json.loads((work / "kernels.json").read_text()):
+        k["params"] = [Param(**p) for p in k["params"]]
+        kernels[k["name"]] = KernelDef(**k)
     instances = {}
     for line in (work / "instances.txt").read_text().splitlines():
         host, fn, *targs = line.split(" ", 2)

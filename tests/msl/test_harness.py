@@ -184,6 +184,9 @@ def test_source_mapping_keeps_lines_and_only_rewrites_declarations() -> None:
     out = harness.map_source(src, "x.metal").split("\n", 1)[1]
     assert out.count("\n") == src.count("\n")
     assert "[[msl_threadgroup(0)]]" in out
-    assert 'auto& buf = ::msl::tg_var<float[4][8]>(__COUNTER__, "buf");' in out
+    assert (
+        "auto& buf = ::msl::tg_var<float[4][8]>(__COUNTER__, "
+        '[] { return ::msl::rt::TgDecl{"buf", __FILE__, __LINE__}; });'
+    ) in out
     assert "threadgroup half* q = (threadgroup half*)p;" in out
     assert "threadgroup_barrier(mem_flags::mem_threadgroup);" in out

@@ -14,6 +14,9 @@ from pathlib import Path
 # `[[threadgroup(n)]]` on a parameter: the `threadgroup` macro would rewrite the attribute name.
 _TG_ATTR = re.compile(r"\[\[\s*threadgroup\s*\(")
 # `threadgroup T name[N]...;` declares storage shared by the threadgroup (not a pointer/reference).
+# It becomes a tg_var call whose last argument, a lambda naming the declaration, has a closure type
+# unique to each kernel instantiation: msl.h registers sizeof(T) per instance at program start
+# from it (the runner's static threadgroup-memory accounting), whether the declaration runs or not.
 _TG_DECL = re.compile(
     r"^(?P<indent>\s*)threadgroup\s+(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>[A-Za-z_]\w*)\s*"
     r"(?P<dims>(?:\[[^\];]+\]\s*)*);",
@@ -36,7 +39,7 @@ def map_source(text: str, origin: str) -> str:
         dims = re.sub(r"\s+", "", m["dims"])
         return (
             f"{m['indent']}auto& {m['name']} = ::msl::tg_var<{t}{dims}>(__COUNTER__, "
-            f'"{m["name"]}");'
+            f'[] {{ return ::msl::rt::TgDecl{{"{m["name"]}", __FILE__, __LINE__}}; }});'
         )
 
     text = _TG_DECL.sub(tg_decl, text)
@@ -87,6 +90,10 @@ class Param:
 class KernelDef:
     name: str
     params: list[Param]
+    # [[max_total_threads_per_threadgroup(N)]]: the expression N as written (macro-expanded)
+    max_threads: str | None = None
+    offset: int = 0  # of the definition in the text discover() read
+    template_params: str | None = None  # "typename T, int B" of a kernel template
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Instance:
     host_name: str
     function: str
     template_args: str | None  # None for a non-template kernel
+    offset: int = 0  # of the [[host_name]] (or the kernel definition) in the text discover() read
 
 
 def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
@@ -130,6 +138,7 @@ def _split_top(s: str) -> list[str]:
 
 
 _ATTR = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]")
+_MAX_THREADS = re.compile(r"\[\[\s*max_total_threads_per_threadgroup\s*\((.*?)\)\s*\]\]")
 _KERNEL_FN = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel)\s+void\s+([A-Za-z_]\w*)\s*\(")
 # The name may be adjacent literals ("a" "b"), as a name macro's stringized pieces expand to.
 _HOST_NAME = re.compile(r"\[\[\s*host_name\s*\(\s*((?:\"[^\"]*\"\s*)+)\)\s*\]\]")
@@ -148,8 +157,6 @@ def _parse_params(plist: str, fn: str) -> list[Param]:
         if not m or not attrs:
             raise ValueError(f"kernel {fn}: cannot read parameter {raw.strip()!r}")
         attr, idx = attrs[0]
-        if attr not in _POSITION_ATTRS and attr not in ("buffer", "msl_threadgroup"):
-            raise ValueError(f"kernel {fn}: unsupported parameter attribute [[{attr}]]")
         params.append(
             Param(
                 name=m[1],
@@ -172,13 +179,23 @@ def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
         if not rest.startswith("{"):
             continue  # an explicit instantiation, handled below
         name = m[1]
-        kernels[name] = KernelDef(name, _parse_params(expanded[open_at + 1 : close_at - 1], name))
         # Declaration head: text since the end of the previous declaration.
         head_start = max(expanded.rfind(";", 0, m.start()), expanded.rfind("}", 0, m.start()))
         head = expanded[head_start + 1 : m.start()]
-        if not re.search(r"\btemplate\s*<", head):
+        max_threads = _MAX_THREADS.search(head)
+        template = re.search(r"\btemplate\s*<", head)
+        kernels[name] = KernelDef(
+            name,
+            _parse_params(expanded[open_at + 1 : close_at - 1], name),
+            max_threads[1].strip() if max_threads else None,
+            m.start(),
+            head[template.end() : _matching(head, template.end() - 1, "<", ">") - 1].strip()
+            if template
+            else None,
+        )
+        if not template:
             hn = _HOST_NAME.search(head)
-            instances.append(Instance(_host_name(hn[1]) if hn else name, name, None))
+            instances.append(Instance(_host_name(hn[1]) if hn else name, name, None, m.start()))
     for m in _HOST_NAME.finditer(expanded):
         before = expanded[max(0, m.start() - 40) : m.start()]
         if not re.search(r"\btemplate\s*$", before):
@@ -206,7 +223,7 @@ def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
             raise ValueError(
                 f"host_name {host_name!r}: no kernel template instantiated in {stmt!r}"
             )
-        instances.append(Instance(host_name, found[0], found[1]))
+        instances.append(Instance(host_name, found[0], found[1], m.start()))
     names = [i.host_name for i in instances]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -215,6 +232,8 @@ def discover(expanded: str) -> tuple[dict[str, KernelDef], list[Instance]]:
 
 
 def _arg(p: Param) -> str:
+    if p.attr not in _POSITION_ATTRS and p.attr not in ("buffer", "msl_threadgroup"):
+        raise ValueError(f"parameter {p.name}: unsupported parameter attribute [[{p.attr}]]")
     if p.attr == "buffer":
         cls = "BufferPtr" if p.is_pointer else "BufferRef"
         return f'::msl::{cls}{{::msl::rt::bound_pointer(0, {p.index}, "{p.name}")}}'
@@ -232,6 +251,12 @@ def generate_shim(
         "namespace msl_shim {",
     ]
     table = []
+    for k in kernels.values():
+        if k.max_threads and k.template_params is not None:  # may depend on template arguments
+            lines.append(
+                f"template <{k.template_params}> constexpr unsigned max_threads_{k.name}() "
+                f"{{ return static_cast<unsigned>({k.max_threads}); }}"
+            )
     for i, inst in enumerate(instances):
         k = kernels[inst.function]
         callee = inst.function + (
@@ -239,15 +264,30 @@ def generate_shim(
         )
         args = ", ".join(_arg(p) for p in k.params)
         lines.append(f"void k{i}() {{ ::{callee}({args}); }}")
-        table.append(f'  {{"{inst.host_name}", &msl_shim::k{i}}},')
+        max_threads = "0"
+        if k.max_threads:
+            max_threads = (
+                f"msl_shim::max_threads_{k.name}<{inst.template_args}>()"
+                if inst.template_args is not None
+                else f"static_cast<unsigned>({k.max_threads})"
+            )
+        table.append(
+            f'  {{"{inst.host_name}", &msl_shim::k{i}, ::msl::function_name<&::{callee}>(), '
+            f"{max_threads}}},"
+        )
     lines += [
         "}  // namespace msl_shim",
         'extern "C" {',
-        "struct msl_kernel_entry { const char* name; void (*fn)(); };",
+        "struct msl_kernel_entry {",
+        "  const char* name;",
+        "  void (*fn)();",
+        "  const char* function;  // the instantiated kernel, as msl::function_name spells it",
+        "  unsigned max_threads;  // [[max_total_threads_per_threadgroup]], 0 if not declared",
+        "};",
         "extern const msl_kernel_entry msl_kernels[];",
         "const msl_kernel_entry msl_kernels[] = {",
         *table,
-        "  {nullptr, nullptr},",
+        "  {nullptr, nullptr, nullptr, 0},",
         "};",
         "}",
     ]

@@ -20,11 +20,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "release"))
-import wheels  # noqa: E402  (release/wheels.py is a script folder, not a package)
+import wheels
 
 MLX_VERSION = "0.32.4"
-TOOLS = ("cc", "c++", "gcc", "g++", "clang", "clang++", "ld", "cmake", "make", "ninja", "xcrun",
-         "metal", "nvcc", "gcc-12", "g++-12", "x86_64-linux-gnu-gcc", "x86_64-linux-gnu-g++")
+TOOLS = (
+    "cc",
+    "c++",
+    "gcc",
+    "g++",
+    "clang",
+    "clang++",
+    "ld",
+    "cmake",
+    "make",
+    "ninja",
+    "xcrun",
+    "metal",
+    "nvcc",
+    "gcc-12",
+    "g++-12",
+    "x86_64-linux-gnu-gcc",
+    "x86_64-linux-gnu-g++",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +49,22 @@ def plugin_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin wheel as a release builds it (against the installed MLX and nanobind)."""
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-build-isolation", "--no-deps",
-         "-q", "-w", str(out)],
-        capture_output=True, text=True, check=False, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = out.glob("vllm_metal-*.whl")
@@ -50,8 +80,11 @@ def no_compiler_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
         script = trap_dir / tool
         script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{log}"\nexit 1\n')
         script.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VLLM_METAL_", "VIRTUAL_ENV", "PYTHON"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_METAL_", "VIRTUAL_ENV", "PYTHON"))
+    }
     for var in ("CC", "CXX", "CMAKE_ARGS", "LDSHARED"):
         env.pop(var, None)
     env["PATH"] = f"{trap_dir}:{env['PATH']}"
@@ -131,9 +164,24 @@ def test_wheel_installs_and_runs_without_a_compiler(plugin_wheel: Path, tmp_path
     py = venv / "bin" / "python"
     cpu = [f"mlx-cpu=={MLX_VERSION}"] if sys.platform == "linux" else []
     proc = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
-         "--no-deps", str(plugin_wheel), f"mlx=={MLX_VERSION}", *cpu],
-        capture_output=True, text=True, check=False, env=env, timeout=600,
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "--no-deps",
+            str(plugin_wheel),
+            f"mlx=={MLX_VERSION}",
+            *cpu,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     script = """
@@ -154,8 +202,15 @@ assert mx.array_equal(rows[2], key[2]) and mx.array_equal(v2.reshape(8, 2, 4)[2]
 assert float(mx.abs(rows[1]).sum()) == 0.0
 print("op ok")
 """
-    run = subprocess.run([str(py), "-c", script], capture_output=True, text=True, check=False,
-                         env=env, cwd=tmp_path, timeout=300)
+    run = subprocess.run(
+        [str(py), "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines[0].startswith(str(venv)), lines  # the installed wheel, not this checkout
@@ -165,11 +220,16 @@ print("op ok")
     assert _compiler_calls(log) == ""
 
 
-def _install_sh(tmp_path: Path, env: dict[str, str], *args: str,
-                timeout: int = 300) -> subprocess.CompletedProcess:
+def _install_sh(
+    tmp_path: Path, env: dict[str, str], *args: str, timeout: int = 300
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(ROOT / "install.sh"), "--venv", str(tmp_path / "venv"), *args],
-        capture_output=True, text=True, check=False, env=env, timeout=timeout,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
 
@@ -219,8 +279,14 @@ def test_stable_install_from_a_local_release_folder(plugin_wheel: Path, tmp_path
     assert "native extension: vllm_metal._C loaded" in proc.stdout
     assert _compiler_calls(log) == ""
     py = tmp_path / "venv" / "bin" / "python"
-    where = subprocess.run([str(py), "-c", "import vllm_metal; print(vllm_metal.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    where = subprocess.run(
+        [str(py), "-c", "import vllm_metal; print(vllm_metal.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout
 
 
@@ -240,8 +306,8 @@ def test_release_workflow_builds_checks_and_publishes_what_installers_read() -> 
 
     floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert pythons[0] == floor.removeprefix(">=")
-    steps = lambda job: "\n".join(s.get("run", "") for s in jobs[job]["steps"])  # noqa: E731
-    assert "release/wheels.py\" check" in steps("wheels") and "--metal --nax" in steps("wheels")
+    steps = lambda job: "\n".join(s.get("run", "") for s in jobs[job]["steps"])
+    assert 'release/wheels.py" check' in steps("wheels") and "--metal --nax" in steps("wheels")
     assert "VLLM_TARGET_DEVICE" in str(jobs["wheels"]["steps"])
     assert "./install.sh --stable --wheels dist" in steps("test")
     assert jobs["publish"]["needs"] == ["wheels", "test"]
@@ -249,8 +315,10 @@ def test_release_workflow_builds_checks_and_publishes_what_installers_read() -> 
     assert "release/wheels.py index dist" in publish and "index.html" in publish
     # The index is published where install.sh looks for it.
     install = (ROOT / "install.sh").read_text()
-    assert 'RELEASE_INDEX="https://github.com/vllm-project/vllm-metal/releases/download/' \
+    assert (
+        'RELEASE_INDEX="https://github.com/vllm-project/vllm-metal/releases/download/'
         'v$PLUGIN_VERSION/index.html"' in install
+    )
     assert "releases/download/$GITHUB_REF_NAME" in publish
     # The commands the workflow runs exist with those options.
     with pytest.raises(SystemExit) as done:

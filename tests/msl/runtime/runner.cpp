@@ -7,12 +7,15 @@
 // memory and to find unsynchronised conflicting accesses between barriers.
 //
 // Usage: runner PLAN   (the plan format is written by tests/msl/harness.py; see parse_plan below)
+//        runner --describe   (every kernel instance's limits and static threadgroup arrays; see
+//                             describe below)
 
 #include <signal.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
@@ -31,6 +34,8 @@ extern "C" {
 struct msl_kernel_entry {
   const char* name;
   void (*fn)();
+  const char* function;  // the instantiated kernel, as msl::function_name spells it
+  unsigned max_threads;  // [[max_total_threads_per_threadgroup]], 0 if not declared
 };
 // Defined by the generated per-source shim: every [[host_name]] instance, nullptr-terminated.
 extern const msl_kernel_entry msl_kernels[];
@@ -159,7 +164,7 @@ struct TgVar {
 std::vector<std::unique_ptr<Buffer>> g_buffers;
 std::map<std::string, int> g_buffer_index;
 const Dispatch* g_dispatch = nullptr;
-void (*g_entry)() = nullptr;
+const msl_kernel_entry* g_entry = nullptr;
 
 uint32_t g_tg_pos[3];
 uint64_t g_tg_linear = 0;
@@ -365,6 +370,76 @@ inline void on_access(void* p, size_t size, bool write, void* pc) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Static threadgroup memory: the arrays each kernel instance declares, whether or not they run
+// ------------------------------------------------------------------------------------------
+struct StaticTgVar {
+  std::string function;  // declaring function, "kernel<args>(params)::<lambda()>"
+  msl::rt::TgDecl decl;
+  size_t size;
+  size_t align;
+};
+
+// Filled at program start (before main) by msl::TgStatic, hence a function-local static.
+std::vector<StaticTgVar>& static_tg_vars() {
+  static std::vector<StaticTgVar> vars;
+  return vars;
+}
+
+// "X" of a __PRETTY_FUNCTION__ ending in "[with P = X]".
+std::string pretty_argument(const char* pretty) {
+  const char* eq = strstr(pretty, " = ");
+  std::string s = eq ? eq + 3 : pretty;
+  if (!s.empty() && s.back() == ']') s.pop_back();
+  return s;
+}
+
+struct StaticUse {
+  size_t bytes = 0;  // laid out in declaration order at natural alignment, rounded up to 16
+  std::vector<const StaticTgVar*> vars;
+};
+
+bool declared_in(const StaticTgVar& v, const msl_kernel_entry& e) {
+  const std::string fn = pretty_argument(e.function) + "(";
+  return v.function.compare(0, fn.size(), fn) == 0;
+}
+
+StaticUse static_threadgroup_use(const msl_kernel_entry& e) {
+  StaticUse u;
+  for (const StaticTgVar& v : static_tg_vars())
+    if (declared_in(v, e)) u.vars.push_back(&v);
+  std::sort(u.vars.begin(), u.vars.end(), [](const StaticTgVar* a, const StaticTgVar* b) {
+    return a->decl.line < b->decl.line;
+  });
+  for (const StaticTgVar* v : u.vars) u.bytes = (u.bytes + v->align - 1) / v->align * v->align + v->size;
+  u.bytes = (u.bytes + 15) / 16 * 16;
+  return u;
+}
+
+// One tab-separated line per fact, read by tests/msl/harness.py (Program.limits):
+//   kernel  HOST_NAME  MAX_THREADS(0: none)  STATIC_THREADGROUP_BYTES
+//   tgvar   HOST_NAME  SIZE  ALIGN  NAME  LINE  FILE
+//   orphan  SIZE  ALIGN  NAME  LINE  FILE  FUNCTION   (declared outside every kernel instance)
+int describe() {
+  std::vector<bool> owned(static_tg_vars().size(), false);
+  for (const msl_kernel_entry* e = msl_kernels; e->name; ++e) {
+    const StaticUse u = static_threadgroup_use(*e);
+    printf("kernel\t%s\t%u\t%zu\n", e->name, e->max_threads, u.bytes);
+    for (const StaticTgVar* v : u.vars) {
+      owned[v - static_tg_vars().data()] = true;
+      printf("tgvar\t%s\t%zu\t%zu\t%s\t%u\t%s\n", e->name, v->size, v->align, v->decl.name,
+             v->decl.line, v->decl.file);
+    }
+  }
+  for (size_t i = 0; i < owned.size(); ++i) {
+    const StaticTgVar& v = static_tg_vars()[i];
+    if (!owned[i])
+      printf("orphan\t%zu\t%zu\t%s\t%u\t%s\t%s\n", v.size, v.align, v.decl.name, v.decl.line,
+             v.decl.file, v.function.c_str());
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
 // Scheduling
 // ------------------------------------------------------------------------------------------
 void yield_to_scheduler() { msl_switch(&g_cur->sp, g_sched_sp); }
@@ -372,7 +447,7 @@ void yield_to_scheduler() { msl_switch(&g_cur->sp, g_sched_sp); }
 void thread_exit();
 
 void fiber_main() {
-  g_entry();
+  g_entry->fn();
   thread_exit();
   for (;;) yield_to_scheduler();
 }
@@ -500,17 +575,33 @@ void run_dispatch(const Dispatch& d) {
   g_dispatch = &d;
   g_entry = nullptr;
   for (const msl_kernel_entry* e = msl_kernels; e->name; ++e)
-    if (d.kernel == e->name) g_entry = e->fn;
+    if (d.kernel == e->name) g_entry = e;
   if (!g_entry) die("setup", "no kernel instance named '%s' in this source", d.kernel.c_str());
   g_nthreads = d.threads[0] * d.threads[1] * d.threads[2];
-  if (g_nthreads == 0 || g_nthreads > kMaxThreadsPerThreadgroup)
-    die("setup", "threads per threadgroup %u not in 1..1024", g_nthreads);
+  if (g_nthreads == 0) die("setup", "empty threadgroup");
+  // A pipeline's maxTotalThreadsPerThreadgroup is at most 1024 and at most the kernel's declared
+  // [[max_total_threads_per_threadgroup]]; Metal rejects larger dispatches.
+  if (g_nthreads > kMaxThreadsPerThreadgroup)
+    die("threads-per-threadgroup", "%u threads per threadgroup (%u x %u x %u) exceed the pipeline "
+        "maximum of %zu", g_nthreads, d.threads[0], d.threads[1], d.threads[2],
+        kMaxThreadsPerThreadgroup);
+  if (g_entry->max_threads && g_nthreads > g_entry->max_threads)
+    die("threads-per-threadgroup", "%u threads per threadgroup exceed the kernel's "
+        "[[max_total_threads_per_threadgroup(%u)]]", g_nthreads, g_entry->max_threads);
   size_t dyn = 0;
   for (auto& [i, len] : d.threadgroup_lengths) {
     if (len % 16) die("setup", "threadgroup memory length %zu of index %d is not a multiple of 16", len, i);
     dyn += len;
   }
-  if (dyn > kMaxThreadgroupMemory) die("setup", "threadgroup memory %zu bytes exceeds 32 KiB", dyn);
+  // Static arrays count whether or not this dispatch reaches their declarations.
+  const StaticUse st = static_threadgroup_use(*g_entry);
+  if (st.bytes + dyn > kMaxThreadgroupMemory) {
+    std::string arrays;
+    for (const StaticTgVar* v : st.vars)
+      arrays += std::string(arrays.empty() ? "" : ", ") + v->decl.name + " " + std::to_string(v->size);
+    die("threadgroup-limit", "threadgroup memory of %zu bytes (static arrays %zu [%s], "
+        "[[threadgroup(n)]] lengths %zu) exceeds 32 KiB", st.bytes + dyn, st.bytes, arrays.c_str(), dyn);
+  }
   for (auto& b : g_buffers) b->writers.clear();
   if (g_fibers.size() < g_nthreads) {
     g_fibers.resize(g_nthreads);
@@ -665,6 +756,13 @@ static Exchange exchange(const char* kind, const void* value, size_t size, Site 
                          bool is_barrier, unsigned flags) {
   Fiber& f = *g_cur;
   if (size > kPayload) die("harness", "%s payload %zu bytes too large", kind, size);
+  if (g_nthreads % kSimdWidth != 0) {
+    char s[512];
+    site_str(site, s, sizeof s);
+    die("simd-width", "%s at %s in a threadgroup of %u threads: a kernel that uses simdgroup "
+        "functions must be dispatched with whole simdgroups (a multiple of %u threads)", kind, s,
+        g_nthreads, kSimdWidth);
+  }
   SimdGroup& sg = g_sgs[f.tid / kSimdWidth];
   Collective& c = sg.c[f.round & 1];
   const unsigned lane = f.tid % kSimdWidth;
@@ -785,6 +883,10 @@ bool function_constant(int index, void* out, size_t size) {
 
 void fail(const char* kind, const char* message) { die(kind, "%s", message); }
 
+void declare_threadgroup_variable(const char* function, TgDecl decl, size_t size, size_t align) {
+  static_tg_vars().push_back(StaticTgVar{pretty_argument(function), decl, size, align});
+}
+
 }  // namespace msl::rt
 
 // ------------------------------------------------------------------------------------------
@@ -814,6 +916,7 @@ void __tsan_write_range(void* p, unsigned long n) { on_access(p, n, true, __buil
 }
 
 int main(int argc, char** argv) {
+  if (argc == 2 && strcmp(argv[1], "--describe") == 0) return describe();
   if (argc != 2) {
     fprintf(stderr, "usage: %s PLAN\n", argv[0]);
     return 2;

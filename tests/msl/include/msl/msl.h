@@ -868,9 +868,29 @@ MSL_INLINE T quad_shuffle(T x, I lane, MSL_HERE) {
 
 // Glue used by the source mapping and the generated shim (tests/msl/harness.py).
 namespace msl {
-template <class T>
-MSL_INLINE T& tg_var(unsigned key, const char* name) {
-  return *static_cast<T*>(rt::threadgroup_variable(key, sizeof(T), alignof(T), name));
+// "... [with auto Fn = kernel<half, 64, 8>]": how the runner names an instantiated kernel.
+template <auto Fn>
+const char* function_name() {
+  return __PRETTY_FUNCTION__;
+}
+// "... [with Where = kernel<half, 64, 8>(params)::<lambda()>]" for a lambda declared in the kernel.
+template <class Where>
+const char* where_name() {
+  return __PRETTY_FUNCTION__;
+}
+// Instantiated (hence initialised at program start) once per threadgroup declaration of each
+// instantiated function: the declaring lambda's closure type differs per instantiation.
+template <class T, class Where>
+struct TgStatic {
+  static inline const bool declared =
+      (rt::declare_threadgroup_variable(where_name<Where>(), Where{}(), sizeof(T), alignof(T)),
+       true);
+};
+// `threadgroup T name[N];` (see the source mapping in tests/msl/translate.py).
+template <class T, class Where>
+MSL_INLINE T& tg_var(unsigned key, Where where) {
+  static_cast<void>(&TgStatic<T, Where>::declared);
+  return *static_cast<T*>(rt::threadgroup_variable(key, sizeof(T), alignof(T), where().name));
 }
 struct BufferPtr {
   void* p;

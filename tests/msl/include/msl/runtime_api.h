@@ -58,6 +58,18 @@ void simdgroup_barrier(unsigned flags, Site site);
 // the running threadgroup, carved from the threadgroup arena. `key` identifies the declaration.
 void* threadgroup_variable(unsigned key, size_t size, size_t align, const char* name);
 
+// A `threadgroup T name[...]` declaration as the source mapping spells it.
+struct TgDecl {
+  const char* name;
+  const char* file;
+  unsigned line;
+};
+
+// Called at program start for every threadgroup declaration of every instantiated function, executed
+// or not: `function` is the declaring function as msl::where_name spells it (static accounting of
+// each kernel instance's threadgroup memory).
+void declare_threadgroup_variable(const char* function, TgDecl decl, size_t size, size_t align);
+
 // Pointer bound to a kernel parameter: [[buffer(n)]] (kind 0) or [[threadgroup(n)]] (kind 1).
 void* bound_pointer(int kind, int index, const char* param);
 
