@@ -158,10 +158,13 @@ def check_config(vllm_config: VllmConfig) -> None:
         paged = [m for m in (model, draft) if m is not None and m.attn_type != "encoder_only"]
         for checked in paged:
             if checked.get_head_size() not in head_sizes:
-                raise MetalConfigError(
-                    f"vllm-metal: attention head size {checked.get_head_size()} of "
-                    f"model={checked.model!r} is not supported; the paged attention kernels "
-                    f"take head sizes {sorted(head_sizes)}"
+                logger.warning(
+                    "attention head size %d of model=%r has no Metal kernel (they are built for "
+                    "%s): its paged attention runs the generic path, the C++ body on the CPU and "
+                    "MLX's reference ops on the GPU, which is slower there",
+                    checked.get_head_size(),
+                    checked.model,
+                    ", ".join(map(str, sorted(head_sizes))),
                 )
     cache = vllm_config.cache_config
     if cache.cache_dtype not in ("auto", None) and not str(cache.cache_dtype).startswith(

@@ -284,3 +284,42 @@ def test_gpu_stream_without_metal_raises_clearly(native: ModuleType) -> None:
         assert "without metal" in message or "gpu" in message, message
     else:
         pytest.fail("evaluating on the GPU stream of a build without Metal did not raise")
+
+
+# --- head sizes without a Metal kernel ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_size", [32, 40, 112, 192])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_sizes_without_a_metal_kernel(native: ModuleType, dtype: str, head_size: int) -> None:
+    """The C++ body takes any head size (vector loop plus a scalar tail), windows and sinks too."""
+    assert head_size not in ops.HEAD_SIZES
+    rng = np.random.default_rng(head_size)
+    batch = make_batch(
+        rng, **MIXED, num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16, dtype=dtype
+    )
+    check(native, batch, dtype)
+    sinks = mx.array(rng.normal(size=(4,)).astype(np.float32)).astype(batch.query.dtype)
+    check(native, batch, dtype, sliding_window=6, sinks=sinks)
+
+
+def test_gpu_calls_with_other_head_sizes_take_the_reference(
+    native: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the GPU only the kernels' head sizes reach the native op; the public ops route the rest
+    to the reference, which MLX runs on the GPU."""
+    from vllm_metal.ops import _backend
+
+    assert _backend.native_for(32) is native  # on the CPU the C++ body takes any size
+    monkeypatch.setattr(native, "on_gpu", lambda: True)
+    assert _backend.native_for(32) is None and _backend.native_for(112) is None
+    assert _backend.native_for(ops.HEAD_SIZES[0]) is native
+
+    calls = []
+    monkeypatch.setattr(native, "paged_attention", lambda *a, **k: calls.append(a))
+    batch = make_batch(
+        np.random.default_rng(0), **MIXED, num_heads=4, num_kv_heads=2, head_size=32, block_size=16
+    )
+    got = ops.paged_attention(*batch.args, scale=0.2)
+    assert calls == []
+    assert_close(got, reference.paged_attention(*batch.args, scale=0.2), "float32")

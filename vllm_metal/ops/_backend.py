@@ -34,6 +34,18 @@ def native() -> ModuleType | None:
     return None if envs.VLLM_METAL_USE_REFERENCE_OPS else _native_ops
 
 
+def native_for(head_size: int) -> ModuleType | None:
+    """``native()`` for one call with that head size. The C++ CPU bodies take any head size; the
+    Metal kernels only ``HEAD_SIZES``, so a call that would run on the GPU with another size runs
+    the reference instead (MLX's own ops, on the GPU too)."""
+    from vllm_metal.ops._constants import HEAD_SIZES  # it reads the constants through this module
+
+    mod = native()
+    if mod is not None and head_size not in HEAD_SIZES and mod.on_gpu():
+        return None
+    return mod
+
+
 def native_available() -> bool:
     """True when the compiled extension is importable and matches the installed MLX."""
     return _native_ops is not None

@@ -90,7 +90,8 @@ def _configure_gpu() -> None:
     )
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+    """True when the next call runs the Metal kernels (a GPU build, MLX's default device the GPU)."""
     if not (HAS_METAL and mx.default_device() == mx.gpu):
         return False
     _configure_gpu()
@@ -106,7 +107,7 @@ def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
 def reshape_and_cache(*arrays: mx.array) -> tuple[mx.array, mx.array]:
     """arrays: key, value, key_cache, value_cache, slot_mapping."""
     key, value, key_cache, value_cache, slot_mapping = arrays
-    if _on_gpu():
+    if on_gpu():
         key, value, slot_mapping = _contiguous(key, value, slot_mapping)
     return _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
@@ -120,7 +121,7 @@ def paged_attention(
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
-    if _on_gpu():
+    if on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
         # The GPU plan reads the per-sequence lengths on the host when it encodes the kernels.
         mx.eval(seq_lens, cu_seqlens_q)

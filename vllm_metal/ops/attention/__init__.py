@@ -41,15 +41,16 @@ def paged_attention(
     window). Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Logits are ``scale * q.k``;
     ``softcap = c`` maps each to ``c * tanh(x / c)``; ``sinks [Hq]`` adds one logit per query
     head with a zero value (it only enlarges the softmax denominator). Math is float32; the
-    result has the query's dtype. Floating inputs share one dtype of ``ops.FLOAT_DTYPES``; the
-    head size is one of ``ops.HEAD_SIZES``; block sizes are multiples of
-    ``ops.BLOCK_SIZE_MULTIPLE``. Tokens outside every sequence get zeros.
+    result has the query's dtype. Floating inputs share one dtype of ``ops.FLOAT_DTYPES``; block
+    sizes are multiples of ``ops.BLOCK_SIZE_MULTIPLE``. Any head size works: the Metal kernels
+    are built for ``ops.HEAD_SIZES``, and on the GPU another size runs the reference (the C++ CPU
+    body takes any size). Tokens outside every sequence get zeros.
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     check_paged_attention(*arrays, scale, sliding_window, softcap, sinks)
     if _backend.value_checks():
         check_paged_attention_values(*arrays)
-    impl = _backend.native() or reference
+    impl = _backend.native_for(query.shape[2]) or reference
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     return impl.paged_attention(*arrays, scale=scale, **options)
 

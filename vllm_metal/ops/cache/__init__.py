@@ -33,7 +33,7 @@ def reshape_and_cache(
     check_reshape_and_cache(*arrays)
     if _backend.value_checks():
         check_reshape_and_cache_values(key_cache, slot_mapping)
-    return (_backend.native() or reference).reshape_and_cache(*arrays)
+    return (_backend.native_for(key.shape[2]) or reference).reshape_and_cache(*arrays)
 
 
 def check_reshape_and_cache(

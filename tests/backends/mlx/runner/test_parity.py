@@ -48,6 +48,25 @@ def test_greedy_and_logprobs_match_transformers(family_models, arch):
             assert abs(got - want) < 1e-3, (arch, step, got, want)
 
 
+def test_head_size_without_a_metal_kernel(tiny_model_dir):
+    """Head size 32 (no Metal kernel) takes the generic path: still token-identical, through a
+    mixed batch, chunked prefill and a prefix-cache round."""
+    from vllm_metal import ops
+
+    model = tiny_model_dir("llama", head_dim=32, hidden_size=128, num_heads=4, num_kv_heads=2)
+    assert 32 not in ops.HEAD_SIZES
+    engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
+    jobs = [
+        {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
+        {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
+        {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
+    ]
+    mixed, _, hits = run_engine_job(model, jobs, engine=engine)
+    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
+    assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
+    assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
+
+
 # Deterministic processors: vLLM's CPU backend must give the very same tokens.
 DETERMINISTIC_VARIANTS = [
     {"presence_penalty": 1.5, "frequency_penalty": 0.5},
