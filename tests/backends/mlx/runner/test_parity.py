@@ -22,12 +22,13 @@ SHARED_PREFIX = random_prompts(2, [48])[0]
 PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_greedy_and_logprobs_match_transformers(family_models, arch):
-    model = family_models[arch]
+def greedy_parity_round(model, logprobs: int | None = None) -> list[dict]:
+    """The mixed batch in 16-token chunks, then a prefix-cache round, on one engine: greedy tokens
+    equal transformers float32 and the shared prefix is served from cached blocks. Returns the
+    mixed batch's results."""
     engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
     jobs = [
-        {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=logprobs)]},
         {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
         {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
     ]
@@ -37,6 +38,13 @@ def test_greedy_and_logprobs_match_transformers(family_models, arch):
     assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
     # The prefix-sharing prompts were served from cached blocks (3 full blocks of 16).
     assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
+    return mixed
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_and_logprobs_match_transformers(family_models, arch):
+    model = family_models[arch]
+    mixed = greedy_parity_round(model, logprobs=1)
 
     for prompt, result in zip(MIXED, mixed):
         sample = result["outputs"][0]
@@ -55,16 +63,7 @@ def test_head_size_without_a_metal_kernel(tiny_model_dir):
 
     model = tiny_model_dir("llama", head_dim=32, hidden_size=128, num_heads=4, num_kv_heads=2)
     assert 32 not in ops.HEAD_SIZES
-    engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
-    jobs = [
-        {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
-        {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
-        {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
-    ]
-    mixed, _, hits = run_engine_job(model, jobs, engine=engine)
-    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
-    assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
-    assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
+    greedy_parity_round(model)
 
 
 # Deterministic processors: vLLM's CPU backend must give the very same tokens.
