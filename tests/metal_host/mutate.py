@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.msl.mutate import apply  # plants one mutation in a copy
+
 from . import check
 
 
@@ -136,19 +138,6 @@ class Outcome:
     caught: bool
     detail: str
     seconds: float
-
-
-def apply(mutation: Mutation, src: Path) -> None:
-    path = src / mutation.file
-    text = path.read_text()
-    hits = list(re.finditer(mutation.pattern, text))
-    if len(hits) != 1:
-        raise SystemExit(
-            f"mutation {mutation.name}: target {mutation.pattern!r} matched {len(hits)} times in "
-            f"{mutation.file} (must be exactly once); the source changed, update the mutation"
-        )
-    m = hits[0]
-    path.write_text(text[: m.start()] + mutation.replacement + text[m.end() :])
 
 
 def _includes(path: Path, src: Path) -> list[Path]:

@@ -124,13 +124,15 @@ MUTATIONS = [
 
 
 def apply(mutation: Mutation, kernel_dir: Path) -> None:
+    """Plants ``mutation`` in the copy at ``kernel_dir``: its pattern must match exactly once (any
+    object with name, file, pattern and replacement; tests/metal_host/mutate.py uses it too)."""
     path = kernel_dir / mutation.file
     text = path.read_text()
     hits = list(re.finditer(mutation.pattern, text))
     if len(hits) != 1:
         raise SystemExit(
             f"mutation {mutation.name}: target {mutation.pattern!r} matched {len(hits)} times in "
-            f"{mutation.file} (must be exactly once); the kernel changed, update the mutation"
+            f"{mutation.file} (must be exactly once); the source changed, update the mutation"
         )
     m = hits[0]
     path.write_text(text[: m.start()] + mutation.replacement + text[m.end() :])
