@@ -71,7 +71,8 @@ class Worker:
     """A worker process, its command pipe and its reply pipe."""
 
     def __init__(self, name: str, backend: str, engine: dict, inputs: Path, log: Path,
-                 timeout: float):  # fmt: skip
+                 timeout: float, module: str = "bench.pooling_worker"):  # fmt: skip
+        """`module`: the worker's `python -m` module (the same arguments and protocol)."""
         from bench.run import _env
 
         self.name, self.backend, self.log, self.timeout = name, backend, log, timeout
@@ -80,7 +81,7 @@ class Worker:
             env["VLLM_TARGET_DEVICE"] = "cpu"
         env["PYTHONUNBUFFERED"] = "1"
         read_fd, write_fd = os.pipe()
-        cmd = [sys.executable, "-m", "bench.pooling_worker", "--engine", json.dumps(engine),
+        cmd = [sys.executable, "-m", module, "--engine", json.dumps(engine),
                "--inputs", str(inputs), "--reply-fd", str(write_fd)]  # fmt: skip
         with open(log, "w", encoding="utf-8") as f:
             self.proc = subprocess.Popen(

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_metal.quantization import CHECKPOINT_QUANTIZATIONS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -115,7 +117,11 @@ CAPABILITIES: tuple[Capability, ...] = (
         "vllm_quantization",
         "vLLM quantization methods",
         "serve an MLX-quantized checkpoint (mlx_lm.convert -q) instead of --quantization",
-        lambda c: (q := _model_attr(c, "quantization")) is not None and f"quantization={q!r}",
+        lambda c: (
+            (q := _model_attr(c, "quantization")) is not None
+            and q not in CHECKPOINT_QUANTIZATIONS
+            and f"quantization={q!r}"
+        ),
     ),
     Capability(
         "kv_transfer",

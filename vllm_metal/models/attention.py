@@ -1,8 +1,9 @@
 """Routes an mlx-lm architecture's attention to the paged ops when its cache is a paged view.
 
 Most mlx-lm architectures call their module's `scaled_dot_product_attention(q, k, v, cache=...)`
-after `cache.update_and_fetch`; wrapping that one function per module is enough. Only calls that
-carry a `PagedLayerCache` change, so plain mlx-lm use in the same process is unaffected.
+after `cache.update_and_fetch`; wrapping that one function per module is enough. Attention sinks
+passed to it (`sinks=`, GPT-OSS) go to the paged op too. Only calls that carry a
+`PagedLayerCache` change, so plain mlx-lm use in the same process is unaffected.
 Families that compute attention by hand patch their attention class instead (`families/`).
 """
 

@@ -23,8 +23,12 @@ def _load(model_dir: str, mtime_ns: int, adapter_dir: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    kwargs = {}
+    if model_dir.endswith(".gguf"):  # transformers' own GGUF loading (dequantized to float32)
+        kwargs["gguf_file"] = Path(model_dir).name
+        model_dir = str(Path(model_dir).parent)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
+        model_dir, dtype=torch.float32, attn_implementation="eager", **kwargs
     )
     if adapter_dir is not None:
         from peft import PeftModel
@@ -38,10 +42,12 @@ def _load(model_dir: str, mtime_ns: int, adapter_dir: str | None = None) -> Any:
 
 def load_hf_model(model_dir: str | Path, adapter: str | Path | None = None) -> Any:
     """The checkpoint as a float32 transformers model (cached per directory and file version),
-    with the PEFT `adapter` merged into its weights if given."""
+    with the PEFT `adapter` merged into its weights if given. A `.gguf` file is loaded by
+    transformers' GGUF support (`gguf_file=`)."""
     path = Path(model_dir).resolve()
     adapter_dir = None if adapter is None else str(Path(adapter).resolve())
-    return _load(str(path), (path / "config.json").stat().st_mtime_ns, adapter_dir)
+    stamp = path if path.is_file() else path / "config.json"
+    return _load(str(path), stamp.stat().st_mtime_ns, adapter_dir)
 
 
 @contextlib.contextmanager

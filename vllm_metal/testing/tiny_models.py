@@ -302,13 +302,51 @@ def _random_weights(
     return weights
 
 
-def _save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+def save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    """Floating tensors in ``dtype``; integer ones (packed quantized blocks, scales) as they are."""
     import torch
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
-    tensors = {k: torch.from_numpy(v).to(torch_dtype).contiguous() for k, v in weights.items()}
+    tensors = {}
+    for name, value in weights.items():
+        tensor = torch.from_numpy(np.ascontiguousarray(value))
+        floating = np.issubdtype(value.dtype, np.floating)
+        tensors[name] = (tensor.to(torch_dtype) if floating else tensor).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    weights: dict[str, np.ndarray],
+    dtype: str,
+    *,
+    tokenizer: dict[str, Any] | None = None,
+    eos_token_id: Any = None,
+) -> Path:
+    """Write a checkpoint in HF layout: config.json, generation_config.json (greedy, stopping at
+    ``eos_token_id``, default the config's), model.safetensors and the tokenizer files (the tiny
+    tokenizer's unless ``tokenizer`` gives others, file name -> content)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(weights, out / "model.safetensors", dtype)
+    generation_config = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"] if eos_token_id is None else eos_token_id,
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+        "transformers_version": config["transformers_version"],
+    }
+    files: dict[str, Any] = {
+        "config.json": config,
+        "generation_config.json": generation_config,
+        **(tokenizer if tokenizer is not None else tokenizer_files(build_tokenizer_json())),
+    }
+    for name, content in files.items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=2) + "\n"
+        (out / name).write_text(text, encoding="utf-8")
+    return out
 
 
 def write_tiny_model(
@@ -345,26 +383,8 @@ def write_tiny_model(
         max_position_embeddings=max_position_embeddings,
         sliding_window=sliding_window,
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     weights = _random_weights(ARCHS[arch], config, seed, weight_std)
-    _save_safetensors(weights, out / "model.safetensors", dtype)
-    generation_config = {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "do_sample": False,
-        "transformers_version": config["transformers_version"],
-    }
-    files: dict[str, Any] = {
-        "config.json": config,
-        "generation_config.json": generation_config,
-        **tokenizer_files(build_tokenizer_json()),
-    }
-    for name, content in files.items():
-        text = content if isinstance(content, str) else json.dumps(content, indent=2) + "\n"
-        (out / name).write_text(text, encoding="utf-8")
-    return out
+    return write_checkpoint(out_dir, config, weights, dtype)
 
 
 def quantize_tiny_model(

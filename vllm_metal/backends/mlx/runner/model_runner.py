@@ -96,6 +96,7 @@ class MLXModelRunner:
             download_dir=load_config.download_dir,
             trust_remote_code=self.model_config.trust_remote_code,
             lm_head=self.produces_logits,
+            hf_config=self.model_config.hf_config.to_dict(),  # what a GGUF file is built from
         )
         if adapter.num_layers != self.num_layers:
             raise ValueError(

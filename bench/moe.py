@@ -1,0 +1,383 @@
+"""Mixture-of-experts decode throughput: the plugin against vLLM's own CPU backend, one run.
+
+The model is a random-weight Qwen3-MoE-style checkpoint written locally (`write_moe_model`): 8
+layers, hidden 1024, 16 query / 4 KV heads of 128, in every layer 16 experts (SwiGLU, intermediate
+512) of which the router picks 4 per token (weights renormalised, as Qwen3-MoE does), an untied
+32,000-row vocabulary (Mixtral's size, so the LM head is a tenth of the work per token, as in a real
+MoE, and not most of it): 309 M parameters, 125 M of them active per token. Its tokenizer is the
+project's tiny BPE tokenizer padded to the vocabulary.
+
+Each backend is one `vllm.LLM` (greedy, EOS ignored, the same engine arguments) in a worker
+process of its own (`VLLM_TARGET_DEVICE=cpu` for vLLM's; the worker protocol is
+`bench/pooling_worker.py`'s). Both workers are started, then this process sends them the same
+rounds alternately (the first backend alternating), each once the other worker is idle again:
+single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts and
+64 output tokens. Decode tok/s = streams / median TPOT (vLLM's per-request metrics: time from the
+first to the last token over the tokens between them), so prefill is left out; output tok/s
+(tokens / wall time, prefill included) is reported beside it. One warm-up round of each size
+comes first. Both backends' greedy tokens of one 16-stream round are compared.
+
+    python -m bench.moe --out docs/benchmarks          # a few minutes on 2 cores
+    python -m bench.moe --quick --out /tmp/moe-quick   # tiny MoE, checks the harness
+
+`--quick`: the tests' tiny Qwen3-MoE (2 layers, hidden 128, 8 experts, top-2), 8 output tokens, one
+round per case, `enforce_eager` on both backends (vLLM's CPU backend then skips its torch.compile
+warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
+# starts engines (each worker is this module with --reply-fd).
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("plugin", "cpu")
+STREAMS = (1, 16)
+DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
+SHAPE = {
+    "num_layers": 8,
+    "hidden_size": 1024,
+    "num_heads": 16,
+    "num_kv_heads": 4,
+    "head_dim": 128,
+    "num_experts": 16,
+    "top_k": 4,
+    "moe_intermediate_size": 512,
+    "vocab_size": 32000,
+}
+# The usual 0.02 init keeps 8 layers' activations tame; the router's logits (std ~0.6) still send
+# different tokens to different experts.
+WEIGHT_STD = 0.02
+
+
+def cases() -> list[dict[str, Any]]:
+    return [{"name": f"c{n}_{be}", "streams": n, "backend": be} for n in STREAMS for be in BACKENDS]
+
+
+# ------------------------------------------------------------------------------ checkpoint
+
+
+def write_moe_model(work: Path, quick: bool, seed: int = 0) -> Path:
+    """Write (or reuse) the benchmark checkpoint (`--quick`: the tests' tiny Qwen3-MoE)."""
+    from vllm_metal.testing.tiny_moe import write_tiny_moe
+
+    name = "qwen3-moe-tiny" if quick else "qwen3-moe-309m-random"
+    path = Path(work) / "models" / f"{name}-{DTYPE}"
+    shape = None if quick else SHAPE
+    stamp = {"kind": "qwen3_moe", "shape": shape, "dtype": DTYPE, "seed": seed, "format": 1}
+    stamp_file = path / "bench_model.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return path
+    if quick:
+        write_tiny_moe(path, "qwen3_moe", dtype=DTYPE, seed=seed, style="hub")
+    else:
+        from bench.model import _pad_tokenizer
+
+        write_tiny_moe(path, "qwen3_moe", dtype=DTYPE, seed=seed, style="hub", **SHAPE,
+                       weight_std=WEIGHT_STD, router_std=WEIGHT_STD)  # fmt: skip
+        _pad_tokenizer(path / "tokenizer.json", SHAPE["vocab_size"])
+    stamp_file.write_text(json.dumps(stamp, indent=2) + "\n")
+    return path
+
+
+def describe_moe_model(path: Path) -> dict[str, Any]:
+    """Shape, total and active parameters (per token: attention, router, top-k experts, norms
+    and the LM head; the embedding is only gathered), from config.json and the safetensors
+    header."""
+    from bench.model import _safetensors_sizes
+
+    config = json.loads((path / "config.json").read_text())
+    sizes = _safetensors_sizes(path / "model.safetensors")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[config["dtype"]]
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    k = config["num_experts_per_tok"]
+    expert_bytes = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
+    other = sum(v for n, v in sizes.items() if ".mlp.experts." not in n)
+    embed = sizes["model.embed_tokens.weight"]
+    active = other - embed + expert_bytes * k // experts
+    return {
+        "path": str(path),
+        "name": path.name,
+        "architecture": config["architectures"][0],
+        "dtype": config["dtype"],
+        "num_layers": config["num_hidden_layers"],
+        "hidden_size": config["hidden_size"],
+        "num_heads": config["num_attention_heads"],
+        "num_kv_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "num_experts": experts,
+        "experts_per_token": k,
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "vocab_size": config["vocab_size"],
+        "num_parameters": sum(sizes.values()) // itemsize,
+        "active_parameters_per_token": active // itemsize,
+        "kv_bytes_per_token": 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+        * config["head_dim"] * itemsize,
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One `vllm.LLM`; `{"op": "generate", "start", "n", "max_tokens"}` commands (JSON lines) on
+    stdin, one JSON reply line each on --reply-fd; `{"op": "quit"}` ends it."""
+    reply_file = os.fdopen(args.reply_fd, "w", buffering=1)
+
+    def reply(obj: dict[str, Any]) -> None:
+        reply_file.write(json.dumps(obj) + "\n")
+        reply_file.flush()
+
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(args.inputs).read_text())
+    started = time.perf_counter()
+    llm = LLM(**json.loads(args.engine))
+    engine_start_s = time.perf_counter() - started
+    from vllm.platforms import current_platform
+
+    reply({"ready": True, "engine_start_s": round(engine_start_s, 2),
+           "platform": type(current_platform).__name__})  # fmt: skip
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        batch = prompts[cmd["start"] : cmd["start"] + cmd["n"]]
+        params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tpot, ttft = [], []
+        for o in outs:
+            m, n = o.metrics, len(o.outputs[0].token_ids)
+            tpot.append((m.last_token_ts - m.first_token_ts) / max(1, n - 1) * 1e3)
+            ttft.append(m.first_token_latency * 1e3)
+        reply({
+            "seconds": seconds,
+            "tokens": [len(o.outputs[0].token_ids) for o in outs],
+            "tpot_ms": tpot,
+            "ttft_ms": ttft,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        })  # fmt: skip
+    reply({"bye": True})
+    return 0
+
+
+# ------------------------------------------------------------------------------ the whole run
+
+
+def engine_args(model: Path, kv_cache_bytes: int, max_model_len: int, eager: bool) -> dict:
+    """The same `vllm.LLM` arguments for both backends."""
+    return {
+        "model": str(model),
+        "dtype": DTYPE,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max(STREAMS),
+        "kv_cache_memory_bytes": kv_cache_bytes,
+        "enable_prefix_caching": False,  # distinct prompts anyway; no backend may skip work
+        "enforce_eager": eager,
+        "disable_log_stats": False,  # per-request metrics (TPOT)
+        "seed": 0,
+    }
+
+
+def _agreement(plugin: list[list[int]], cpu: list[list[int]]) -> dict[str, Any]:
+    """How far the two backends' greedy continuations of the same prompts agree."""
+
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    prefixes = [common(a, b) for a, b in zip(plugin, cpu)]
+    return {
+        "requests": len(prefixes),
+        "identical": sum(a == b for a, b in zip(plugin, cpu)),
+        "first_token_equal": sum(p >= 1 for p in prefixes),
+        "common_prefix_tokens": prefixes,
+        "distinct_continuations": len({tuple(a) for a in plugin}),
+        # Random weights: a near-tie (router or LM head) may flip a later token between two
+        # float32 implementations; every first token must agree.
+        "passed": all(p >= 1 for p in prefixes),
+    }
+
+
+def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
+    from bench.pooling_worker import Worker, close_all
+    from bench.run import _kv_bytes, blas_log_lines
+    from bench.single_stream import make_prompts
+
+    desc = describe_moe_model(model)
+    big = max(STREAMS)
+    rounds = {1: args.c1_rounds, big: args.c16_rounds}
+    # Warm-up: one round of each size; then the measured rounds. Every request its own prompt.
+    num_prompts = sum(STREAMS) + sum(n * r for n, r in rounds.items())
+    inputs = logs / "prompts.json"
+    inputs.write_text(json.dumps(make_prompts(num_prompts, args.input_len, args.seed)))
+    max_model_len = args.input_len + args.output_len + 16
+    engine = engine_args(model, _kv_bytes(desc, max_model_len, big), max_model_len, args.quick)
+
+    print("[moe] starting both workers", flush=True)
+    started = time.perf_counter()
+    workers = {be: Worker(f"moe_{be}", be, engine, inputs, logs / f"moe_{be}.log", args.timeout,
+                          module="bench.moe") for be in BACKENDS}  # fmt: skip
+    nxt = 0
+    try:
+        ready = {be: w.receive() for be, w in workers.items()}
+        both_ready_s = time.perf_counter() - started
+
+        def round_robin(n: int, k: int, max_tokens: int) -> dict[str, dict]:
+            nonlocal nxt
+            start, nxt = nxt, nxt + n
+            order = BACKENDS if k % 2 == 0 else BACKENDS[::-1]
+            out = {}
+            for be in order:
+                out[be] = workers[be].call(op="generate", start=start, n=n, max_tokens=max_tokens)
+                out[be]["busy_after_s"] = workers[be].settle()
+            return out
+
+        for n in STREAMS:
+            for be, r in round_robin(n, 0, 4).items():
+                ready[be].setdefault("warmup_s", []).append(round(r["seconds"], 3))
+        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in BACKENDS} for n in STREAMS}
+        for n in STREAMS:
+            print(f"[moe] {rounds[n]} round(s) of {n} stream(s) per backend", flush=True)
+            for k in range(rounds[n]):
+                for be, r in round_robin(n, k, args.output_len).items():
+                    calls[n][be].append(r)
+    finally:
+        close_all(list(workers.values()))
+
+    out_cases: dict[str, dict[str, Any]] = {}
+    for n in STREAMS:
+        for be in BACKENDS:
+            rs = calls[n][be]
+            tpots = [t for r in rs for t in r["tpot_ms"]]
+            counts = [c for r in rs for c in r["tokens"]]
+            assert counts == [args.output_len] * len(counts), (n, be, counts)
+            tpot = statistics.median(tpots)
+            out_cases[f"c{n}_{be}"] = {
+                "streams": n,
+                "backend": be,
+                "rounds": len(rs),
+                "median_tpot_ms": tpot,
+                "decode_tok_s": n * 1e3 / tpot,
+                "output_tok_s": statistics.median(sum(r["tokens"]) / r["seconds"] for r in rs),
+                "median_ttft_ms": statistics.median(t for r in rs for t in r["ttft_ms"]),
+                "round_s": [round(r["seconds"], 3) for r in rs],
+                "busy_after_call_s": statistics.median(r["busy_after_s"] for r in rs),
+            }
+    check = _agreement(calls[big]["plugin"][0]["token_ids"], calls[big]["cpu"][0]["token_ids"])
+    worker_info = {}
+    for be, w in workers.items():
+        text = w.log.read_text(encoding="utf-8", errors="replace")
+        bound = re.search(r"core ids=\[([^\]]*)\]", text)
+        worker_info[be] = {**ready[be], "log": str(w.log), "cpu_blas_logged": blas_log_lines(text),
+                           "omp_bound_cores": bound.group(1) if bound else None}  # fmt: skip
+    return {
+        "model": desc,
+        "engine": engine,
+        "workers": worker_info,
+        "both_ready_s": round(both_ready_s, 1),
+        "cases": out_cases,
+        "agreement": check,
+    }
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    cs, big = report["cases"], max(STREAMS)
+    ratios = {f"c{n}_plugin_vs_cpu": round(cs[f"c{n}_plugin"]["decode_tok_s"]
+                                           / cs[f"c{n}_cpu"]["decode_tok_s"], 3)
+              for n in STREAMS}  # fmt: skip
+    batching = {be: round(cs[f"c{big}_{be}"]["decode_tok_s"] / cs[f"c1_{be}"]["decode_tok_s"], 2)
+                for be in BACKENDS}  # fmt: skip
+    return {"ratios": ratios, f"c{big}_vs_c1": batching,
+            "agreement_passed": report["agreement"]["passed"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--quick", action="store_true", help="tiny MoE: checks the harness")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
+    p.add_argument("--c1-rounds", type=int, default=None, help="single-stream rounds: 3 (1)")
+    p.add_argument("--c16-rounds", type=int, default=None, help="16-stream rounds: 2 (1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
+    p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    # A worker: the same arguments as bench/pooling_worker.py.
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.reply_fd is not None:
+        return worker(args)
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 64
+    if args.c1_rounds is None:
+        args.c1_rounds = 1 if args.quick else 3
+    if args.c16_rounds is None:
+        args.c16_rounds = 1 if args.quick else 2
+    if args.machine:
+        from bench.machine import describe_machine
+
+        Path(args.json).write_text(json.dumps(describe_machine(), indent=2))
+        return 0
+
+    from bench.run import _python_stage
+
+    started = time.perf_counter()
+    work = Path(args.work_dir)
+    logs = work / ("moe-quick" if args.quick else "moe")
+    logs.mkdir(parents=True, exist_ok=True)
+    print("[moe] machine", flush=True)
+    machine = _python_stage("bench.moe", ["--machine"], 600, logs / "machine.log")
+    print("[moe] checkpoint", flush=True)
+    model = write_moe_model(work, args.quick, args.seed)
+    result = run(args, model, logs)
+    report: dict[str, Any] = {
+        "settings": {
+            "quick": args.quick,
+            "dtype": DTYPE,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "streams": list(STREAMS),
+            "c1_rounds": args.c1_rounds,
+            "c16_rounds": args.c16_rounds,
+            "seed": args.seed,
+            "command": " ".join(
+                ["python -m bench.moe", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "total_seconds": round(time.perf_counter() - started, 1),
+        },
+        "machine": machine,
+        **result,
+    }
+    report["summary"] = summarize(report)
+    from bench.moe_report import write_report
+
+    write_report(report, Path(args.out))
+    if not report["agreement"]["passed"]:
+        print("[moe] the backends' first greedy tokens differ; see the report", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

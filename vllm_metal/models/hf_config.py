@@ -1,0 +1,53 @@
+"""Config keys that transformers 5 writes under other names than mlx-lm reads them.
+
+transformers 5 saves a checkpoint's RoPE base only inside `rope_parameters` (no top-level
+`rope_theta`), and its Qwen3-MoE config names the expert count `num_local_experts` (with
+`num_experts` an attribute alias that `save_pretrained` does not write). mlx-lm 0.32.2's `ModelArgs`
+read the top-level `rope_theta` and, for Qwen3-MoE and Qwen2-MoE, `num_experts`: where the field is
+required the load fails ("missing 2 required positional arguments"), where it has a default
+(Mixtral's and Qwen2-MoE's `rope_theta` = 1e6) the model silently runs with the wrong RoPE base.
+Checkpoints published on the hub carry mlx-lm's names; a checkpoint saved (fine-tuned, converted)
+with transformers 5 carries only the new ones.
+
+`mlx_lm_overrides` fills such a key from its transformers 5 form, only when the config lacks it and
+the architecture's `ModelArgs` takes it; a config that already has the key is left alone. The
+loader hands the result to mlx-lm's `load_model(model_config=...)`. RoPE *scaling* given only in
+`rope_parameters` is not mapped (mlx-lm's Qwen3-MoE ignores `rope_scaling` altogether).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# mlx-lm ModelArgs field -> where transformers 5 keeps it
+_RENAMED = {"num_experts": "num_local_experts"}
+
+
+def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]:
+    """The keys to add to `config` before mlx-lm builds `args_class` from it (often none)."""
+    takes = inspect.signature(args_class).parameters
+    out: dict[str, Any] = {}
+    rope = config.get("rope_parameters")
+    if (
+        "rope_theta" in takes
+        and "rope_theta" not in config
+        and isinstance(rope, dict)
+        and "rope_theta" in rope  # per-layer-type dicts (Gemma 3) have no top-level base
+    ):
+        out["rope_theta"] = rope["rope_theta"]
+    for field, source in _RENAMED.items():
+        if field in takes and field not in config and source in config:
+            out[field] = config[source]
+    return out
+
+
+def checkpoint_overrides(path: Any) -> dict[str, Any] | None:
+    """`mlx_lm_overrides` for the checkpoint directory `path` (None when there are none, and for
+    configs naming their own model code, which mlx-lm's class lookup does not cover)."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    config = load_config(path)
+    if "model_file" in config:
+        return None
+    return mlx_lm_overrides(config, _get_classes(config)[1]) or None
