@@ -88,6 +88,14 @@ class MetalPlatform(Platform):
         get_backend().seed(seed)
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        super().verify_quantization(quant)
+        # A checkpoint format the MLX loader reads (GPT-OSS MXFP4) in any of our dtypes.
+        from vllm_metal.quantization import accept_checkpoint_quantization
+
+        accept_checkpoint_quantization(quant)
+
+    @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         # vLLM asks while it builds its config; the MLX runner runs no vLLM attention layer, so
         # this only has to name a backend that imports on this host.
@@ -131,10 +139,21 @@ class MetalPlatform(Platform):
         validate_request(processed_inputs, params)
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        # vLLM 0.32 reads no GGUF files; this makes a `.gguf` model path build its config from
+        # the file (vllm_metal.gguf_frontend). Runs before vLLM builds the model config.
+        from vllm_metal import gguf_frontend
+
+        gguf_frontend.install()
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         envs.validate()
         check_config(vllm_config)
         apply_config(vllm_config)
+        from vllm_metal import gguf_frontend
+
+        gguf_frontend.use_file_tokenizer(vllm_config)
 
 
 def check_config(vllm_config: VllmConfig) -> None:

@@ -8,7 +8,7 @@ Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAda
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.families import adapter_class
@@ -31,22 +31,33 @@ def load_model(
     trust_remote_code: bool = False,
     dequantize: bool = False,
     lm_head: bool = True,
+    hf_config: dict[str, Any] | None = None,
 ) -> ModelAdapter:
-    """Load `model` (a local directory or Hugging Face id) and wrap it for the runner.
+    """Load `model` (a local directory, a Hugging Face id or a `.gguf` file) and wrap it for the
+    runner.
 
     Without `lm_head` (pooling models) the decoder is loaded without its head; `logits` is then
-    unavailable and the pooling heads read what they need from the checkpoint."""
-    from vllm_metal.models.loaders import safetensors
+    unavailable and the pooling heads read what they need from the checkpoint. `hf_config`: the
+    config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
+    None reads it from the file."""
+    from vllm_metal.models.loaders import is_gguf, safetensors
 
-    mlx_model, config = safetensors.load(
-        model,
-        compute_dtype,
-        revision=revision,
-        download_dir=download_dir,
-        trust_remote_code=trust_remote_code,
-        dequantize=dequantize,
-        lm_head=lm_head,
-    )
+    if is_gguf(model):
+        from vllm_metal.models.loaders import gguf
+
+        mlx_model, config = gguf.load(
+            model, compute_dtype, config=hf_config, dequantize=dequantize, lm_head=lm_head
+        )
+    else:
+        mlx_model, config = safetensors.load(
+            model,
+            compute_dtype,
+            revision=revision,
+            download_dir=download_dir,
+            trust_remote_code=trust_remote_code,
+            dequantize=dequantize,
+            lm_head=lm_head,
+        )
     adapter = adapter_class(config.get("model_type"))(mlx_model, config)
     adapter.install_paged_attention()
     return adapter

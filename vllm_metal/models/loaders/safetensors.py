@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx import nn
 
 from vllm_metal._logging import init_logger
+from vllm_metal.models import hf_config
 from vllm_metal.models.loaders import parameter_bytes
 
 logger = init_logger(__name__)
@@ -66,6 +67,11 @@ def load(
     """
     from mlx_lm.utils import _get_classes, load_model
 
+    from vllm_metal.models.families import with_sanitizers
+
+    # Checkpoint layouts mlx-lm does not read (GPT-OSS dense experts): families.SANITIZERS.
+    classes = with_sanitizers(_get_classes)
+
     path = resolve_model_path(model, revision, download_dir)
     if not list(path.glob("*.safetensors")):
         raise ValueError(
@@ -75,8 +81,10 @@ def load(
     mlx_model, config = load_model(
         path,
         lazy=True,
+        # transformers 5's names of keys mlx-lm reads (`rope_theta`, `num_experts`): hf_config.
+        model_config=hf_config.checkpoint_overrides(path),
         trust_remote_code=trust_remote_code,
-        get_model_classes=_get_classes if lm_head else _headless(_get_classes),
+        get_model_classes=classes if lm_head else _headless(classes),
     )
     # Quantized checkpoints keep their packed integer weights; set_dtype only touches floats.
     mlx_model.set_dtype(compute_dtype)
@@ -131,18 +139,17 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     weights take at most half of the free memory; otherwise it stays quantized (and slower).
     """
     from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
     from mlx_lm.utils import dequantize_model
 
     from vllm_metal.host import available_memory_bytes
 
-    quantized = [
-        m
-        for _, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    ]
+    # QuantizedSwitchLinear: a mixture of experts' stacked expert weights ([experts, out, in]).
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+    quantized = [m for _, m in model.named_modules() if isinstance(m, kinds)]
     if not quantized:
         return
-    dense_elements = sum(m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits for m in quantized)
+    dense_elements = sum(m.weight.size * 32 // m.bits for m in quantized)
     others = sum(v.size for _, v in tree_flatten(model.parameters()))
     dense_bytes = (dense_elements + others) * dtype.size
     free = available_memory_bytes()
