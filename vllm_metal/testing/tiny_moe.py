@@ -190,46 +190,19 @@ def write_tiny_moe(
     *,
     dtype: str = "float32",
     seed: int = 0,
-    style: str = "transformers",
-    num_layers: int = 2,
-    hidden_size: int = 128,
-    num_heads: int = 2,
-    num_kv_heads: int = 1,
-    head_dim: int = 64,
-    num_experts: int = 8,
-    top_k: int = 2,
-    moe_intermediate_size: int = 128,
-    shared_expert_intermediate_size: int = 128,
-    rope_theta: float = 10000.0,
-    vocab_size: int = TOKENIZER_VOCAB_SIZE,
-    max_position_embeddings: int = 2048,
     weight_std: float = 0.3,
     router_std: float = 0.3,
+    **config_kwargs: Any,
 ) -> Path:
     """Write a random-weight MoE checkpoint of ``arch`` in HF layout to ``out_dir``; return it.
 
-    Files as `tiny_models.write_tiny_model` writes them (config, generation config, safetensors,
-    the tiny tokenizer; a ``vocab_size`` above its 768 entries leaves the extra ids without
-    vocabulary entries). ``rope_theta`` defaults to 10,000, not an architecture's default
-    (1,000,000 for mlx-lm's Mixtral and Qwen2-MoE), so a theta lost on the way shows.
+    ``config_kwargs`` (style, sizes, ``rope_theta``, ...) go to :func:`tiny_moe_config`. Files as
+    `tiny_models.write_tiny_model` writes them (config, generation config, safetensors, the tiny
+    tokenizer; a ``vocab_size`` above its 768 entries leaves the extra ids without vocabulary
+    entries). ``rope_theta`` defaults to 10,000, not an architecture's default (1,000,000 for
+    mlx-lm's Mixtral and Qwen2-MoE), so a theta lost on the way shows.
     """
-    config = tiny_moe_config(
-        arch,
-        dtype=dtype,
-        style=style,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_experts=num_experts,
-        top_k=top_k,
-        moe_intermediate_size=moe_intermediate_size,
-        shared_expert_intermediate_size=shared_expert_intermediate_size,
-        rope_theta=rope_theta,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-    )
+    config = tiny_moe_config(arch, dtype=dtype, **config_kwargs)
     weights = _random_weights(arch, config, seed, weight_std, router_std)
     return write_checkpoint(out_dir, config, weights, dtype)
 
