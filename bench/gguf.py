@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
@@ -43,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.generate_worker import worker
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (each worker is this module with --reply-fd).
@@ -92,40 +93,6 @@ def _bytes_on_disk(path: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------- worker
-
-
-def worker(args: argparse.Namespace) -> int:
-    """One `vllm.LLM`; `{"op": "generate", "start", "n", "max_tokens"}` commands (JSON lines) on
-    stdin, one JSON reply line each on --reply-fd; `{"op": "quit"}` ends it."""
-    reply_file = os.fdopen(args.reply_fd, "w", buffering=1)
-
-    def reply(obj: dict[str, Any]) -> None:
-        reply_file.write(json.dumps(obj) + "\n")
-        reply_file.flush()
-
-    from vllm import LLM, SamplingParams
-
-    prompts = json.loads(Path(args.inputs).read_text())
-    started = time.perf_counter()
-    llm = LLM(**json.loads(args.engine))
-    reply({"ready": True, "engine_start_s": round(time.perf_counter() - started, 2)})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        batch = prompts[cmd["start"] : cmd["start"] + cmd["n"]]
-        params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tpot = []
-        for o in outs:
-            m, n = o.metrics, len(o.outputs[0].token_ids)
-            tpot.append((m.last_token_ts - m.first_token_ts) / max(1, n - 1) * 1e3)
-        reply({"seconds": seconds, "tokens": [len(o.outputs[0].token_ids) for o in outs],
-               "tpot_ms": tpot})  # fmt: skip
-    reply({"bye": True})
-    return 0
 
 
 def engine_args(case: str, path: Path, src: Path, kv_bytes: int, max_model_len: int,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
@@ -37,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.generate_worker import worker
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (each worker is this module with --reply-fd).
@@ -125,53 +126,6 @@ def describe_moe_model(path: Path) -> dict[str, Any]:
         "kv_bytes_per_token": 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
         * config["head_dim"] * itemsize,
     }  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------- worker
-
-
-def worker(args: argparse.Namespace) -> int:
-    """One `vllm.LLM`; `{"op": "generate", "start", "n", "max_tokens"}` commands (JSON lines) on
-    stdin, one JSON reply line each on --reply-fd; `{"op": "quit"}` ends it."""
-    reply_file = os.fdopen(args.reply_fd, "w", buffering=1)
-
-    def reply(obj: dict[str, Any]) -> None:
-        reply_file.write(json.dumps(obj) + "\n")
-        reply_file.flush()
-
-    from vllm import LLM, SamplingParams
-
-    prompts = json.loads(Path(args.inputs).read_text())
-    started = time.perf_counter()
-    llm = LLM(**json.loads(args.engine))
-    engine_start_s = time.perf_counter() - started
-    from vllm.platforms import current_platform
-
-    reply({"ready": True, "engine_start_s": round(engine_start_s, 2),
-           "platform": type(current_platform).__name__})  # fmt: skip
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "quit":
-            break
-        batch = prompts[cmd["start"] : cmd["start"] + cmd["n"]]
-        params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tpot, ttft = [], []
-        for o in outs:
-            m, n = o.metrics, len(o.outputs[0].token_ids)
-            tpot.append((m.last_token_ts - m.first_token_ts) / max(1, n - 1) * 1e3)
-            ttft.append(m.first_token_latency * 1e3)
-        reply({
-            "seconds": seconds,
-            "tokens": [len(o.outputs[0].token_ids) for o in outs],
-            "tpot_ms": tpot,
-            "ttft_ms": ttft,
-            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-        })  # fmt: skip
-    reply({"bye": True})
-    return 0
 
 
 # ------------------------------------------------------------------------------ the whole run
