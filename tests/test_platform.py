@@ -283,7 +283,22 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             {"runner": "pooling", "enable_lora": True},
             ["LoRA adapters on pooling models", "--enable-lora"],
         ),
-        ({"kv_offloading_size": 1.0}, ["KV offloading", "kv_offloading_size=1.0"]),
+        (
+            {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+            ["KV connectors", "kv_connector='NixlConnector'", "--kv-offloading-size"],
+        ),
+        (
+            {"runner": "pooling", "kv_offloading_size": 1.0},
+            ["KV offloading for pooling models", "kv_offloading_size=1.0 with runner='pooling'"],
+        ),
+        (
+            {
+                "kv_offloading_size": 1.0,
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["KV offloading with a draft model", "method='draft_model'"],
+        ),
+        ({"kv_offloading_size": 1.0, "kv_offloading_backend": "lmcache"}, ["lmcache"]),
     ],
     ids=[
         "tp",
@@ -295,7 +310,10 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "spec_eagle3",
         "spec_probabilistic",
         "pooling_lora",
-        "kv_offloading",
+        "kv_connector",
+        "kv_offload_pooling",
+        "kv_offload_draft_model",
+        "kv_offload_lmcache",
     ],
 )
 def test_unsupported_settings_are_refused_by_name(

@@ -35,6 +35,20 @@ def _model_attr(config: VllmConfig, name: str, default: object = None) -> object
     return default if model is None else getattr(model, name, default)
 
 
+def _offload_setting(config: VllmConfig) -> str | None:
+    """The setting that turns KV offloading on (`vllm_metal.kv.offload.config`), if any."""
+    from vllm_metal import envs
+
+    transfer = config.kv_transfer_config
+    if config.cache_config.kv_offloading_size is not None:
+        return f"kv_offloading_size={config.cache_config.kv_offloading_size}"
+    if transfer is not None and transfer.kv_connector == "OffloadingConnector":
+        return "--kv-transfer-config kv_connector='OffloadingConnector'"
+    if envs.VLLM_METAL_SSD_CACHE_DIR is not None:
+        return f"VLLM_METAL_SSD_CACHE_DIR={envs.VLLM_METAL_SSD_CACHE_DIR!r}"
+    return None
+
+
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "tensor_parallel",
@@ -124,22 +138,47 @@ CAPABILITIES: tuple[Capability, ...] = (
         ),
     ),
     Capability(
-        "kv_transfer",
-        "KV offloading and KV connectors",
-        "remove --kv-offloading-size / --kv-transfer-config",
+        "kv_connector",
+        "KV connectors other than vLLM's offloading connector",
+        "use --kv-offloading-size (the native OffloadingConnector)",
         lambda c: (
-            (
-                c.cache_config.kv_offloading_size is not None
-                and f"kv_offloading_size={c.cache_config.kv_offloading_size}"
-            )
-            or (c.kv_transfer_config is not None and "--kv-transfer-config")
+            c.kv_transfer_config is not None
+            and c.kv_transfer_config.kv_connector not in (None, "OffloadingConnector")
+            and f"--kv-transfer-config kv_connector={c.kv_transfer_config.kv_connector!r}"
+        ),
+    ),
+    Capability(
+        "kv_offload",
+        "KV offloading",
+        "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR",
+        lambda c: _offload_setting(c),
+    ),
+    Capability(
+        "kv_offload_pooling",
+        "KV offloading for pooling models",
+        "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR",
+        lambda c: (
+            _model_attr(c, "runner_type") == "pooling"
+            and (s := _offload_setting(c))
+            and f"{s} with runner='pooling'"
+        ),
+    ),
+    Capability(
+        "kv_offload_draft_model",
+        "KV offloading with a draft model (its KV cache is not offloaded)",
+        "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR, or draft with method 'ngram'",
+        lambda c: (
+            c.speculative_config is not None
+            and c.speculative_config.uses_draft_model()
+            and (s := _offload_setting(c))
+            and f"{s} with --speculative-config method={c.speculative_config.method!r}"
         ),
     ),
 )
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset({"speculative_decoding", "lora", "pooling"}),
+    "mlx": frozenset({"speculative_decoding", "lora", "pooling", "kv_offload"}),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

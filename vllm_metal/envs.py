@@ -76,6 +76,41 @@ def _threads(name: str) -> Callable[[], int | str]:
     return parse
 
 
+def _path(name: str) -> Callable[[], str | None]:
+    def parse() -> str | None:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return None
+        return os.path.abspath(os.path.expanduser(raw.strip()))
+
+    return parse
+
+
+_SIZE_UNITS = {"": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(name: str, default: str) -> Callable[[], int]:
+    """A byte size: plain numbers are GiB; K/M/G/T suffixes (optionally with B or iB) are
+    binary units."""
+
+    def parse() -> int:
+        raw = os.environ.get(name)
+        text = (default if raw is None or raw.strip() == "" else raw).strip().lower()
+        number = text.removesuffix("ib").removesuffix("b")
+        unit = number[-1:] if number[-1:] in _SIZE_UNITS else ""
+        try:
+            value = float(number.removesuffix(unit) if unit else number)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(
+                f"{name}={raw!r} is not a positive size; use e.g. 64 (GiB), 512M or 2T"
+            )
+        return int(value * _SIZE_UNITS[unit])
+
+    return parse
+
+
 @dataclass(frozen=True)
 class EnvVar:
     parse: Callable[[], Any]
@@ -138,6 +173,21 @@ ENV_VARS: dict[str, EnvVar] = {
         "token rate of decode steps with and without drafts; per request, a minimum share of its "
         "drafts accepted, else a pause); 0 drafts for every request up to its cap, as vLLM's "
         "other backends do.",
+    ),
+    "VLLM_METAL_SSD_CACHE_DIR": EnvVar(
+        _path("VLLM_METAL_SSD_CACHE_DIR"),
+        "",
+        "A directory for the disk tier of the KV offload: blocks stored to the host tier are "
+        "also written here and read back on a prefix hit, also after a restart. Unset: no disk "
+        "tier. Without --kv-offloading-size it also turns on a host tier sized from free "
+        "memory (docs/kv-offload.md).",
+    ),
+    "VLLM_METAL_SSD_CACHE_SIZE": EnvVar(
+        _size("VLLM_METAL_SSD_CACHE_SIZE", "64"),
+        "64",
+        "Most bytes the disk tier keeps (least recently used blocks are deleted beyond it): a "
+        "number of GiB, or with a K/M/G/T suffix. Refused at startup when the disk has less "
+        "free space.",
     ),
 }
 

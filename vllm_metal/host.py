@@ -1,4 +1,5 @@
-"""Facts about the host machine that every backend shares: chip name and physical memory."""
+"""Facts about the host machine that every backend shares: chip name, physical and free memory,
+and whether the machine is paging."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def available_memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+# Below this share of memory free, with swap in use, the machine is taken to be paging.
+PAGING_FREE_SHARE = 0.1
+
+
+def memory_pressure() -> bool:
+    """Whether the machine is short of memory now: little is free and swap is in use."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return memory.available < PAGING_FREE_SHARE * memory.total and psutil.swap_memory().used > 0

@@ -151,6 +151,9 @@ class MetalPlatform(Platform):
         envs.validate()
         check_config(vllm_config)
         apply_config(vllm_config)
+        from vllm_metal.kv.offload import config as kv_offload
+
+        kv_offload.configure(vllm_config)
         from vllm_metal import gguf_frontend
 
         gguf_frontend.use_file_tokenizer(vllm_config)

@@ -138,6 +138,10 @@ class MetalWorker(WorkerBase):
         return sum(spec.page_size_bytes for spec in self.get_kv_cache_spec().values())
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        # vLLM's KV connector (KV offloading) exists before the cache it copies from.
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized
+
+        ensure_kv_transfer_initialized(self.vllm_config, kv_cache_config)
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -162,7 +166,7 @@ class MetalWorker(WorkerBase):
         return self.model_runner.take_draft_token_ids()
 
     def get_kv_connector_handshake_metadata(self) -> dict | None:
-        # No KV connector runs on this platform yet (the capability table refuses them).
+        # KV offloading is local to this worker: there is no peer to hand-shake with.
         return None
 
     def check_health(self) -> None:
@@ -222,6 +226,9 @@ class MetalWorker(WorkerBase):
     # ------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
         if self.model_runner is not None:
             self.model_runner.shutdown()
         self.backend.release_cached_memory()

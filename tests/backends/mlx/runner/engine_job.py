@@ -96,6 +96,21 @@ def _pool(llm, job: dict) -> list[dict] | dict:
     return [{"data": d, "num_cached_tokens": o.num_cached_tokens} for d, o in zip(data, outs)]
 
 
+def _corrupt_files(pattern: str) -> dict:
+    """{"action": "corrupt_files", "glob": pattern}: flip one byte near the end of every file
+    matching `pattern` (recursive), as a failing disk would; the number of files touched."""
+    import glob
+
+    paths = glob.glob(pattern, recursive=True)
+    for path in paths:
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return {"corrupted": len(paths)}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -103,6 +118,9 @@ def run(spec: dict) -> dict:
     stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
     results, snapshots = [], []  # snapshots: the engine's counters after each job
     for job in spec["jobs"]:
+        if job.get("action") == "corrupt_files":
+            results.append(_corrupt_files(job["glob"]))
+            continue
         if "action" in job:
             results.append(_adapter_action(llm, job))
             continue

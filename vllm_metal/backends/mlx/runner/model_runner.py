@@ -23,6 +23,7 @@ from vllm_metal.backends.mlx.device import compute_dtype, dense_on_this_device
 from vllm_metal.backends.mlx.dtypes import to_mlx_dtype
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
@@ -82,6 +83,9 @@ class MLXModelRunner:
         self.windows: list[int | None] = []  # per layer (None = full attention)
         self.kv_layout: KVLayout | None = None
         self.kv_pool: KVPool | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        # vLLM's KV connector (KV offloading), set up by the worker before the KV cache.
+        self.connector: ConnectorSteps | None = None
 
     # ------------------------------------------------------------ model
 
@@ -161,6 +165,8 @@ class MLXModelRunner:
             kv_cache_config, self.adapter.attention_layer_names
         )
         self.block_size = layout.block_size
+        self.kv_cache_config = kv_cache_config
+        self.connector = ConnectorSteps.make()
         self.states.set_block_sizes([layout.block_size] * len(kv_cache_config.kv_cache_groups))
         self._allocate_kv_pool()
         if self.spec is not None:
@@ -176,6 +182,8 @@ class MLXModelRunner:
 
     def _allocate_kv_pool(self) -> None:
         self.kv_pool = KVPool(self.kv_layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
+        if self.connector is not None:
+            self.connector.bind_pool(self.kv_pool, self.kv_cache_config)
 
     def warm_up(self) -> None:
         self._dummy_runs().warm_up(self.block_size, self.max_num_tokens)
@@ -197,6 +205,8 @@ class MLXModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.pipeline.drain()  # the previous step's tokens are inputs of this one
         started = time.perf_counter()
+        if self.connector is not None:
+            self.connector.start(scheduler_output)
         self._copy_blocks(scheduler_output)
         if self.spec is not None:
             for req_id in scheduler_output.finished_req_ids:
@@ -205,6 +215,10 @@ class MLXModelRunner:
         self.states.update(scheduler_output)
         batch = self.states.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
+            if self.connector is not None:  # transfers go on while nothing is scheduled
+                return ModelRunnerOutput.with_kv_conn_output_only(
+                    self.connector.finish(scheduler_output)
+                )
             return EMPTY_MODEL_RUNNER_OUTPUT
         assert self.kv_pool is not None, "KV cache not initialized"
 
@@ -224,7 +238,14 @@ class MLXModelRunner:
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         mx.async_eval(logits, *prompt_logits.values(), *self.kv_pool.arrays())
         self.pipeline.executed = StepState(
-            scheduler_output, packed, logits, prompt_logits, started=started
+            scheduler_output,
+            packed,
+            logits,
+            prompt_logits,
+            started=started,
+            kv_connector_output=(
+                None if self.connector is None else self.connector.finish(scheduler_output)
+            ),
         )
         return None
 
@@ -267,6 +288,7 @@ class MLXModelRunner:
         )
         if spec is not None:
             spec.after_step(step, self.states, output.sampled_token_ids)
+        output.kv_connector_output = step.kv_connector_output
         return output
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, ModelRunnerOutput
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
 
@@ -30,6 +30,7 @@ class StepState:
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
+    kv_connector_output: KVConnectorOutput | None = None  # the step's KV transfers
 
 
 class PendingOutput(AsyncModelRunnerOutput):
