@@ -155,3 +155,9 @@ def test_the_manager_loads_from_host_chunks_and_disk_files(tmp_path):
     stats = manager.get_stats()
     reduced = stats.reduce()
     assert reduced[HOST_HITS] == 2 and reduced[DISK_HITS] == 1
+
+    # vLLM's prefix-cache reset (with the connector) forgets both tiers.
+    manager.reset_cache()
+    assert [manager.lookup(k, ctx) for k in KEYS] == [LookupResult.MISS] * 3
+    assert disk.write(KEYS[2], np.ones(16, np.uint8))  # the writer's index noticed
+    assert manager.lookup(KEYS[2], ctx) is LookupResult.HIT

@@ -122,6 +122,9 @@ class DiskTier:
             return False
         with self._lock:
             present = key in self._index
+            if present and not path.exists():  # deleted by `clear` in another process
+                self._used -= self._index.pop(key)
+                present = False
             if present:
                 self._index.move_to_end(key)
             elif key in self._pending or not self._evict_until_fits(size):
@@ -197,6 +200,20 @@ class DiskTier:
             except FileNotFoundError:
                 return False
         return True
+
+    def clear(self) -> int:
+        """Delete every block file of this namespace (a reader may too: vLLM's prefix-cache
+        reset runs on the scheduler side); the number deleted. A writer in another process
+        notices lazily: its index drops a key whose file is gone when the key comes back."""
+        deleted = 0
+        with self._lock:
+            for file in self.dir.glob(f"*/*{SUFFIX}"):
+                file.unlink(missing_ok=True)
+                deleted += 1
+            if self.writer:
+                self._index.clear()
+                self._used = sum(self._pending.values())
+        return deleted
 
     def close(self) -> None:
         """Nothing to flush: every write is complete and fsync'd when `write` returns."""

@@ -99,6 +99,14 @@ class HostDiskManager(CPUOffloadingManager):
             del self._disk_loads[req_context.req_id]
         super().complete_load(host_keys, req_context)
 
+    def reset_cache(self) -> None:
+        """vLLM's prefix-cache reset with the connector (e.g. after new weights were loaded):
+        the disk tier's blocks go too, so none computed before it is ever loaded after it."""
+        super().reset_cache()
+        self._disk_loads.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
     def _get_load_store_spec(self, keys: Iterable[OffloadKey], chunks: Iterable) -> TierSpec:
         return TierSpec([chunk.chunk_id for chunk in chunks], list(keys))
 
