@@ -157,3 +157,24 @@ def test_a_host_tier_too_small_for_one_request_is_refused_at_engine_start(env, m
     message = str(info.value)
     assert "holds 3 blocks" in message and "the 16 one request" in message
     assert "--kv-offloading-size" in message
+
+
+def test_on_a_paging_machine_the_automatic_host_tier_shrinks_and_says_so(env, model, tmp_path):
+    """This machine cannot be made to page on demand: the memory facts are stubbed, vLLM and the
+    plugin's config code are real."""
+    import vllm_metal.host as host
+    from vllm_metal.kv.offload import config as offload_config
+
+    env.setenv("VLLM_METAL_SSD_CACHE_DIR", str(tmp_path))
+    env.setenv("VLLM_METAL_SSD_CACHE_SIZE", "64M")
+    relaxed = _config(model).cache_config.kv_offloading_size
+    env.setattr(offload_config, "memory_pressure", lambda: True)
+    paging = _config(model).cache_config.kv_offloading_size
+    assert 0 < paging < relaxed
+
+    from vllm_metal.kv.offload.spec import _too_small
+
+    env.setattr(host, "memory_pressure", lambda: True)
+    assert "the machine is paging" in _too_small(2, 16, 2**15)
+    env.setattr(host, "memory_pressure", lambda: False)
+    assert "paging" not in _too_small(2, 16, 2**15)
