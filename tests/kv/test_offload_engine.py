@@ -47,8 +47,21 @@ CONCURRENT = {
     "prompts": [p[:190] for p in (D, E, F)],
     "params": [{**GREEDY, "max_tokens": 64, "ignore_eos": True}],
 }
-# A, two prompts that evict it from the device pool, A again, then the preempting batch.
-FIRST_RUN = [_one(A), _one(B), _one(C), _one(A), CONCURRENT]
+# A, two prompts that evict it from the device pool, A again, then the preempting batch; then
+# sleep mode frees the device pool, and vLLM resets the prefix cache and the tiers with it (the
+# weights may change meanwhile), so A, B and C are computed and stored again.
+SLEEP = 5
+FIRST_RUN = [
+    _one(A),
+    _one(B),
+    _one(C),
+    _one(A),
+    CONCURRENT,
+    {"action": "sleep_wake"},
+    _one(A),
+    _one(B),
+    _one(C),
+]
 
 
 def _tokens(batch):
@@ -97,9 +110,15 @@ def restarted(model, disk_dir, tiered):
     return run_engine_job(model, jobs, engine=engine, with_metrics="per_job", env=env)
 
 
+def _generated(results):
+    """The generate jobs' results (action jobs return dicts)."""
+    return [r for r in results if isinstance(r, list)]
+
+
 def test_without_tiers_an_evicted_prompt_is_recomputed(control):
     results, metrics = control
     assert results[3][0]["num_cached_tokens"] == 0  # A was evicted by B and C
+    assert results[SLEEP + 1][0]["num_cached_tokens"] == 0  # and sleep mode freed the pool
     assert sum(_delta(metrics, "vllm:external_prefix_cache_hits")) == 0
     assert not [name for name in metrics[-1] if "kv_offload" in name]
 
@@ -107,9 +126,12 @@ def test_without_tiers_an_evicted_prompt_is_recomputed(control):
 def test_the_host_tier_serves_the_evicted_prompt(control, tiered):
     results, metrics = tiered
     expected, _ = control
-    assert [_tokens(b) for b in results] == [_tokens(b) for b in expected]
+    assert [_tokens(b) for b in _generated(results)] == [_tokens(b) for b in _generated(expected)]
     assert results[3][0]["num_cached_tokens"] == FULL_BLOCKS * BLOCK
     assert _delta(metrics, "vllm:kv_offload_host_hit_blocks")[3] == FULL_BLOCKS
+    # After sleep mode: nothing cached, and the blocks are stored again from the new pool.
+    assert results[SLEEP + 1][0]["num_cached_tokens"] == 0
+    assert _delta(metrics, "vllm:kv_offload_store_bytes")[SLEEP] == FULL_BLOCKS * 32 * 2**10
     assert _delta(metrics, "vllm:external_prefix_cache_hits")[3] == FULL_BLOCKS * BLOCK
     assert sum(_delta(metrics, "vllm:kv_offload_disk_hit_blocks")) == 0
     assert _delta(metrics, "vllm:kv_offload_store_bytes")[0] == FULL_BLOCKS * 32 * 2**10
@@ -133,9 +155,9 @@ def test_after_a_restart_the_disk_tier_serves_the_prompts(control, tiered, resta
 def test_a_corrupt_disk_file_is_recomputed_never_served(control, restarted, disk_dir):
     results, metrics = restarted
     expected, _ = control
-    # Every full prompt block of the first run was written through (decode blocks are not
-    # offloaded: vLLM's offload_prompt_only).
-    assert results[2]["corrupted"] == 3 * FULL_BLOCKS + 3 * (190 // BLOCK)
+    # The blocks of A, B and C written through after the sleep: the reset deleted the earlier
+    # files (the concurrent prompts' among them).
+    assert results[2]["corrupted"] == 3 * FULL_BLOCKS
     c = results[3][0]
     assert c["outputs"][0]["token_ids"] == _tokens(expected[2])[0]
     # The files were found (a disk hit was tried) but failed their checksum: nothing cached.

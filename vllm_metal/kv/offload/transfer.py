@@ -74,7 +74,7 @@ class TierCounters:
 
 class MLXTransfer(OffloadingWorker):
     def __init__(self, pool: KVPool, group_ids: list[int], num_chunks: int, disk: DiskTier | None):
-        self.pool = pool
+        self.pool: KVPool | None = pool  # None while sleep mode has freed it
         layout = pool.layout
         # The memory regions of each offloaded group, in layer order.
         self.regions = [
@@ -208,6 +208,8 @@ class MLXTransfer(OffloadingWorker):
     def _scatter(self, job: _Job) -> None:
         pool = self.pool
         for (g, data, ok), ids in zip(job.future.result(), job.device_ids):
+            if pool is None:  # freed meanwhile (sleep mode): the blocks were not loaded
+                ok[:] = False
             self._load_errors.update(ids[~ok].tolist())
             if not ok.any():
                 continue

@@ -49,6 +49,11 @@ class ConnectorSteps:
         self.transfer = spec.bind_pool(pool, list(get_offloading_group_ids(kv_cache_config)))
         worker.worker = self.transfer
 
+    def release_pool(self) -> None:
+        """The pool is being freed (sleep mode): the transfer worker lets go of it too."""
+        if self.transfer is not None:
+            self.transfer.pool = None
+
     def start(self, scheduler_output: SchedulerOutput) -> None:
         meta = scheduler_output.kv_connector_metadata
         assert meta is not None, "a KV connector runs but the step carries no metadata"

@@ -327,6 +327,8 @@ class MLXModelRunner:
         """Free the memory of the tagged parts; their contents are forgotten."""
         if "kv_cache" in tags:
             self.kv_pool = None
+            if self.connector is not None:
+                self.connector.release_pool()
         if "weights" in tags:
             self.adapter = None
         if self.spec is not None:
