@@ -10,6 +10,8 @@ the checkpoint needs the real vocabulary; `vllm_metal.testing.tiny_gpt_oss` rebu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
@@ -104,3 +106,69 @@ def test_completions_and_harmony_chat_match_transformers(gpt_oss_server):
     assert len(generated) == 12 or choice["finish_reason"] == "stop"
     # The reasoning parser ran (random tokens carry no analysis channel).
     assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+# What a trained gpt-oss answers to the weather question: reasoning on the analysis channel, then
+# a call of the tool on the commentary channel, ended by <|call|> (a stop token of harmony).
+TOOL_CALL_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks for the weather in Paris.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}<|call|>'
+)
+PINNED_DATE = {"VLLM_SYSTEM_START_DATE": "2026-01-01"}  # the harmony system message's date
+
+
+@pytest.mark.full
+def test_harmony_chat_separates_reasoning_and_a_parsed_tool_call(
+    server_slot, harmony_model, tmp_path
+):
+    """A random model never calls a tool: the tiny checkpoint is taught the answer above for the
+    prompt vLLM renders (read back from a first server), then served."""
+    from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
+
+    from vllm_metal.testing.oracles import hf_greedy
+    from vllm_metal.testing.teach import teach
+
+    chat = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": TOOLS,
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+
+    def serve_and_chat(model):
+        server = server_slot.get(
+            ("gpt_oss_pinned", str(model)),
+            model,
+            served_name="tiny-gpt-oss",
+            api_key=None,
+            extra_args=PARSER_ARGS,
+            env=PINNED_DATE,
+        )
+        r = server.post("/v1/chat/completions", {"model": server.model, **chat})
+        assert r.status_code == 200, r.text + server.context()
+        return r.json()
+
+    prompt = serve_and_chat(harmony_model)["prompt_token_ids"]
+    server_slot.close()
+
+    answer = get_encoding().encode(TOOL_CALL_ANSWER, allowed_special="all")
+    taught = tmp_path / "taught"
+    teach(harmony_model, taught, [prompt], answer)
+    out = serve_and_chat(taught)
+    assert out["prompt_token_ids"] == prompt
+    (choice,) = out["choices"]
+    # The engine's tokens are transformers' (the call token <|call|> stops generation).
+    assert (
+        choice["token_ids"]
+        == hf_greedy(taught, [prompt], len(answer))[0][: len(choice["token_ids"])]
+    )
+    assert choice["token_ids"] == answer[:-1] or choice["token_ids"] == answer
+    message = choice["message"]
+    assert message["reasoning"] == "The user asks for the weather in Paris."
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert not message.get("content")
+    assert choice["finish_reason"] == "tool_calls"

@@ -43,15 +43,19 @@ def test_a_served_prompt_comes_back_from_host_then_disk_after_a_restart(
     server_slot.close()  # one engine at a time on this machine
     model = tiny_model_dir("llama")
     env = {"VLLM_METAL_SSD_CACHE_DIR": str(tmp_path / "kv")}
-    server = start_server(
-        model,
-        tmp_path / "first.log",
-        served_name="tiny",
-        api_key=None,
-        extra_args=ARGS,
-        env=env,
-        max_model_len=512,
-    )
+
+    def serve(log: str):
+        return start_server(
+            model,
+            tmp_path / log,
+            served_name="tiny",
+            api_key=None,
+            extra_args=ARGS,
+            env=env,
+            max_model_len=512,
+        )
+
+    server = serve("first.log")
     try:
         first, _ = _complete(server, A)
         _complete(server, B)
@@ -64,15 +68,7 @@ def test_a_served_prompt_comes_back_from_host_then_disk_after_a_restart(
     finally:
         stop_server(server)
 
-    server = start_server(
-        model,
-        tmp_path / "second.log",
-        served_name="tiny",
-        api_key=None,
-        extra_args=ARGS,
-        env=env,
-        max_model_len=512,
-    )
+    server = serve("second.log")
     try:
         restarted, _ = _complete(server, A)
         assert restarted == first

@@ -8,7 +8,7 @@ fsync'd, then renamed over the final name, so a final name only ever holds a who
 re-checks the header and digest anyway and deletes (never serves) a file that fails. The writer
 keeps an LRU index bounded by `capacity_bytes`; recency is also stored as the file's mtime, so a
 restarted writer rebuilds the same order. One writer per directory; any number of readers, which
-only ask `contains`.
+only ask `contains` (and may `clear` the namespace).
 """
 
 from __future__ import annotations
