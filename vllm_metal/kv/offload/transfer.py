@@ -189,9 +189,13 @@ class MLXTransfer(OffloadingWorker):
         out = []
         for chunks, keys, g in requests:
             size = self.group_bytes[g]
-            data = np.empty((len(chunks), size), dtype=np.uint8)
             ok = np.ones(len(chunks), dtype=bool)
             on_host = chunks != ON_DISK
+            if on_host.all():  # the usual case: one gather from the host pool
+                out.append((g, self.host[chunks, :size], ok))
+                self.counters.host_blocks_loaded += len(chunks)
+                continue
+            data = np.empty((len(chunks), size), dtype=np.uint8)
             data[on_host] = self.host[chunks[on_host], :size]
             for i in np.flatnonzero(~on_host):
                 row = None if self.disk is None else self.disk.read(keys[i], size)
@@ -216,7 +220,7 @@ class MLXTransfer(OffloadingWorker):
             regions = self.regions[g]
             k0 = pool.keys[regions[0]]
             pages = (
-                mx.array(data[ok])
+                mx.array(data if ok.all() else data[ok])
                 .view(k0.dtype)
                 .reshape(int(ok.sum()), 2 * len(regions), *k0.shape[1:])
             )
