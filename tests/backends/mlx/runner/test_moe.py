@@ -160,24 +160,34 @@ def test_moe_greedy_matches_transformers(moe_model, arch):
             assert abs(got - want) < 1e-3, (arch, step, got, want)
 
 
+# Where mlx-lm keeps each family's router and stacked experts.
+MOE_BLOCK = {
+    "qwen3_moe": "model.layers.0.mlp",
+    "mixtral": "model.layers.0.block_sparse_moe",
+    "qwen2_moe": "model.layers.0.mlp",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.full
-def test_quantized_moe_matches_mlx_lm(moe_model, tmp_path):
-    """A 4-bit MLX-quantized Qwen3-MoE (mlx-lm's converter: QuantizedSwitchLinear experts, an
-    8-bit router) gives stock mlx-lm's greedy tokens."""
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_quantized_moe_matches_mlx_lm(moe_model, tmp_path, arch):
+    """A 4-bit MLX-quantized MoE (mlx-lm's converter: QuantizedSwitchLinear experts) gives stock
+    mlx-lm's greedy tokens."""
     from safetensors import safe_open
 
     from vllm_metal.testing.oracles import mlx_lm_greedy
     from vllm_metal.testing.tiny_models import quantize_tiny_model
 
-    src = moe_model("qwen3_moe", style="hub", dtype="bfloat16")  # mlx_lm.convert reads hub keys
-    model = quantize_tiny_model(src, tmp_path / "qwen3_moe-q4", bits=4, group_size=64)
+    src = moe_model(arch, style="hub", dtype="bfloat16")  # mlx_lm.convert reads hub keys
+    model = quantize_tiny_model(src, tmp_path / f"{arch}-q4", bits=4, group_size=64)
     config = json.loads((model / "config.json").read_text())
     assert config["quantization"]["bits"] == 4
-    assert config["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8
+    if arch == "qwen3_moe":  # its predicate keeps the router at 8 bits
+        assert config["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8
     with safe_open(str(model / "model.safetensors"), "np") as f:
         names = set(f.keys())
-    assert "model.layers.0.mlp.switch_mlp.gate_proj.scales" in names  # stacked, packed experts
+    assert f"{MOE_BLOCK[arch]}.switch_mlp.gate_proj.scales" in names  # stacked, packed experts
     prompts = MIXED[1:4]
     (batch,) = run_engine_job(model, [{"prompts": prompts, "params": [greedy(16)]}])
     assert tokens(batch) == mlx_lm_greedy(model, prompts, 16, dtype="float32")
