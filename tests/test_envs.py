@@ -30,13 +30,17 @@ def test_every_variable_is_a_vllm_metal_name_with_help() -> None:
         assert len(var.help) > 20, f"{name} has no real help text"
 
 
-def test_unset_variables_take_their_documented_default() -> None:
+def test_unset_variables_take_their_documented_default(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, var in envs.ENV_VARS.items():
+        monkeypatch.delenv(name, raising=False)
         value = getattr(envs, name)
         if name in BOOL_VARS:
             assert value is (var.default == "1"), name
-        else:
-            assert value == var.default, name
+            continue
+        # The documented default, set explicitly, means what leaving the variable unset means.
+        monkeypatch.setenv(name, var.default)
+        assert getattr(envs, name) == value, name
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("name", BOOL_VARS)
@@ -124,3 +128,19 @@ def test_register_with_vllm_declares_every_name(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("VLLM_METAL_BACKEND", "mps")
     # vLLM's own accessor now reads our variable, parsed by our parser.
     assert vllm_envs.VLLM_METAL_BACKEND == "mps"
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("64", 64 * 2**30), ("512M", 512 * 2**20), ("2T", 2 * 2**40), ("1.5GiB", 3 * 2**29)],
+)
+def test_sizes(monkeypatch: pytest.MonkeyPatch, raw: str, expected: int) -> None:
+    monkeypatch.setenv("VLLM_METAL_SSD_CACHE_SIZE", raw)
+    assert envs.VLLM_METAL_SSD_CACHE_SIZE == expected
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "0", "12X"])
+def test_bad_size_names_the_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("VLLM_METAL_SSD_CACHE_SIZE", raw)
+    with pytest.raises(ValueError, match="VLLM_METAL_SSD_CACHE_SIZE"):
+        envs.validate()
