@@ -18,7 +18,8 @@ from bench.lora import TARGETS, cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+# Two minutes of engine runs for a harness check: outside CI's time budget.
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
