@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_metal.kv.offload import CONNECTOR
 from vllm_metal.quantization import CHECKPOINT_QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -35,15 +36,15 @@ def _model_attr(config: VllmConfig, name: str, default: object = None) -> object
     return default if model is None else getattr(model, name, default)
 
 
-def _offload_setting(config: VllmConfig) -> str | None:
+def offload_setting(config: VllmConfig) -> str | None:
     """The setting that turns KV offloading on (`vllm_metal.kv.offload.config`), if any."""
     from vllm_metal import envs
 
     transfer = config.kv_transfer_config
     if config.cache_config.kv_offloading_size is not None:
         return f"kv_offloading_size={config.cache_config.kv_offloading_size}"
-    if transfer is not None and transfer.kv_connector == "OffloadingConnector":
-        return "--kv-transfer-config kv_connector='OffloadingConnector'"
+    if transfer is not None and transfer.kv_connector == CONNECTOR:
+        return f"--kv-transfer-config kv_connector={CONNECTOR!r}"
     if envs.VLLM_METAL_SSD_CACHE_DIR is not None:
         return f"VLLM_METAL_SSD_CACHE_DIR={envs.VLLM_METAL_SSD_CACHE_DIR!r}"
     return None
@@ -143,7 +144,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "use --kv-offloading-size (the native OffloadingConnector)",
         lambda c: (
             c.kv_transfer_config is not None
-            and c.kv_transfer_config.kv_connector not in (None, "OffloadingConnector")
+            and c.kv_transfer_config.kv_connector not in (None, CONNECTOR)
             and f"--kv-transfer-config kv_connector={c.kv_transfer_config.kv_connector!r}"
         ),
     ),
@@ -151,7 +152,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "kv_offload",
         "KV offloading",
         "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR",
-        lambda c: _offload_setting(c),
+        lambda c: offload_setting(c),
     ),
     Capability(
         "kv_offload_pooling",
@@ -159,7 +160,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR",
         lambda c: (
             _model_attr(c, "runner_type") == "pooling"
-            and (s := _offload_setting(c))
+            and (s := offload_setting(c))
             and f"{s} with runner='pooling'"
         ),
     ),
@@ -170,7 +171,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda c: (
             c.speculative_config is not None
             and c.speculative_config.uses_draft_model()
-            and (s := _offload_setting(c))
+            and (s := offload_setting(c))
             and f"{s} with --speculative-config method={c.speculative_config.method!r}"
         ),
     ),

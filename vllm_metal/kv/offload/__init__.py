@@ -10,6 +10,8 @@ vLLM's scheduler decides what to store and what to load (`OffloadingConnector`, 
   tier on a background thread; `disk.py` is the disk tier's file store.
 """
 
+# vLLM's connector that `--kv-offloading-size` turns on.
+CONNECTOR = "OffloadingConnector"
 # vLLM loads the spec by these names (`kv_connector_extra_config`).
 SPEC_NAME = "MetalOffloadingSpec"
 SPEC_MODULE = "vllm_metal.kv.offload.spec"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
-from vllm_metal.capabilities import MetalConfigError
+from vllm_metal.capabilities import MetalConfigError, offload_setting
 from vllm_metal.host import available_memory_bytes, memory_pressure, physical_memory_bytes
 from vllm_metal.kv.offload import SPEC_MODULE, SPEC_NAME
 from vllm_metal.kv.offload.spec import DISK_BYTES, DISK_DIR, MIN_CHUNKS, MODEL_FINGERPRINT
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-CONNECTOR = "OffloadingConnector"
 # Without --kv-offloading-size the host pool takes this share of the memory free at startup, at
 # most this share of all memory, and a smaller share when the machine is already paging.
 AUTO_HOST_SHARE_OF_FREE = 0.25
@@ -41,17 +40,8 @@ DEFAULT_DISK_BYTES = 64 * 2**30
 PROCESS_SEEDED_HASHES = ("xxhash", "xxhash_cbor")
 
 
-def offload_requested(vllm_config: VllmConfig) -> bool:
-    transfer = vllm_config.kv_transfer_config
-    return (
-        vllm_config.cache_config.kv_offloading_size is not None
-        or (transfer is not None and transfer.kv_connector == CONNECTOR)
-        or envs.VLLM_METAL_SSD_CACHE_DIR is not None
-    )
-
-
 def configure(vllm_config: VllmConfig) -> None:
-    if not offload_requested(vllm_config):
+    if offload_setting(vllm_config) is None:
         return
     from vllm.config import KVTransferConfig
 
