@@ -36,6 +36,37 @@ def _model_attr(config: VllmConfig, name: str, default: object = None) -> object
     return default if model is None else getattr(model, name, default)
 
 
+# model_type of the encoder-decoder checkpoints the speech runner serves
+# (`backends/mlx/runner/speech/`).
+SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
+
+
+def speech_model(config: VllmConfig) -> str | None:
+    """ "model=... (whisper)" when the config serves a speech-to-text model, else None."""
+    hf_config = _model_attr(config, "hf_config")
+    model_type = getattr(hf_config, "model_type", None)
+    if (
+        _model_attr(config, "is_encoder_decoder", False)
+        and model_type in SPEECH_TO_TEXT_MODEL_TYPES
+    ):
+        return f"model={_model_attr(config, 'model')!r} ({model_type})"
+    return None
+
+
+def _speech_with(config: VllmConfig) -> str | None:
+    """The setting asked for beside a speech-to-text model that its runner does not run."""
+    model = speech_model(config)
+    if model is None:
+        return None
+    if config.lora_config is not None:
+        return f"--enable-lora with {model}"
+    if config.speculative_config is not None:
+        return f"--speculative-config with {model}"
+    if setting := offload_setting(config):
+        return f"{setting} with {model}"
+    return None
+
+
 def offload_setting(config: VllmConfig) -> str | None:
     """The setting that turns KV offloading on (`vllm_metal.kv.offload.config`), if any."""
     from vllm_metal import envs
@@ -108,17 +139,31 @@ CAPABILITIES: tuple[Capability, ...] = (
         "serve a text-only model",
         lambda c: (
             bool(_model_attr(c, "is_multimodal_model", False))
+            and not speech_model(c)
             and f"model={_model_attr(c, 'model')!r} (multimodal)"
         ),
     ),
     Capability(
         "encoder_decoder",
-        "encoder-decoder models",
-        "serve a decoder-only model",
+        "encoder-decoder models other than speech-to-text (Whisper)",
+        "serve a decoder-only model or a Whisper checkpoint",
         lambda c: (
             bool(_model_attr(c, "is_encoder_decoder", False))
+            and not speech_model(c)
             and f"model={_model_attr(c, 'model')!r} (encoder-decoder)"
         ),
+    ),
+    Capability(
+        "speech_to_text",
+        "speech-to-text models (Whisper)",
+        "serve a text model",
+        speech_model,
+    ),
+    Capability(
+        "speech_to_text_extras",
+        "LoRA adapters, speculative decoding and KV offloading on speech-to-text models",
+        "remove that setting",
+        _speech_with,
     ),
     Capability(
         "mla",
@@ -179,7 +224,7 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset({"speculative_decoding", "lora", "pooling", "kv_offload"}),
+    "mlx": frozenset({"speculative_decoding", "lora", "pooling", "kv_offload", "speech_to_text"}),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

@@ -15,7 +15,6 @@ PROMPT_EMBEDS_REFUSAL = (
     "vllm-metal: prompt embeddings (prompt_embeds) are not supported by the MLX model runner; "
     "send the prompt as text or token ids"
 )
-ENCODER_DECODER_REFUSAL = "vllm-metal: encoder-decoder prompts are not supported"
 
 
 def validate_request(processed_inputs: Any, params: Any) -> None:
@@ -24,8 +23,8 @@ def validate_request(processed_inputs: Any, params: Any) -> None:
     `processed_inputs` is vLLM's rendered `EngineInput`, `params` its `SamplingParams` or
     `PoolingParams`; this is the body of `MetalPlatform.validate_request`.
     """
-    encoder_input, decoder_input = split_enc_dec_input(processed_inputs)
-    if encoder_input is not None:
-        raise VLLMValidationError(ENCODER_DECODER_REFUSAL)
+    # An encoder-decoder prompt reaches here only for a speech-to-text model: other
+    # encoder-decoder models are refused at startup (`capabilities`).
+    _, decoder_input = split_enc_dec_input(processed_inputs)
     if decoder_input.get("type") == "embeds":
         raise VLLMValidationError(PROMPT_EMBEDS_REFUSAL, parameter="prompt_embeds")

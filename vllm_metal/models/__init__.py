@@ -3,7 +3,8 @@
 `load_model` reads a checkpoint with the loader for its format (`loaders/`) and wraps the model in
 the adapter for its family (`families/`, the generic `ModelAdapter` otherwise). The runner only
 talks to the adapter: embeddings, a forward over hidden states, logits and the layer kinds.
-Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAdapter`.
+Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAdapter`, and
+speech-to-text models (`load_speech_model`) theirs, `families.whisper.WhisperAdapter`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from vllm_metal.models.encoder import EncoderAdapter
+    from vllm_metal.models.families.whisper import WhisperAdapter
 
-__all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model"]
+__all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model", "load_speech_model"]
 
 
 def load_model(
@@ -84,3 +86,27 @@ def load_encoder(
             f"supported; vllm-metal serves {sorted(encoder.ENCODER_MODEL_TYPES)}"
         )
     return encoder.load_encoder(path, config, compute_dtype)
+
+
+def load_speech_model(
+    model: str,
+    *,
+    compute_dtype: mx.Dtype,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> WhisperAdapter:
+    """Load the speech-to-text checkpoint `model` (Whisper, Hugging Face layout)."""
+    import json
+
+    from vllm_metal.capabilities import SPEECH_TO_TEXT_MODEL_TYPES
+    from vllm_metal.models.families import whisper
+    from vllm_metal.models.loaders.safetensors import resolve_model_path
+
+    path = resolve_model_path(model, revision, download_dir)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in SPEECH_TO_TEXT_MODEL_TYPES:
+        raise ValueError(
+            f"model={model!r}: speech-to-text model_type {config.get('model_type')!r} is not "
+            f"supported; vllm-metal serves {list(SPEECH_TO_TEXT_MODEL_TYPES)}"
+        )
+    return whisper.load(path, config, compute_dtype)

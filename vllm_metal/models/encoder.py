@@ -19,7 +19,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from vllm_metal.models.families import bert, xlm_roberta
-from vllm_metal.models.loaders import parameter_bytes
+from vllm_metal.models.loaders import load_strict, parameter_bytes, read_safetensors
 
 ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 
@@ -157,20 +157,6 @@ def length_groups(lens: np.ndarray, max_padding: float = 0.5) -> list[np.ndarray
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_checkpoint(path: Path) -> dict[str, tuple[mx.array, str]]:
-    """Every tensor of the folder's `*.safetensors` files -> (tensor, file name)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    tensors: dict[str, tuple[mx.array, str]] = {}
-    for file in files:
-        for name, value in mx.load(str(file)).items():
-            if name in tensors:
-                raise ValueError(f"tensor {name!r} is in both {tensors[name][1]} and {file.name}")
-            tensors[name] = (value, file.name)
-    return tensors
-
-
 def _map_names(
     tensors: dict[str, tuple[mx.array, str]], expected: dict[str, mx.array]
 ) -> dict[str, tuple[mx.array, str]]:
@@ -218,25 +204,12 @@ def load_encoder(path: Path, config: dict[str, Any], compute_dtype: mx.Dtype) ->
     )
     model = cls(args)
     expected = dict(tree_flatten(model.parameters()))
-    tensors = _map_names(_read_checkpoint(path), expected)
-
-    if missing := sorted(expected.keys() - tensors.keys()):
-        files = sorted({file for _, file in tensors.values()})
-        raise ValueError(f"{architecture} needs tensors {missing} that {path} ({files}) lacks")
-    if unexpected := sorted(tensors.keys() - expected.keys()):
-        where = [f"{name!r} in {tensors[name][1]}" for name in unexpected]
-        raise ValueError(f"{architecture} has no place for tensors in {path}: {', '.join(where)}")
-    weights = []
-    for name, (value, file) in tensors.items():
-        if value.shape != expected[name].shape:
-            raise ValueError(
-                f"tensor {name!r} in {path / file} has shape {value.shape}, "
-                f"expected {expected[name].shape}"
-            )
-        if mx.issubdtype(value.dtype, mx.floating):
-            head = name.startswith(model.head_prefixes)
-            value = value.astype(mx.float32 if head else compute_dtype)
-        weights.append((name, value))
-    model.load_weights(weights, strict=True)
-    mx.eval(model.parameters())
+    tensors = _map_names(read_safetensors(path), expected)
+    load_strict(
+        model,
+        tensors,
+        path=path,
+        what=architecture,
+        dtype_of=lambda name: mx.float32 if name.startswith(model.head_prefixes) else compute_dtype,
+    )
     return EncoderAdapter(model, config, model_type)

@@ -116,6 +116,10 @@ class MLXBackend:
         mx.random.seed(seed)
 
     def make_runner(self, vllm_config: VllmConfig) -> ModelRunner:
+        if vllm_config.model_config.is_encoder_decoder:
+            from vllm_metal.backends.mlx.runner.speech.runner import MLXSpeechRunner
+
+            return MLXSpeechRunner(vllm_config)
         if vllm_config.model_config.runner_type == "pooling":
             from vllm_metal.backends.mlx.runner.pool.runner import MLXPoolingRunner
 

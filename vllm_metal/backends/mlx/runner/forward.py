@@ -59,8 +59,16 @@ def forward(
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    hidden = hidden_states(adapter, pool, windows, packed)
+    return logits_of(adapter, hidden_states(adapter, pool, windows, packed), packed, prompt_rows)
 
+
+def logits_of(
+    adapter: ModelAdapter,
+    hidden: mx.array,
+    packed: PackedBatch,
+    prompt_rows: Mapping[str, np.ndarray],
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """`forward`'s result from the hidden states of every packed token (`[T, ...]`)."""
     rows = [packed.logits_indices]
     spans: list[tuple[str, int, int]] = []
     offset = len(packed.logits_indices)

@@ -161,9 +161,7 @@ class MLXModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.adapter is not None, "load the model first"
-        self.kv_layout = layout = KVLayout.from_config(
-            kv_cache_config, self.adapter.attention_layer_names
-        )
+        self.kv_layout = layout = KVLayout.from_config(kv_cache_config, self._kv_layer_names())
         self.block_size = layout.block_size
         self.kv_cache_config = kv_cache_config
         self.connector = ConnectorSteps.make()
@@ -179,6 +177,10 @@ class MLXModelRunner:
             layout.num_regions,
             self.kv_pool.nbytes / 2**20,
         )
+
+    def _kv_layer_names(self) -> list[str]:
+        """The layers with KV memory in the pool, in the order of the pool's regions."""
+        return self.adapter.attention_layer_names
 
     def _allocate_kv_pool(self) -> None:
         self.kv_pool = KVPool(self.kv_layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
@@ -230,9 +232,7 @@ class MLXModelRunner:
                 batch.lora_id_to_lora_request,
                 packed.num_scheduled,
             )
-        logits, prompt_logits = forward(
-            self.adapter, self.kv_pool, self.windows, packed, prompt_rows
-        )
+        logits, prompt_logits = self._forward(scheduler_output, packed, prompt_rows)
         if self.lora is not None:
             self.lora.clear_step()  # the graph holds this step's mask; dummy runs get none
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
@@ -248,6 +248,12 @@ class MLXModelRunner:
             ),
         )
         return None
+
+    def _forward(
+        self, scheduler_output: SchedulerOutput, packed: PackedBatch, prompt_rows
+    ) -> tuple[mx.array, dict[str, mx.array]]:
+        """The step's lazy logits (`forward.forward`); the speech runner adds its encoder."""
+        return forward(self.adapter, self.kv_pool, self.windows, packed, prompt_rows)
 
     def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
         """This step's scheduled tokens of the InputBatch as one varlen batch (`batch.py`)."""

@@ -26,8 +26,13 @@ HOST = torch.device("cpu")
 
 
 class RequestStates:
-    def __init__(self, vllm_config: VllmConfig, block_sizes: list[int]):
+    def __init__(
+        self, vllm_config: VllmConfig, block_sizes: list[int], max_context_len: int | None = None
+    ):
+        """`max_context_len`: the longest block table a request needs, when a KV group holds
+        more than `max_model_len` tokens (an encoder-decoder model's encoder states)."""
         self.vllm_config = vllm_config
+        self.max_context_len = max_context_len or vllm_config.model_config.max_model_len
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.is_pooling = vllm_config.model_config.runner_type == "pooling"
         self.requests: dict[str, CachedRequestState] = {}
@@ -40,7 +45,7 @@ class RequestStates:
 
     def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
         config = self.vllm_config
-        max_model_len = config.model_config.max_model_len
+        max_model_len = self.max_context_len
         custom = tuple(config.model_config.logits_processors or ())
         return InputBatch(
             max_num_reqs=config.scheduler_config.max_num_seqs,

@@ -1,0 +1,1 @@
+"""Speech-to-text on the MLX runner: encoder-decoder steps for Whisper (docs/speech-to-text.md)."""
