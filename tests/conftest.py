@@ -73,3 +73,11 @@ def tiny_quantized_dir(
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Whisper checkpoint (`vllm_metal.testing.tiny_whisper`), once per session."""
+    from vllm_metal.testing.tiny_whisper import write_tiny_whisper
+
+    return write_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper") / "whisper")

@@ -1,5 +1,6 @@
 """Reference outputs for tests: transformers float32 greedy tokens and logprobs, mlx-lm greedy,
-and the hidden states and classifier logits pooling models are checked against.
+the hidden states and classifier logits pooling models are checked against, and Whisper's greedy
+transcriptions of audio clips.
 
 HF runs eager attention, the only HF path that applies Gemma2's attention soft-capping. With a
 LoRA adapter, the transformers oracle is PEFT's merged model (`merge_and_unload`) and the mlx-lm
@@ -237,3 +238,106 @@ def apply_peft_with_mlx_lm(model: Any, adapter: Path) -> None:
         layer.lora_b = mx.array(b.T)
         replaced.append((path, layer))
     model.update_modules(tree_unflatten(replaced))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_whisper(model_dir: str, mtime_ns: int) -> tuple[Any, Any]:
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval(), WhisperFeatureExtractor.from_pretrained(model_dir)
+
+
+def load_hf_whisper(model_dir: str | Path) -> tuple[Any, Any]:
+    """The checkpoint as a float32 `WhisperForConditionalGeneration` (eager attention) and its
+    `WhisperFeatureExtractor`, cached per directory and file version."""
+    path = Path(model_dir).resolve()
+    return _load_whisper(str(path), (path / "config.json").stat().st_mtime_ns)
+
+
+def whisper_features(model_dir: str | Path, clip: np.ndarray, sample_rate: int = 16000) -> Any:
+    """Log-mel input features ``[1, mel bins, 3000]`` of one clip, padded or cut to 30 s by the
+    checkpoint's feature extractor (what vLLM's Whisper processor does with an audio item)."""
+    import torch
+
+    _, feature_extractor = load_hf_whisper(model_dir)
+    features = feature_extractor(
+        np.asarray(clip, dtype=np.float32),
+        sampling_rate=sample_rate,
+        truncation=True,
+        return_tensors="pt",
+    ).input_features
+    return features.to(torch.float32)
+
+
+def whisper_generate(
+    model_dir: str | Path,
+    clips: Sequence[np.ndarray],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    sample_rate: int = 16000,
+) -> list[list[int]]:
+    """Greedy Whisper transcriptions from transformers float32, one clip at a time.
+
+    ``prompt_ids`` is the whole decoder prompt, e.g. the ids of
+    `<|startoftranscript|><|en|><|transcribe|><|notimestamps|>`; it is fed as `decoder_input_ids`,
+    so Whisper's `generate` neither detects a language nor adds or suppresses tokens (no
+    timestamp rules, no suppress lists). Returns only the new tokens: at most ``max_new_tokens``,
+    ending with the `<|endoftext|>` id when the model stops by itself. That is what vLLM puts in
+    `CompletionOutput.token_ids` for a greedy request with ``max_tokens=max_new_tokens`` (checked
+    against vLLM 0.32's CPU backend): the EOS id is included there, only the text leaves it out.
+    Prompt and new tokens together must fit the model's 448 decoder positions.
+    """
+    import torch
+
+    model, _ = load_hf_whisper(model_dir)
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("the decoder prompt needs at least one token")
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.do_sample = False
+    gen_config.num_beams = 1
+    gen_config.max_new_tokens = max_new_tokens
+    gen_config.max_length = None
+    gen_config.min_new_tokens = None
+    gen_config.temperature = None
+    gen_config.top_p = None
+    gen_config.top_k = None
+    gen_config.return_timestamps = False
+    gen_config.suppress_tokens = None
+    gen_config.begin_suppress_tokens = None
+    gen_config.forced_decoder_ids = None
+    # Full sequences (prompt, new tokens, EOS), not Whisper's post-processed segment tokens, which
+    # drop the prompt and a final EOS.
+    gen_config.return_dict_in_generate = True
+    # Without a language table generate() does not run its own language detection first.
+    for field in ("lang_to_id", "task_to_id", "language", "task"):
+        if hasattr(gen_config, field):
+            delattr(gen_config, field)
+    eos = gen_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    results = []
+    for clip in clips:
+        features = whisper_features(model_dir, clip, sample_rate)
+        decoder_input_ids = torch.tensor([prompt], dtype=torch.long)
+        with torch.no_grad(), _one_torch_thread():
+            out = model.generate(
+                features,
+                decoder_input_ids=decoder_input_ids,
+                generation_config=gen_config,
+            )
+        tokens = out.sequences[0].tolist()
+        if tokens[: len(prompt)] != prompt:
+            raise RuntimeError(f"generate did not keep the decoder prompt: {tokens[: len(prompt)]}")
+        new_tokens = tokens[len(prompt) :]
+        # Batch padding after EOS (pad == EOS in Whisper) is not part of the answer.
+        for i, token in enumerate(new_tokens):
+            if token in eos_ids:
+                new_tokens = new_tokens[: i + 1]
+                break
+        results.append(new_tokens[:max_new_tokens])
+    return results

@@ -111,6 +111,22 @@ def _corrupt_files(pattern: str) -> dict:
     return {"corrupted": len(paths)}
 
 
+def _prompt(p):
+    """Text, token ids, or {"audio": [seed, seconds], "decoder_prompt": text}: a clip of
+    `vllm_metal.testing.tiny_whisper.audio_clip` as an encoder-decoder prompt."""
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, dict):
+        from vllm_metal.testing.tiny_whisper import SAMPLE_RATE, audio_clip
+
+        clip = audio_clip(*p["audio"])
+        return {
+            "encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (clip, SAMPLE_RATE)}},
+            "decoder_prompt": p["decoder_prompt"],
+        }
+    return {"prompt_token_ids": p}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -128,9 +144,7 @@ def run(spec: dict) -> dict:
             results.append(_pool(llm, job))
             continue
         params = [SamplingParams(**_decode_params(p)) for p in job["params"]]
-        prompts = [
-            {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in job["prompts"]
-        ]
+        prompts = [_prompt(p) for p in job["prompts"]]
         loras = [_lora_request(e) for e in job.get("loras", [])] or None
         outs = llm.generate(
             prompts,
