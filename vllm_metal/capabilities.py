@@ -53,6 +53,11 @@ def speech_model(config: VllmConfig) -> str | None:
     return None
 
 
+def _architecture(config: VllmConfig) -> str:
+    architectures = getattr(_model_attr(config, "hf_config"), "architectures", None) or ["?"]
+    return architectures[0]
+
+
 def _speech_with(config: VllmConfig) -> str | None:
     """The setting asked for beside a speech-to-text model that its runner does not run."""
     model = speech_model(config)
@@ -140,7 +145,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda c: (
             bool(_model_attr(c, "is_multimodal_model", False))
             and not speech_model(c)
-            and f"model={_model_attr(c, 'model')!r} (multimodal)"
+            and f"model={_model_attr(c, 'model')!r} ({_architecture(c)}, multimodal)"
         ),
     ),
     Capability(
@@ -150,7 +155,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda c: (
             bool(_model_attr(c, "is_encoder_decoder", False))
             and not speech_model(c)
-            and f"model={_model_attr(c, 'model')!r} (encoder-decoder)"
+            and f"model={_model_attr(c, 'model')!r} ({_architecture(c)}, encoder-decoder)"
         ),
     ),
     Capability(
