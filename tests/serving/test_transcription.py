@@ -220,3 +220,32 @@ def test_wav_at_another_rate_is_resampled(client, tiny_whisper_dir, tokenizer):
         extra_body={"max_completion_tokens": MAX_TOKENS},
     )
     assert got.text.strip()
+
+
+def test_streamed_transcription_equals_the_whole_one(client, server, tiny_whisper_dir, tokenizer):
+    """`stream=true`: server-sent chunks whose deltas add up to the transcription."""
+    import json
+
+    clip = audio_clip(*CLIPS[2])
+    response = server.post(
+        "/v1/audio/transcriptions",
+        None,
+        files={"file": ("clip.wav", wav_bytes(clip), "audio/wav")},
+        data={
+            "model": SERVED,
+            "language": "en",
+            "temperature": "0",
+            "stream": "true",
+            "max_completion_tokens": str(MAX_TOKENS),
+        },
+        stream=True,
+    )
+    assert response.status_code == 200, response.text
+    deltas = []
+    for line in response.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line.removeprefix("data: "))
+        deltas.extend(c["delta"].get("content") or "" for c in chunk["choices"])
+    assert len(deltas) > 1
+    assert _text("".join(deltas)) == _oracle_text(tiny_whisper_dir, tokenizer, clip)

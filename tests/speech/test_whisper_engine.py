@@ -45,6 +45,9 @@ def results(tiny_whisper_dir):
     jobs = [{"prompts": [_prompt(c)], "params": [greedy]} for c in CLIPS]
     jobs.append({"prompts": [_prompt(c) for c in CLIPS], "params": [greedy]})
     jobs.append({"prompts": [_prompt(c, TRANSLATE) for c in CLIPS[:2]], "params": [greedy]})
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": MAX_TOKENS}
+    jobs.append({"prompts": [_prompt(CLIPS[0])] * 2, "params": [seeded, {**seeded, "seed": 8}]})
+    jobs.append({"prompts": [_prompt(CLIPS[0])], "params": [seeded]})
     return run_engine_job(tiny_whisper_dir, jobs, engine=ENGINE)
 
 
@@ -59,6 +62,16 @@ def test_concurrent_equals_transformers(results, oracle):
 
 def test_translation_prompt(results, oracle):
     assert _tokens(results[len(CLIPS) + 1]) == oracle[TRANSLATE][:2]
+
+
+def test_sampling_follows_the_seed(results, oracle):
+    """temperature > 0 samples (with vLLM's sampler): a seed repeats its tokens in another
+    batch, another seed gives others, and neither is the greedy transcription."""
+    seed7, seed8 = _tokens(results[len(CLIPS) + 2])
+    (again,) = _tokens(results[len(CLIPS) + 3])
+    assert seed7 == again
+    assert seed7 != seed8
+    assert oracle["transcribe"][0] not in (seed7, seed8)
 
 
 def test_clips_differ(oracle):
@@ -89,3 +102,14 @@ def test_preemption_recomputes_the_encoder(tiny_whisper_dir):
     want = whisper_generate(tiny_whisper_dir, clips, decoder_prompt_ids(), MAX_TOKENS)
     for got, expected in zip(_tokens(preempted), want):
         assert got[: len(expected)] == expected
+
+
+@pytest.mark.full
+def test_vllm_cpu_backend_gives_the_same_tokens(tiny_whisper_dir, results):
+    """vLLM's own CPU backend (torch, its Whisper class) on the same batch: same tokens."""
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+    job = {"prompts": [_prompt(c) for c in CLIPS], "params": [greedy]}
+    (theirs,) = run_engine_job(
+        tiny_whisper_dir, [job], engine={**ENGINE, "enforce_eager": True}, backend="cpu"
+    )
+    assert _tokens(theirs) == _tokens(results[len(CLIPS)])
