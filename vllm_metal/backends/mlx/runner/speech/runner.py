@@ -124,29 +124,40 @@ class MLXSpeechRunner(MLXModelRunner):
     def profile_run(self) -> int:
         clips = max(1, self.max_encoder_len // self.speech.encoder_length)
         clips = min(clips, self.vllm_config.scheduler_config.max_num_seqs)
-        return activation_peak(lambda: self._dummy_step(clips))
+        pool = self._scratch_pool(clips)  # allocated before the measurement
+        peak = activation_peak(lambda: self._dummy_step(clips, pool))
+        del pool
+        mx.clear_cache()
+        return peak
 
     def warm_up(self) -> None:
-        self._dummy_step(1)
+        self._dummy_step(1, self._scratch_pool(1))
         mx.clear_cache()
 
-    def _dummy_step(self, clips: int) -> None:
-        """Encode `clips` silent clips and decode a prompt for each, in a scratch pool."""
-        adapter = self.speech
+    def _blocks_per_clip(self) -> tuple[int, int]:
+        """(decoder prompt blocks, encoder blocks) of one dummy request."""
         bs = self.block_size
-        prompt_blocks = -(-_DUMMY_PROMPT_LEN // bs)
-        encoder_blocks = -(-adapter.encoder_length // bs)
-        blocks_per_clip = prompt_blocks + encoder_blocks
-        layers = adapter.num_layers
+        return -(-_DUMMY_PROMPT_LEN // bs), -(-self.speech.encoder_length // bs)
+
+    def _scratch_pool(self, clips: int) -> KVPool:
+        """Every layer in its own region; self-attention group 0, cross-attention group 1."""
+        layers = self.speech.num_layers
         layout = KVLayout(
-            num_blocks=clips * blocks_per_clip,
-            block_size=bs,
+            num_blocks=clips * sum(self._blocks_per_clip()),
+            block_size=self.block_size,
             region_of_layer=tuple(range(2 * layers)),
             group_of_layer=(0,) * layers + (1,) * layers,
         )
-        pool = KVPool(layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
-        first = np.arange(clips, dtype=np.int32)[:, None] * blocks_per_clip
-        packed = _prompts_batch(clips, _DUMMY_PROMPT_LEN, first + np.arange(prompt_blocks), bs)
+        return KVPool(layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
+
+    def _dummy_step(self, clips: int, pool: KVPool) -> None:
+        """Encode `clips` silent clips and decode a prompt for each, in a scratch pool."""
+        adapter = self.speech
+        prompt_blocks, encoder_blocks = self._blocks_per_clip()
+        first = np.arange(clips, dtype=np.int32)[:, None] * (prompt_blocks + encoder_blocks)
+        packed = _prompts_batch(
+            clips, _DUMMY_PROMPT_LEN, first + np.arange(prompt_blocks), self.block_size
+        )
         cross_table = first + prompt_blocks + np.arange(encoder_blocks)
         features = mx.zeros((clips, self._num_mel_bins, 2 * adapter.encoder_length))
         encoder_lens = np.full(clips, adapter.encoder_length, dtype=np.int64)
@@ -202,6 +213,12 @@ class MLXSpeechRunner(MLXModelRunner):
         states = None
         if features is not None:
             encoded = adapter.encode(features)  # [N, L, d]
+            lengths = set(encoder_lens[encoded_rows].tolist())
+            if lengths != {encoded.shape[1]}:
+                raise ValueError(
+                    f"the encoder gives {encoded.shape[1]} states per clip, but vLLM placed "
+                    f"{sorted(lengths)} (the feature extractor's frames do not fit this model)"
+                )
             states = encoded.reshape(-1, encoded.shape[-1])
         return adapter.decode(
             mx.array(packed.token_ids),
