@@ -87,6 +87,19 @@ def _transcribe(client, clip, **kwargs):
     )
 
 
+def _post_form(server, clip, **fields: str):
+    """A transcription as a raw multipart form (what the openai client does not expose)."""
+    data = {
+        "model": SERVED,
+        "language": "en",
+        "temperature": "0",
+        "max_completion_tokens": str(MAX_TOKENS),
+        **fields,
+    }
+    files = {"file": ("clip.wav", wav_bytes(clip), "audio/wav")}
+    return server.post("/v1/audio/transcriptions", None, files=files, data=data, stream=True)
+
+
 def test_transcriptions_one_by_one_and_concurrently(client, tiny_whisper_dir, tokenizer):
     clips = [audio_clip(*c) for c in CLIPS]
     want = [_oracle_text(tiny_whisper_dir, tokenizer, c) for c in clips]
@@ -108,18 +121,7 @@ def test_response_formats(client, server, tiny_whisper_dir, tokenizer):
     assert verbose.duration == pytest.approx(CLIPS[1][1], abs=0.01)
     assert isinstance(verbose.text, str)
     # vLLM answers response_format=text with a JSON body on every backend.
-    response = server.post(
-        "/v1/audio/transcriptions",
-        None,
-        files={"file": ("clip.wav", wav_bytes(clip), "audio/wav")},
-        data={
-            "model": SERVED,
-            "language": "en",
-            "temperature": "0",
-            "response_format": "text",
-            "max_completion_tokens": str(MAX_TOKENS),
-        },
-    )
+    response = _post_form(server, clip, response_format="text")
     assert response.status_code == 200, response.text
     assert _text(response.json()["text"]) == want
 
@@ -227,19 +229,7 @@ def test_streamed_transcription_equals_the_whole_one(client, server, tiny_whispe
     import json
 
     clip = audio_clip(*CLIPS[2])
-    response = server.post(
-        "/v1/audio/transcriptions",
-        None,
-        files={"file": ("clip.wav", wav_bytes(clip), "audio/wav")},
-        data={
-            "model": SERVED,
-            "language": "en",
-            "temperature": "0",
-            "stream": "true",
-            "max_completion_tokens": str(MAX_TOKENS),
-        },
-        stream=True,
-    )
+    response = _post_form(server, clip, stream="true")
     assert response.status_code == 200, response.text
     deltas = []
     for line in response.iter_lines(decode_unicode=True):

@@ -65,6 +65,19 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+def _greedy_config(model: Any, max_new_tokens: int) -> Any:
+    """A copy of the model's generation config for greedy search of `max_new_tokens` tokens."""
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.do_sample = False
+    gen_config.num_beams = 1
+    gen_config.max_new_tokens = max_new_tokens
+    gen_config.min_new_tokens = None
+    gen_config.temperature = None
+    gen_config.top_p = None
+    gen_config.top_k = None
+    return gen_config
+
+
 def hf_greedy(
     model_dir: str | Path,
     prompts_token_ids: Sequence[Sequence[int]],
@@ -81,14 +94,8 @@ def hf_greedy(
     import torch
 
     model = load_hf_model(model_dir, adapter)
-    gen_config = copy.deepcopy(model.generation_config)
+    gen_config = _greedy_config(model, max_new_tokens)
     gen_config.eos_token_id = None
-    gen_config.do_sample = False
-    gen_config.max_new_tokens = max_new_tokens
-    gen_config.min_new_tokens = None
-    gen_config.temperature = None
-    gen_config.top_p = None
-    gen_config.top_k = None
     results = []
     for prompt in prompts_token_ids:
         if len(prompt) == 0:
@@ -298,15 +305,8 @@ def whisper_generate(
     prompt = list(prompt_ids)
     if not prompt:
         raise ValueError("the decoder prompt needs at least one token")
-    gen_config = copy.deepcopy(model.generation_config)
-    gen_config.do_sample = False
-    gen_config.num_beams = 1
-    gen_config.max_new_tokens = max_new_tokens
+    gen_config = _greedy_config(model, max_new_tokens)
     gen_config.max_length = None
-    gen_config.min_new_tokens = None
-    gen_config.temperature = None
-    gen_config.top_p = None
-    gen_config.top_k = None
     gen_config.return_timestamps = False
     gen_config.suppress_tokens = None
     gen_config.begin_suppress_tokens = None
