@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.processes import settle, tree_cpu_seconds
 from bench.run import ROOT
 
 
@@ -103,35 +104,11 @@ class Worker:
 
     def cpu_seconds(self) -> float:
         """CPU time used so far by the worker and every process under it (its engine core)."""
-        import psutil
-
-        total = 0.0
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return total
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
+        return tree_cpu_seconds(self.proc.pid)
 
     def settle(self, window: float = 0.1, busy: float = 0.02, limit: float = 5.0) -> float:
-        """Wait until the worker's processes are idle (under `busy` CPU seconds in a `window`),
-        at most `limit` seconds; return the wait. vLLM's CPU worker keeps a core busy for about
-        a second after a call returns, which would slow the other backend's next call."""
-        started = time.perf_counter()
-        before = self.cpu_seconds()
-        while time.perf_counter() - started < limit:
-            time.sleep(window)
-            now = self.cpu_seconds()
-            if now - before < busy:
-                break
-            before = now
-        return time.perf_counter() - started
+        """Wait until the worker's processes are idle (`bench.processes.settle`)."""
+        return settle(self.proc.pid, window, busy, limit)
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
