@@ -15,6 +15,7 @@ self-attention and cross-attention both paged (`cross.py`): many transcriptions 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -124,9 +125,10 @@ class MLXSpeechRunner(MLXModelRunner):
     def profile_run(self) -> int:
         clips = max(1, self.max_encoder_len // self.speech.encoder_length)
         clips = min(clips, self.vllm_config.scheduler_config.max_num_seqs)
-        pool = self._scratch_pool(clips)  # allocated before the measurement
-        peak = activation_peak(lambda: self._dummy_step(clips, pool))
-        del pool
+        # The scratch pool is allocated before the measurement starts and freed after it.
+        run = functools.partial(self._dummy_step, clips, self._scratch_pool(clips))
+        peak = activation_peak(run)
+        del run
         mx.clear_cache()
         return peak
 
