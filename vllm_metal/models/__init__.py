@@ -16,6 +16,8 @@ from vllm_metal.models.families import adapter_class
 from vllm_metal.models.layers import LayerKind
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import mlx.core as mx
 
     from vllm_metal.models.encoder import EncoderAdapter
@@ -73,18 +75,11 @@ def load_encoder(
     download_dir: str | None = None,
 ) -> EncoderAdapter:
     """Load the encoder-only checkpoint `model` (BERT, RoBERTa, XLM-RoBERTa) for pooling."""
-    import json
-
     from vllm_metal.models import encoder
-    from vllm_metal.models.loaders.safetensors import resolve_model_path
 
-    path = resolve_model_path(model, revision, download_dir)
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in encoder.ENCODER_MODEL_TYPES:
-        raise ValueError(
-            f"model={model!r}: encoder-only model_type {config.get('model_type')!r} is not "
-            f"supported; vllm-metal serves {sorted(encoder.ENCODER_MODEL_TYPES)}"
-        )
+    path, config = _checkpoint(
+        model, revision, download_dir, "encoder-only", sorted(encoder.ENCODER_MODEL_TYPES)
+    )
     return encoder.load_encoder(path, config, compute_dtype)
 
 
@@ -96,17 +91,29 @@ def load_speech_model(
     download_dir: str | None = None,
 ) -> WhisperAdapter:
     """Load the speech-to-text checkpoint `model` (Whisper, Hugging Face layout)."""
-    import json
-
     from vllm_metal.capabilities import SPEECH_TO_TEXT_MODEL_TYPES
     from vllm_metal.models.families import whisper
+
+    path, config = _checkpoint(
+        model, revision, download_dir, "speech-to-text", list(SPEECH_TO_TEXT_MODEL_TYPES)
+    )
+    return whisper.load(path, config, compute_dtype)
+
+
+def _checkpoint(
+    model: str, revision: str | None, download_dir: str | None, kind: str, served: list[str]
+) -> tuple[Path, dict[str, Any]]:
+    """The local directory of `model` and its config.json, whose `model_type` must be one of
+    `served` (a ValueError naming the model otherwise)."""
+    import json
+
     from vllm_metal.models.loaders.safetensors import resolve_model_path
 
     path = resolve_model_path(model, revision, download_dir)
     config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in SPEECH_TO_TEXT_MODEL_TYPES:
+    if config.get("model_type") not in served:
         raise ValueError(
-            f"model={model!r}: speech-to-text model_type {config.get('model_type')!r} is not "
-            f"supported; vllm-metal serves {list(SPEECH_TO_TEXT_MODEL_TYPES)}"
+            f"model={model!r}: {kind} model_type {config.get('model_type')!r} is not "
+            f"supported; vllm-metal serves {served}"
         )
-    return whisper.load(path, config, compute_dtype)
+    return path, config

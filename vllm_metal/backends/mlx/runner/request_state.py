@@ -25,14 +25,20 @@ if TYPE_CHECKING:
 HOST = torch.device("cpu")
 
 
+def max_context_len(vllm_config: VllmConfig) -> int:
+    """The most tokens a request keeps in one KV-cache group: `max_model_len`, or for an
+    encoder-decoder model the encoder budget if larger (its cross-attention group holds the
+    encoder states), as vLLM's own runner sizes its block tables."""
+    model_len = vllm_config.model_config.max_model_len
+    if not vllm_config.model_config.is_encoder_decoder:
+        return model_len
+    return max(model_len, vllm_config.scheduler_config.max_num_encoder_input_tokens)
+
+
 class RequestStates:
-    def __init__(
-        self, vllm_config: VllmConfig, block_sizes: list[int], max_context_len: int | None = None
-    ):
-        """`max_context_len`: the longest block table a request needs, when a KV group holds
-        more than `max_model_len` tokens (an encoder-decoder model's encoder states)."""
+    def __init__(self, vllm_config: VllmConfig, block_sizes: list[int]):
         self.vllm_config = vllm_config
-        self.max_context_len = max_context_len or vllm_config.model_config.max_model_len
+        self.max_context_len = max_context_len(vllm_config)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.is_pooling = vllm_config.model_config.runner_type == "pooling"
         self.requests: dict[str, CachedRequestState] = {}

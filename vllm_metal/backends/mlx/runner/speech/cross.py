@@ -23,7 +23,6 @@ from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 class CrossInputs:
     """Host arrays of a step's cross-attention, moved to the device by `device_views`."""
 
-    encoded_rows: np.ndarray  # [N] batch rows whose encoder runs this step
     block_tables: np.ndarray  # [T, max_blocks] int32: each token's request's cross blocks
     seq_lens: np.ndarray  # [T] int32: each token's request's encoder length
     slot_mapping: np.ndarray  # [sum of encoded lengths] int64: where encoded states go
@@ -62,7 +61,6 @@ def cross_inputs(
     positions = ranges(lens)
     slots = table[rows, positions // block_size].astype(np.int64) * block_size
     return CrossInputs(
-        encoded_rows=np.asarray(encoded_rows),
         block_tables=table[row_of_token],
         seq_lens=encoder_lens[row_of_token].astype(np.int32),
         slot_mapping=slots + positions % block_size,

@@ -25,10 +25,9 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec
 
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import compute_dtype
-from vllm_metal.backends.mlx.runner.batch import PackedBatch
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import layer_caches, logits_of
 from vllm_metal.backends.mlx.runner.model_runner import MLXModelRunner
-from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.speech.cross import cross_inputs
 from vllm_metal.backends.mlx.runner.warmup import activation_peak
 from vllm_metal.kv.paged_cache import PagedLayerCache
@@ -54,11 +53,9 @@ _DUMMY_PROMPT_LEN = 4
 class MLXSpeechRunner(MLXModelRunner):
     def __init__(self, vllm_config: VllmConfig):
         super().__init__(vllm_config)
-        scheduler = vllm_config.scheduler_config
-        # The cross-attention group's block table holds a whole encoder output.
-        self.max_encoder_len = scheduler.max_num_encoder_input_tokens
-        max_context = max(self.model_config.max_model_len, self.max_encoder_len)
-        self.states = RequestStates(vllm_config, [self.block_size], max_context_len=max_context)
+        # Encoder inputs a step may schedule (the request states size the cross-attention
+        # group's block tables for them).
+        self.max_encoder_len = vllm_config.scheduler_config.max_num_encoder_input_tokens
         self.cross_group = 0  # the cross-attention group's index, from vLLM's KV plan
 
     @property
@@ -157,8 +154,15 @@ class MLXSpeechRunner(MLXModelRunner):
         adapter = self.speech
         prompt_blocks, encoder_blocks = self._blocks_per_clip()
         first = np.arange(clips, dtype=np.int32)[:, None] * (prompt_blocks + encoder_blocks)
-        packed = _prompts_batch(
-            clips, _DUMMY_PROMPT_LEN, first + np.arange(prompt_blocks), self.block_size
+        n = _DUMMY_PROMPT_LEN
+        packed = pack_batch(
+            [f"dummy-{i}" for i in range(clips)],
+            {f"dummy-{i}": n for i in range(clips)},
+            np.zeros(clips, dtype=np.int32),
+            np.full(clips, n, dtype=np.int32),
+            np.zeros((clips, n), dtype=np.int32),
+            [first + np.arange(prompt_blocks)],
+            [self.block_size],
         )
         cross_table = first + prompt_blocks + np.arange(encoder_blocks)
         features = mx.zeros((clips, self._num_mel_bins, 2 * adapter.encoder_length))
@@ -243,26 +247,3 @@ class MLXSpeechRunner(MLXModelRunner):
     def _encoder_len(self, req_id: str) -> int:
         features = self.states.requests[req_id].mm_features or []
         return sum(f.mm_position.length for f in features)
-
-
-def _prompts_batch(
-    num_reqs: int, prompt_len: int, block_tables: np.ndarray, block_size: int
-) -> PackedBatch:
-    """`num_reqs` prompts of `prompt_len` tokens from position 0 in the given blocks."""
-    positions = np.tile(np.arange(prompt_len, dtype=np.int32), num_reqs)
-    rows = np.repeat(np.arange(num_reqs), prompt_len)
-    table = np.ascontiguousarray(block_tables, dtype=np.int32)
-    slots = table[rows, positions // block_size].astype(np.int64) * block_size
-    return PackedBatch(
-        req_ids=[f"dummy-{i}" for i in range(num_reqs)],
-        num_scheduled=np.full(num_reqs, prompt_len, dtype=np.int32),
-        cu_seqlens_q=np.arange(num_reqs + 1, dtype=np.int32) * prompt_len,
-        token_ids=np.zeros(num_reqs * prompt_len, dtype=np.int32),
-        positions=positions,
-        seq_lens=np.full(num_reqs, prompt_len, dtype=np.int32),
-        block_tables=[table],
-        slot_mappings=[slots + positions % block_size],
-        logits_indices=np.arange(1, num_reqs + 1, dtype=np.int32) * prompt_len - 1,
-        discard=np.zeros(num_reqs, dtype=bool),
-        num_draft_tokens=np.zeros(num_reqs, dtype=np.int32),
-    )
