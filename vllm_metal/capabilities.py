@@ -40,6 +40,10 @@ def _model_attr(config: VllmConfig, name: str, default: object = None) -> object
 # (`backends/mlx/runner/speech/`).
 SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
 
+# model_type of the vision-language checkpoints the MLX runner serves with images
+# (`models/multimodal.py`, `backends/mlx/runner/mm/`).
+VISION_LANGUAGE_MODEL_TYPES = ("idefics3",)
+
 
 def speech_model(config: VllmConfig) -> str | None:
     """ "model=... (whisper)" when the config serves a speech-to-text model, else None."""
@@ -53,16 +57,28 @@ def speech_model(config: VllmConfig) -> str | None:
     return None
 
 
+def vision_language_model(config: VllmConfig) -> str | None:
+    """ "model=... (idefics3)" when the config serves a vision-language model whose towers the
+    MLX runner runs, else None."""
+    model_type = getattr(_model_attr(config, "hf_config"), "model_type", None)
+    if _model_attr(config, "is_multimodal_model", False) and (
+        model_type in VISION_LANGUAGE_MODEL_TYPES
+    ):
+        return f"model={_model_attr(config, 'model')!r} ({model_type})"
+    return None
+
+
 def _architecture(config: VllmConfig) -> str:
     architectures = getattr(_model_attr(config, "hf_config"), "architectures", None) or ["?"]
     return architectures[0]
 
 
-def _speech_with(config: VllmConfig) -> str | None:
-    """The setting asked for beside a speech-to-text model that its runner does not run."""
-    model = speech_model(config)
-    if model is None:
-        return None
+def _extras_with(model_of: Callable[[VllmConfig], str | None]):
+    """The setting asked for beside the model `model_of` names that its runner does not run."""
+    return lambda config: (model := model_of(config)) and _extra_setting(config, model)
+
+
+def _extra_setting(config: VllmConfig, model: str) -> str | None:
     if config.lora_config is not None:
         return f"--enable-lora with {model}"
     if config.speculative_config is not None:
@@ -140,13 +156,27 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     Capability(
         "multimodal",
-        "multimodal (image, video, audio) inputs",
-        "serve a text-only model",
+        "multimodal (image, video, audio) inputs beyond the vision-language families "
+        f"{', '.join(VISION_LANGUAGE_MODEL_TYPES)}",
+        "serve a text-only model or one of those families",
         lambda c: (
             bool(_model_attr(c, "is_multimodal_model", False))
             and not speech_model(c)
+            and not vision_language_model(c)
             and f"model={_model_attr(c, 'model')!r} ({_architecture(c)}, multimodal)"
         ),
+    ),
+    Capability(
+        "vision_language",
+        f"vision-language models ({', '.join(VISION_LANGUAGE_MODEL_TYPES)})",
+        "serve a text model",
+        vision_language_model,
+    ),
+    Capability(
+        "vision_language_extras",
+        "LoRA adapters, speculative decoding and KV offloading on vision-language models",
+        "remove that setting",
+        _extras_with(vision_language_model),
     ),
     Capability(
         "encoder_decoder",
@@ -168,7 +198,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "speech_to_text_extras",
         "LoRA adapters, speculative decoding and KV offloading on speech-to-text models",
         "remove that setting",
-        _speech_with,
+        _extras_with(speech_model),
     ),
     Capability(
         "mla",
@@ -229,7 +259,16 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 # Backend name -> keys of CAPABILITIES it serves.
 SUPPORTED: dict[str, frozenset[str]] = {
-    "mlx": frozenset({"speculative_decoding", "lora", "pooling", "kv_offload", "speech_to_text"}),
+    "mlx": frozenset(
+        {
+            "speculative_decoding",
+            "lora",
+            "pooling",
+            "kv_offload",
+            "speech_to_text",
+            "vision_language",
+        }
+    ),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

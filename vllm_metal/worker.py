@@ -197,8 +197,7 @@ class MetalWorker(WorkerBase):
         logger.info("Discarded %s: freed %s GiB", ", ".join(tags), format_gib(freed))
 
     def reset_encoder_cache(self) -> None:
-        # Text-only models keep no encoder outputs between steps.
-        return None
+        self.model_runner.reset_encoder_cache()
 
     def memory_usage(self) -> dict[str, int]:
         """Device memory now (for diagnostics and tests through collective_rpc)."""

@@ -3,7 +3,8 @@
 `load_model` reads a checkpoint with the loader for its format (`loaders/`) and wraps the model in
 the adapter for its family (`families/`, the generic `ModelAdapter` otherwise). The runner only
 talks to the adapter: embeddings, a forward over hidden states, logits and the layer kinds.
-Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAdapter`, and
+Vision-language models load through mlx-vlm (`loaders/mlx_vlm.py`) into a
+`multimodal.MultimodalAdapter`. Encoder-only models (`load_encoder`) have their own adapter, `encoder.EncoderAdapter`, and
 speech-to-text models (`load_speech_model`) theirs, `families.whisper.WhisperAdapter`.
 """
 
@@ -43,10 +44,19 @@ def load_model(
     Without `lm_head` (pooling models) the decoder is loaded without its head; `logits` is then
     unavailable and the pooling heads read what they need from the checkpoint. `hf_config`: the
     config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
-    None reads it from the file."""
+    None reads it from the file. Vision-language models (`VISION_LANGUAGE_MODEL_TYPES`) load
+    through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`."""
+    from vllm_metal.capabilities import VISION_LANGUAGE_MODEL_TYPES
     from vllm_metal.models.loaders import is_gguf, safetensors
 
-    if is_gguf(model):
+    model_type = (hf_config or {}).get("model_type")
+    if model_type in VISION_LANGUAGE_MODEL_TYPES and not is_gguf(model):
+        from vllm_metal.models.loaders import mlx_vlm
+
+        mlx_model, config = mlx_vlm.load(
+            model, compute_dtype, revision=revision, download_dir=download_dir
+        )
+    elif is_gguf(model):
         from vllm_metal.models.loaders import gguf
 
         mlx_model, config = gguf.load(

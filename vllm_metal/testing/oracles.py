@@ -341,3 +341,78 @@ def whisper_generate(
                 break
         results.append(new_tokens[:max_new_tokens])
     return results
+
+
+@functools.lru_cache(maxsize=4)
+def _load_idefics3(model_dir: str, mtime_ns: int) -> tuple[Any, Any, list[int]]:
+    import torch
+    from transformers import Idefics3ForConditionalGeneration, Idefics3Processor
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    # Kept aside: generate() would fill an unset end-of-sequence from the model's own config.
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    return model.eval(), Idefics3Processor.from_pretrained(model_dir), eos_ids
+
+
+def _idefics3(model_dir: str | Path) -> tuple[Any, Any, list[int]]:
+    path = Path(model_dir).resolve()
+    return _load_idefics3(str(path), (path / "config.json").stat().st_mtime_ns)
+
+
+def load_hf_idefics3(model_dir: str | Path) -> tuple[Any, Any]:
+    """The checkpoint as a float32 `Idefics3ForConditionalGeneration` (eager attention) and
+    transformers' `Idefics3Processor`, cached per directory and file version.
+
+    The processor class is named, not found through `AutoProcessor`: importing mlx-vlm's idefics3
+    model patches `AutoProcessor.from_pretrained` process-wide to return mlx-vlm's own processor
+    (MLX arrays) for every idefics3 directory."""
+    model, processor, _ = _idefics3(model_dir)
+    return model, processor
+
+
+def idefics3_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> Any:
+    """The processor's model inputs for one prompt: ``input_ids`` ``[1, tokens]`` with each
+    `<image>` of ``prompt`` expanded to its tiles' tokens, and for images ``pixel_values``
+    ``[1, tiles, 3, H, W]`` and ``pixel_attention_mask`` ``[1, tiles, H, W]``. This is the
+    processor call vLLM makes for a prompt with ``multi_modal_data={"image": images}``."""
+    _, processor = load_hf_idefics3(model_dir)
+    if prompt.count("<image>") != len(images):
+        raise ValueError(f"{prompt.count('<image>')} <image> in the prompt, {len(images)} images")
+    return processor(text=prompt, images=list(images) or None, return_tensors="pt")
+
+
+def idefics3_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
+    """Prompt token ids after image expansion (what vLLM reports as `prompt_token_ids`)."""
+    return idefics3_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
+
+
+def idefics3_generate(
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    *,
+    stop_at_eos: bool = False,
+) -> list[int]:
+    """Greedy new tokens from transformers float32 for one prompt with one `<image>` per image.
+
+    By default end-of-sequence does not stop generation (a vLLM request with ``ignore_eos=True``
+    and ``temperature=0``): exactly ``max_new_tokens`` tokens. With ``stop_at_eos`` the list ends
+    with the `<end_of_utterance>` id when the model emits it, as vLLM's `token_ids` do.
+    """
+    import torch
+
+    model, _, eos_ids = _idefics3(model_dir)
+    inputs = idefics3_inputs(model_dir, prompt, images)
+    gen_config = _greedy_config(model, max_new_tokens)
+    gen_config.eos_token_id = eos_ids if stop_at_eos else None
+    with torch.no_grad(), _one_torch_thread():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    if not stop_at_eos and len(new_tokens) != max_new_tokens:
+        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
+    return new_tokens

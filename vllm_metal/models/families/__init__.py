@@ -11,6 +11,7 @@ from vllm_metal.models.adapter import ModelAdapter
 FAMILIES = {
     "gemma2": "gemma2",
     "gpt_oss": "gpt_oss",
+    "idefics3": "idefics3",
     "mistral": "mistral",
     "qwen2_moe": "qwen2_moe",
 }

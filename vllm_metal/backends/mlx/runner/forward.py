@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
+from vllm_metal.backends.mlx.runner.mm.embeddings import StepRows, merge
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.models import ModelAdapter
@@ -41,13 +42,18 @@ def layer_caches(
 
 
 def hidden_states(
-    adapter: ModelAdapter, pool: KVPool, windows: Sequence[int | None], packed: PackedBatch
+    adapter: ModelAdapter,
+    pool: KVPool,
+    windows: Sequence[int | None],
+    packed: PackedBatch,
+    mm_rows: StepRows | None = None,
 ) -> mx.array:
     """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
-    step's K/V into the pool. Lazy."""
+    step's K/V into the pool; `mm_rows` (encoder outputs of images) replace the embeddings of
+    their placeholder tokens. Lazy."""
     caches = layer_caches(pool, packed, windows)
     embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
-    return adapter.forward(embeds, caches)
+    return adapter.forward(merge(embeds, mm_rows), caches)
 
 
 def forward(
@@ -56,10 +62,12 @@ def forward(
     windows: Sequence[int | None],
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
+    mm_rows: StepRows | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    return logits_of(adapter, hidden_states(adapter, pool, windows, packed), packed, prompt_rows)
+    hidden = hidden_states(adapter, pool, windows, packed, mm_rows)
+    return logits_of(adapter, hidden, packed, prompt_rows)
 
 
 def logits_of(

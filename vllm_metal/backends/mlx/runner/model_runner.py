@@ -5,7 +5,7 @@ It meets the worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). E
 its own module beside this one: request state (`request_state`), varlen packing (`batch`), the
 forward (`forward`), the async step (`step`), sampling and write-back (`sample`), prompt logprobs
 (`prompt_logprobs`), profiling and warm-up (`warmup`), speculative decoding (`spec_decode/`), LoRA
-adapters (`lora/`); the runner of pooling models extends it in `pool/`. KV memory lives in
+adapters (`lora/`), images and other media items (`mm/`); the runner of pooling models extends it in `pool/`. KV memory lives in
 `vllm_metal.kv`, the model behind its adapter in `vllm_metal.models`.
 """
 
@@ -25,6 +25,8 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
+from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
+from vllm_metal.backends.mlx.runner.mm.profile import encoder_peak
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.sample import sample_step
@@ -35,6 +37,7 @@ from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.spec import kv_cache_specs
 from vllm_metal.models import LayerKind, ModelAdapter, load_model
+from vllm_metal.models.multimodal import MultimodalAdapter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,6 +89,8 @@ class MLXModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         # vLLM's KV connector (KV offloading), set up by the worker before the KV cache.
         self.connector: ConnectorSteps | None = None
+        # Encoder outputs of media items, for a model with towers (`mm/`).
+        self.encoder_cache: EncoderCache | None = None
 
     # ------------------------------------------------------------ model
 
@@ -109,6 +114,8 @@ class MLXModelRunner:
             )
         self.layer_kinds = kinds = adapter.layer_kinds()
         self.windows = [kind.sliding_window for kind in kinds]
+        if isinstance(adapter, MultimodalAdapter) and self.encoder_cache is None:
+            self.encoder_cache = EncoderCache()
         if self.lora is not None:
             self.lora.wrap(adapter.model)
         if self.spec is not None:
@@ -157,7 +164,10 @@ class MLXModelRunner:
 
     def profile_run(self) -> int:
         num_tokens = max(1, min(self.max_num_tokens, self.model_config.max_model_len))
-        return self._dummy_runs().profile(num_tokens, self.block_size)
+        peak = self._dummy_runs().profile(num_tokens, self.block_size)
+        if self.encoder_cache is not None:  # a step encodes images before the decoder runs
+            peak += encoder_peak(self.vllm_config, self.adapter)
+        return peak
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.adapter is not None, "load the model first"
@@ -252,8 +262,13 @@ class MLXModelRunner:
     def _forward(
         self, scheduler_output: SchedulerOutput, packed: PackedBatch, prompt_rows
     ) -> tuple[mx.array, dict[str, mx.array]]:
-        """The step's lazy logits (`forward.forward`); the speech runner adds its encoder."""
-        return forward(self.adapter, self.kv_pool, self.windows, packed, prompt_rows)
+        """The step's lazy logits (`forward.forward`), with the images this step reaches; the
+        speech runner adds its encoder."""
+        mm_rows = None
+        if self.encoder_cache is not None:
+            self.encoder_cache.update(scheduler_output, self.states.requests, self.adapter)
+            mm_rows = self.encoder_cache.step_rows(packed, self.states.requests)
+        return forward(self.adapter, self.kv_pool, self.windows, packed, prompt_rows, mm_rows)
 
     def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
         """This step's scheduled tokens of the InputBatch as one varlen batch (`batch.py`)."""
@@ -348,6 +363,11 @@ class MLXModelRunner:
             self._allocate_kv_pool()
         if self.spec is not None:
             self.spec.drafter.wake_up(tags)
+
+    def reset_encoder_cache(self) -> None:
+        """Forget every encoded media item (vLLM resets its scheduler's record at the same time)."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
 
     def shutdown(self) -> None:
         self.discard(("kv_cache", "weights"))

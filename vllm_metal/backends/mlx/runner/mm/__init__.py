@@ -1,3 +1,5 @@
-"""Multimodal inputs on the MLX runner: the vision/audio encoder run per `mm_features` entry,
-an encoder cache within vLLM's budget, and the embeddings merged at `PlaceholderRange`
-positions through the adapter's `embed` -> `forward(input_embeds)` entry. Not built yet."""
+"""Multimodal inputs on the MLX runner: the model's towers run on the items the scheduler
+schedules for encoding, their outputs wait in an encoder cache (`embeddings.EncoderCache`) under
+vLLM's item identifiers, and each step writes the rows its tokens take over their token
+embeddings before the language model runs (`forward.hidden_states`). `profile.encoder_peak`
+is the towers' share of the step's memory peak."""
