@@ -68,6 +68,13 @@ def vision_language_model(config: VllmConfig) -> str | None:
     return None
 
 
+def _language_model_only(config: VllmConfig) -> bool:
+    """Whether vLLM takes no media items for this model (`--language-model-only`, or set by
+    `mm_frontend` for checkpoints whose language model mlx-lm loads)."""
+    mm = _model_attr(config, "multimodal_config")
+    return bool(getattr(mm, "language_model_only", False))
+
+
 def _architecture(config: VllmConfig) -> str:
     architectures = getattr(_model_attr(config, "hf_config"), "architectures", None) or ["?"]
     return architectures[0]
@@ -79,6 +86,8 @@ def _extras_with(model_of: Callable[[VllmConfig], str | None]):
 
 
 def _extra_setting(config: VllmConfig, model: str) -> str | None:
+    if getattr(_model_attr(config, "multimodal_config"), "enable_mm_embeds", False):
+        return f"--enable-mm-embeds with {model}"
     if config.lora_config is not None:
         return f"--enable-lora with {model}"
     if config.speculative_config is not None:
@@ -158,11 +167,13 @@ CAPABILITIES: tuple[Capability, ...] = (
         "multimodal",
         "multimodal (image, video, audio) inputs beyond the vision-language families "
         f"{', '.join(VISION_LANGUAGE_MODEL_TYPES)}",
-        "serve a text-only model or one of those families",
+        "serve a text-only model or one of those families (a checkpoint whose language model "
+        "mlx-lm loads is served text-only)",
         lambda c: (
             bool(_model_attr(c, "is_multimodal_model", False))
             and not speech_model(c)
             and not vision_language_model(c)
+            and not _language_model_only(c)
             and f"model={_model_attr(c, 'model')!r} ({_architecture(c)}, multimodal)"
         ),
     ),
@@ -174,7 +185,8 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     Capability(
         "vision_language_extras",
-        "LoRA adapters, speculative decoding and KV offloading on vision-language models",
+        "LoRA adapters, speculative decoding, KV offloading and embedding inputs "
+        "(--enable-mm-embeds) on vision-language models",
         "remove that setting",
         _extras_with(vision_language_model),
     ),

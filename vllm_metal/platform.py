@@ -149,6 +149,9 @@ class MetalPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         envs.validate()
+        from vllm_metal import mm_frontend
+
+        mm_frontend.serve_language_model_only(vllm_config)
         check_config(vllm_config)
         apply_config(vllm_config)
         from vllm_metal.kv.offload import config as kv_offload

@@ -72,6 +72,10 @@ def load_model(
             dequantize=dequantize,
             lm_head=lm_head,
         )
+        if "language_model" in mlx_model and "model" not in mlx_model:
+            # mlx-lm's text-only class of a vision-language checkpoint (`mm_frontend`): its
+            # language model is an ordinary mlx-lm model.
+            mlx_model, config = mlx_model.language_model, config.get("text_config", config)
     adapter = adapter_class(config.get("model_type"))(mlx_model, config)
     adapter.install_paged_attention()
     return adapter

@@ -1,0 +1,116 @@
+"""Multimodal checkpoints whose towers the runner does not run are served as text models.
+
+vLLM 0.32 cannot build its config for Mistral 3, Gemma 3 or the Qwen-VL families on Linux (the
+architecture check imports torchvision, which does not load beside torch 2.13.0+cpu), so the
+platform's decision is checked on the model-config fields it reads, and the loading on a tiny
+random Mistral 3 checkpoint written by transformers: its language model, loaded through mlx-lm's
+`mistral3` module, gives transformers' float32 logits.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_metal.capabilities import CAPABILITIES
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tmp_path_factory):
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralVisionConfig,
+    )
+
+    text = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    vision = PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=64,
+        patch_size=16,
+    )
+    config = Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=10, tie_word_embeddings=False
+    )
+    out = tmp_path_factory.mktemp("mistral3") / "tiny"
+    Mistral3ForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
+def _config(model_type: str, language_model_only: bool = False) -> SimpleNamespace:
+    model_config = SimpleNamespace(
+        model=f"org/{model_type}",
+        is_multimodal_model=True,
+        is_encoder_decoder=False,
+        multimodal_config=SimpleNamespace(language_model_only=language_model_only),
+        hf_config=SimpleNamespace(model_type=model_type, architectures=[f"{model_type}-arch"]),
+    )
+    return SimpleNamespace(model_config=model_config)
+
+
+def _multimodal_row(config) -> str | None:
+    (row,) = [cap for cap in CAPABILITIES if cap.key == "multimodal"]
+    return row.requested(config) or None
+
+
+@pytest.mark.parametrize("model_type", ["mistral3", "gemma3", "qwen2_vl", "qwen3_vl"])
+def test_a_tower_the_runner_lacks_is_served_text_only(model_type) -> None:
+    from vllm_metal.mm_frontend import serve_language_model_only
+
+    config = _config(model_type)
+    assert serve_language_model_only(config)
+    assert config.model_config.multimodal_config.language_model_only
+    assert _multimodal_row(config) is None
+
+
+def test_without_an_mlx_lm_text_model_the_checkpoint_is_refused() -> None:
+    from vllm_metal.mm_frontend import serve_language_model_only
+
+    config = _config("idefics2")
+    assert not serve_language_model_only(config)
+    assert _multimodal_row(config) == "model='org/idefics2' (idefics2-arch, multimodal)"
+
+
+def test_the_idefics3_tower_runs_so_it_keeps_its_images() -> None:
+    from vllm_metal.mm_frontend import serve_language_model_only
+
+    config = _config("idefics3")
+    assert not serve_language_model_only(config)
+    assert not config.model_config.multimodal_config.language_model_only
+
+
+def test_the_language_model_of_a_mistral3_checkpoint_matches_transformers(mistral3_dir) -> None:
+    import mlx.core as mx
+    import torch
+    from transformers import Mistral3ForConditionalGeneration
+
+    from vllm_metal.models import load_model
+
+    config = json.loads((mistral3_dir / "config.json").read_text())
+    adapter = load_model(str(mistral3_dir), compute_dtype=mx.float32, hf_config=config)
+    assert adapter.model_type == "mistral"  # the text config's family adapter
+    assert adapter.attention_layer_names == [f"model.layers.{i}.self_attn" for i in range(2)]
+    prompt = [1, 5, 17, 300, 42, 9, 400, 77]
+    ours = np.array(adapter.model(mx.array([prompt])))[0]
+    hf = Mistral3ForConditionalGeneration.from_pretrained(mistral3_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf.eval()(input_ids=torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,60 @@
+"""Startup checks for vision-language models, without an engine: vLLM builds its config for the
+tiny random Idefics3 (`vllm_metal.testing.tiny_idefics3`) and the plugin accepts it as a model the
+MLX runner serves with images; what that runner does not run beside it (LoRA, speculative
+decoding, KV offloading) is refused while vLLM builds its config, naming the setting and the
+model type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def _engine_config(model: Path, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(model), max_model_len=512, dtype="float32", **kwargs
+    ).create_engine_config()
+
+
+def test_idefics3_is_accepted_as_a_vision_language_model(tiny_idefics3_dir) -> None:
+    from vllm_metal.capabilities import vision_language_model
+
+    config = _engine_config(tiny_idefics3_dir, limit_mm_per_prompt={"image": 2})
+    # vLLM's own view of the checkpoint, before the plugin names it.
+    assert config.model_config.is_multimodal_model
+    assert not config.model_config.is_encoder_decoder
+    assert config.model_config.multimodal_config.get_limit_per_prompt("image") == 2
+    assert vision_language_model(config) == f"model={str(tiny_idefics3_dir)!r} (idefics3)"
+
+
+def test_a_text_model_is_not_named_a_vision_language_model(tiny_model_dir) -> None:
+    from vllm_metal.capabilities import vision_language_model
+
+    config = _engine_config(tiny_model_dir("qwen3"))
+    assert not config.model_config.is_multimodal_model
+    assert vision_language_model(config) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"enable_lora": True}, ["--enable-lora", "idefics3"]),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            ["--speculative-config", "idefics3"],
+        ),
+        ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "idefics3"]),
+    ],
+    ids=["lora", "speculative", "kv_offload"],
+)
+def test_what_the_vision_runner_lacks_is_refused_by_name(tiny_idefics3_dir, kwargs, names) -> None:
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_idefics3_dir, **kwargs)
+    message = str(info.value)
+    assert "vllm-metal" in message
+    assert "vision-language" in message
+    for name in names:
+        assert name in message

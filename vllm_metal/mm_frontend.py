@@ -1,0 +1,59 @@
+"""Multimodal checkpoints whose towers the MLX runner does not run, served as text models.
+
+A Mistral 3, Gemma 3 or Qwen-VL checkpoint carries a language model that mlx-lm loads by itself
+(its `mistral3`, `gemma3`, `qwen2_vl`, ... modules drop the vision weights). Until the runner runs
+such a family's tower (`capabilities.VISION_LANGUAGE_MODEL_TYPES`), the platform serves the
+language model and sets vLLM's `language_model_only`: the front end then answers a request that
+carries an image, video or audio item with a 400 ("At most 0 image(s) may be provided in one
+prompt"), before it reaches the engine. A multimodal checkpoint without such an mlx-lm module is
+refused at startup by the `multimodal` capability row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from vllm_metal._logging import init_logger
+from vllm_metal.capabilities import SPEECH_TO_TEXT_MODEL_TYPES, VISION_LANGUAGE_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def has_mlx_lm_text_model(model_type: str | None) -> bool:
+    """Whether mlx-lm has a module for `model_type` (for a multimodal checkpoint: the module that
+    loads its language model alone)."""
+    if not model_type or not model_type.isidentifier():
+        return False
+    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
+
+
+def serve_language_model_only(vllm_config: VllmConfig) -> bool:
+    """Set `language_model_only` for a multimodal checkpoint whose language model mlx-lm loads and
+    whose towers the runner does not run; whether it did."""
+    model = vllm_config.model_config
+    if model is None or not model.is_multimodal_model or model.is_encoder_decoder:
+        return False
+    mm = model.multimodal_config
+    model_type = getattr(model.hf_config, "model_type", None)
+    if (
+        mm is None
+        or mm.language_model_only
+        or model_type in VISION_LANGUAGE_MODEL_TYPES
+        or model_type in SPEECH_TO_TEXT_MODEL_TYPES
+        or not has_mlx_lm_text_model(model_type)
+    ):
+        return False
+    mm.language_model_only = True
+    logger.warning(
+        "vllm-metal does not run the vision/audio towers of model=%r (%s): serving its language "
+        "model only; requests with images, video or audio are refused (HTTP 400). Families whose "
+        "towers run: %s",
+        model.model,
+        model_type,
+        ", ".join(VISION_LANGUAGE_MODEL_TYPES),
+    )
+    return True
