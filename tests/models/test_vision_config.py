@@ -1,8 +1,8 @@
 """Startup checks for vision-language models, without an engine: vLLM builds its config for the
 tiny random Idefics3 (`vllm_metal.testing.tiny_idefics3`) and the plugin accepts it as a model the
 MLX runner serves with images; what that runner does not run beside it (LoRA, speculative
-decoding, KV offloading) is refused while vLLM builds its config, naming the setting and the
-model type."""
+decoding, KV offloading, image embeddings as input) is refused while vLLM builds its config,
+naming the setting and the model type."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def test_a_text_model_is_not_named_a_vision_language_model(tiny_model_dir) -> No
             ["--speculative-config", "idefics3"],
         ),
         ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "idefics3"]),
+        ({"enable_mm_embeds": True}, ["--enable-mm-embeds", "idefics3"]),
     ],
-    ids=["lora", "speculative", "kv_offload"],
+    ids=["lora", "speculative", "kv_offload", "mm_embeds"],
 )
 def test_what_the_vision_runner_lacks_is_refused_by_name(tiny_idefics3_dir, kwargs, names) -> None:
     with pytest.raises(ValueError) as info:

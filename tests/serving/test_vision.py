@@ -149,6 +149,7 @@ def test_concurrent_image_and_text_requests_equal_their_sequential_answers(
     client, tiny_idefics3_dir, tokenizer
 ):
     want = [_oracle(tiny_idefics3_dir, tokenizer, parts)[1] for parts in MIXED]
+    assert len({tuple(w) for w in want}) == len(MIXED)  # a mix-up between requests would show
     one_by_one = [_chat(client, parts).choices[0].token_ids for parts in MIXED]
     assert one_by_one == want
     with ThreadPoolExecutor(len(MIXED)) as pool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -75,13 +75,13 @@ class EncoderCache:
         for identifier in scheduler_output.free_encoder_mm_hashes:
             self.outputs.pop(identifier, None)
         pending: dict[str, list[MultiModalFeatureSpec]] = {}
+        seen = set(self.outputs)
         for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
             for index in indices:
                 feature = requests[req_id].mm_features[index]
-                if feature.identifier in self.outputs or any(
-                    f.identifier == feature.identifier for f in pending.get(feature.modality, [])
-                ):
+                if feature.identifier in seen:
                     continue  # the same image in two requests of one step is encoded once
+                seen.add(feature.identifier)
                 if feature.data is None:
                     raise RuntimeError(
                         f"request {req_id}: {feature.modality} item {index} was scheduled for "
@@ -130,7 +130,9 @@ class EncoderCache:
         )
 
 
-def _overlap(feature: MultiModalFeatureSpec, begin: int, end: int) -> tuple[Any, int, int] | None:
+def _overlap(
+    feature: MultiModalFeatureSpec, begin: int, end: int
+) -> tuple[np.ndarray, int, int] | None:
     """For the scheduled window [begin, end) of a request: the prompt positions in it that take
     rows of `feature`'s output, and the range [first, last) of those rows; None if there are none."""
     place = feature.mm_position
