@@ -73,3 +73,23 @@ def test_items_of_one_batch_are_encoded_as_alone(models) -> None:
     assert [t.shape for t in together] == [t.shape for t in alone] == [(8, 256), (4, 256)]
     for t, s in zip(together, alone):
         np.testing.assert_allclose(np.array(t), np.array(s), rtol=1e-5, atol=1e-5)
+
+
+def test_profiling_encodes_as_many_images_as_the_encoder_budget_allows(
+    models, tiny_idefics3_dir
+) -> None:
+    """The towers' memory peak is measured on vLLM's largest dummy image, as many of them as one
+    step may encode: a budget eight times larger holds eight times the images."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_metal.backends.mlx.runner.mm.profile import encoder_peak
+
+    adapter, _ = models
+    peaks = []
+    for budget in (256, 2048):
+        config = EngineArgs(
+            model=str(tiny_idefics3_dir), max_model_len=512, max_num_batched_tokens=budget
+        ).create_engine_config()
+        peaks.append(encoder_peak(config, adapter))
+    assert 0 < peaks[0]
+    assert peaks[1] > 4 * peaks[0]
