@@ -52,6 +52,7 @@ from vllm_metal.testing.tiny_tokenizer import (
     TOKENIZER_VOCAB_SIZE,
     build_tokenizer_json,
     token_id,
+    tokenizer_files,
 )
 
 if TYPE_CHECKING:
@@ -147,40 +148,13 @@ CHAT_TEMPLATE = """\
 
 def processor_files() -> dict[str, Any]:
     """Tokenizer, image processor and processor files of the checkpoint, keyed by file name."""
-    tokenizer_json = build_idefics3_tokenizer_json()
-    added_tokens_decoder = {
-        str(t["id"]): {
-            "content": t["content"],
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": t["special"],
-        }
-        for t in json.loads(tokenizer_json)["added_tokens"]
-    }
+    files = tokenizer_files(build_idefics3_tokenizer_json())
     extra_specials = [FAKE_IMAGE_TOKEN, IMAGE_TOKEN, END_OF_UTTERANCE]
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": END_OF_UTTERANCE,
-        "pad_token": PAD_TOKEN,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
-        "added_tokens_decoder": added_tokens_decoder,
-        "additional_special_tokens": extra_specials,
-        "processor_class": "Idefics3Processor",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    special_tokens_map = {
-        "bos_token": BOS_TOKEN,
-        "eos_token": END_OF_UTTERANCE,
-        "pad_token": PAD_TOKEN,
-        "additional_special_tokens": extra_specials,
-    }
+    eos = {"eos_token": END_OF_UTTERANCE, "additional_special_tokens": extra_specials}
+    files["tokenizer_config.json"].update(
+        eos, processor_class="Idefics3Processor", chat_template=CHAT_TEMPLATE
+    )
+    files["special_tokens_map.json"].update(eos)
     preprocessor_config = {
         "image_processor_type": "Idefics3ImageProcessor",
         "processor_class": "Idefics3Processor",
@@ -199,9 +173,7 @@ def processor_files() -> dict[str, Any]:
     }
     processor_config = {"image_seq_len": IMAGE_SEQ_LEN, "processor_class": "Idefics3Processor"}
     return {
-        "tokenizer.json": tokenizer_json,
-        "tokenizer_config.json": tokenizer_config,
-        "special_tokens_map.json": special_tokens_map,
+        **files,
         "chat_template.jinja": CHAT_TEMPLATE,
         "preprocessor_config.json": preprocessor_config,
         "processor_config.json": processor_config,
