@@ -40,9 +40,14 @@ def _model_attr(config: VllmConfig, name: str, default: object = None) -> object
 # (`backends/mlx/runner/speech/`).
 SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
 
-# model_type of the vision-language checkpoints the MLX runner serves with images
-# (`models/multimodal.py`, `backends/mlx/runner/mm/`).
-VISION_LANGUAGE_MODEL_TYPES = ("idefics3",)
+# model_type of the vision-language checkpoints whose towers the MLX runner runs
+# (`models/multimodal.py`, `backends/mlx/runner/mm/`) -> the modalities they encode; vLLM's front
+# end is told to refuse the others (`mm_frontend`).
+VISION_LANGUAGE_MODALITIES: dict[str, tuple[str, ...]] = {
+    "idefics3": ("image",),
+    "qwen2_5_vl": ("image",),
+}
+VISION_LANGUAGE_MODEL_TYPES = tuple(VISION_LANGUAGE_MODALITIES)
 
 
 def speech_model(config: VllmConfig) -> str | None:

@@ -7,6 +7,10 @@ language model and sets vLLM's `language_model_only`: the front end then answers
 carries an image, video or audio item with a 400 ("At most 0 image(s) may be provided in one
 prompt"), before it reaches the engine. A multimodal checkpoint without such an mlx-lm module is
 refused at startup by the `multimodal` capability row.
+
+A family whose towers run but encode only some modalities (Qwen2.5-VL: images, not video yet)
+gets a limit of 0 for the others, so vLLM's front end answers such a request with a 400 as well;
+asking for more with `--limit-mm-per-prompt` is refused at startup.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from vllm_metal._logging import init_logger
-from vllm_metal.capabilities import SPEECH_TO_TEXT_MODEL_TYPES, VISION_LANGUAGE_MODEL_TYPES
+from vllm_metal.capabilities import (
+    SPEECH_TO_TEXT_MODEL_TYPES,
+    VISION_LANGUAGE_MODALITIES,
+    VISION_LANGUAGE_MODEL_TYPES,
+    MetalConfigError,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,3 +66,36 @@ def serve_language_model_only(vllm_config: VllmConfig) -> bool:
         ", ".join(VISION_LANGUAGE_MODEL_TYPES),
     )
     return True
+
+
+# The media kinds vLLM's processors take.
+MODALITIES = ("image", "video", "audio")
+
+
+def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
+    """Set vLLM's per-prompt limit to 0 for the modalities a served family's towers do not
+    encode; a limit above 0 asked for one of them is a MetalConfigError naming the flag."""
+    from vllm.config.multimodal import (
+        AudioDummyOptions,
+        ImageDummyOptions,
+        VideoDummyOptions,
+    )
+
+    model = vllm_config.model_config
+    mm = None if model is None else model.multimodal_config
+    model_type = None if model is None else getattr(model.hf_config, "model_type", None)
+    if mm is None or model_type not in VISION_LANGUAGE_MODALITIES:
+        return
+    encoded = VISION_LANGUAGE_MODALITIES[model_type]
+    options = {"image": ImageDummyOptions, "video": VideoDummyOptions, "audio": AudioDummyOptions}
+    for modality in MODALITIES:
+        if modality in encoded:
+            continue
+        asked = mm.limit_per_prompt.get(modality)
+        if asked is not None and asked.count > 0:
+            raise MetalConfigError(
+                f"vllm-metal: --limit-mm-per-prompt {modality}={asked.count} is not supported "
+                f"for model={model.model!r} ({model_type}): its {modality} inputs are not run "
+                f"yet, only {', '.join(encoded)}; remove {modality!r} from the limits"
+            )
+        mm.limit_per_prompt[modality] = options[modality](count=0)

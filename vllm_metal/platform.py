@@ -152,6 +152,7 @@ class MetalPlatform(Platform):
         from vllm_metal import mm_frontend
 
         mm_frontend.serve_language_model_only(vllm_config)
+        mm_frontend.limit_to_encoded_modalities(vllm_config)
         check_config(vllm_config)
         apply_config(vllm_config)
         from vllm_metal.kv.offload import config as kv_offload

@@ -59,3 +59,16 @@ def test_what_the_vision_runner_lacks_is_refused_by_name(tiny_idefics3_dir, kwar
     assert "vision-language" in message
     for name in names:
         assert name in message
+
+
+def test_modalities_the_towers_do_not_encode_get_a_limit_of_zero(tiny_idefics3_dir) -> None:
+    """vLLM's front end then answers a video with a 400; asking for videos is refused."""
+    config = _engine_config(tiny_idefics3_dir)
+    mm = config.model_config.multimodal_config
+    assert mm.get_limit_per_prompt("video") == 0
+    assert mm.get_limit_per_prompt("audio") == 0
+    assert mm.get_limit_per_prompt("image") > 0
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_idefics3_dir, limit_mm_per_prompt={"image": 2, "video": 1})
+    assert "--limit-mm-per-prompt video=1" in str(info.value)
+    assert "idefics3" in str(info.value)

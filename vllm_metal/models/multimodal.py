@@ -22,6 +22,9 @@ from vllm_metal.models.adapter import ModelAdapter
 class MultimodalAdapter(ModelAdapter):
     # The modalities the model's towers encode (vLLM's names: "image", "video", "audio").
     modalities: tuple[str, ...] = ("image",)
+    # Whether the language model places tokens with M-RoPE: three position streams (time, height,
+    # width) per token instead of one, from `mrope_positions`.
+    uses_mrope: bool = False
 
     @property
     def language_model(self) -> Any:
@@ -29,33 +32,41 @@ class MultimodalAdapter(ModelAdapter):
 
     @property
     def decoder(self) -> Any:
+        """Embeddings, decoder layers and final norm of the language model."""
         return self.language_model
 
     @property
     def num_layers(self) -> int:
-        return len(self.language_model.layers)
+        return len(self.decoder.layers)
 
     def install_paged_attention(self) -> None:
         attention.route_module_sdpa(self.language_model)
 
-    def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        lm = self.language_model
+    def forward(
+        self, input_embeds: mx.array, caches: list[Any], positions: mx.array | None = None
+    ) -> mx.array:
+        """Hidden states after the final norm; `positions` (`[3, T, 1]`) for M-RoPE models."""
         h = input_embeds
-        for layer, cache in zip(lm.layers, caches):
+        for layer, cache in zip(self.decoder.layers, caches):
             h = layer(h, None, cache)
-        return lm.norm(h)
+        return self.decoder.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        lm = self.language_model
-        if getattr(lm, "lm_head", None) is None:  # tied embeddings
-            return lm.embed_tokens.as_linear(hidden)
-        return lm.lm_head(hidden)
+        head = getattr(self.language_model, "lm_head", None)
+        if head is None:  # tied embeddings
+            return self.decoder.embed_tokens.as_linear(hidden)
+        return head(hidden)
 
     def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
         """One `[rows, hidden]` array per item: the embeddings its placeholder's `is_embed`
         positions take, in order. `items` are the processor's tensors of each item."""
         raise NotImplementedError
 
-    def dummy_item(self, modality: str) -> dict[str, np.ndarray]:
-        """The tensors of the largest item the processor produces (profiling and warm-up)."""
+    def mrope_positions(
+        self, prompt_token_ids: list[int], items: list[tuple[str, dict[str, np.ndarray]]]
+    ) -> tuple[np.ndarray, int]:
+        """For M-RoPE models: the three position streams of the prompt's tokens (`[3, L]`) and
+        the offset of every later token (its position is its index plus the offset, on all three
+        streams). `items`: (modality, tensors) of the prompt's media items in prompt order; only
+        their grid fields (`image_grid_thw`, ...) are read, which vLLM keeps for every item."""
         raise NotImplementedError

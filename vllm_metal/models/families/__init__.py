@@ -14,6 +14,7 @@ FAMILIES = {
     "idefics3": "idefics3",
     "mistral": "mistral",
     "qwen2_moe": "qwen2_moe",
+    "qwen2_5_vl": "qwen2_5_vl",
 }
 
 

@@ -59,13 +59,6 @@ class Adapter(MultimodalAdapter):
         x = vision.post_layernorm(x)
         return self.model.connector(x)
 
-    def dummy_item(self, modality: str) -> dict[str, np.ndarray]:
-        size = self.model.vision_model.embeddings.image_size
-        return {
-            "pixel_values": np.zeros((1, 3, size, size), dtype=np.float32),
-            "pixel_attention_mask": np.ones((1, size, size), dtype=bool),
-        }
-
 
 def _full_mask(pixels: np.ndarray) -> np.ndarray:
     return np.ones((pixels.shape[0], *pixels.shape[2:]), dtype=bool)

@@ -47,13 +47,19 @@ def hidden_states(
     windows: Sequence[int | None],
     packed: PackedBatch,
     mm_rows: StepRows | None = None,
+    mrope_positions: np.ndarray | None = None,
 ) -> mx.array:
     """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
     step's K/V into the pool; `mm_rows` (encoder outputs of images) replace the embeddings of
-    their placeholder tokens. Lazy."""
+    their placeholder tokens. An M-RoPE model takes `mrope_positions` (`[3, T]`; without them
+    every token is text, at its index on all three streams). Lazy."""
     caches = layer_caches(pool, packed, windows)
-    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
-    return adapter.forward(merge(embeds, mm_rows), caches)
+    embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
+    if not getattr(adapter, "uses_mrope", False):
+        return adapter.forward(embeds, caches)
+    if mrope_positions is None:
+        mrope_positions = np.broadcast_to(packed.positions, (3, packed.num_tokens))
+    return adapter.forward(embeds, caches, positions=mx.array(mrope_positions)[:, :, None])
 
 
 def forward(
@@ -63,10 +69,11 @@ def forward(
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
     mm_rows: StepRows | None = None,
+    mrope_positions: np.ndarray | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    hidden = hidden_states(adapter, pool, windows, packed, mm_rows)
+    hidden = hidden_states(adapter, pool, windows, packed, mm_rows, mrope_positions)
     return logits_of(adapter, hidden, packed, prompt_rows)
 
 

@@ -26,6 +26,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
+from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.backends.mlx.runner.mm.profile import encoder_peak
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
@@ -264,11 +265,16 @@ class MLXModelRunner:
     ) -> tuple[mx.array, dict[str, mx.array]]:
         """The step's lazy logits (`forward.forward`), with the images this step reaches; the
         speech runner adds its encoder."""
-        mm_rows = None
+        mm_rows = positions = None
         if self.encoder_cache is not None:
-            self.encoder_cache.update(scheduler_output, self.states.requests, self.adapter)
-            mm_rows = self.encoder_cache.step_rows(packed, self.states.requests)
-        return forward(self.adapter, self.kv_pool, self.windows, packed, prompt_rows, mm_rows)
+            requests = self.states.requests
+            self.encoder_cache.update(scheduler_output, requests, self.adapter)
+            mm_rows = self.encoder_cache.step_rows(packed, requests)
+            if self.adapter.uses_mrope:
+                positions = step_positions(packed, requests, self.adapter)
+        return forward(
+            self.adapter, self.kv_pool, self.windows, packed, prompt_rows, mm_rows, positions
+        )
 
     def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
         """This step's scheduled tokens of the InputBatch as one varlen batch (`batch.py`)."""
