@@ -416,3 +416,128 @@ def idefics3_generate(
     if not stop_at_eos and len(new_tokens) != max_new_tokens:
         raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
     return new_tokens
+
+
+@functools.lru_cache(maxsize=4)
+def _load_qwen2_5_vl(model_dir: str, mtime_ns: int) -> tuple[Any, Any, Any, list[int]]:
+    import torch
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    # Kept aside: generate() would fill an unset end-of-sequence from the model's own config.
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    return model.eval(), image_processor, tokenizer, eos_ids
+
+
+def _qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any, list[int]]:
+    path = Path(model_dir).resolve()
+    return _load_qwen2_5_vl(str(path), (path / "config.json").stat().st_mtime_ns)
+
+
+def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
+    """The checkpoint as a float32 `Qwen2_5_VLForConditionalGeneration` (eager attention),
+    transformers' PIL `Qwen2VLImageProcessorPil` and its tokenizer, cached per directory and file
+    version.
+
+    There is no `Qwen2_5_VLProcessor`: transformers builds it only with a video processor, and
+    that needs torchvision (which must stay absent here). `qwen2_5_vl_inputs` does the
+    processor's work itself. Classes are named, not found through `AutoProcessor`, because
+    importing mlx-vlm's Qwen2.5-VL model patches `AutoProcessor.from_pretrained` process-wide."""
+    model, image_processor, tokenizer, _ = _qwen2_5_vl(model_dir)
+    return model, image_processor, tokenizer
+
+
+def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> dict[str, Any]:
+    """The model inputs `Qwen2_5_VLProcessor` makes for one prompt with one `<|image_pad|>` per
+    image (usually as ``<|vision_start|><|image_pad|><|vision_end|>``), as torch tensors:
+
+    - ``input_ids`` and ``attention_mask`` ``[1, tokens]``, with the i-th `<|image_pad|>`
+      repeated ``t*h*w / 4`` times (``image_grid_thw[i]``, 2x2 patches per token);
+    - ``mm_token_type_ids`` ``[1, tokens]``: 1 at image tokens, else 0. transformers 5 computes
+      the M-RoPE positions of the image tokens only when it is given, and otherwise silently
+      numbers every token as text;
+    - with images, ``pixel_values`` ``[patches, 3*2*14*14]`` float32 (the images' patches one
+      after the other, each image's ``t*h*w`` rows) and ``image_grid_thw`` ``[images, 3]``.
+    """
+    import torch
+
+    _, image_processor, tokenizer = load_hf_qwen2_5_vl(model_dir)
+    image_pad = "<|image_pad|>"
+    if prompt.count(image_pad) != len(images):
+        raise ValueError(f"{prompt.count(image_pad)} {image_pad} in the prompt, {len(images)} images")
+    inputs: dict[str, Any] = {}
+    text = prompt
+    if images:
+        pixels = image_processor(images=list(images), return_tensors="pt")
+        inputs["pixel_values"] = pixels["pixel_values"].to(torch.float32)
+        inputs["image_grid_thw"] = pixels["image_grid_thw"]
+        merge = image_processor.merge_size**2
+        parts = text.split(image_pad)
+        counts = [int(grid.prod()) // merge for grid in inputs["image_grid_thw"]]
+        text = parts[0] + "".join(image_pad * n + part for n, part in zip(counts, parts[1:]))
+    input_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    image_pad_id = tokenizer.convert_tokens_to_ids(image_pad)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": (input_ids == image_pad_id).to(torch.int32),
+        **inputs,
+    }
+
+
+def qwen2_5_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
+    """Prompt token ids after image expansion (what vLLM reports as `prompt_token_ids`)."""
+    return qwen2_5_vl_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
+
+
+def qwen2_5_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
+    """Float32 next-token logits ``[tokens, vocab]`` of one forward over the expanded prompt
+    (no KV cache), with M-RoPE positions from the image grids."""
+    import torch
+
+    model, _, _, _ = _qwen2_5_vl(model_dir)
+    inputs = qwen2_5_vl_inputs(model_dir, prompt, images)
+    with torch.no_grad(), _one_torch_thread():
+        logits = model(**inputs, use_cache=False).logits[0]
+    model.model.rope_deltas = None  # the forward keeps them for a following decode step
+    return logits.float().numpy()
+
+
+def qwen2_5_vl_generate(
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    *,
+    stop_at_eos: bool = False,
+) -> list[int]:
+    """Greedy new tokens from transformers float32 for one prompt with one `<|image_pad|>` per
+    image.
+
+    By default end-of-sequence does not stop generation (a vLLM request with ``ignore_eos=True``
+    and ``temperature=0``): exactly ``max_new_tokens`` tokens. With ``stop_at_eos`` the list ends
+    with the end-of-sequence id (`<|im_end|>` or `<|endoftext|>`) when the model emits one, as
+    vLLM's `token_ids` do.
+    """
+    import torch
+
+    model, _, _, eos_ids = _qwen2_5_vl(model_dir)
+    inputs = qwen2_5_vl_inputs(model_dir, prompt, images)
+    gen_config = _greedy_config(model, max_new_tokens)
+    gen_config.eos_token_id = eos_ids if stop_at_eos else None
+    with torch.no_grad(), _one_torch_thread():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    if not stop_at_eos and len(new_tokens) != max_new_tokens:
+        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
+    return new_tokens
