@@ -89,3 +89,12 @@ def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_metal.testing.tiny_idefics3 import write_tiny_idefics3
 
     return write_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3") / "idefics3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2.5-VL checkpoint (`vllm_metal.testing.tiny_qwen2_5_vl`), once per
+    session."""
+    from vllm_metal.testing.tiny_qwen2_5_vl import write_tiny_qwen2_5_vl
+
+    return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2-5-vl") / "qwen2_5_vl")

@@ -449,8 +449,9 @@ def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
     transformers' PIL `Qwen2VLImageProcessorPil` and its tokenizer, cached per directory and file
     version.
 
-    There is no `Qwen2_5_VLProcessor`: transformers builds it only with a video processor, and
-    that needs torchvision (which must stay absent here). `qwen2_5_vl_inputs` does the
+    There is no `Qwen2_5_VLProcessor`: its video processor needs torchvision (which must stay
+    absent here), and transformers 5.19 refuses ``video_processor=None`` too (its argument check
+    fails with an AttributeError on `VIDEO_PROCESSOR_MAPPING`). `qwen2_5_vl_inputs` does the
     processor's work itself. Classes are named, not found through `AutoProcessor`, because
     importing mlx-vlm's Qwen2.5-VL model patches `AutoProcessor.from_pretrained` process-wide."""
     model, image_processor, tokenizer, _ = _qwen2_5_vl(model_dir)
@@ -474,7 +475,9 @@ def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any])
     _, image_processor, tokenizer = load_hf_qwen2_5_vl(model_dir)
     image_pad = "<|image_pad|>"
     if prompt.count(image_pad) != len(images):
-        raise ValueError(f"{prompt.count(image_pad)} {image_pad} in the prompt, {len(images)} images")
+        raise ValueError(
+            f"{prompt.count(image_pad)} {image_pad} in the prompt, {len(images)} images"
+        )
     inputs: dict[str, Any] = {}
     text = prompt
     if images:
@@ -484,7 +487,9 @@ def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any])
         merge = image_processor.merge_size**2
         parts = text.split(image_pad)
         counts = [int(grid.prod()) // merge for grid in inputs["image_grid_thw"]]
-        text = parts[0] + "".join(image_pad * n + part for n, part in zip(counts, parts[1:]))
+        text = parts[0] + "".join(
+            image_pad * n + part for n, part in zip(counts, parts[1:], strict=True)
+        )
     input_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     image_pad_id = tokenizer.convert_tokens_to_ids(image_pad)
     return {
@@ -509,7 +514,9 @@ def qwen2_5_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any])
     inputs = qwen2_5_vl_inputs(model_dir, prompt, images)
     with torch.no_grad(), _one_torch_thread():
         logits = model(**inputs, use_cache=False).logits[0]
-    model.model.rope_deltas = None  # the forward keeps them for a following decode step
+    # The forward keeps the prompt's rope deltas for decode steps; a later call on the cached
+    # model must not inherit them.
+    model.model.rope_deltas = None
     return logits.float().numpy()
 
 

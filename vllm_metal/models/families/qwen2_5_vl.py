@@ -61,4 +61,7 @@ class Adapter(MultimodalAdapter):
         positions, delta = self.language_model.get_rope_index(
             mx.array([list(prompt_token_ids)]), image_grid, None, None
         )
-        return np.array(positions)[:, 0, :].astype(np.int32), int(np.array(delta).reshape(-1)[0])
+        positions = np.array(positions).astype(np.int32)
+        if positions.ndim == 2:  # a prompt without images: one stream, [1, L]
+            return np.repeat(positions, 3, axis=0), 0
+        return positions[:, 0, :], int(np.array(delta).reshape(-1)[0])
