@@ -22,6 +22,9 @@ _ATTENTION_ATTRS = ("self_attn", "attention", "attn")
 
 
 class ModelAdapter:
+    # Whether `forward` takes M-RoPE positions (`multimodal.MultimodalAdapter`).
+    uses_mrope = False
+
     def __init__(self, model: Any, config: dict[str, Any]):
         self.model = model  # the mlx-lm `Model`
         self.config = config  # the checkpoint's config.json, as mlx-lm read it

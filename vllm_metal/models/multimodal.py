@@ -22,9 +22,8 @@ from vllm_metal.models.adapter import ModelAdapter
 class MultimodalAdapter(ModelAdapter):
     # The modalities the model's towers encode (vLLM's names: "image", "video", "audio").
     modalities: tuple[str, ...] = ("image",)
-    # Whether the language model places tokens with M-RoPE: three position streams (time, height,
-    # width) per token instead of one, from `mrope_positions`.
-    uses_mrope: bool = False
+    # uses_mrope: the language model places tokens with M-RoPE, three position streams (time,
+    # height, width) per token instead of one, from `mrope_positions`.
 
     @property
     def language_model(self) -> Any:

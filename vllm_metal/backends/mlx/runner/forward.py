@@ -55,7 +55,7 @@ def hidden_states(
     every token is text, at its index on all three streams). Lazy."""
     caches = layer_caches(pool, packed, windows)
     embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
-    if not getattr(adapter, "uses_mrope", False):
+    if not adapter.uses_mrope:
         return adapter.forward(embeds, caches)
     if mrope_positions is None:
         mrope_positions = np.broadcast_to(packed.positions, (3, packed.num_tokens))
