@@ -10,6 +10,7 @@ item (`pixel_values`, ...) to the rows that replace the item's placeholder token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +18,16 @@ import numpy as np
 
 from vllm_metal.models import attention
 from vllm_metal.models.adapter import ModelAdapter
+
+
+@dataclass
+class TokenRows:
+    """Encoder rows of one step's packed tokens: `rows[i]` belongs to packed token `dest[i]`.
+    The first `hidden` columns replace the token's input embedding; a family whose tower feeds
+    later decoder layers too (DeepStack) carries those rows in the further columns."""
+
+    dest: np.ndarray  # [N] int32 packed token indices
+    rows: mx.array  # [N, hidden * (1 + levels)]
 
 
 class MultimodalAdapter(ModelAdapter):
@@ -42,9 +53,15 @@ class MultimodalAdapter(ModelAdapter):
         attention.route_module_sdpa(self.language_model)
 
     def forward(
-        self, input_embeds: mx.array, caches: list[Any], positions: mx.array | None = None
+        self,
+        input_embeds: mx.array,
+        caches: list[Any],
+        positions: mx.array | None = None,
+        rows: TokenRows | None = None,
     ) -> mx.array:
-        """Hidden states after the final norm; `positions` (`[3, T, 1]`) for M-RoPE models."""
+        """Hidden states after the final norm, from input embeddings with the step's encoder
+        rows already merged; `positions` (`[3, T, 1]`) for M-RoPE models, `rows` for families
+        whose towers feed later layers too."""
         h = input_embeds
         for layer, cache in zip(self.decoder.layers, caches):
             h = layer(h, None, cache)
@@ -57,8 +74,9 @@ class MultimodalAdapter(ModelAdapter):
         return head(hidden)
 
     def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
-        """One `[rows, hidden]` array per item: the embeddings its placeholder's `is_embed`
-        positions take, in order. `items` are the processor's tensors of each item."""
+        """One `[rows, hidden]` array per item (`[rows, hidden * (1 + levels)]` with DeepStack):
+        the embeddings its placeholder's `is_embed` positions take, in order. `items` are the
+        processor's tensors of each item."""
         raise NotImplementedError
 
     def mrope_positions(

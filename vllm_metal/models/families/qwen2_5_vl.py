@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.models.multimodal import MultimodalAdapter
+from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 # The processor's fields of an item, by modality: its patches and its grid.
 _FIELDS = {"image": ("pixel_values", "image_grid_thw")}
@@ -34,7 +34,11 @@ class Adapter(MultimodalAdapter):
         return self.language_model.model
 
     def forward(
-        self, input_embeds: mx.array, caches: list[Any], positions: mx.array | None = None
+        self,
+        input_embeds: mx.array,
+        caches: list[Any],
+        positions: mx.array | None = None,
+        rows: TokenRows | None = None,
     ) -> mx.array:
         if positions is None:
             raise ValueError(f"{self.model_type} places its tokens with M-RoPE positions")

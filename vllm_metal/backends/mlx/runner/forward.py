@@ -10,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
-from vllm_metal.backends.mlx.runner.mm.embeddings import StepRows, merge
+from vllm_metal.backends.mlx.runner.mm.embeddings import merge
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.models import ModelAdapter
+from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 
 def layer_caches(
@@ -46,7 +47,7 @@ def hidden_states(
     pool: KVPool,
     windows: Sequence[int | None],
     packed: PackedBatch,
-    mm_rows: StepRows | None = None,
+    mm_rows: TokenRows | None = None,
     mrope_positions: np.ndarray | None = None,
 ) -> mx.array:
     """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
@@ -55,11 +56,12 @@ def hidden_states(
     every token is text, at its index on all three streams). Lazy."""
     caches = layer_caches(pool, packed, windows)
     embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
-    if not adapter.uses_mrope:
+    if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches)
-    if mrope_positions is None:
+    if adapter.uses_mrope and mrope_positions is None:
         mrope_positions = np.broadcast_to(packed.positions, (3, packed.num_tokens))
-    return adapter.forward(embeds, caches, positions=mx.array(mrope_positions)[:, :, None])
+    positions = None if mrope_positions is None else mx.array(mrope_positions)[:, :, None]
+    return adapter.forward(embeds, caches, positions=positions, rows=mm_rows)
 
 
 def forward(
@@ -68,7 +70,7 @@ def forward(
     windows: Sequence[int | None],
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
-    mm_rows: StepRows | None = None,
+    mm_rows: TokenRows | None = None,
     mrope_positions: np.ndarray | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the

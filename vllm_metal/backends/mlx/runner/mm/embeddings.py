@@ -17,11 +17,12 @@ writes those rows over the token embeddings (`forward.hidden_states`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+
+from vllm_metal.models.multimodal import TokenRows
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
@@ -30,14 +31,6 @@ if TYPE_CHECKING:
 
     from vllm_metal.backends.mlx.runner.batch import PackedBatch
     from vllm_metal.models.multimodal import MultimodalAdapter
-
-
-@dataclass
-class StepRows:
-    """Encoder rows of one step: `rows[i]` replaces the embedding of packed token `dest[i]`."""
-
-    dest: np.ndarray  # [N] int32 packed token indices
-    rows: mx.array  # [N, hidden]
 
 
 def item_tensors(item: MultiModalKwargsItem) -> dict[str, np.ndarray]:
@@ -101,7 +94,7 @@ class EncoderCache:
 
     def step_rows(
         self, packed: PackedBatch, requests: Mapping[str, CachedRequestState]
-    ) -> StepRows | None:
+    ) -> TokenRows | None:
         """The encoder rows of `packed`'s tokens that fall on placeholder positions, or None
         when no scheduled token does."""
         dest: list[np.ndarray] = []
@@ -124,7 +117,7 @@ class EncoderCache:
                 parts.append(output[first:last])
         if not dest:
             return None
-        return StepRows(
+        return TokenRows(
             dest=np.concatenate(dest).astype(np.int32),
             rows=mx.concatenate(parts) if len(parts) > 1 else parts[0],
         )
@@ -150,9 +143,11 @@ def _overlap(
     return positions, first, last
 
 
-def merge(embeds: mx.array, step: StepRows | None) -> mx.array:
-    """`embeds` ([T, 1, hidden]) with the step's encoder rows written at their tokens."""
+def merge(embeds: mx.array, step: TokenRows | None) -> mx.array:
+    """`embeds` ([T, 1, hidden]) with the step's encoder rows written at their tokens (their
+    first `hidden` columns)."""
     if step is None:
         return embeds
-    embeds[mx.array(step.dest)] = step.rows[:, None, :].astype(embeds.dtype)
+    rows = step.rows[:, None, : embeds.shape[-1]]
+    embeds[mx.array(step.dest)] = rows.astype(embeds.dtype)
     return embeds
