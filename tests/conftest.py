@@ -98,3 +98,12 @@ def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_metal.testing.tiny_qwen2_5_vl import write_tiny_qwen2_5_vl
 
     return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2-5-vl") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen3-VL checkpoint (`vllm_metal.testing.tiny_qwen3_vl`), once per
+    session."""
+    from vllm_metal.testing.tiny_qwen3_vl import write_tiny_qwen3_vl
+
+    return write_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl") / "qwen3_vl")

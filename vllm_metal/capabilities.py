@@ -46,6 +46,7 @@ SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
 VISION_LANGUAGE_MODALITIES: dict[str, tuple[str, ...]] = {
     "idefics3": ("image",),
     "qwen2_5_vl": ("image",),
+    "qwen3_vl": ("image",),
 }
 VISION_LANGUAGE_MODEL_TYPES = tuple(VISION_LANGUAGE_MODALITIES)
 

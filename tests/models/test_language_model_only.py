@@ -71,7 +71,7 @@ def _multimodal_row(config) -> str | None:
     return row.requested(config) or None
 
 
-@pytest.mark.parametrize("model_type", ["mistral3", "gemma3", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["mistral3", "gemma3", "qwen2_vl", "pixtral"])
 def test_a_tower_the_runner_lacks_is_served_text_only(model_type) -> None:
     from vllm_metal.mm_frontend import serve_language_model_only
 
@@ -89,10 +89,11 @@ def test_without_an_mlx_lm_text_model_the_checkpoint_is_refused() -> None:
     assert _multimodal_row(config) == "model='org/idefics2' (idefics2-arch, multimodal)"
 
 
-def test_the_idefics3_tower_runs_so_it_keeps_its_images() -> None:
+@pytest.mark.parametrize("model_type", ["idefics3", "qwen2_5_vl", "qwen3_vl"])
+def test_a_family_whose_towers_run_keeps_its_images(model_type) -> None:
     from vllm_metal.mm_frontend import serve_language_model_only
 
-    config = _config("idefics3")
+    config = _config(model_type)
     assert not serve_language_model_only(config)
     assert not config.model_config.multimodal_config.language_model_only
 

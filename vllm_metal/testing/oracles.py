@@ -418,18 +418,24 @@ def idefics3_generate(
     return new_tokens
 
 
-@functools.lru_cache(maxsize=4)
-def _load_qwen2_5_vl(model_dir: str, mtime_ns: int) -> tuple[Any, Any, Any, list[int]]:
-    import torch
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+# The Qwen-VL families share everything here but the model class: the image processor (Qwen3-VL
+# uses Qwen2-VL's, with its own patch size and limits), the `<|image_pad|>` expansion, the
+# `mm_token_type_ids` transformers 5 needs for M-RoPE, and the rope deltas kept on the model.
+_QWEN_VL_MODEL_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+_IMAGE_PAD = "<|image_pad|>"
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
+
+@functools.lru_cache(maxsize=4)
+def _load_qwen_vl(family: str, model_dir: str, mtime_ns: int) -> tuple[Any, Any, Any, list[int]]:
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+
+    model_class = getattr(transformers, _QWEN_VL_MODEL_CLASSES[family])
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     # Kept aside: generate() would fill an unset end-of-sequence from the model's own config.
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
@@ -439,9 +445,78 @@ def _load_qwen2_5_vl(model_dir: str, mtime_ns: int) -> tuple[Any, Any, Any, list
     return model.eval(), image_processor, tokenizer, eos_ids
 
 
-def _qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any, list[int]]:
+def _qwen_vl(family: str, model_dir: str | Path) -> tuple[Any, Any, Any, list[int]]:
     path = Path(model_dir).resolve()
-    return _load_qwen2_5_vl(str(path), (path / "config.json").stat().st_mtime_ns)
+    return _load_qwen_vl(family, str(path), (path / "config.json").stat().st_mtime_ns)
+
+
+def _qwen_vl_inputs(
+    family: str, model_dir: str | Path, prompt: str, images: Sequence[Any]
+) -> dict[str, Any]:
+    import torch
+
+    _, image_processor, tokenizer, _ = _qwen_vl(family, model_dir)
+    if prompt.count(_IMAGE_PAD) != len(images):
+        raise ValueError(
+            f"{prompt.count(_IMAGE_PAD)} {_IMAGE_PAD} in the prompt, {len(images)} images"
+        )
+    inputs: dict[str, Any] = {}
+    text = prompt
+    if images:
+        pixels = image_processor(images=list(images), return_tensors="pt")
+        inputs["pixel_values"] = pixels["pixel_values"].to(torch.float32)
+        inputs["image_grid_thw"] = pixels["image_grid_thw"]
+        merge = image_processor.merge_size**2
+        parts = text.split(_IMAGE_PAD)
+        counts = [int(grid.prod()) // merge for grid in inputs["image_grid_thw"]]
+        text = parts[0] + "".join(
+            _IMAGE_PAD * n + part for n, part in zip(counts, parts[1:], strict=True)
+        )
+    input_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    image_pad_id = tokenizer.convert_tokens_to_ids(_IMAGE_PAD)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": (input_ids == image_pad_id).to(torch.int32),
+        **inputs,
+    }
+
+
+def _qwen_vl_logits(
+    family: str, model_dir: str | Path, prompt: str, images: Sequence[Any]
+) -> np.ndarray:
+    import torch
+
+    model, _, _, _ = _qwen_vl(family, model_dir)
+    inputs = _qwen_vl_inputs(family, model_dir, prompt, images)
+    with torch.no_grad(), _one_torch_thread():
+        logits = model(**inputs, use_cache=False).logits[0]
+    # The forward keeps the prompt's rope deltas for decode steps; a later call on the cached
+    # model must not inherit them.
+    model.model.rope_deltas = None
+    return logits.float().numpy()
+
+
+def _qwen_vl_generate(
+    family: str,
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    stop_at_eos: bool,
+) -> list[int]:
+    import torch
+
+    model, _, _, eos_ids = _qwen_vl(family, model_dir)
+    inputs = _qwen_vl_inputs(family, model_dir, prompt, images)
+    gen_config = _greedy_config(model, max_new_tokens)
+    gen_config.eos_token_id = eos_ids if stop_at_eos else None
+    with torch.no_grad(), _one_torch_thread():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    if not stop_at_eos and len(new_tokens) != max_new_tokens:
+        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
+    return new_tokens
 
 
 def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
@@ -454,7 +529,7 @@ def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
     fails with an AttributeError on `VIDEO_PROCESSOR_MAPPING`). `qwen2_5_vl_inputs` does the
     processor's work itself. Classes are named, not found through `AutoProcessor`, because
     importing mlx-vlm's Qwen2.5-VL model patches `AutoProcessor.from_pretrained` process-wide."""
-    model, image_processor, tokenizer, _ = _qwen2_5_vl(model_dir)
+    model, image_processor, tokenizer, _ = _qwen_vl("qwen2_5_vl", model_dir)
     return model, image_processor, tokenizer
 
 
@@ -470,34 +545,7 @@ def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any])
     - with images, ``pixel_values`` ``[patches, 3*2*14*14]`` float32 (the images' patches one
       after the other, each image's ``t*h*w`` rows) and ``image_grid_thw`` ``[images, 3]``.
     """
-    import torch
-
-    _, image_processor, tokenizer = load_hf_qwen2_5_vl(model_dir)
-    image_pad = "<|image_pad|>"
-    if prompt.count(image_pad) != len(images):
-        raise ValueError(
-            f"{prompt.count(image_pad)} {image_pad} in the prompt, {len(images)} images"
-        )
-    inputs: dict[str, Any] = {}
-    text = prompt
-    if images:
-        pixels = image_processor(images=list(images), return_tensors="pt")
-        inputs["pixel_values"] = pixels["pixel_values"].to(torch.float32)
-        inputs["image_grid_thw"] = pixels["image_grid_thw"]
-        merge = image_processor.merge_size**2
-        parts = text.split(image_pad)
-        counts = [int(grid.prod()) // merge for grid in inputs["image_grid_thw"]]
-        text = parts[0] + "".join(
-            image_pad * n + part for n, part in zip(counts, parts[1:], strict=True)
-        )
-    input_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    image_pad_id = tokenizer.convert_tokens_to_ids(image_pad)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "mm_token_type_ids": (input_ids == image_pad_id).to(torch.int32),
-        **inputs,
-    }
+    return _qwen_vl_inputs("qwen2_5_vl", model_dir, prompt, images)
 
 
 def qwen2_5_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
@@ -508,16 +556,7 @@ def qwen2_5_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[A
 def qwen2_5_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
     """Float32 next-token logits ``[tokens, vocab]`` of one forward over the expanded prompt
     (no KV cache), with M-RoPE positions from the image grids."""
-    import torch
-
-    model, _, _, _ = _qwen2_5_vl(model_dir)
-    inputs = qwen2_5_vl_inputs(model_dir, prompt, images)
-    with torch.no_grad(), _one_torch_thread():
-        logits = model(**inputs, use_cache=False).logits[0]
-    # The forward keeps the prompt's rope deltas for decode steps; a later call on the cached
-    # model must not inherit them.
-    model.model.rope_deltas = None
-    return logits.float().numpy()
+    return _qwen_vl_logits("qwen2_5_vl", model_dir, prompt, images)
 
 
 def qwen2_5_vl_generate(
@@ -536,15 +575,48 @@ def qwen2_5_vl_generate(
     with the end-of-sequence id (`<|im_end|>` or `<|endoftext|>`) when the model emits one, as
     vLLM's `token_ids` do.
     """
-    import torch
+    return _qwen_vl_generate("qwen2_5_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos)
 
-    model, _, _, eos_ids = _qwen2_5_vl(model_dir)
-    inputs = qwen2_5_vl_inputs(model_dir, prompt, images)
-    gen_config = _greedy_config(model, max_new_tokens)
-    gen_config.eos_token_id = eos_ids if stop_at_eos else None
-    with torch.no_grad(), _one_torch_thread():
-        out = model.generate(**inputs, generation_config=gen_config)
-    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    if not stop_at_eos and len(new_tokens) != max_new_tokens:
-        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
-    return new_tokens
+
+def load_hf_qwen3_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
+    """The checkpoint as a float32 `Qwen3VLForConditionalGeneration` (eager attention),
+    transformers' PIL `Qwen2VLImageProcessorPil` (Qwen3-VL's image processor) and its tokenizer,
+    cached per directory and file version.
+
+    As for Qwen2.5-VL (`load_hf_qwen2_5_vl`) there is no `Qwen3VLProcessor`, whose video processor
+    needs torchvision; `qwen3_vl_inputs` does the processor's work itself."""
+    model, image_processor, tokenizer, _ = _qwen_vl("qwen3_vl", model_dir)
+    return model, image_processor, tokenizer
+
+
+def qwen3_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> dict[str, Any]:
+    """The model inputs `Qwen3VLProcessor` makes for one prompt with one `<|image_pad|>` per image,
+    as torch tensors: those of `qwen2_5_vl_inputs` (``mm_token_type_ids`` included, without which
+    transformers 5 numbers image tokens as text), with ``pixel_values`` ``[patches, 3*2*16*16]``
+    (Qwen3-VL's 16x16 patches) and ``image_grid_thw`` ``[images, 3]``."""
+    return _qwen_vl_inputs("qwen3_vl", model_dir, prompt, images)
+
+
+def qwen3_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
+    """Prompt token ids after image expansion (what vLLM reports as `prompt_token_ids`)."""
+    return qwen3_vl_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
+
+
+def qwen3_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
+    """Float32 next-token logits ``[tokens, vocab]`` of one forward over the expanded prompt
+    (no KV cache), with interleaved M-RoPE positions from the image grids and the DeepStack
+    features added after the first decoder layers."""
+    return _qwen_vl_logits("qwen3_vl", model_dir, prompt, images)
+
+
+def qwen3_vl_generate(
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    max_new_tokens: int,
+    *,
+    stop_at_eos: bool = False,
+) -> list[int]:
+    """Greedy new tokens from transformers float32 for one prompt with one `<|image_pad|>` per
+    image; ``stop_at_eos`` as in `qwen2_5_vl_generate` (by default exactly ``max_new_tokens``)."""
+    return _qwen_vl_generate("qwen3_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos)

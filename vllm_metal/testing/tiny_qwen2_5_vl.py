@@ -120,20 +120,30 @@ PATCH_DIM = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE  # columns of pixe
 ROPE_THETA = 10000.0
 
 
-def _resized(height: int, width: int) -> tuple[int, int]:
-    """The processor's ``smart_resize`` with this checkpoint's limits: sides rounded to multiples
-    of 28 and the area scaled into [MIN_PIXELS, MAX_PIXELS], aspect ratio kept."""
-    h_bar = max(FACTOR, round(height / FACTOR) * FACTOR)
-    w_bar = max(FACTOR, round(width / FACTOR) * FACTOR)
-    if h_bar * w_bar > MAX_PIXELS:
-        beta = math.sqrt(height * width / MAX_PIXELS)
-        h_bar = max(FACTOR, math.floor(height / beta / FACTOR) * FACTOR)
-        w_bar = max(FACTOR, math.floor(width / beta / FACTOR) * FACTOR)
-    elif h_bar * w_bar < MIN_PIXELS:
-        beta = math.sqrt(MIN_PIXELS / (height * width))
-        h_bar = math.ceil(height * beta / FACTOR) * FACTOR
-        w_bar = math.ceil(width * beta / FACTOR) * FACTOR
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """The Qwen-VL image processors' ``smart_resize``: (height, width) with the sides rounded to
+    multiples of ``factor`` (patch size x merge size) and the area scaled into
+    [``min_pixels``, ``max_pixels``], aspect ratio kept. Shared by the Qwen-VL checkpoints here,
+    which differ only in the limits and the factor."""
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def _resized(height: int, width: int) -> tuple[int, int]:
+    """`smart_resize` with this checkpoint's limits: sides rounded to multiples of 28 and the area
+    scaled into [MIN_PIXELS, MAX_PIXELS]."""
+    return smart_resize(height, width, factor=FACTOR, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
 def image_grid_thw(width: int, height: int) -> tuple[int, int, int]:
@@ -359,7 +369,7 @@ def _redraw_weights(model: Any, seed: int, init: WeightInit) -> None:
                 param.copy_(init.embed_std * noise)
             elif "patch_embed" in name:
                 param.copy_(init.patch_std * noise)
-            elif ".merger." in name:
+            elif ".merger." in name or ".deepstack_merger_list." in name:  # Qwen3-VL has both
                 param.copy_(init.merger_std * noise)
             elif name == "lm_head.weight":
                 param.copy_(init.matrix_std * noise)

@@ -48,14 +48,17 @@ class Adapter(MultimodalAdapter):
         if modality not in _FIELDS:
             raise ValueError(f"{self.model_type} encodes {sorted(_FIELDS)}, not {modality}")
         pixels_key, grid_key = _FIELDS[modality]
-        tower = self.model.vision_tower
         pixels = np.concatenate([item[pixels_key] for item in items])
         grids = np.stack([np.asarray(item[grid_key]).reshape(3) for item in items])
-        dtype = tower.patch_embed.proj.weight.dtype
-        rows = tower(mx.array(pixels).astype(dtype), mx.array(grids), output_hidden_states=False)
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        rows = self._tower(mx.array(pixels).astype(dtype), mx.array(grids))
         merge = self.model.config.vision_config.spatial_merge_size
         sizes = np.cumsum(grids.prod(axis=1) // merge**2)[:-1]
         return mx.split(rows, sizes.tolist())
+
+    def _tower(self, pixels: mx.array, grids: mx.array) -> mx.array:
+        """The tower's rows of a batch of items (their patches concatenated)."""
+        return self.model.vision_tower(pixels, grids, output_hidden_states=False)
 
     def mrope_positions(
         self, prompt_token_ids: list[int], items: list[tuple[str, dict[str, np.ndarray]]]

@@ -1,13 +1,14 @@
-"""Qwen2.5-VL on the runner's multimodal path: the encoder cache, the M-RoPE positions and the
-packed paged forward, driven step by step as vLLM's scheduler drives them (prefill in chunks that
-may cut an image span, then one token per step), against transformers float32.
+"""Qwen2.5-VL and Qwen3-VL on the runner's multimodal path: the encoder cache, the M-RoPE
+positions, DeepStack rows (Qwen3-VL) and the packed paged forward, driven step by step as vLLM's
+scheduler drives them (prefill in chunks that may cut an image span, then one token per step),
+against transformers float32.
 
-vLLM 0.32 cannot serve Qwen2.5-VL on Linux (its processor imports torchvision, which does not load
+vLLM 0.32 cannot serve the Qwen-VL families on Linux (its processor imports torchvision, which does not load
 beside torch 2.13.0+cpu), so the engine is not involved: each image item is built with vLLM's own
 `MultiModalKwargsItems.from_hf_inputs` and the field layout of vLLM's Qwen2-VL processor
 (`pixel_values` flat by `image_grid_thw.prod()`, the grid kept on the host), from the
 checkpoint's image processor; the placeholder is the run of `<|image_pad|>` tokens. The macOS job
-runs the same model through `vllm serve`.
+runs the same models through `vllm serve`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
 from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.kv.pool import KVLayout, KVPool
-from vllm_metal.testing.oracles import qwen2_5_vl_generate, qwen2_5_vl_inputs
+from vllm_metal.testing import oracles
 from vllm_metal.testing.tiny_idefics3 import tiny_image
 
 if TYPE_CHECKING:
@@ -39,24 +40,38 @@ TWO_IMAGES = (
     "<|vision_start|><|image_pad|><|vision_end|>Same?<|im_end|>\n"
 )
 TEXT_ONLY = "<|im_start|>user\nWhat is it?<|im_end|>\n"
+# family -> (checkpoint fixture, square, wide and tall image sizes: 4, 8 and 8 image tokens)
+FAMILIES = {
+    "qwen2_5_vl": ("tiny_qwen2_5_vl_dir", (56, 56), (112, 56), (56, 112)),
+    "qwen3_vl": ("tiny_qwen3_vl_dir", (64, 64), (128, 64), (64, 128)),
+}
+# case -> (prompt, images as (seed, size index into the family's sizes))
 CASES = {
-    "one-image": (ONE_IMAGE, [(0, (56, 56))]),
-    "other-image": (ONE_IMAGE, [(1, (56, 56))]),
-    "wide-image": (ONE_IMAGE, [(2, (112, 56))]),
-    "two-images": (TWO_IMAGES, [(3, (56, 56)), (4, (56, 112))]),
+    "one-image": (ONE_IMAGE, [(0, 0)]),
+    "other-image": (ONE_IMAGE, [(1, 0)]),
+    "wide-image": (ONE_IMAGE, [(2, 1)]),
+    "two-images": (TWO_IMAGES, [(3, 0), (4, 2)]),
     "text-only": (TEXT_ONLY, []),
 }
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_qwen2_5_vl_dir):
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    """(family, checkpoint directory, image sizes, adapter) of each Qwen-VL family."""
     from vllm_metal.models import load_model
 
-    config = json.loads((tiny_qwen2_5_vl_dir / "config.json").read_text())
-    return load_model(str(tiny_qwen2_5_vl_dir), compute_dtype=mx.float32, hf_config=config)
+    fixture, *sizes = FAMILIES[request.param]
+    model_dir = request.getfixturevalue(fixture)
+    config = json.loads((model_dir / "config.json").read_text())
+    adapter = load_model(str(model_dir), compute_dtype=mx.float32, hf_config=config)
+    return SimpleNamespace(name=request.param, dir=model_dir, sizes=sizes, adapter=adapter)
 
 
-def _request(model_dir, prompt: str, images: list) -> CachedRequestState:
+def _pictures(family, images) -> list:
+    return [tiny_image(seed, family.sizes[size]) for seed, size in images]
+
+
+def _request(family, prompt: str, images: list) -> CachedRequestState:
     """vLLM's view of the prompt: its token ids and one `MultiModalFeatureSpec` per image."""
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
@@ -66,8 +81,8 @@ def _request(model_dir, prompt: str, images: list) -> CachedRequestState:
     )
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
-    pictures = [tiny_image(seed, size) for seed, size in images]
-    inputs = qwen2_5_vl_inputs(model_dir, prompt, pictures)
+    pictures = _pictures(family, images)
+    inputs = getattr(oracles, f"{family.name}_inputs")(family.dir, prompt, pictures)
     ids = inputs["input_ids"][0].tolist()
     features = []
     if pictures:
@@ -79,7 +94,7 @@ def _request(model_dir, prompt: str, images: list) -> CachedRequestState:
                 "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
             },
         )["image"]
-        pad = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+        pad = json.loads((family.dir / "config.json").read_text())["image_token_id"]
         starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
         for k, (item, start) in enumerate(zip(items, starts)):
             length = int(grid[k].prod()) // 4
@@ -88,7 +103,7 @@ def _request(model_dir, prompt: str, images: list) -> CachedRequestState:
                 MultiModalFeatureSpec(
                     data=item,
                     modality="image",
-                    identifier=f"image-{images[k][0]}",
+                    identifier=f"image-{images[k]}",
                     mm_position=PlaceholderRange(offset=start, length=length),
                     mm_hash=None,
                 )
@@ -105,9 +120,10 @@ def _request(model_dir, prompt: str, images: list) -> CachedRequestState:
     )
 
 
-def _greedy(adapter, state, chunk: int) -> list[int]:
+def _greedy(adapter, state, chunk: int) -> tuple[list[int], np.ndarray]:
     """Prefill `chunk` tokens per step (encoding each image in the step that first reaches its
-    span, as vLLM's scheduler does), then decode one token per step; greedy."""
+    span, as vLLM's scheduler does), then decode one token per step; greedy. Also the logits of
+    the prompt's last token."""
     tokens = list(state.prompt_token_ids)
     prompt_len = len(tokens)
     num_blocks = -(-(prompt_len + NEW_TOKENS) // BLOCK_SIZE)
@@ -149,29 +165,34 @@ def _greedy(adapter, state, chunk: int) -> list[int]:
         logits, _ = forward(adapter, pool, [None] * adapter.num_layers, packed, {}, rows, positions)
         computed += n
         if computed >= len(tokens):
+            if not new:
+                first = np.array(logits[0])
             tokens.append(int(mx.argmax(logits[0]).item()))
             new.append(tokens[-1])
-    return new
+    return new, first
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("chunk", [512, 5], ids=["whole-prompt", "chunks-of-5"])
-def test_greedy_tokens_match_transformers(adapter, tiny_qwen2_5_vl_dir, case, chunk) -> None:
+def test_greedy_tokens_match_transformers(family, case, chunk) -> None:
     prompt, images = CASES[case]
-    state = _request(tiny_qwen2_5_vl_dir, prompt, images)
-    pictures = [tiny_image(seed, size) for seed, size in images]
-    expected = qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, prompt, pictures, NEW_TOKENS)
-    assert _greedy(adapter, state, chunk) == expected
+    state = _request(family, prompt, images)
+    pictures = _pictures(family, images)
+    expected = getattr(oracles, f"{family.name}_generate")(family.dir, prompt, pictures, NEW_TOKENS)
+    expected_logits = getattr(oracles, f"{family.name}_logits")(family.dir, prompt, pictures)
+    tokens, logits = _greedy(family.adapter, state, chunk)
+    assert tokens == expected
+    np.testing.assert_allclose(logits, np.asarray(expected_logits)[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_text_after_an_image_continues_from_its_largest_position(adapter, tiny_qwen2_5_vl_dir):
+def test_text_after_an_image_continues_from_its_largest_position(family):
     """The image's tokens share one temporal position and count rows and columns on the other
     two streams; the text after it starts one past the largest, so later tokens sit below their
     index (the offset is negative)."""
-    state = _request(tiny_qwen2_5_vl_dir, *CASES["wide-image"])
+    state = _request(family, *CASES["wide-image"])
     (feature,) = state.mm_features
     items = [("image", {"image_grid_thw": np.asarray(feature.data.get_data()["image_grid_thw"])})]
-    table, delta = adapter.mrope_positions(list(state.prompt_token_ids), items)
+    table, delta = family.adapter.mrope_positions(list(state.prompt_token_ids), items)
     start, length = feature.mm_position.offset, feature.mm_position.length
     image = table[:, start : start + length]
     _, h, w = feature.data.get_data()["image_grid_thw"].tolist()
