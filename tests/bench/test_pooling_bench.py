@@ -19,7 +19,7 @@ from bench.pooling import BACKENDS, BATCHES, MODELS, cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")

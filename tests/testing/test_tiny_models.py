@@ -364,6 +364,7 @@ _VLLM_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_vllm_cpu_backend_agrees_with_transformers_on_qwen3(tiny_model_dir, tmp_path) -> None:
     model_dir = tiny_model_dir("qwen3")
     prompts = _prompts()

@@ -220,6 +220,7 @@ def qwen3(tmp_path_factory):
     return model, quantized, adapters
 
 
+@pytest.mark.full
 def test_second_family_mixed_batch(qwen3):
     model, _, adapters = qwen3
     out = run_engine_job(model, [_job(adapters, PROMPTS, ROW_ADAPTERS)], engine=ENGINE)

@@ -249,6 +249,7 @@ def test_a_cross_encoder_scores_pairs_with_their_token_types(encoders, rerank_re
 # ------------------------------------------------------------------------ vLLM's CPU backend
 
 
+@pytest.mark.full
 def test_vllm_cpu_backend_gives_the_same_numbers(embedder, embed_results, encoders, rerank_results):
     picked = [0, 3]  # the mixed batch, matryoshka
     theirs = run_engine_job(
