@@ -35,7 +35,6 @@ run on (`tiny_image(0)`: no end within 32 tokens).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.metadata
 import json
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm_metal.testing.checkpoint_cli import write_checkpoint_main
 from vllm_metal.testing.tiny_tokenizer import (
     BOS_TOKEN,
     PAD_TOKEN,
@@ -396,16 +396,9 @@ def tiny_image(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vllm_metal.testing.tiny_idefics3",
-        description="Write the tiny random-weight Idefics3 checkpoint and print its path.",
+    return write_checkpoint_main(
+        argv, "vllm_metal.testing.tiny_idefics3", "Idefics3", write_tiny_idefics3, DTYPES
     )
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_tiny_idefics3(Path(args.out), dtype=args.dtype, seed=args.seed).resolve())
-    return 0
 
 
 if __name__ == "__main__":

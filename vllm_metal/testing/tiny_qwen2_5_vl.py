@@ -47,7 +47,6 @@ logits are within ~2e-5 of float64 (and of mlx-vlm's), at 0.3 they were ~1e-3 of
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
@@ -57,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_metal.testing.checkpoint_cli import write_checkpoint_main
 from vllm_metal.testing.tiny_idefics3 import tiny_image  # noqa: F401 (the test images)
 from vllm_metal.testing.tiny_tokenizer import (
     BOS_TOKEN,
@@ -439,16 +439,9 @@ def write_tiny_qwen2_5_vl(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vllm_metal.testing.tiny_qwen2_5_vl",
-        description="Write the tiny random-weight Qwen2.5-VL checkpoint and print its path.",
+    return write_checkpoint_main(
+        argv, "vllm_metal.testing.tiny_qwen2_5_vl", "Qwen2.5-VL", write_tiny_qwen2_5_vl, DTYPES
     )
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_tiny_qwen2_5_vl(Path(args.out), dtype=args.dtype, seed=args.seed).resolve())
-    return 0
 
 
 if __name__ == "__main__":

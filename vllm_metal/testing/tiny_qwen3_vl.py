@@ -48,13 +48,13 @@ while `tiny_image(0)` and the text-only prompt give no end within 32 tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_metal.testing.checkpoint_cli import write_checkpoint_main
 from vllm_metal.testing.tiny_qwen2_5_vl import (
     DTYPES,
     ENDOFTEXT_ID,
@@ -290,16 +290,9 @@ def write_tiny_qwen3_vl(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vllm_metal.testing.tiny_qwen3_vl",
-        description="Write the tiny random-weight Qwen3-VL checkpoint and print its path.",
+    return write_checkpoint_main(
+        argv, "vllm_metal.testing.tiny_qwen3_vl", "Qwen3-VL", write_tiny_qwen3_vl, DTYPES
     )
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(write_tiny_qwen3_vl(Path(args.out), dtype=args.dtype, seed=args.seed).resolve())
-    return 0
 
 
 if __name__ == "__main__":
