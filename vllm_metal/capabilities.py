@@ -44,6 +44,7 @@ SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
 # (`models/multimodal.py`, `backends/mlx/runner/mm/`) -> the modalities they encode; vLLM's front
 # end is told to refuse the others (`mm_frontend`).
 VISION_LANGUAGE_MODALITIES: dict[str, tuple[str, ...]] = {
+    "gemma3": ("image",),
     "idefics3": ("image",),
     "qwen2_5_vl": ("image",),
     "qwen3_vl": ("image",),

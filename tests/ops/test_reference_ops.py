@@ -26,6 +26,7 @@ def naive_attention(
     sliding_window: int | None,
     softcap: float | None,
     sinks: np.ndarray | None,
+    key_ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """The contract of `ops.paged_attention` (its docstring), literally, in float64."""
     num_tokens, num_heads, head_size = query.shape
@@ -38,10 +39,11 @@ def naive_attention(
             t = int(cu_seqlens_q[s]) + i
             p = int(seq_lens[s]) - q_len + i
             first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            last = p if key_ends is None else max(p, int(key_ends[t]) - 1)
             for h in range(num_heads):
                 kv = h // group
                 logits, vals = [], []
-                for pos in range(first, p + 1):
+                for pos in range(first, last + 1):
                     block = block_tables[s, pos // block_size]
                     k = key_cache[block, pos % block_size, kv].astype(np.float64)
                     x = scale * float(np.dot(query[t, h].astype(np.float64), k))
@@ -101,6 +103,75 @@ def test_reference_attention_matches_numpy_loop(case: dict) -> None:
     )
     want = naive_attention(*(np.asarray(a) for a in batch.args), **kwargs, sinks=sinks)
     np.testing.assert_allclose(to_numpy(got), want, rtol=2e-5, atol=2e-6)
+
+
+# Prefix-LM spans (`key_ends`): a step of two sequences whose rows in a "span" see its last key.
+# Sequence 0: 12 queries at positions 4..15, span 6..11; sequence 1: a decode row, then a
+# prefill of 9 at 21..29 with spans 22..24 and 26..29.
+SPAN_CASES = [
+    {"heads": (4, 2)},
+    {"heads": (4, 2), "sliding_window": 3},  # window smaller than the spans: anchored at p
+    {"heads": (6, 3), "sliding_window": 9, "softcap": 3.0, "sinks": True},
+]
+
+
+@pytest.mark.parametrize(
+    "case", SPAN_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+)
+@pytest.mark.parametrize("impl", ["reference", "op"])
+def test_key_ends_let_span_rows_see_their_span(case: dict, impl: str) -> None:
+    from vllm_metal import ops
+
+    rng = np.random.default_rng(11)
+    num_heads, num_kv_heads = case["heads"]
+    batch = make_batch(
+        rng,
+        q_lens=[12, 1, 9],
+        ctx_lens=[16, 8, 30],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=64,
+        block_size=8,
+    )
+    key_ends = np.zeros(22, np.int32)  # 0: causal
+    key_ends[2:8] = 12  # positions 6..11 of sequence 0 (rows 0..11 sit at 4..15)
+    key_ends[14:17] = 25  # positions 22..24 of sequence 2 (rows 13..21 sit at 21..29)
+    key_ends[18:22] = 30  # positions 26..29
+    sinks = rng.standard_normal(num_heads).astype(np.float32) * 3 if case.get("sinks") else None
+    kwargs = {
+        "scale": 0.125,
+        "sliding_window": case.get("sliding_window"),
+        "softcap": case.get("softcap"),
+    }
+    run = reference.paged_attention if impl == "reference" else ops.paged_attention
+    got = run(
+        *batch.args, **kwargs, sinks=None if sinks is None else mx.array(sinks), key_ends=key_ends
+    )
+    arrays = [np.asarray(a) for a in batch.args]
+    want = naive_attention(*arrays, **kwargs, sinks=sinks, key_ends=key_ends)
+    np.testing.assert_allclose(to_numpy(got), want, rtol=2e-5, atol=2e-6)
+    causal = naive_attention(*arrays, **kwargs, sinks=sinks)
+    # The spans change exactly the rows that see ahead (not the last row of each span).
+    changed = np.abs(want - causal).max(axis=(1, 2)) > 1e-6
+    assert changed.nonzero()[0].tolist() == [2, 3, 4, 5, 6, 14, 15, 18, 19, 20]
+
+
+def test_key_ends_past_the_written_keys_are_refused() -> None:
+    from vllm_metal import ops
+
+    batch = make_batch(
+        np.random.default_rng(2),
+        q_lens=[3],
+        ctx_lens=[5],
+        num_heads=2,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=8,
+    )
+    with pytest.raises(ValueError, match=r"key_ends\[1\] = 6 exceeds seq_lens\[0\] = 5"):
+        ops.paged_attention(*batch.args, scale=0.125, key_ends=np.array([0, 6, 0]))
+    with pytest.raises(ValueError, match="key_ends must be a host array"):
+        ops.paged_attention(*batch.args, scale=0.125, key_ends=np.array([0, 1]))
 
 
 def test_reference_attention_bfloat16_rounds_like_numpy_on_rounded_inputs() -> None:

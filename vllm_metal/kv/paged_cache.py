@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from vllm_metal import ops
 from vllm_metal.kv.pool import KVPool
@@ -38,6 +39,9 @@ class StepMetadata:
     seq_lens: mx.array  # [S] int32, context length after this step
     cu_seqlens_q: mx.array  # [S+1] int32
     groups: list[GroupTables]
+    # [T] host ints: how far each token's attention reaches past its own position (the tokens
+    # of one image attend to each other in prefix-LM models); None: causal everywhere.
+    key_ends: np.ndarray | None = None
 
 
 class PagedLayerCache:
@@ -93,5 +97,6 @@ class PagedLayerCache:
             sliding_window=self.sliding_window,
             softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
+            key_ends=self.meta.key_ends,
         )
         return out.reshape(t, h, 1, d).astype(queries.dtype)

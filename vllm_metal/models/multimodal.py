@@ -35,6 +35,9 @@ class MultimodalAdapter(ModelAdapter):
     modalities: tuple[str, ...] = ("image",)
     # uses_mrope: the language model places tokens with M-RoPE, three position streams (time,
     # height, width) per token instead of one, from `mrope_positions`.
+    # The tokens of one media item attend to each other both ways (a prefix LM: vLLM's
+    # `is_mm_prefix_lm`), not only causally.
+    bidirectional_media = False
 
     @property
     def language_model(self) -> Any:

@@ -1,11 +1,13 @@
-"""The command line the tiny checkpoint writers share: `--out DIR [--dtype] [--seed]`, print the
-written directory."""
+"""What the tiny checkpoint writers share: the command line (`--out DIR [--dtype] [--seed]`, print
+the written directory) and writing the files of a checkpoint (`save_checkpoint`)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def write_checkpoint_main(
@@ -26,3 +28,22 @@ def write_checkpoint_main(
     args = parser.parse_args(argv)
     print(write(Path(args.out), dtype=args.dtype, seed=args.seed).resolve())
     return 0
+
+
+def save_checkpoint(
+    out_dir: str | Path, tensors: Mapping[str, Any], dtype: str, files: Mapping[str, Any]
+) -> Path:
+    """Write `tensors` (torch, cast to `dtype`) as model.safetensors and each of `files` (a JSON
+    value, or text) beside it; return the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {name: t.detach().to(torch_dtype).contiguous() for name, t in tensors.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name, content in files.items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=2) + "\n"
+        (out / name).write_text(text, encoding="utf-8")
+    return out

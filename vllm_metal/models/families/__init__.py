@@ -10,6 +10,7 @@ from vllm_metal.models.adapter import ModelAdapter
 # model_type -> module in this package defining `Adapter`
 FAMILIES = {
     "gemma2": "gemma2",
+    "gemma3": "gemma3",
     "gpt_oss": "gpt_oss",
     "idefics3": "idefics3",
     "mistral": "mistral",

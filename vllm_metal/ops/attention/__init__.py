@@ -29,6 +29,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> mx.array:
     """Varlen causal attention of packed queries ``[T, Hq, D]`` over paged K/V pools.
 
@@ -45,6 +46,12 @@ def paged_attention(
     sizes are multiples of ``ops.BLOCK_SIZE_MULTIPLE``. Any head size works: the Metal kernels
     are built for ``ops.HEAD_SIZES``, and on the GPU another size runs the reference (the C++ CPU
     body takes any size). Tokens outside every sequence get zeros.
+
+    ``key_ends`` (host ``[T]`` integers, optional) lets query rows see ahead of their position, as
+    a prefix-LM lets the tokens of one image attend to each other (Gemma 3): row ``i`` at
+    position ``p`` attends to ``max(0, p - sliding_window + 1) .. max(p, key_ends[i] - 1)``. Its
+    keys must be in the pools already (``key_ends[i] <= seq_lens[s]``). Rows it extends run
+    through the reference, the rest through the native op.
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     check_paged_attention(*arrays, scale, sliding_window, softcap, sinks)
@@ -52,7 +59,48 @@ def paged_attention(
         check_paged_attention_values(*arrays)
     impl = _backend.native_for(query.shape[2]) or reference
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
-    return impl.paged_attention(*arrays, scale=scale, **options)
+    out = impl.paged_attention(*arrays, scale=scale, **options)
+    if key_ends is None:
+        return out
+    ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
+    for s, rows, positions in ahead:
+        out[mx.array(rows)] = reference.attend_rows(
+            query[mx.array(rows)],
+            key_cache,
+            value_cache,
+            block_tables[s],
+            int(seq_lens[s].item()),
+            positions,
+            key_ends[rows],
+            scale=scale,
+            **options,
+        )
+    return out
+
+
+def _rows_seeing_ahead(
+    key_ends: object, cu_seqlens_q: mx.array, seq_lens: mx.array, num_tokens: int
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(sequence, packed rows, their positions) of the rows whose key end lies past their own
+    position; raises ValueError (naming ``key_ends``) when it is malformed."""
+    if not isinstance(key_ends, np.ndarray) or key_ends.shape != (num_tokens,):
+        v.fail(f"key_ends must be a host array of shape [num_tokens] = ({num_tokens},)")
+    if key_ends.dtype.kind not in "iu":
+        v.fail(f"key_ends must hold integers, got {key_ends.dtype}")
+    cu = np.asarray(cu_seqlens_q).astype(np.int64)
+    lens = np.asarray(seq_lens).astype(np.int64)
+    ahead = []
+    for s, seq_len in enumerate(lens.tolist()):
+        start, end = int(cu[s]), int(cu[s + 1])
+        positions = np.arange(seq_len - (end - start), seq_len)
+        ends = key_ends[start:end]
+        if (ends > seq_len).any():
+            i = start + int(np.argmax(ends > seq_len))
+            v.fail(f"key_ends[{i}] = {int(key_ends[i])} exceeds seq_lens[{s}] = {seq_len}")
+        seeing = np.nonzero(ends > positions + 1)[0]
+        if seeing.size:
+            ahead.append((s, start + seeing, positions[seeing]))
+    return ahead
 
 
 def check_paged_attention(

@@ -18,7 +18,10 @@ from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 
 def layer_caches(
-    pool: KVPool, packed: PackedBatch, windows: Sequence[int | None]
+    pool: KVPool,
+    packed: PackedBatch,
+    windows: Sequence[int | None],
+    key_ends: np.ndarray | None = None,
 ) -> list[PagedLayerCache]:
     meta = StepMetadata(
         positions=mx.array(packed.positions),
@@ -28,6 +31,7 @@ def layer_caches(
             GroupTables(block_tables=mx.array(t), slot_mapping=mx.array(s))
             for t, s in zip(packed.block_tables, packed.slot_mappings)
         ],
+        key_ends=key_ends,
     )
     layout = pool.layout
     return [
@@ -49,12 +53,14 @@ def hidden_states(
     packed: PackedBatch,
     mm_rows: TokenRows | None = None,
     mrope_positions: np.ndarray | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> mx.array:
     """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
     step's K/V into the pool; `mm_rows` (encoder outputs of images) replace the embeddings of
     their placeholder tokens. An M-RoPE model takes `mrope_positions` (`[3, T]`; without them
-    every token is text, at its index on all three streams). Lazy."""
-    caches = layer_caches(pool, packed, windows)
+    every token is text, at its index on all three streams); a prefix-LM model the `key_ends`
+    of its image tokens (`mm.spans`). Lazy."""
+    caches = layer_caches(pool, packed, windows, key_ends)
     embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
     if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches)
@@ -72,10 +78,11 @@ def forward(
     prompt_rows: Mapping[str, np.ndarray],
     mm_rows: TokenRows | None = None,
     mrope_positions: np.ndarray | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    hidden = hidden_states(adapter, pool, windows, packed, mm_rows, mrope_positions)
+    hidden = hidden_states(adapter, pool, windows, packed, mm_rows, mrope_positions, key_ends)
     return logits_of(adapter, hidden, packed, prompt_rows)
 
 

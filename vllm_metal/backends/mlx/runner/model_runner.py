@@ -28,6 +28,7 @@ from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
 from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.backends.mlx.runner.mm.profile import encoder_peak
+from vllm_metal.backends.mlx.runner.mm.spans import step_key_ends
 from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.sample import sample_step
@@ -265,15 +266,24 @@ class MLXModelRunner:
     ) -> tuple[mx.array, dict[str, mx.array]]:
         """The step's lazy logits (`forward.forward`), with the images this step reaches; the
         speech runner adds its encoder."""
-        mm_rows = positions = None
+        mm_rows = positions = key_ends = None
         if self.encoder_cache is not None:
             requests = self.states.requests
             self.encoder_cache.update(scheduler_output, requests, self.adapter)
             mm_rows = self.encoder_cache.step_rows(packed, requests)
             if self.adapter.uses_mrope:
                 positions = step_positions(packed, requests, self.adapter)
+            if self.adapter.bidirectional_media:
+                key_ends = step_key_ends(packed, requests)
         return forward(
-            self.adapter, self.kv_pool, self.windows, packed, prompt_rows, mm_rows, positions
+            self.adapter,
+            self.kv_pool,
+            self.windows,
+            packed,
+            prompt_rows,
+            mm_rows,
+            positions,
+            key_ends,
         )
 
     def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
