@@ -92,6 +92,14 @@ def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 3 checkpoint (`vllm_metal.testing.tiny_gemma3`), once per session."""
+    from vllm_metal.testing.tiny_gemma3 import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen2.5-VL checkpoint (`vllm_metal.testing.tiny_qwen2_5_vl`), once per
     session."""

@@ -1,7 +1,7 @@
-"""Multimodal checkpoints whose towers the MLX runner does not run, served as text models.
+"""How vLLM's multimodal front end and scheduler are set up for what the MLX runner encodes.
 
-A Mistral 3, Gemma 3 or Qwen-VL checkpoint carries a language model that mlx-lm loads by itself
-(its `mistral3`, `gemma3`, `qwen2_vl`, ... modules drop the vision weights). Until the runner runs
+A Mistral 3, Pixtral or Qwen2-VL checkpoint carries a language model that mlx-lm loads by itself
+(its `mistral3`, `pixtral`, `qwen2_vl`, ... modules drop the vision weights). Until the runner runs
 such a family's tower (`capabilities.VISION_LANGUAGE_MODEL_TYPES`), the platform serves the
 language model and sets vLLM's `language_model_only`: the front end then answers a request that
 carries an image, video or audio item with a 400 ("At most 0 image(s) may be provided in one
@@ -11,6 +11,10 @@ refused at startup by the `multimodal` capability row.
 A family whose towers run but encode only some modalities (Qwen2.5-VL: images, not video yet)
 gets a limit of 0 for the others, so vLLM's front end answers such a request with a 400 as well;
 asking for more with `--limit-mm-per-prompt` is refused at startup.
+
+In a prefix-LM family (Gemma 3: vLLM's `is_mm_prefix_lm`) the tokens of one image attend to each
+other both ways, so every token of an image must be in the step that attends over them: the
+scheduler is told not to cut an image across steps (`disable_chunked_mm_input`).
 """
 
 from __future__ import annotations
@@ -99,3 +103,19 @@ def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
                 f"yet, only {', '.join(encoded)}; remove {modality!r} from the limits"
             )
         mm.limit_per_prompt[modality] = options[modality](count=0)
+
+
+def keep_media_spans_whole(vllm_config: VllmConfig) -> None:
+    """Set vLLM's `disable_chunked_mm_input` for a prefix-LM model that takes media items."""
+    model = vllm_config.model_config
+    mm = None if model is None else model.multimodal_config
+    if mm is None or mm.language_model_only or not model.is_mm_prefix_lm:
+        return
+    scheduler = vllm_config.scheduler_config
+    if not scheduler.disable_chunked_mm_input:
+        scheduler.disable_chunked_mm_input = True
+        logger.info(
+            "model=%r attends over each image's tokens both ways: the scheduler keeps an image's "
+            "tokens in one step (disable_chunked_mm_input)",
+            model.model,
+        )

@@ -153,6 +153,7 @@ class MetalPlatform(Platform):
 
         mm_frontend.serve_language_model_only(vllm_config)
         mm_frontend.limit_to_encoded_modalities(vllm_config)
+        mm_frontend.keep_media_spans_whole(vllm_config)
         check_config(vllm_config)
         apply_config(vllm_config)
         from vllm_metal.kv.offload import config as kv_offload

@@ -71,7 +71,7 @@ def _multimodal_row(config) -> str | None:
     return row.requested(config) or None
 
 
-@pytest.mark.parametrize("model_type", ["mistral3", "gemma3", "qwen2_vl", "pixtral"])
+@pytest.mark.parametrize("model_type", ["mistral3", "qwen2_vl", "pixtral"])
 def test_a_tower_the_runner_lacks_is_served_text_only(model_type) -> None:
     from vllm_metal.mm_frontend import serve_language_model_only
 
@@ -89,7 +89,7 @@ def test_without_an_mlx_lm_text_model_the_checkpoint_is_refused() -> None:
     assert _multimodal_row(config) == "model='org/idefics2' (idefics2-arch, multimodal)"
 
 
-@pytest.mark.parametrize("model_type", ["idefics3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_family_whose_towers_run_keeps_its_images(model_type) -> None:
     from vllm_metal.mm_frontend import serve_language_model_only
 
@@ -115,3 +115,34 @@ def test_the_language_model_of_a_mistral3_checkpoint_matches_transformers(mistra
     with torch.no_grad():
         expected = hf.eval()(input_ids=torch.tensor([prompt])).logits[0].numpy()
     np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("prefix_lm", "language_model_only", "kept_whole"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["prefix-lm", "causal-lm", "prefix-lm-text-only"],
+)
+def test_a_prefix_lm_keeps_each_image_in_one_step(prefix_lm, language_model_only, kept_whole):
+    """Gemma 3's image tokens attend to each other both ways: the scheduler must not cut an image
+    across steps (`disable_chunked_mm_input`) unless images are not taken at all."""
+    from vllm_metal.mm_frontend import keep_media_spans_whole
+
+    config = _config("gemma3", language_model_only)
+    config.model_config.is_mm_prefix_lm = prefix_lm
+    config.scheduler_config = SimpleNamespace(disable_chunked_mm_input=False)
+    keep_media_spans_whole(config)
+    assert config.scheduler_config.disable_chunked_mm_input is kept_whole
+
+
+def test_vllm_counts_gemma3_as_a_prefix_lm() -> None:
+    """What `keep_media_spans_whole` reads: vLLM's own verdict on a Gemma 3 config."""
+    from transformers import Gemma3Config
+    from vllm.config import ModelConfig  # noqa: F401 (loads the convertor module in vLLM's order)
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        ModelArchConfigConvertorBase,
+    )
+
+    config = Gemma3Config()
+    convertor = ModelArchConfigConvertorBase(config, config.get_text_config())
+    assert convertor.is_mm_prefix_lm()
+    assert not convertor.is_mm_prefix_lm(supports_multimodal=False)

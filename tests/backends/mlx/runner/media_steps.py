@@ -1,0 +1,116 @@
+"""The runner's multimodal path driven as vLLM's scheduler drives it, for several requests at
+once and any vision-language adapter: each step packs every unfinished request's next prompt
+chunk (or one decode token), encodes the items the step first reaches, merges their rows, gives
+M-RoPE positions to M-RoPE models and key ends to prefix-LM models, and runs the paged forward
+with the adapter's own layer windows; greedy.
+
+`keep_items_whole` is vLLM's `disable_chunked_mm_input` rule (the platform sets it for prefix-LM
+models): a chunk that would start before an item and end inside it stops before the item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.backends.mlx.runner.batch import pack_batch
+from vllm_metal.backends.mlx.runner.forward import forward
+from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
+from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
+from vllm_metal.backends.mlx.runner.mm.spans import step_key_ends
+from vllm_metal.kv.pool import KVLayout, KVPool
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+BLOCK_SIZE = 16
+
+
+def _chunk(state: CachedRequestState, computed: int, chunk: int, keep_items_whole: bool) -> int:
+    n = min(chunk, len(state.prompt_token_ids) - computed)
+    if keep_items_whole:
+        for feature in state.mm_features:
+            start = feature.mm_position.offset
+            if computed < start < computed + n < start + feature.mm_position.length:
+                return start - computed
+    return n
+
+
+def run_greedy(
+    adapter,
+    states: Mapping[str, CachedRequestState],
+    *,
+    chunk: int,
+    new_tokens: int,
+    keep_items_whole: bool = False,
+    key_ends: bool = True,
+) -> dict[str, tuple[list[int], np.ndarray]]:
+    """Each request's `new_tokens` greedy tokens and the logits of its prompt's last token.
+    `key_ends=False` drops the prefix-LM key ends (every token causal), for negative controls."""
+    req_ids = list(states)
+    lengths = [len(states[r].prompt_token_ids) + new_tokens for r in req_ids]
+    blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+    table = np.zeros((len(req_ids), max(blocks)), dtype=np.int32)
+    for i, n in enumerate(blocks):
+        table[i, :n] = np.arange(sum(blocks[:i]), sum(blocks[: i + 1]))
+    attn = adapter.decoder.layers[0].self_attn
+    pool = KVPool(
+        KVLayout.single_group(adapter.num_layers, sum(blocks), BLOCK_SIZE),
+        attn.n_kv_heads,
+        attn.head_dim,
+        mx.float32,
+    )
+    tokens = {r: list(states[r].prompt_token_ids) for r in req_ids}
+    computed = dict.fromkeys(req_ids, 0)
+    new = {r: [] for r in req_ids}
+    first: dict[str, np.ndarray] = {}
+    windows = [kind.sliding_window for kind in adapter.layer_kinds()]
+    cache = EncoderCache()
+    while active := [r for r in req_ids if len(new[r]) < new_tokens]:
+        scheduled = {
+            r: _chunk(states[r], computed[r], chunk, keep_items_whole)
+            if computed[r] < len(states[r].prompt_token_ids)
+            else 1
+            for r in active
+        }
+        encode = {
+            r: [
+                k
+                for k, f in enumerate(states[r].mm_features)
+                if f.identifier not in cache.outputs
+                and f.mm_position.offset < computed[r] + scheduled[r]
+                and f.mm_position.offset + f.mm_position.length > computed[r]
+            ]
+            for r in active
+        }
+        step = SimpleNamespace(
+            free_encoder_mm_hashes=[],
+            scheduled_encoder_inputs={r: ks for r, ks in encode.items() if ks},
+        )
+        width = max(lengths)
+        packed = pack_batch(
+            active,
+            scheduled,
+            np.array([computed[r] for r in active]),
+            np.array([len(tokens[r]) for r in active]),
+            np.array([tokens[r] + [0] * (width - len(tokens[r])) for r in active]),
+            [table[[req_ids.index(r) for r in active]]],
+            [BLOCK_SIZE],
+        )
+        cache.update(step, states, adapter)
+        rows = cache.step_rows(packed, states)
+        positions = step_positions(packed, states, adapter) if adapter.uses_mrope else None
+        ends = step_key_ends(packed, states) if adapter.bidirectional_media and key_ends else None
+        logits, _ = forward(adapter, pool, windows, packed, {}, rows, positions, ends)
+        for i, r in enumerate(active):
+            computed[r] += scheduled[r]
+            if computed[r] < len(tokens[r]):
+                continue  # mid-prefill: the sampled token is discarded
+            first.setdefault(r, np.array(logits[i]))
+            tokens[r].append(int(mx.argmax(logits[i]).item()))
+            new[r].append(tokens[r][-1])
+    return {r: (new[r], first[r]) for r in req_ids}
