@@ -46,8 +46,8 @@ SPEECH_TO_TEXT_MODEL_TYPES = ("whisper",)
 VISION_LANGUAGE_MODALITIES: dict[str, tuple[str, ...]] = {
     "gemma3": ("image",),
     "idefics3": ("image",),
-    "qwen2_5_vl": ("image",),
-    "qwen3_vl": ("image",),
+    "qwen2_5_vl": ("image", "video"),
+    "qwen3_vl": ("image", "video"),
 }
 VISION_LANGUAGE_MODEL_TYPES = tuple(VISION_LANGUAGE_MODALITIES)
 

@@ -78,7 +78,8 @@ MODALITIES = ("image", "video", "audio")
 
 def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
     """Set vLLM's per-prompt limit to 0 for the modalities a served family's towers do not
-    encode; a limit above 0 asked for one of them is a MetalConfigError naming the flag."""
+    encode; a limit above 0 asked for one of them, or video token pruning, is a
+    MetalConfigError naming the flag."""
     from vllm.config.multimodal import (
         AudioDummyOptions,
         ImageDummyOptions,
@@ -90,6 +91,12 @@ def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
     model_type = None if model is None else getattr(model.hf_config, "model_type", None)
     if mm is None or model_type not in VISION_LANGUAGE_MODALITIES:
         return
+    if mm.video_pruning_rate:
+        raise MetalConfigError(
+            f"vllm-metal: --video-pruning-rate {mm.video_pruning_rate} is not supported for "
+            f"model={model.model!r} ({model_type}): the MLX runner places every video token; "
+            "remove --video-pruning-rate"
+        )
     encoded = VISION_LANGUAGE_MODALITIES[model_type]
     options = {"image": ImageDummyOptions, "video": VideoDummyOptions, "audio": AudioDummyOptions}
     for modality in MODALITIES:

@@ -72,3 +72,11 @@ def test_modalities_the_towers_do_not_encode_get_a_limit_of_zero(tiny_idefics3_d
         _engine_config(tiny_idefics3_dir, limit_mm_per_prompt={"image": 2, "video": 1})
     assert "--limit-mm-per-prompt video=1" in str(info.value)
     assert "idefics3" in str(info.value)
+
+
+def test_video_token_pruning_is_refused_by_name(tiny_idefics3_dir) -> None:
+    """Pruned videos have fewer placeholder tokens than their grids; the runner places them all."""
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_idefics3_dir, video_pruning_rate=0.5)
+    assert "--video-pruning-rate 0.5" in str(info.value)
+    assert "idefics3" in str(info.value)

@@ -88,5 +88,6 @@ class MultimodalAdapter(ModelAdapter):
         """For M-RoPE models: the three position streams of the prompt's tokens (`[3, L]`) and
         the offset of every later token (its position is its index plus the offset, on all three
         streams). `items`: (modality, tensors) of the prompt's media items in prompt order; only
-        their grid fields (`image_grid_thw`, ...) are read, which vLLM keeps for every item."""
+        their grid fields (`image_grid_thw`, `video_grid_thw`, ...) and a video's timing
+        (Qwen2.5-VL's `second_per_grid_ts`) are read, which vLLM keeps for every item."""
         raise NotImplementedError

@@ -451,44 +451,62 @@ def _qwen_vl(family: str, model_dir: str | Path) -> tuple[Any, Any, Any, list[in
 
 
 def _qwen_vl_inputs(
-    family: str, model_dir: str | Path, prompt: str, images: Sequence[Any]
+    family: str,
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    videos: Sequence[Any] = (),
 ) -> dict[str, Any]:
+    import re
+
     import torch
 
+    from vllm_metal.testing.qwen_vl_video import VIDEO_PAD, video_fields
+
     _, image_processor, tokenizer, _ = _qwen_vl(family, model_dir)
-    if prompt.count(_IMAGE_PAD) != len(images):
-        raise ValueError(
-            f"{prompt.count(_IMAGE_PAD)} {_IMAGE_PAD} in the prompt, {len(images)} images"
-        )
+    for pad, media, kind in ((_IMAGE_PAD, images, "images"), (VIDEO_PAD, videos, "videos")):
+        if prompt.count(pad) != len(media):
+            raise ValueError(f"{prompt.count(pad)} {pad} in the prompt, {len(media)} {kind}")
     inputs: dict[str, Any] = {}
-    text = prompt
+    expansions: dict[str, list[str]] = {_IMAGE_PAD: [], VIDEO_PAD: []}
     if images:
         pixels = image_processor(images=list(images), return_tensors="pt")
         inputs["pixel_values"] = pixels["pixel_values"].to(torch.float32)
         inputs["image_grid_thw"] = pixels["image_grid_thw"]
         merge = image_processor.merge_size**2
-        parts = text.split(_IMAGE_PAD)
-        counts = [int(grid.prod()) // merge for grid in inputs["image_grid_thw"]]
-        text = parts[0] + "".join(
-            _IMAGE_PAD * n + part for n, part in zip(counts, parts[1:], strict=True)
-        )
+        expansions[_IMAGE_PAD] = [
+            _IMAGE_PAD * (int(grid.prod()) // merge) for grid in inputs["image_grid_thw"]
+        ]
+    if videos:
+        fields, expansions[VIDEO_PAD] = video_fields(family, list(videos), image_processor)
+        inputs.update(fields)
+    queues = {pad: iter(texts) for pad, texts in expansions.items()}
+    pads = f"{re.escape(_IMAGE_PAD)}|{re.escape(VIDEO_PAD)}"
+    text = re.sub(pads, lambda match: next(queues[match.group(0)]), prompt)
     input_ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     image_pad_id = tokenizer.convert_tokens_to_ids(_IMAGE_PAD)
+    video_pad_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+    token_types = (input_ids == image_pad_id).to(torch.int32)
+    token_types += 2 * (input_ids == video_pad_id).to(torch.int32)
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
-        "mm_token_type_ids": (input_ids == image_pad_id).to(torch.int32),
+        "mm_token_type_ids": token_types,
         **inputs,
     }
 
 
 def _qwen_vl_logits(
-    family: str, model_dir: str | Path, prompt: str, images: Sequence[Any]
+    family: str,
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    videos: Sequence[Any] = (),
 ) -> np.ndarray:
     import torch
 
     model, _, _, _ = _qwen_vl(family, model_dir)
-    inputs = _qwen_vl_inputs(family, model_dir, prompt, images)
+    inputs = _qwen_vl_inputs(family, model_dir, prompt, images, videos)
     with torch.no_grad(), _one_torch_thread():
         logits = model(**inputs, use_cache=False).logits[0]
     # The forward keeps the prompt's rope deltas for decode steps; a later call on the cached
@@ -504,11 +522,12 @@ def _qwen_vl_generate(
     images: Sequence[Any],
     max_new_tokens: int,
     stop_at_eos: bool,
+    videos: Sequence[Any] = (),
 ) -> list[int]:
     import torch
 
     model, _, _, eos_ids = _qwen_vl(family, model_dir)
-    inputs = _qwen_vl_inputs(family, model_dir, prompt, images)
+    inputs = _qwen_vl_inputs(family, model_dir, prompt, images, videos)
     gen_config = _greedy_config(model, max_new_tokens)
     gen_config.eos_token_id = eos_ids if stop_at_eos else None
     with torch.no_grad(), _one_torch_thread():
@@ -533,7 +552,9 @@ def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
     return model, image_processor, tokenizer
 
 
-def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> dict[str, Any]:
+def qwen2_5_vl_inputs(
+    model_dir: str | Path, prompt: str, images: Sequence[Any], videos: Sequence[Any] = ()
+) -> dict[str, Any]:
     """The model inputs `Qwen2_5_VLProcessor` makes for one prompt with one `<|image_pad|>` per
     image (usually as ``<|vision_start|><|image_pad|><|vision_end|>``), as torch tensors:
 
@@ -544,8 +565,12 @@ def qwen2_5_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any])
       numbers every token as text;
     - with images, ``pixel_values`` ``[patches, 3*2*14*14]`` float32 (the images' patches one
       after the other, each image's ``t*h*w`` rows) and ``image_grid_thw`` ``[images, 3]``.
+
+    ``videos`` (`qwen_vl_video.Video`, one per `<|video_pad|>`) add ``pixel_values_videos``,
+    ``video_grid_thw`` and ``second_per_grid_ts``, with their tokens marked 2 in
+    ``mm_token_type_ids`` (built as `qwen_vl_video` describes).
     """
-    return _qwen_vl_inputs("qwen2_5_vl", model_dir, prompt, images)
+    return _qwen_vl_inputs("qwen2_5_vl", model_dir, prompt, images, videos)
 
 
 def qwen2_5_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
@@ -553,10 +578,12 @@ def qwen2_5_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[A
     return qwen2_5_vl_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
 
 
-def qwen2_5_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
+def qwen2_5_vl_logits(
+    model_dir: str | Path, prompt: str, images: Sequence[Any], videos: Sequence[Any] = ()
+) -> np.ndarray:
     """Float32 next-token logits ``[tokens, vocab]`` of one forward over the expanded prompt
     (no KV cache), with M-RoPE positions from the image grids."""
-    return _qwen_vl_logits("qwen2_5_vl", model_dir, prompt, images)
+    return _qwen_vl_logits("qwen2_5_vl", model_dir, prompt, images, videos)
 
 
 def qwen2_5_vl_generate(
@@ -566,6 +593,7 @@ def qwen2_5_vl_generate(
     max_new_tokens: int,
     *,
     stop_at_eos: bool = False,
+    videos: Sequence[Any] = (),
 ) -> list[int]:
     """Greedy new tokens from transformers float32 for one prompt with one `<|image_pad|>` per
     image.
@@ -575,7 +603,9 @@ def qwen2_5_vl_generate(
     with the end-of-sequence id (`<|im_end|>` or `<|endoftext|>`) when the model emits one, as
     vLLM's `token_ids` do.
     """
-    return _qwen_vl_generate("qwen2_5_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos)
+    return _qwen_vl_generate(
+        "qwen2_5_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos, videos
+    )
 
 
 def load_hf_qwen3_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
@@ -589,12 +619,15 @@ def load_hf_qwen3_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:
     return model, image_processor, tokenizer
 
 
-def qwen3_vl_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> dict[str, Any]:
+def qwen3_vl_inputs(
+    model_dir: str | Path, prompt: str, images: Sequence[Any], videos: Sequence[Any] = ()
+) -> dict[str, Any]:
     """The model inputs `Qwen3VLProcessor` makes for one prompt with one `<|image_pad|>` per image,
     as torch tensors: those of `qwen2_5_vl_inputs` (``mm_token_type_ids`` included, without which
     transformers 5 numbers image tokens as text), with ``pixel_values`` ``[patches, 3*2*16*16]``
-    (Qwen3-VL's 16x16 patches) and ``image_grid_thw`` ``[images, 3]``."""
-    return _qwen_vl_inputs("qwen3_vl", model_dir, prompt, images)
+    (Qwen3-VL's 16x16 patches) and ``image_grid_thw`` ``[images, 3]``; ``videos`` as there, each
+    `<|video_pad|>` written as one timestamped run per grid step (no ``second_per_grid_ts``)."""
+    return _qwen_vl_inputs("qwen3_vl", model_dir, prompt, images, videos)
 
 
 def qwen3_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> list[int]:
@@ -602,11 +635,13 @@ def qwen3_vl_prompt_ids(model_dir: str | Path, prompt: str, images: Sequence[Any
     return qwen3_vl_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
 
 
-def qwen3_vl_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
+def qwen3_vl_logits(
+    model_dir: str | Path, prompt: str, images: Sequence[Any], videos: Sequence[Any] = ()
+) -> np.ndarray:
     """Float32 next-token logits ``[tokens, vocab]`` of one forward over the expanded prompt
     (no KV cache), with interleaved M-RoPE positions from the image grids and the DeepStack
     features added after the first decoder layers."""
-    return _qwen_vl_logits("qwen3_vl", model_dir, prompt, images)
+    return _qwen_vl_logits("qwen3_vl", model_dir, prompt, images, videos)
 
 
 def qwen3_vl_generate(
@@ -616,7 +651,10 @@ def qwen3_vl_generate(
     max_new_tokens: int,
     *,
     stop_at_eos: bool = False,
+    videos: Sequence[Any] = (),
 ) -> list[int]:
     """Greedy new tokens from transformers float32 for one prompt with one `<|image_pad|>` per
     image; ``stop_at_eos`` as in `qwen2_5_vl_generate` (by default exactly ``max_new_tokens``)."""
-    return _qwen_vl_generate("qwen3_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos)
+    return _qwen_vl_generate(
+        "qwen3_vl", model_dir, prompt, images, max_new_tokens, stop_at_eos, videos
+    )

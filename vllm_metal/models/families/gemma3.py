@@ -41,6 +41,11 @@ class Adapter(MultimodalAdapter):
         self.model.vision_tower.vision_model.post_layernorm.eps = float(
             vision.get("layer_norm_eps", 1e-6)
         )
+        # Gemma 3 ties its head to the embeddings; mlx-vlm loads the head as a copy of them
+        # (a second vocabulary-sized matrix: 2.8 GB in bfloat16 for the 27B model).
+        text = config.get("text_config") or {}
+        if text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)):
+            self.language_model.pop("lm_head", None)
 
     @property
     def decoder(self) -> Any:

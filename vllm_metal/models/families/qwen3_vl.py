@@ -7,15 +7,24 @@ rows per `deepstack_visual_indexes` block; after decoder layer `i` the `i`-th se
 hidden states at the image's positions. The encoder cache keeps all of them side by side in one
 row per placeholder token (`[rows, hidden * (1 + levels)]`), so a chunk that cuts an image span
 gets the matching DeepStack rows with its embedding rows.
+
+A video's placeholder writes each grid step (two frames) as its own run,
+``<{seconds:.1f} seconds><|vision_start|>`` + `h*w / 4` `<|video_pad|>` + ``<|vision_end|>``,
+and only the `<|video_pad|>` tokens take rows (`is_embed`). Time is told by that text, not by
+the temporal stream: each run is placed as a one-step grid, like an image (transformers'
+`Qwen3VLModel.get_rope_index` splits `video_grid_thw` into `t` grids of one step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from vllm_metal.models.families import qwen2_5_vl
+from vllm_metal.models.families.qwen2_5_vl import Grid
 from vllm_metal.models.multimodal import TokenRows
 
 
@@ -47,3 +56,8 @@ class Adapter(qwen2_5_vl.Adapter):
     def _tower(self, pixels: mx.array, grids: mx.array) -> mx.array:
         main, deepstack = self.model.vision_tower(pixels, grids)
         return mx.concatenate([main, *deepstack], axis=-1)
+
+    def _runs(self, modality: str, tensors: Mapping[str, np.ndarray]) -> list[Grid]:
+        """One run per grid step: an image's one, a video's `t` (split by timestamp text)."""
+        t, h, w = qwen2_5_vl.grid_of(tensors, modality).tolist()
+        return [Grid(1, h, w)] * t

@@ -1,9 +1,10 @@
 """M-RoPE positions of a step's tokens, for the models that place tokens on three streams.
 
-A request's prompt positions depend on its images' grids and are computed once per prompt by the
-adapter (`MultimodalAdapter.mrope_positions`) and kept on vLLM's `CachedRequestState`
-(`mrope_positions`, `mrope_position_delta`, the fields vLLM's own runner uses). A token past the
-prompt (an output, a draft) sits at its index plus the request's offset on all three streams.
+A request's prompt positions depend on its media items' grids (and a video's timing) and are
+computed once per prompt by the adapter (`MultimodalAdapter.mrope_positions`) and kept on vLLM's
+`CachedRequestState` (`mrope_positions`, `mrope_position_delta`, the fields vLLM's own runner
+uses). A token past the prompt (an output, a draft) sits at its index plus the request's offset
+on all three streams.
 """
 
 from __future__ import annotations
