@@ -59,9 +59,7 @@ def gemma3_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> 
     if prompt.count(boi) != len(images):
         raise ValueError(f"{prompt.count(boi)} {boi} in the prompt, {len(images)} images")
     return dict(
-        processor(
-            text=[prompt], images=[list(images)] if images else None, return_tensors="pt"
-        )
+        processor(text=[prompt], images=[list(images)] if images else None, return_tensors="pt")
     )
 
 
