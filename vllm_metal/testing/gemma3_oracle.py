@@ -11,7 +11,7 @@ attends causally over images too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +50,16 @@ def _gemma3(model_dir: str | Path) -> tuple[Any, Any, list[int]]:
     return _load(str(path), (path / "config.json").stat().st_mtime_ns)
 
 
-def gemma3_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> dict[str, Any]:
+def gemma3_inputs(
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    processor_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The processor's model inputs for one prompt with one `<start_of_image>` per image:
     ``input_ids`` and ``token_type_ids`` ``[1, tokens]`` (each `<start_of_image>` expanded to the
-    image's full token sequence) and for images ``pixel_values`` ``[images, 3, S, S]``."""
+    image's full token sequence) and for images ``pixel_values`` ``[crops, 3, S, S]`` (one crop
+    per image unless ``processor_kwargs`` ask for pan-and-scan: ``do_pan_and_scan`` ...)."""
     _, processor, _ = _gemma3(model_dir)
     boi = processor.tokenizer.boi_token
     if prompt.count(boi) != len(images):
@@ -63,12 +69,17 @@ def gemma3_inputs(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> 
     )
 
 
-def gemma3_logits(model_dir: str | Path, prompt: str, images: Sequence[Any]) -> np.ndarray:
+def gemma3_logits(
+    model_dir: str | Path,
+    prompt: str,
+    images: Sequence[Any],
+    processor_kwargs: Mapping[str, Any] | None = None,
+) -> np.ndarray:
     """float32 logits of every prompt token (`[tokens, vocab]`)."""
     import torch
 
     model, _, _ = _gemma3(model_dir)
-    inputs = gemma3_inputs(model_dir, prompt, images)
+    inputs = gemma3_inputs(model_dir, prompt, images, processor_kwargs)
     with torch.no_grad(), _one_torch_thread():
         return model(**inputs, use_cache=False).logits[0].float().numpy()
 
@@ -78,6 +89,7 @@ def gemma3_generate(
     prompt: str,
     images: Sequence[Any],
     max_new_tokens: int,
+    processor_kwargs: Mapping[str, Any] | None = None,
     *,
     stop_at_eos: bool = False,
 ) -> list[int]:
@@ -86,7 +98,7 @@ def gemma3_generate(
     import torch
 
     model, _, eos_ids = _gemma3(model_dir)
-    inputs = gemma3_inputs(model_dir, prompt, images)
+    inputs = gemma3_inputs(model_dir, prompt, images, processor_kwargs)
     gen_config = _greedy_config(model, max_new_tokens)
     gen_config.eos_token_id = eos_ids if stop_at_eos else None
     with torch.no_grad(), _one_torch_thread():

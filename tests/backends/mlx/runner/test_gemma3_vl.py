@@ -32,14 +32,32 @@ from vllm_metal.testing.tiny_gemma3 import (
 
 NEW_TOKENS = 8
 TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-# case -> (prompt, image seeds)
+# case -> (prompt, image seeds); images are 64x64 unless the case is in WIDE
 CASES = {
     "one-image": (TURN.format("Look at this: <start_of_image>What is it?"), [0]),
     "other-image": (TURN.format("Look at this: <start_of_image>What is it?"), [2]),
     "two-images": (TURN.format("First <start_of_image> then <start_of_image>Same?"), [3, 4]),
     "image-first": (TURN.format("<start_of_image>Describe the picture in detail."), [5]),
+    "pan-and-scan": (TURN.format("See <start_of_image>What?"), [6]),
     "text-only": (TURN.format("What is the capital of Japan?"), []),
 }
+WIDE = {"pan-and-scan": (144, 48)}
+# Pan-and-scan (`--mm-processor-kwargs`): the wide image is the whole image plus three crops,
+# four runs of image tokens in one placeholder, each its own bidirectional span.
+PROCESSOR_KWARGS = {
+    "pan-and-scan": {
+        "do_pan_and_scan": True,
+        "pan_and_scan_min_crop_size": 16,
+        "pan_and_scan_max_num_crops": 4,
+        "pan_and_scan_min_ratio_to_activate": 1.2,
+    }
+}
+
+
+def _images(case: str) -> list:
+    return [tiny_image(seed, WIDE.get(case, (64, 64))) for seed in CASES[case][1]]
+
+
 # The markup vLLM's placeholder holds around the image tokens: "\n\n" (two tokens here) before
 # <start_of_image> and after <end_of_image>.
 NEWLINES = 2
@@ -66,21 +84,26 @@ def _request(model_dir, case: str):
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     prompt, seeds = CASES[case]
-    inputs = oracle.gemma3_inputs(model_dir, prompt, [tiny_image(s) for s in seeds])
+    inputs = oracle.gemma3_inputs(model_dir, prompt, _images(case), PROCESSOR_KWARGS.get(case))
     ids = inputs["input_ids"][0].numpy()
     features = []
     if seeds:
-        inputs["num_patches"] = torch.ones(len(seeds), dtype=torch.int64)  # no pan-and-scan
+        # Crops per image: one, or all of them for the single pan-and-scan image.
+        crops = [len(inputs["pixel_values"])] if case in PROCESSOR_KWARGS else [1] * len(seeds)
+        inputs["num_patches"] = torch.tensor(crops)
         fields = {
             "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", inputs["num_patches"]),
             "num_patches": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
         }
         items = MultiModalKwargsItems.from_hf_inputs(inputs, fields)["image"]
-        starts = np.flatnonzero(ids == BOI_TOKEN_ID) - NEWLINES
-        for k, (item, offset) in enumerate(zip(items, starts.tolist(), strict=True)):
-            length = NEWLINES + 1 + TOKENS_PER_IMAGE + 1 + NEWLINES
+        bois = iter(np.flatnonzero(ids == BOI_TOKEN_ID).tolist())
+        for k, (item, n) in enumerate(zip(items, crops, strict=True)):
+            runs = [next(bois) for _ in range(n)]
+            offset = runs[0] - NEWLINES
+            length = runs[-1] + 1 + TOKENS_PER_IMAGE + 1 + NEWLINES - offset
             span = ids[offset : offset + length]
             assert span[NEWLINES] == BOI_TOKEN_ID and span[-NEWLINES - 1] == EOI_TOKEN_ID
+            assert (span == IMAGE_TOKEN_ID).sum() == n * TOKENS_PER_IMAGE
             features.append(
                 MultiModalFeatureSpec(
                     data=item,
@@ -107,17 +130,17 @@ def _request(model_dir, case: str):
 
 
 def _expected(model_dir, case: str) -> tuple[list[int], np.ndarray]:
-    prompt, seeds = CASES[case]
-    images = [tiny_image(s) for s in seeds]
-    tokens = oracle.gemma3_generate(model_dir, prompt, images, NEW_TOKENS)
-    return tokens, oracle.gemma3_logits(model_dir, prompt, images)[-1]
+    prompt, _ = CASES[case]
+    images, kwargs = _images(case), PROCESSOR_KWARGS.get(case)
+    tokens = oracle.gemma3_generate(model_dir, prompt, images, NEW_TOKENS, kwargs)
+    return tokens, oracle.gemma3_logits(model_dir, prompt, images, kwargs)[-1]
 
 
 @pytest.mark.parametrize(
     "chunk", [512, 16], ids=["whole-prompts", "chunks-of-16-keeping-images-whole"]
 )
 def test_a_mixed_batch_matches_transformers(gemma3, chunk) -> None:
-    """All five prompts in one batch: each request's greedy tokens and last prompt logits equal
+    """All six prompts in one batch: each request's greedy tokens and last prompt logits equal
     transformers' for that prompt alone."""
     model_dir, adapter = gemma3
     states = {case: _request(model_dir, case) for case in CASES}
