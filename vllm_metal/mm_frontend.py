@@ -8,7 +8,7 @@ carries an image, video or audio item with a 400 ("At most 0 image(s) may be pro
 prompt"), before it reaches the engine. A multimodal checkpoint without such an mlx-lm module is
 refused at startup by the `multimodal` capability row.
 
-A family whose towers run but encode only some modalities (Qwen2.5-VL: images, not video yet)
+A family whose towers run but encode only some modalities (Idefics3, Gemma 3: images, not video)
 gets a limit of 0 for the others, so vLLM's front end answers such a request with a 400 as well;
 asking for more with `--limit-mm-per-prompt` is refused at startup.
 
