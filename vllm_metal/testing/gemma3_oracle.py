@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_metal.testing.oracles import _greedy_config, _one_torch_thread
+from vllm_metal.testing.oracles import _one_torch_thread, greedy_new_tokens
 
 
 @functools.lru_cache(maxsize=2)
@@ -95,15 +95,6 @@ def gemma3_generate(
 ) -> list[int]:
     """Greedy new tokens; by default exactly ``max_new_tokens`` (end-of-sequence ignored), with
     ``stop_at_eos`` ending with the end-of-sequence id when the model emits it."""
-    import torch
-
     model, _, eos_ids = _gemma3(model_dir)
     inputs = gemma3_inputs(model_dir, prompt, images, processor_kwargs)
-    gen_config = _greedy_config(model, max_new_tokens)
-    gen_config.eos_token_id = eos_ids if stop_at_eos else None
-    with torch.no_grad(), _one_torch_thread():
-        out = model.generate(**inputs, generation_config=gen_config)
-    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    if not stop_at_eos and len(new_tokens) != max_new_tokens:
-        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
-    return new_tokens
+    return greedy_new_tokens(model, inputs, max_new_tokens, eos_ids if stop_at_eos else None)

@@ -343,6 +343,23 @@ def whisper_generate(
     return results
 
 
+def greedy_new_tokens(
+    model: Any, inputs: dict[str, Any], max_new_tokens: int, eos_ids: list[int] | None
+) -> list[int]:
+    """A multimodal model's greedy new tokens for one prompt's processor `inputs`: exactly
+    ``max_new_tokens`` without ``eos_ids``, else up to and including the first of them."""
+    import torch
+
+    gen_config = _greedy_config(model, max_new_tokens)
+    gen_config.eos_token_id = eos_ids
+    with torch.no_grad(), _one_torch_thread():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    if eos_ids is None and len(new_tokens) != max_new_tokens:
+        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
+    return new_tokens
+
+
 @functools.lru_cache(maxsize=4)
 def _load_idefics3(model_dir: str, mtime_ns: int) -> tuple[Any, Any, list[int]]:
     import torch
@@ -404,18 +421,9 @@ def idefics3_generate(
     and ``temperature=0``): exactly ``max_new_tokens`` tokens. With ``stop_at_eos`` the list ends
     with the `<end_of_utterance>` id when the model emits it, as vLLM's `token_ids` do.
     """
-    import torch
-
     model, _, eos_ids = _idefics3(model_dir)
     inputs = idefics3_inputs(model_dir, prompt, images)
-    gen_config = _greedy_config(model, max_new_tokens)
-    gen_config.eos_token_id = eos_ids if stop_at_eos else None
-    with torch.no_grad(), _one_torch_thread():
-        out = model.generate(**inputs, generation_config=gen_config)
-    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    if not stop_at_eos and len(new_tokens) != max_new_tokens:
-        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
-    return new_tokens
+    return greedy_new_tokens(model, inputs, max_new_tokens, eos_ids if stop_at_eos else None)
 
 
 # The Qwen-VL families share everything here but the model class: the image processor (Qwen3-VL
@@ -524,18 +532,9 @@ def _qwen_vl_generate(
     stop_at_eos: bool,
     videos: Sequence[Any] = (),
 ) -> list[int]:
-    import torch
-
     model, _, _, eos_ids = _qwen_vl(family, model_dir)
     inputs = _qwen_vl_inputs(family, model_dir, prompt, images, videos)
-    gen_config = _greedy_config(model, max_new_tokens)
-    gen_config.eos_token_id = eos_ids if stop_at_eos else None
-    with torch.no_grad(), _one_torch_thread():
-        out = model.generate(**inputs, generation_config=gen_config)
-    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    if not stop_at_eos and len(new_tokens) != max_new_tokens:
-        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, not {max_new_tokens}")
-    return new_tokens
+    return greedy_new_tokens(model, inputs, max_new_tokens, eos_ids if stop_at_eos else None)
 
 
 def load_hf_qwen2_5_vl(model_dir: str | Path) -> tuple[Any, Any, Any]:

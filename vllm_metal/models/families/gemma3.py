@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.models.layers import FULL_ATTENTION, LayerKind
-from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
+from vllm_metal.models.multimodal import MultimodalAdapter
 
 
 class Adapter(MultimodalAdapter):
@@ -62,18 +62,6 @@ class Adapter(MultimodalAdapter):
         embeds = self.decoder.embed_tokens(token_ids)
         scale = mx.array(math.sqrt(self.decoder.config.hidden_size), dtype=embeds.dtype)
         return embeds * scale
-
-    def forward(
-        self,
-        input_embeds: mx.array,
-        caches: list[Any],
-        positions: mx.array | None = None,
-        rows: TokenRows | None = None,
-    ) -> mx.array:
-        h = input_embeds
-        for layer, cache in zip(self.decoder.layers, caches):
-            h = layer(h, None, cache)
-        return self.decoder.norm(h)
 
     def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
         if modality != "image":

@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 
 
+def request_state(req_id: str, prompt_token_ids: list[int], features: list) -> CachedRequestState:
+    """vLLM's runner-side view of a new request: its prompt and its `MultiModalFeatureSpec`s."""
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    return CachedRequestState(
+        req_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        mm_features=features,
+        sampling_params=None,
+        generator=None,
+        block_ids=([],),
+        num_computed_tokens=0,
+        output_token_ids=[],
+    )
+
+
 def _chunk(state: CachedRequestState, computed: int, chunk: int, keep_items_whole: bool) -> int:
     n = min(chunk, len(state.prompt_token_ids) - computed)
     if keep_items_whole:

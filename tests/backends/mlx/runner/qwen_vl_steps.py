@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from tests.backends.mlx.runner.media_steps import run_greedy
+from tests.backends.mlx.runner.media_steps import request_state, run_greedy
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -97,7 +97,6 @@ def cached_request(
         MultiModalKwargsItems,
         PlaceholderRange,
     )
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     ids = inputs["input_ids"][0].numpy()
     items = MultiModalKwargsItems.from_hf_inputs(inputs, _field_config(family.name, inputs))
@@ -117,16 +116,7 @@ def cached_request(
                 )
             )
     features.sort(key=lambda f: f.mm_position.offset)
-    return CachedRequestState(
-        req_id="r",
-        prompt_token_ids=ids.tolist(),
-        mm_features=features,
-        sampling_params=None,
-        generator=None,
-        block_ids=([],),
-        num_computed_tokens=0,
-        output_token_ids=[],
-    )
+    return request_state("r", ids.tolist(), features)
 
 
 def greedy(adapter, state, chunk: int) -> tuple[list[int], np.ndarray]:

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.backends.mlx.runner.media_steps import run_greedy
+from tests.backends.mlx.runner.media_steps import request_state, run_greedy
 from vllm_metal.testing import gemma3_oracle as oracle
 from vllm_metal.testing.tiny_gemma3 import (
     BOI_TOKEN_ID,
@@ -81,7 +81,6 @@ def _request(model_dir, case: str):
         MultiModalKwargsItems,
         PlaceholderRange,
     )
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     prompt, seeds = CASES[case]
     inputs = oracle.gemma3_inputs(model_dir, prompt, _images(case), PROCESSOR_KWARGS.get(case))
@@ -117,16 +116,7 @@ def _request(model_dir, case: str):
                     mm_hash=None,
                 )
             )
-    return CachedRequestState(
-        req_id=case,
-        prompt_token_ids=ids.tolist(),
-        mm_features=features,
-        sampling_params=None,
-        generator=None,
-        block_ids=([],),
-        num_computed_tokens=0,
-        output_token_ids=[],
-    )
+    return request_state(case, ids.tolist(), features)
 
 
 def _expected(model_dir, case: str) -> tuple[list[int], np.ndarray]:
