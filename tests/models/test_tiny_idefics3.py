@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.tiny_idefics3 import (
     END_OF_UTTERANCE_ID,
     IMAGE_SEQ_LEN,
@@ -100,7 +100,7 @@ def test_config_writes_rope_theta_for_mlx_vlm(tiny_idefics3_dir: Path) -> None:
 def test_processor_splits_a_64px_image_into_four_tiles_and_a_global_view(
     tiny_idefics3_dir: Path,
 ) -> None:
-    inputs = oracles.idefics3_inputs(tiny_idefics3_dir, ONE_IMAGE, [tiny_image(0)])
+    inputs = vision_oracles.idefics3_inputs(tiny_idefics3_dir, ONE_IMAGE, [tiny_image(0)])
     ids = inputs["input_ids"][0].tolist()
     assert tuple(inputs["pixel_values"].shape) == (1, 5, 3, 32, 32)
     assert tuple(inputs["pixel_attention_mask"].shape) == (1, 5, 32, 32)
@@ -108,7 +108,7 @@ def test_processor_splits_a_64px_image_into_four_tiles_and_a_global_view(
     tok = image_token_ids()
     fake, glob = tok["<fake_token_around_image>"], tok["<global-img>"]
     newline = ids[ids.index(tok["<row_2_col_1>"]) - 2]
-    assert oracles.load_hf_idefics3(tiny_idefics3_dir)[1].tokenizer.decode([newline]) == "\n"
+    assert vision_oracles.load_hf_idefics3(tiny_idefics3_dir)[1].tokenizer.decode([newline]) == "\n"
     tile = [IMAGE_TOKEN_ID] * IMAGE_SEQ_LEN
     expected = (
         [fake, tok["<row_1_col_1>"], *tile, fake, tok["<row_1_col_2>"], *tile, newline]
@@ -118,12 +118,14 @@ def test_processor_splits_a_64px_image_into_four_tiles_and_a_global_view(
     assert _image_span(ids) == expected
     assert len(expected) == prompt_tokens_per_image(2, 2) == 34
     # A tall image: 2 rows of 1 tile after resizing to longest edge 64.
-    tall = oracles.idefics3_prompt_ids(tiny_idefics3_dir, ONE_IMAGE, [tiny_image(1, (40, 100))])
+    tall = vision_oracles.idefics3_prompt_ids(
+        tiny_idefics3_dir, ONE_IMAGE, [tiny_image(1, (40, 100))]
+    )
     assert len(_image_span(tall)) == prompt_tokens_per_image(2, 1)
 
 
 def test_chat_template_writes_smolvlm_turns(tiny_idefics3_dir: Path) -> None:
-    _, processor = oracles.load_hf_idefics3(tiny_idefics3_dir)
+    _, processor = vision_oracles.load_hf_idefics3(tiny_idefics3_dir)
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
         {"role": "assistant", "content": "A red square."},
@@ -139,12 +141,14 @@ def test_chat_template_writes_smolvlm_turns(tiny_idefics3_dir: Path) -> None:
 
 def test_greedy_output_depends_on_the_image(tiny_idefics3_dir: Path) -> None:
     outputs = [
-        oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, [tiny_image(seed)], NEW_TOKENS)
+        vision_oracles.idefics3_generate(
+            tiny_idefics3_dir, ONE_IMAGE, [tiny_image(seed)], NEW_TOKENS
+        )
         for seed in range(4)
     ]
-    no_image = oracles.idefics3_generate(tiny_idefics3_dir, NO_IMAGE, [], NEW_TOKENS)
+    no_image = vision_oracles.idefics3_generate(tiny_idefics3_dir, NO_IMAGE, [], NEW_TOKENS)
     swapped = [
-        oracles.idefics3_generate(tiny_idefics3_dir, TWO_IMAGES, pair, NEW_TOKENS)
+        vision_oracles.idefics3_generate(tiny_idefics3_dir, TWO_IMAGES, pair, NEW_TOKENS)
         for pair in ([tiny_image(0), tiny_image(1)], [tiny_image(1), tiny_image(0)])
     ]
     distinct = {tuple(t) for t in [*outputs, no_image, *swapped]}
@@ -157,11 +161,13 @@ def test_greedy_output_depends_on_the_image(tiny_idefics3_dir: Path) -> None:
 
 def test_some_images_end_the_answer_early(tiny_idefics3_dir: Path) -> None:
     image = [tiny_image(3)]
-    full = oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, image, 32)
-    stopped = oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, image, 32, stop_at_eos=True)
+    full = vision_oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, image, 32)
+    stopped = vision_oracles.idefics3_generate(
+        tiny_idefics3_dir, ONE_IMAGE, image, 32, stop_at_eos=True
+    )
     assert len(full) == 32 and full.index(END_OF_UTTERANCE_ID) == 18
     assert stopped == full[:19]
-    runs_on = oracles.idefics3_generate(
+    runs_on = vision_oracles.idefics3_generate(
         tiny_idefics3_dir, ONE_IMAGE, [tiny_image(0)], 32, stop_at_eos=True
     )
     assert len(runs_on) == 32 and END_OF_UTTERANCE_ID not in runs_on
@@ -245,8 +251,8 @@ def test_mlx_vlm_agrees_with_transformers(
     # mlx-vlm reads `rope_theta` from text_config only (its default is 1e6).
     assert mlx_vlm_model.language_model.layers[0].self_attn.rope.base == 10000.0
     images = [tiny_image(5, size)]
-    inputs = oracles.idefics3_inputs(tiny_idefics3_dir, ONE_IMAGE, images)
-    expected = oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, images, NEW_TOKENS)
+    inputs = vision_oracles.idefics3_inputs(tiny_idefics3_dir, ONE_IMAGE, images)
+    expected = vision_oracles.idefics3_generate(tiny_idefics3_dir, ONE_IMAGE, images, NEW_TOKENS)
     assert _mlx_vlm_greedy(mlx_vlm_model, inputs, NEW_TOKENS) == expected
 
 
@@ -322,9 +328,9 @@ def test_vllm_cpu_backend_agrees_with_transformers(tiny_idefics3_dir: Path, tmp_
     chat["prompt"] = "<|im_start|>User:<image> What is this?<end_of_utterance>\nAssistant:"
     for case, out in zip([*cases, chat], got, strict=True):
         images = [tiny_image(seed, tuple(size)) for seed, size in case["images"]]
-        prompt_ids = oracles.idefics3_prompt_ids(tiny_idefics3_dir, case["prompt"], images)
+        prompt_ids = vision_oracles.idefics3_prompt_ids(tiny_idefics3_dir, case["prompt"], images)
         assert out["prompt_token_ids"] == prompt_ids, case
-        expected = oracles.idefics3_generate(
+        expected = vision_oracles.idefics3_generate(
             tiny_idefics3_dir,
             case["prompt"],
             images,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.tiny_qwen2_5_vl import (
     IM_END_ID,
     IMAGE_MARKUP,
@@ -126,7 +126,7 @@ def test_transformers_loads_every_weight_from_the_file(tiny_qwen2_5_vl_dir: Path
     import torch
     from safetensors.torch import load_file
 
-    model, _, _ = oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
+    model, _, _ = vision_oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
     stored = load_file(str(tiny_qwen2_5_vl_dir / "model.safetensors"))
     loaded = {
         name.replace("model.visual.", "visual.").replace("model.language_model.", "model."): p
@@ -151,7 +151,7 @@ def test_transformers_loads_every_weight_from_the_file(tiny_qwen2_5_vl_dir: Path
 def test_processor_patches_and_image_tokens(
     tiny_qwen2_5_vl_dir: Path, size: tuple[int, int], grid: tuple[int, int, int]
 ) -> None:
-    inputs = oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0, size)])
+    inputs = vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0, size)])
     t, h, w = grid
     assert image_grid_thw(*size) == grid and image_token_count(*size) == t * h * w // 4
     assert inputs["image_grid_thw"].tolist() == [list(grid)]
@@ -167,16 +167,16 @@ def test_processor_patches_and_image_tokens(
 
 def test_two_images_concatenate_their_patches(tiny_qwen2_5_vl_dir: Path) -> None:
     images = [tiny_image(1, (112, 112)), tiny_image(2, (84, 56))]
-    inputs = oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images)
+    inputs = vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images)
     assert inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 4, 6]]
     assert tuple(inputs["pixel_values"].shape) == (64 + 24, 1176)
     assert inputs["input_ids"][0].tolist().count(IMAGE_PAD_ID) == 16 + 6
     with pytest.raises(ValueError, match=re.escape("2 <|image_pad|> in the prompt, 1 images")):
-        oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images[:1])
+        vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images[:1])
 
 
 def test_chat_template_writes_qwen_vl_markup(tiny_qwen2_5_vl_dir: Path) -> None:
-    _, _, tokenizer = oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
+    _, _, tokenizer = vision_oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},
         {"role": "assistant", "content": "A red square."},
@@ -192,13 +192,15 @@ def test_chat_template_writes_qwen_vl_markup(tiny_qwen2_5_vl_dir: Path) -> None:
 
 def test_greedy_output_depends_on_the_image(tiny_qwen2_5_vl_dir: Path) -> None:
     outputs = [
-        oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(s)], NEW_TOKENS)
+        vision_oracles.qwen2_5_vl_generate(
+            tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(s)], NEW_TOKENS
+        )
         for s in range(4)
     ]
-    no_image = oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, NO_IMAGE, [], NEW_TOKENS)
+    no_image = vision_oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, NO_IMAGE, [], NEW_TOKENS)
     pair = [tiny_image(0), tiny_image(1, (84, 56))]
     swapped = [
-        oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
+        vision_oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
         for images in (pair, pair[::-1])
     ]
     everything = [*outputs, no_image, *swapped]
@@ -213,8 +215,8 @@ def test_image_positions_use_m_rope(tiny_qwen2_5_vl_dir: Path) -> None:
     # Without mm_token_type_ids transformers 5 numbers image tokens as text: other logits.
     import torch
 
-    model, _, _ = oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
-    inputs = oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0)])
+    model, _, _ = vision_oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
+    inputs = vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0)])
     positions, _ = model.model.get_rope_index(**inputs)
     ids = inputs["input_ids"][0].tolist()
     start = ids.index(IMAGE_PAD_ID)  # 2x2 merged tokens at (t, row, column) + start
@@ -224,7 +226,7 @@ def test_image_positions_use_m_rope(tiny_qwen2_5_vl_dir: Path) -> None:
         [start, start + 1, start, start + 1],
     ]
     assert positions[0, 0, start + 5].item() == start + 3  # after <|vision_end|> at start + 2
-    with_m_rope = oracles.qwen2_5_vl_logits(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0)])
+    with_m_rope = vision_oracles.qwen2_5_vl_logits(tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(0)])
     text_positions = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
     with torch.no_grad():
         plain = model(**text_positions, use_cache=False).logits[0].numpy()
@@ -234,13 +236,13 @@ def test_image_positions_use_m_rope(tiny_qwen2_5_vl_dir: Path) -> None:
 
 def test_some_images_end_the_answer_early(tiny_qwen2_5_vl_dir: Path) -> None:
     image = [tiny_image(6)]
-    full = oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, ONE_IMAGE, image, 32)
-    stopped = oracles.qwen2_5_vl_generate(
+    full = vision_oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, ONE_IMAGE, image, 32)
+    stopped = vision_oracles.qwen2_5_vl_generate(
         tiny_qwen2_5_vl_dir, ONE_IMAGE, image, 32, stop_at_eos=True
     )
     assert len(full) == 32 and full.index(IM_END_ID) == 10
     assert stopped == full[:11]
-    runs_on = oracles.qwen2_5_vl_generate(
+    runs_on = vision_oracles.qwen2_5_vl_generate(
         tiny_qwen2_5_vl_dir, ONE_IMAGE, [tiny_image(1)], 32, stop_at_eos=True
     )
     assert len(runs_on) == 32 and IM_END_ID not in runs_on
@@ -346,7 +348,7 @@ def test_mlx_vlm_cuts_the_same_attention_windows(
     import torch
     from transformers.vision_utils import get_vision_window_index
 
-    visual = oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)[0].model.visual
+    visual = vision_oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)[0].model.visual
     order, ends = get_vision_window_index(
         torch.tensor([grid]),
         spatial_merge_size=visual.spatial_merge_size,
@@ -377,13 +379,13 @@ def test_mlx_vlm_forward_gives_transformers_logits(
     images: list[tuple[int, tuple[int, int]]],
 ) -> None:
     pictures = [tiny_image(seed, size) for seed, size in images]
-    inputs = oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, prompt, pictures)
+    inputs = vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, prompt, pictures)
     logits, positions = _mlx_vlm_logits(mlx_vlm_model, inputs)
     if images:
-        hf_model, _, _ = oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
+        hf_model, _, _ = vision_oracles.load_hf_qwen2_5_vl(tiny_qwen2_5_vl_dir)
         hf_positions, _ = hf_model.model.get_rope_index(**inputs)
         assert np.array_equal(positions, hf_positions.numpy())
-    expected = oracles.qwen2_5_vl_logits(tiny_qwen2_5_vl_dir, prompt, pictures)
+    expected = vision_oracles.qwen2_5_vl_logits(tiny_qwen2_5_vl_dir, prompt, pictures)
     assert logits.shape == expected.shape == (inputs["input_ids"].shape[1], VOCAB_SIZE)
     # float32 rounding: transformers' own float32 logits differ from float64 by ~2e-5 here.
     assert np.abs(logits - expected).max() < 1e-4
@@ -396,7 +398,7 @@ def test_mlx_vlm_greedy_agrees_with_transformers(
     from mlx_vlm.generate.ar import generate_step
 
     images = [tiny_image(1, (112, 112)), tiny_image(2, (84, 56))]
-    inputs = oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images)
+    inputs = vision_oracles.qwen2_5_vl_inputs(tiny_qwen2_5_vl_dir, TWO_IMAGES, images)
     arrays = _mlx_arrays(inputs)
     steps = generate_step(
         arrays.pop("input_ids"),
@@ -408,5 +410,7 @@ def test_mlx_vlm_greedy_agrees_with_transformers(
         **arrays,
     )
     tokens = [int(token) for token, _ in steps]
-    expected = oracles.qwen2_5_vl_generate(tiny_qwen2_5_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
+    expected = vision_oracles.qwen2_5_vl_generate(
+        tiny_qwen2_5_vl_dir, TWO_IMAGES, images, NEW_TOKENS
+    )
     assert tokens == expected

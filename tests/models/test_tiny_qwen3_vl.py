@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.tiny_qwen3_vl import (
     IM_END_ID,
     IMAGE_MARKUP,
@@ -153,7 +153,7 @@ def test_transformers_loads_every_weight_from_the_file(tiny_qwen3_vl_dir: Path) 
     import torch
     from safetensors.torch import load_file
 
-    model, _, _ = oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
+    model, _, _ = vision_oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
     stored = load_file(str(tiny_qwen3_vl_dir / "model.safetensors"))
     loaded = dict(model.named_parameters())
     assert loaded.keys() == stored.keys()
@@ -175,7 +175,7 @@ def test_transformers_loads_every_weight_from_the_file(tiny_qwen3_vl_dir: Path) 
 def test_processor_patches_and_image_tokens(
     tiny_qwen3_vl_dir: Path, size: tuple[int, int], grid: tuple[int, int, int]
 ) -> None:
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(0, size)])
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(0, size)])
     t, h, w = grid
     assert image_grid_thw(*size) == grid and image_token_count(*size) == t * h * w // 4
     assert inputs["image_grid_thw"].tolist() == [list(grid)]
@@ -191,23 +191,23 @@ def test_processor_patches_and_image_tokens(
 
 def test_two_images_concatenate_their_patches(tiny_qwen3_vl_dir: Path) -> None:
     images = [tiny_image(1, (128, 128)), tiny_image(2, (96, 64))]
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
     assert inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 4, 6]]
     assert tuple(inputs["pixel_values"].shape) == (64 + 24, 1536)
     assert inputs["input_ids"][0].tolist().count(IMAGE_PAD_ID) == 16 + 6
     with pytest.raises(ValueError, match=re.escape("2 <|image_pad|> in the prompt, 1 images")):
-        oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images[:1])
+        vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images[:1])
 
 
 def test_greedy_output_depends_on_the_image(tiny_qwen3_vl_dir: Path) -> None:
     outputs = [
-        oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(s)], NEW_TOKENS)
+        vision_oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(s)], NEW_TOKENS)
         for s in range(4)
     ]
-    no_image = oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, NO_IMAGE, [], NEW_TOKENS)
+    no_image = vision_oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, NO_IMAGE, [], NEW_TOKENS)
     pair = [tiny_image(0), tiny_image(1, (96, 64))]
     swapped = [
-        oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
+        vision_oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
         for images in (pair, pair[::-1])
     ]
     everything = [*outputs, no_image, *swapped]
@@ -220,11 +220,13 @@ def test_greedy_output_depends_on_the_image(tiny_qwen3_vl_dir: Path) -> None:
 
 def test_some_images_end_the_answer_early(tiny_qwen3_vl_dir: Path) -> None:
     image = [tiny_image(2)]
-    full = oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, ONE_IMAGE, image, 32)
-    stopped = oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, ONE_IMAGE, image, 32, stop_at_eos=True)
+    full = vision_oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, ONE_IMAGE, image, 32)
+    stopped = vision_oracles.qwen3_vl_generate(
+        tiny_qwen3_vl_dir, ONE_IMAGE, image, 32, stop_at_eos=True
+    )
     assert len(full) == 32 and full.index(IM_END_ID) == 11
     assert stopped == full[:12]
-    runs_on = oracles.qwen3_vl_generate(
+    runs_on = vision_oracles.qwen3_vl_generate(
         tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(0)], 32, stop_at_eos=True
     )
     assert len(runs_on) == 32 and IM_END_ID not in runs_on
@@ -233,8 +235,8 @@ def test_some_images_end_the_answer_early(tiny_qwen3_vl_dir: Path) -> None:
 def test_image_positions_use_interleaved_m_rope(tiny_qwen3_vl_dir: Path) -> None:
     import torch
 
-    model, _, _ = oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(0)])
+    model, _, _ = vision_oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, ONE_IMAGE, [tiny_image(0)])
     positions, deltas = model.model.get_rope_index(**inputs)
     ids = inputs["input_ids"][0].tolist()
     start = ids.index(IMAGE_PAD_ID)  # 2x2 merged tokens at (t, row, column) + start
@@ -365,12 +367,12 @@ def test_mlx_vlm_forward_gives_transformers_logits(
     images: list[tuple[int, tuple[int, int]]],
 ) -> None:
     pictures = [tiny_image(seed, size) for seed, size in images]
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, prompt, pictures)
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, prompt, pictures)
     logits, features = _mlx_vlm_logits(mlx_vlm_model, inputs)
     positions = np.array(features.position_ids)
     tokens = inputs["input_ids"].shape[1]
     if images:
-        hf_model, _, _ = oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
+        hf_model, _, _ = vision_oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
         hf_positions, hf_deltas = hf_model.model.get_rope_index(**inputs)
         assert np.array_equal(positions, hf_positions.numpy())  # [3, 1, tokens]
         assert np.array(features.rope_deltas).tolist() == hf_deltas.tolist()
@@ -379,7 +381,7 @@ def test_mlx_vlm_forward_gives_transformers_logits(
         # to all three axes.
         assert positions.tolist() == [list(range(tokens))]
         assert features.deepstack_visual_embeds is None
-    expected = oracles.qwen3_vl_logits(tiny_qwen3_vl_dir, prompt, pictures)
+    expected = vision_oracles.qwen3_vl_logits(tiny_qwen3_vl_dir, prompt, pictures)
     assert logits.shape == expected.shape == (tokens, VOCAB_SIZE)
     assert np.abs(logits - expected).max() < 1e-4
 
@@ -391,7 +393,7 @@ def test_deepstack_reaches_decoder_layers_0_and_1(
     import torch
 
     images = [tiny_image(1, (128, 128)), tiny_image(2, (96, 64))]
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
     logits, features = _mlx_vlm_logits(mlx_vlm_model, inputs)
     # One [image tokens, text width] array per level, the images' tokens one after the other.
     assert [tuple(level.shape) for level in features.deepstack_visual_embeds] == [(22, 256)] * 2
@@ -429,13 +431,13 @@ def test_deepstack_reaches_decoder_layers_0_and_1(
         other, _ = _mlx_vlm_logits(mlx_vlm_model, inputs, zero_levels)
         assert np.abs(other - logits)[first:].max() > 0.1, zero_levels
     mlx_without, _ = _mlx_vlm_logits(mlx_vlm_model, inputs, [0, 1])
-    hf_model, _, _ = oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
+    hf_model, _, _ = vision_oracles.load_hf_qwen3_vl(tiny_qwen3_vl_dir)
     hooks = [
         merger.register_forward_hook(lambda _module, _args, output: torch.zeros_like(output))
         for merger in hf_model.model.visual.deepstack_merger_list
     ]
     try:
-        hf_without = oracles.qwen3_vl_logits(tiny_qwen3_vl_dir, TWO_IMAGES, images)
+        hf_without = vision_oracles.qwen3_vl_logits(tiny_qwen3_vl_dir, TWO_IMAGES, images)
     finally:
         for hook in hooks:
             hook.remove()
@@ -451,7 +453,7 @@ def test_mlx_vlm_greedy_agrees_with_transformers(
     from mlx_vlm.generate.ar import generate_step
 
     images = [tiny_image(1, (128, 128)), tiny_image(2, (96, 64))]
-    inputs = oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
+    inputs = vision_oracles.qwen3_vl_inputs(tiny_qwen3_vl_dir, TWO_IMAGES, images)
     arrays = _mlx_arrays(inputs)
     steps = generate_step(
         arrays.pop("input_ids"),
@@ -463,5 +465,5 @@ def test_mlx_vlm_greedy_agrees_with_transformers(
         **arrays,
     )
     tokens = [int(token) for token, _ in steps]
-    expected = oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
+    expected = vision_oracles.qwen3_vl_generate(tiny_qwen3_vl_dir, TWO_IMAGES, images, NEW_TOKENS)
     assert tokens == expected

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_metal.models import load_model
-from vllm_metal.testing.oracles import load_hf_idefics3
+from vllm_metal.testing.vision_oracles import load_hf_idefics3
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from vllm_metal.testing.oracles import idefics3_generate, idefics3_prompt_ids
 from vllm_metal.testing.tiny_idefics3 import IMAGE_TOKEN_ID, tiny_image
+from vllm_metal.testing.vision_oracles import idefics3_generate, idefics3_prompt_ids
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 

@@ -1,4 +1,4 @@
-"""Videos for the Qwen-VL oracles (`oracles.qwen2_5_vl_inputs`, `oracles.qwen3_vl_inputs`):
+"""Videos for the Qwen-VL oracles (`vision_oracles.qwen2_5_vl_inputs`, `vision_oracles.qwen3_vl_inputs`):
 the tensors and the prompt text the Qwen-VL video processors and processors make, built without
 them (both video processors need torchvision, which must stay absent here).
 

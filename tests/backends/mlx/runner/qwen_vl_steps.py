@@ -7,7 +7,7 @@ load beside torch 2.13.0+cpu), so each item is built with vLLM's own
 `MultiModalKwargsItems.from_hf_inputs` and the field layout of vLLM's Qwen2-VL processor
 (`_qwen2vl_field_config`: `pixel_values` flat by `image_grid_thw.prod()`, `pixel_values_videos`
 flat by `video_grid_thw.prod()`, grids kept on the host; Qwen2.5-VL adds `second_per_grid_ts`),
-from the oracle's processor outputs (`oracles.qwen2_5_vl_inputs`, `oracles.qwen3_vl_inputs`).
+from the oracle's processor outputs (`vision_oracles.qwen2_5_vl_inputs`, `vision_oracles.qwen3_vl_inputs`).
 An item's placeholder is where vLLM's prompt update puts it: the run of its `<|image_pad|>` or
 `<|video_pad|>` tokens, except for a Qwen3-VL video, whose placeholder spans all its timestamped
 runs with `is_embed` set on the `<|video_pad|>` tokens.

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.media_steps import request_state, run_greedy
-from vllm_metal.testing import gemma3_oracle as oracle
+from vllm_metal.testing import vision_oracles as oracle
 from vllm_metal.testing.tiny_gemma3 import (
     BOI_TOKEN_ID,
     EOI_TOKEN_ID,

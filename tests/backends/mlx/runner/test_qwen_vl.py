@@ -23,7 +23,7 @@ from tests.backends.mlx.runner.qwen_vl_steps import (
     greedy,
     load_family,
 )
-from vllm_metal.testing import oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.tiny_idefics3 import tiny_image
 
 ONE_IMAGE = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
@@ -61,7 +61,7 @@ def _pictures(family, images) -> list:
 
 def _request(family, prompt: str, images: list):
     """vLLM's view of the prompt: its token ids and one `MultiModalFeatureSpec` per image."""
-    inputs = getattr(oracles, f"{family.name}_inputs")(
+    inputs = getattr(vision_oracles, f"{family.name}_inputs")(
         family.dir, prompt, _pictures(family, images)
     )
     return cached_request(family, inputs, {"image": [f"image-{image}" for image in images]})
@@ -73,8 +73,10 @@ def test_greedy_tokens_match_transformers(family, case, chunk) -> None:
     prompt, images = CASES[case]
     state = _request(family, prompt, images)
     pictures = _pictures(family, images)
-    expected = getattr(oracles, f"{family.name}_generate")(family.dir, prompt, pictures, NEW_TOKENS)
-    expected_logits = getattr(oracles, f"{family.name}_logits")(family.dir, prompt, pictures)
+    expected = getattr(vision_oracles, f"{family.name}_generate")(
+        family.dir, prompt, pictures, NEW_TOKENS
+    )
+    expected_logits = getattr(vision_oracles, f"{family.name}_logits")(family.dir, prompt, pictures)
     tokens, logits = greedy(family.adapter, state, chunk)
     assert tokens == expected
     np.testing.assert_allclose(logits, np.asarray(expected_logits)[-1], rtol=1e-4, atol=1e-4)

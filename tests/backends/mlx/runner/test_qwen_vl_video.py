@@ -28,7 +28,7 @@ from tests.backends.mlx.runner.qwen_vl_steps import (
     load_family,
 )
 from vllm_metal.backends.mlx.runner.mm.embeddings import item_tensors
-from vllm_metal.testing import oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.qwen_vl_video import Video
 from vllm_metal.testing.tiny_idefics3 import tiny_image
 
@@ -55,7 +55,7 @@ CASES = {
 def family(request) -> SimpleNamespace:
     loaded = load_family(request, request.param)
     loaded.sizes = SIZES[request.param]
-    loaded.inputs = getattr(oracles, f"{request.param}_inputs")
+    loaded.inputs = getattr(vision_oracles, f"{request.param}_inputs")
     return loaded
 
 
@@ -78,7 +78,7 @@ def _request(family, case: str):
 
 def _hf_positions(family, case: str) -> tuple[np.ndarray, int]:
     """transformers' M-RoPE positions (`[3, L]`) and later-token offset of the case's prompt."""
-    model = getattr(oracles, f"load_hf_{family.name}")(family.dir)[0]
+    model = getattr(vision_oracles, f"load_hf_{family.name}")(family.dir)[0]
     inputs = family.inputs(family.dir, CASES[case][0], *_media(family, case))
     keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
     positions, delta = model.model.get_rope_index(
@@ -106,9 +106,9 @@ def test_greedy_tokens_match_transformers(family, case, chunk) -> None:
         assert any(video.offset < k < video.offset + video.length for k in range(0, 512, chunk))
     prompt = CASES[case][0]
     pictures, clips = _media(family, case)
-    generate = getattr(oracles, f"{family.name}_generate")
+    generate = getattr(vision_oracles, f"{family.name}_generate")
     expected = generate(family.dir, prompt, pictures, NEW_TOKENS, videos=clips)
-    logits = getattr(oracles, f"{family.name}_logits")(family.dir, prompt, pictures, clips)
+    logits = getattr(vision_oracles, f"{family.name}_logits")(family.dir, prompt, pictures, clips)
     tokens, first = greedy(family.adapter, state, chunk)
     assert tokens == expected
     np.testing.assert_allclose(first, logits[-1], rtol=1e-4, atol=1e-4)

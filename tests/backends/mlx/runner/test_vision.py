@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job
-from vllm_metal.testing.oracles import idefics3_generate, idefics3_prompt_ids
 from vllm_metal.testing.tiny_idefics3 import tiny_image
+from vllm_metal.testing.vision_oracles import idefics3_generate, idefics3_prompt_ids
 
 pytestmark = pytest.mark.slow
 

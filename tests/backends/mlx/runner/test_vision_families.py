@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job
-from vllm_metal.testing import gemma3_oracle, oracles
+from vllm_metal.testing import vision_oracles
 from vllm_metal.testing.tiny_idefics3 import tiny_image
 
 MAX_TOKENS = 8
@@ -26,10 +26,10 @@ FAMILIES = {
         "tiny_gemma3_dir",
         "<start_of_image>",
         (64, 64),
-        gemma3_oracle.gemma3_generate,
+        vision_oracles.gemma3_generate,
     ),
-    "qwen2_5_vl": ("tiny_qwen2_5_vl_dir", QWEN_IMAGE, (56, 56), oracles.qwen2_5_vl_generate),
-    "qwen3_vl": ("tiny_qwen3_vl_dir", QWEN_IMAGE, (64, 64), oracles.qwen3_vl_generate),
+    "qwen2_5_vl": ("tiny_qwen2_5_vl_dir", QWEN_IMAGE, (56, 56), vision_oracles.qwen2_5_vl_generate),
+    "qwen3_vl": ("tiny_qwen3_vl_dir", QWEN_IMAGE, (64, 64), vision_oracles.qwen3_vl_generate),
 }
 
 
