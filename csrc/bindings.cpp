@@ -23,6 +23,10 @@
 #include "ops/attention/plan.h"
 #include "ops/cache/op.h"
 #include "ops/cache/plan.h"
+#include "ops/gated_delta/op.h"
+#include "ops/gated_delta/plan.h"
+#include "ops/short_conv/op.h"
+#include "ops/short_conv/plan.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -60,6 +64,9 @@ nb::dict constants() {
   VM_NUMBER_(NAX_KEYS)
   VM_NUMBER_(NAX_THREADS)
   VM_NUMBER_(CACHE_MAX_THREADS)
+  VM_NUMBER_(GATED_DELTA_ROWS)
+  VM_NUMBER_(GATED_DELTA_MAX_KEY_DIM)
+  VM_NUMBER_(SHORT_CONV_MAX_THREADS)
   VM_NUMBER_(PARTITION_SIZE)
   VM_NUMBER_(PARTITION_ALIGN)
   VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
@@ -81,6 +88,16 @@ nb::dict constants() {
 }
 
 std::vector<int> triple(const int (&v)[3]) { return {v[0], v[1], v[2]}; }
+
+// A one-kernel launch (gated_delta_rule, causal_conv1d) as a dict.
+template <typename Launch>
+nb::dict simple_launch(const Launch& l) {
+  nb::dict d;
+  d["kernel"] = l.kernel;
+  d["threads"] = l.threads;
+  d["grid"] = triple(l.grid);
+  return d;
+}
 
 nb::dict launch_to_dict(const vm::AttentionLaunch& l) {
   nb::dict d;
@@ -126,7 +143,9 @@ nb::dict plan_paged_attention(const std::string& dtype, int num_q_heads, int num
 
 NB_MODULE(_C, m) {
   namespace mx = mlx::core;
-  m.doc() = "Native ops of vllm-metal (MLX primitives): paged KV-cache writes and paged attention.";
+  m.doc() =
+      "Native ops of vllm-metal (MLX primitives): paged KV-cache writes, paged attention, the "
+      "gated delta rule and the causal short convolution.";
 
   m.attr("MLX_VERSION") = VM_STR(MLX_VERSION_MAJOR) "." VM_STR(MLX_VERSION_MINOR) "." VM_STR(
       MLX_VERSION_PATCH);
@@ -154,6 +173,12 @@ NB_MODULE(_C, m) {
         "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a, nb::kw_only(), "scale"_a,
         "sliding_window"_a = nb::none(), "softcap"_a = nb::none(), "sinks"_a = nb::none(),
         "stream"_a = nb::none(), "vllm_metal.ops.paged_attention without argument checks.");
+  m.def("gated_delta_rule", &vm::gated_delta_rule, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a,
+        "state"_a, "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "vllm_metal.ops.gated_delta_rule without argument checks. Returns (y, state).");
+  m.def("causal_conv1d", &vm::causal_conv1d, "x"_a, "weight"_a, "conv_state"_a, "cu_seqlens"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "vllm_metal.ops.causal_conv1d without argument checks. Returns (y, conv_state).");
 
   // The Metal planners: plain shapes in, plain dicts out (no GPU needed).
   m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
@@ -174,10 +199,28 @@ NB_MODULE(_C, m) {
       "dtype"_a, "num_kv_heads"_a, "head_dim"_a,
       "Kernel and threadgroup size of one reshape_and_cache call.");
   m.def(
+      "select_gated_delta_rule_kernel",
+      [](const std::string& dtype, int num_v_heads, int key_dim, int value_dim, int num_seqs) {
+        return simple_launch(
+            vm::select_gated_delta_rule_kernel(dtype, num_v_heads, key_dim, value_dim, num_seqs));
+      },
+      "dtype"_a, "num_v_heads"_a, "key_dim"_a, "value_dim"_a, "num_seqs"_a,
+      "Kernel, threadgroup size and grid of one gated_delta_rule call.");
+  m.def(
+      "select_causal_conv1d_kernel",
+      [](const std::string& dtype, int num_tokens, int num_seqs, int channels, int width) {
+        return simple_launch(
+            vm::select_causal_conv1d_kernel(dtype, num_tokens, num_seqs, channels, width));
+      },
+      "dtype"_a, "num_tokens"_a, "num_seqs"_a, "channels"_a, "width"_a,
+      "Kernel, threadgroup size and grid of one causal_conv1d call.");
+  m.def(
       "all_kernel_names",
       [] {
         std::vector<std::string> names = vm::cache_kernel_names();
         for (auto& n : vm::attention_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::gated_delta_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::short_conv_kernel_names()) names.push_back(std::move(n));
         return names;
       },
       "Every Metal kernel name the host can request (the instances of constants.h).");

@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 2
+#define VM_OPS_ABI 3
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -66,6 +66,12 @@
   X(32, 8, __VA_ARGS__) X(16, 8, __VA_ARGS__) X(8, 8, __VA_ARGS__)
 // reshape_and_cache: most threads per threadgroup (one threadgroup per token).
 #define VM_CACHE_MAX_THREADS 256
+// gated_delta_rule: value rows per threadgroup (one simdgroup each), and the largest key head dim
+// its kernel holds in registers (a multiple of the SIMD width; the CPU body takes any).
+#define VM_GATED_DELTA_ROWS 4
+#define VM_GATED_DELTA_MAX_KEY_DIM 256
+// causal_conv1d: most threads per threadgroup (one thread per channel of a row).
+#define VM_SHORT_CONV_MAX_THREADS 256
 
 // ---- split-KV decode ---------------------------------------------------------------------------
 // Keys per partition (a multiple of every block divisor and of the alignment).
@@ -156,6 +162,8 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_GQA(DT, D, B) "paged_attention_gqa_" #DT "_d" #D "_b" #B
 #define VM_KERNEL_NAME_PREFILL(DT, D, B) "paged_attention_prefill_" #DT "_d" #D "_b" #B
 #define VM_KERNEL_NAME_NAX(DT, D) "paged_attention_nax_" #DT "_d" #D
+#define VM_KERNEL_NAME_GATED_DELTA(DT) "gated_delta_rule_" #DT
+#define VM_KERNEL_NAME_SHORT_CONV(DT) "causal_conv1d_" #DT
 
 #define VM_WITH_DTYPE_(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
 #define VM_WITH_HEAD_(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
@@ -172,6 +180,9 @@ constexpr int vm_block_divisor(int block_size) {
 
 // X(tag, msl_type, bytes): reshape_and_cache.
 #define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+// X(tag, msl_type, bytes): gated_delta_rule and causal_conv1d.
+#define VM_GATED_DELTA_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+#define VM_SHORT_CONV_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).
 #define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM_DECODE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): the split-KV reduce kernel of decode and gqa.

@@ -115,3 +115,12 @@ def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_metal.testing.tiny_qwen3_vl import write_tiny_qwen3_vl
 
     return write_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl") / "qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen3-Next hybrid checkpoint (`vllm_metal.testing.tiny_qwen3_next`), once
+    per session."""
+    from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
+
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next") / "qwen3_next")

@@ -75,6 +75,23 @@ def vision_language_model(config: VllmConfig) -> str | None:
     return None
 
 
+def hybrid_model(config: VllmConfig) -> str | None:
+    """ "model=... (qwen3_next)" when the config serves a hybrid model whose state layers the MLX
+    runner runs (`models.layers.STATE_SHAPES`), else None."""
+    from vllm_metal.models.layers import STATE_SHAPES
+
+    model_type = getattr(_model_attr(config, "hf_text_config"), "model_type", None)
+    if _model_attr(config, "is_hybrid", False) and model_type in STATE_SHAPES:
+        return f"model={_model_attr(config, 'model')!r} ({model_type})"
+    return None
+
+
+def _other_hybrid(config: VllmConfig) -> str | None:
+    if _model_attr(config, "is_hybrid", False) and not hybrid_model(config):
+        return f"model={_model_attr(config, 'model')!r} ({_architecture(config)}, hybrid)"
+    return None
+
+
 def _language_model_only(config: VllmConfig) -> bool:
     """Whether vLLM takes no media items for this model (`--language-model-only`, or set by
     `mm_frontend` for checkpoints whose language model mlx-lm loads)."""
@@ -220,6 +237,25 @@ CAPABILITIES: tuple[Capability, ...] = (
         _extras_with(speech_model),
     ),
     Capability(
+        "hybrid",
+        "hybrid models with Gated DeltaNet state layers (Qwen3-Next)",
+        "serve a model with attention layers only",
+        hybrid_model,
+    ),
+    Capability(
+        "hybrid_other",
+        "hybrid models with state layers other than Gated DeltaNet (Mamba, short convolutions, "
+        "linear attention of other kinds)",
+        "serve a Qwen3-Next-style hybrid or a model with attention layers only",
+        _other_hybrid,
+    ),
+    Capability(
+        "hybrid_extras",
+        "LoRA adapters, speculative decoding and KV offloading on hybrid models",
+        "remove that setting",
+        _extras_with(hybrid_model),
+    ),
+    Capability(
         "mla",
         "multi-head latent attention (MLA) models",
         "serve a model with standard attention",
@@ -286,6 +322,7 @@ SUPPORTED: dict[str, frozenset[str]] = {
             "kv_offload",
             "speech_to_text",
             "vision_language",
+            "hybrid",
         }
     ),
 }

@@ -156,6 +156,10 @@ class MetalPlatform(Platform):
         mm_frontend.keep_media_spans_whole(vllm_config)
         check_config(vllm_config)
         apply_config(vllm_config)
+        if vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
+            from vllm_metal.kv import state
+
+            state.align_block_size(vllm_config)
         from vllm_metal.kv.offload import config as kv_offload
 
         kv_offload.configure(vllm_config)

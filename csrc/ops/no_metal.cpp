@@ -5,6 +5,8 @@
 
 #include "ops/attention/op.h"
 #include "ops/cache/op.h"
+#include "ops/gated_delta/op.h"
+#include "ops/short_conv/op.h"
 
 namespace vllm_metal {
 
@@ -24,6 +26,14 @@ void ReshapeAndCache::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   no_metal("paged_attention");
+}
+
+void GatedDeltaRule::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_metal("gated_delta_rule");
+}
+
+void CausalConv1d::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_metal("causal_conv1d");
 }
 
 }  // namespace vllm_metal

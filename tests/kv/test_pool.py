@@ -89,8 +89,8 @@ def test_layers_vllm_did_not_plan_are_an_error(engine_config):
         KVLayout.from_config(config, [*names, "model.layers.9.self_attn"])
 
 
-def test_state_layers_have_no_attention_spec():
-    with pytest.raises(ValueError, match="state"):
+def test_a_state_layer_needs_its_shapes_and_the_cache_config():
+    with pytest.raises(ValueError, match="state layer needs its shapes"):
         kv_cache_specs(
             ["a"], [STATE], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
         )

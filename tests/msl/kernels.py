@@ -25,6 +25,8 @@ FAMILY_SOURCE = {
     "gqa": "attention/gqa.metal",
     "prefill": "attention/prefill.metal",
     "nax": "attention/nax.metal",
+    "gated_delta_rule": "gated_delta/gated_delta_rule.metal",
+    "causal_conv1d": "short_conv/causal_conv1d.metal",
 }
 
 _FIELD_TYPES = {"int": "<i4", "long_t": "<i8", "float": "<f4"}
@@ -48,6 +50,10 @@ BUF = _buffer_slots("attention", "PA_BUF_")
 CACHE_BUF = _buffer_slots("cache", "RC_BUF_")
 PA_PARAMS = _struct("attention", "PagedAttentionParams")
 CACHE_PARAMS = _struct("cache", "ReshapeAndCacheParams")
+GDR_BUF = _buffer_slots("gated_delta", "GDR_BUF_")
+GDR_PARAMS = _struct("gated_delta", "GatedDeltaParams")
+SC_BUF = _buffer_slots("short_conv", "SC_BUF_")
+SC_PARAMS = _struct("short_conv", "CausalConv1dParams")
 
 
 @functools.cache
@@ -110,6 +116,89 @@ def reshape_and_cache(
         ["key_cache", "value_cache"],
     )
     return from_device(r["key_cache"], dtype), from_device(r["value_cache"], dtype)
+
+
+def _single_launch(
+    family: str,
+    launch: dict,
+    slots: dict[str, int],
+    params: np.ndarray,
+    bufs: dict[str, np.ndarray],
+    outputs: list[str],
+    kernel_dir: Path,
+) -> dict[str, np.ndarray]:
+    """One dispatch of a one-kernel op as its host plans it (buffers named as its slots)."""
+    binds: dict[int, harness.BufferArg] = {i: n for n, i in slots.items() if n != "params"}
+    binds[slots["params"]] = np.frombuffer(params.tobytes(), np.uint8)
+    d = harness.Dispatch(launch["kernel"], tuple(launch["grid"]), (launch["threads"], 1, 1), binds)
+    return harness.run(program(FAMILY_SOURCE[family], kernel_dir), bufs, [d], outputs)
+
+
+# --------------------------------------------------------------------------------------------
+# gated_delta_rule and causal_conv1d (outputs start as NaN: rows a kernel leaves out show)
+# --------------------------------------------------------------------------------------------
+
+
+def gated_delta_rule(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    state: np.ndarray,
+    cu_seqlens: np.ndarray,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run gated_delta_rule_<dtype>; float32 in (q/k/v representable in dtype), float32 out."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    S = state.shape[0]
+    launch = native().select_gated_delta_rule_kernel(dtype, Hv, Dk, Dv, S)
+    p = np.zeros((), GDR_PARAMS)
+    p["num_tokens"], p["num_seqs"], p["num_k_heads"], p["num_v_heads"] = T, S, Hk, Hv
+    p["key_dim"], p["value_dim"] = Dk, Dv
+    bufs = {
+        "q": to_device(q, dtype),
+        "k": to_device(k, dtype),
+        "v": to_device(v, dtype),
+        "g": g.astype(np.float32),
+        "beta": beta.astype(np.float32),
+        "state": state.astype(np.float32),
+        "cu_seqlens": cu_seqlens.astype(np.int32),
+        "out": to_device(np.full(v.shape, np.nan, np.float32), dtype),
+        "state_out": np.full(state.shape, np.nan, np.float32),
+    }
+    r = _single_launch(
+        "gated_delta_rule", launch, GDR_BUF, p, bufs, ["out", "state_out"], kernel_dir
+    )
+    return from_device(r["out"], dtype), r["state_out"]
+
+
+def causal_conv1d(
+    x: np.ndarray,
+    weight: np.ndarray,
+    conv_state: np.ndarray,
+    cu_seqlens: np.ndarray,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run causal_conv1d_<dtype>; float32 in (representable in dtype), float32 out."""
+    T, C = x.shape
+    S, keep, _ = conv_state.shape
+    launch = native().select_causal_conv1d_kernel(dtype, T, S, C, keep + 1)
+    p = np.zeros((), SC_PARAMS)
+    p["num_tokens"], p["num_seqs"], p["channels"], p["width"] = T, S, C, keep + 1
+    bufs = {
+        "x": to_device(x, dtype),
+        "weight": to_device(weight, dtype),
+        "conv_state": to_device(conv_state, dtype),
+        "cu_seqlens": cu_seqlens.astype(np.int32),
+        "out": to_device(np.full(x.shape, np.nan, np.float32), dtype),
+        "state_out": to_device(np.full(conv_state.shape, np.nan, np.float32), dtype),
+    }
+    r = _single_launch("causal_conv1d", launch, SC_BUF, p, bufs, ["out", "state_out"], kernel_dir)
+    return from_device(r["out"], dtype), from_device(r["state_out"], dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -120,6 +120,55 @@ MUTATIONS = [
         "  if (slot <= 0 || slot >= p.num_slots) {",
         "reshape_and_cache",
     ),
+    Mutation(
+        "gated-delta-wrong-key-head",
+        "gated_delta/gated_delta_rule.metal",
+        r"  const int kh = h / \(p\.num_v_heads / p\.num_k_heads\);",
+        "  const int kh = h % p.num_k_heads;",
+        "gated_delta",
+    ),
+    Mutation(
+        "gated-delta-drops-last-token",
+        "gated_delta/gated_delta_rule.metal",
+        r"clamp\(cu_seqlens\[s \+ 1\], t0, p\.num_tokens\)",
+        "clamp(cu_seqlens[s + 1] - 1, t0, p.num_tokens)",
+        "gated_delta",
+    ),
+    Mutation(
+        "gated-delta-lane-mask-off-by-one",
+        "gated_delta/gated_delta_rule.metal",
+        r"kt\[j\] = e < dk \?",
+        "kt[j] = e <= dk ?",
+        "gated_delta",
+    ),
+    Mutation(
+        "gated-delta-output-before-update",
+        "gated_delta/gated_delta_rule.metal",
+        r"      st\[j\] \+= delta \* kt\[j\];\n      y \+= e < dk \? st\[j\] \* float\(q\[kq \+ e\]\) : 0\.0f;",
+        "      y += e < dk ? st[j] * float(q[kq + e]) : 0.0f;\n      st[j] += delta * kt[j];",
+        "gated_delta",
+    ),
+    Mutation(
+        "conv-window-off-by-one",
+        "short_conv/causal_conv1d.metal",
+        r"p, s, begin, len \+ e, c\)",
+        "p, s, begin, len + e - 1, c)",
+        "causal_conv1d",
+    ),
+    Mutation(
+        "conv-sequence-search-skips-boundary",
+        "short_conv/causal_conv1d.metal",
+        r"if \(cu_seqlens\[mid\] <= r\)",
+        "if (cu_seqlens[mid] < r)",
+        "causal_conv1d",
+    ),
+    Mutation(
+        "conv-missing-silu",
+        "short_conv/causal_conv1d.metal",
+        r"    acc = acc / \(1\.0f \+ metal::exp\(-acc\)\);  // silu",
+        "",
+        "causal_conv1d",
+    ),
 ]
 
 

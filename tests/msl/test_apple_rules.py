@@ -101,6 +101,16 @@ def test_host_launches_stay_within_the_pipeline_limits() -> None:
     ):
         launch = C.select_reshape_and_cache_kernel(dt, heads_kv, d)
         check(launch["kernel"], launch["threads"], (dt, heads_kv, d))
+    for (dt, *_), hv, dk, dv in itertools.product(
+        C.CONSTANTS["FLOAT_DTYPES"], (1, 8, 32), (1, 37, 128, 256), (1, 5, 128)
+    ):
+        launch = C.select_gated_delta_rule_kernel(dt, hv, dk, dv, 3)
+        check(launch["kernel"], launch["threads"], (dt, hv, dk, dv))
+    for (dt, *_), channels, width in itertools.product(
+        C.CONSTANTS["FLOAT_DTYPES"], (1, 37, 256, 257, 8192), (2, 4)
+    ):
+        launch = C.select_causal_conv1d_kernel(dt, 10, 3, channels, width)
+        check(launch["kernel"], launch["threads"], (dt, channels, width))
     assert planned > 2000
     assert set(launched) == {f.function for f in facts.values()}, "a kernel the grid never plans"
 

@@ -432,3 +432,81 @@ def test_nax_prefill(
     launches = K.host_plan(case, supports_nax=True)
     assert families(launches) == ["nax"]
     check(case, launches)
+
+
+# ---------------------------------------------------------------------------------------------
+# gated_delta_rule and causal_conv1d (one kernel each; the host's launch; the references of
+# vllm_metal/ops/gated_delta and vllm_metal/ops/short_conv)
+# ---------------------------------------------------------------------------------------------
+
+# |kernel - reference| <= atol + rtol |reference|: the kernels and the references read the same
+# dtype-rounded inputs and sum in float32; y is rounded to the dtype once (f16: 2^-11 relative,
+# bf16: 2^-8). States are float32.
+LINEAR_TOL = {"f32": (1e-5, 1e-5), "f16": (2e-3, 1e-3), "bf16": (1.5e-2, 8e-3)}
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
+    atol, rtol = LINEAR_TOL[dtype]
+    assert np.isfinite(got).all(), f"{what}: rows left unwritten (NaN) or non-finite"
+    err = np.abs(got - want) - rtol * np.abs(want)
+    assert err.max() <= atol, f"{what}: max error {np.abs(got - want).max():.3g}"
+
+
+def _cu(lens: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    "dtype,lens,hk,hv,dk,dv",
+    [
+        ("f16", [7, 1, 0, 3], 2, 4, 64, 64),  # GQA Hv = 2 Hk, an empty sequence
+        ("f32", [3, 0, 5], 1, 3, 37, 5),  # odd sizes: partial lanes, partial row block
+        ("bf16", [1, 1, 1], 1, 1, 256, 6),  # decode rows, the widest key dim
+    ],
+)
+def test_gated_delta_rule(dtype: str, lens: list[int], hk: int, hv: int, dk: int, dv: int) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.gated_delta import reference as ref
+
+    rng = np.random.default_rng(dk + dv)
+    T, S = sum(lens), len(lens)
+    k = rng.standard_normal((T, hk, dk))
+    k = O.quantize(k / np.linalg.norm(k, axis=-1, keepdims=True), dtype)
+    q = O.quantize(rng.standard_normal((T, hk, dk)) / np.sqrt(dk), dtype)
+    v = O.quantize(rng.standard_normal((T, hv, dv)), dtype)
+    g = rng.uniform(0.3, 1.0, (T, hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, hv)).astype(np.float32)
+    state = (rng.standard_normal((S, hv, dv, dk)) * 0.5).astype(np.float32)
+    cu = _cu(lens)
+    y, new_state = K.gated_delta_rule(q, k, v, g, beta, state, cu, dtype)
+    want_y, want_state = ref.gated_delta_rule(*(mx.array(a) for a in (q, k, v, g, beta, state, cu)))
+    assert_close(y, np.array(want_y), dtype, "y")
+    assert_close(new_state, np.array(want_state), "f32", "state")
+    for s in np.flatnonzero(np.asarray(lens) == 0):
+        np.testing.assert_array_equal(new_state[s], state[s])  # no tokens: state kept
+
+
+@pytest.mark.parametrize(
+    "dtype,lens,channels,width",
+    [
+        ("f32", [7, 1, 0, 3], 37, 4),  # a sequence shorter than the window, an empty one
+        ("f16", [2, 9], 64, 2),
+        ("bf16", [0, 4, 1], 300, 3),  # two channel blocks, the second partial
+    ],
+)
+def test_causal_conv1d(dtype: str, lens: list[int], channels: int, width: int) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.short_conv import reference as ref
+
+    rng = np.random.default_rng(channels + width)
+    T, S = sum(lens), len(lens)
+    x = O.quantize(rng.standard_normal((T, channels)), dtype)
+    weight = O.quantize(rng.standard_normal((channels, width)) * 0.5, dtype)
+    conv_state = O.quantize(rng.standard_normal((S, width - 1, channels)), dtype)
+    cu = _cu(lens)
+    y, new_state = K.causal_conv1d(x, weight, conv_state, cu, dtype)
+    want_y, want_state = ref.causal_conv1d(*(mx.array(a) for a in (x, weight, conv_state, cu)))
+    assert_close(y, np.array(want_y), dtype, "y")
+    np.testing.assert_array_equal(new_state, np.array(want_state))  # windows are copies

@@ -4,7 +4,9 @@ vLLM sizes the cache and decides which layers share memory: with several KV-cach
 sliding-window and full-attention layers) one layer of each group overlays the same region, which
 is sound because a block id belongs to one group at a time. Here every region is one K and one V
 array `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's `LBNHC` layout, K and V apart),
-and each layer knows its region (memory) and its group (block table).
+and each layer knows its region (memory) and its group (block table). A hybrid model's state
+layers keep their pages in the same regions (`kv.state`); their groups count one block per
+request (block size `max_model_len`), so `block_size` here is the attention groups'.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 # vLLM's name for this layout (per layer: blocks, tokens, heads, head dim; K and V apart).
 KV_CACHE_LAYOUT = "LBNHC"
@@ -27,6 +34,9 @@ class KVLayout:
     block_size: int
     region_of_layer: tuple[int, ...]
     group_of_layer: tuple[int, ...]
+    # Tokens per block of each group's table (`block_size`, a state group's its own); empty:
+    # every group has `block_size`.
+    group_block_sizes: tuple[int, ...] = ()
 
     @property
     def num_regions(self) -> int:
@@ -35,6 +45,10 @@ class KVLayout:
     @property
     def num_groups(self) -> int:
         return max(self.group_of_layer, default=-1) + 1
+
+    def block_sizes(self) -> list[int]:
+        """Tokens per block of each group's block table."""
+        return list(self.group_block_sizes) or [self.block_size] * self.num_groups
 
     @classmethod
     def single_group(cls, num_layers: int, num_blocks: int, block_size: int) -> KVLayout:
@@ -46,6 +60,7 @@ class KVLayout:
         """Read vLLM's allocation plan for the given layers (in model order)."""
         group_of: dict[str, int] = {}
         block_sizes = set()
+        group_block_sizes = []
         for g, group in enumerate(config.kv_cache_groups):
             spec = group.kv_cache_spec
             # Layers of one kind but different shapes (a draft model's beside the target's)
@@ -55,13 +70,16 @@ class KVLayout:
                 if isinstance(spec, UniformTypeKVCacheSpecs)
                 else [spec]
             )
-            odd = [type(m).__name__ for m in members if not isinstance(m, AttentionSpec)]
+            kinds = (AttentionSpec, MambaSpec)
+            odd = [type(m).__name__ for m in members if not isinstance(m, kinds)]
             if odd:
                 raise ValueError(
                     f"KV-cache group {g} has spec {odd[0]}; "
-                    "vllm-metal allocates attention KV caches only"
+                    "vllm-metal allocates attention KV caches and GDN states only"
                 )
-            block_sizes.add(spec.block_size)
+            if not isinstance(spec, MambaSpec):
+                block_sizes.add(spec.block_size)
+            group_block_sizes.append(spec.block_size)
             for name in group.layer_names:
                 group_of[name] = g
         if len(block_sizes) != 1:
@@ -84,6 +102,7 @@ class KVLayout:
             block_size=block_size,
             region_of_layer=tuple(regions[offset_of[n]] for n in layer_names),
             group_of_layer=tuple(group_of[n] for n in layer_names),
+            group_block_sizes=tuple(group_block_sizes),
         )
 
 

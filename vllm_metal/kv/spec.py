@@ -2,7 +2,8 @@
 
 Full-attention layers get `FullAttentionSpec`; sliding-window layers get `SlidingWindowSpec`, so
 vLLM's KV manager frees the blocks that fall out of the window instead of keeping the whole
-context. Layers of one kind form one KV-cache group on vLLM's side.
+context; state layers get a `MambaSpec` (`kv.state`). Layers of one kind form one KV-cache group
+on vLLM's side.
 """
 
 from __future__ import annotations
@@ -10,19 +11,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from vllm.config import CacheConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
+from vllm_metal.kv.state import mamba_spec
 from vllm_metal.models.layers import LayerKind
 
 
 def attention_spec(
-    kind: LayerKind, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    kind: LayerKind,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_config: CacheConfig | None = None,
 ) -> KVCacheSpec:
     if kind.is_state:
-        raise ValueError(
-            "state (recurrent) layers have no KV-cache spec in vllm-metal yet; "
-            "hybrid models are not supported"
-        )
+        if kind.state is None or cache_config is None:
+            raise ValueError("a state layer needs its shapes and vLLM's cache config")
+        return mamba_spec(kind.state, dtype, cache_config)
     if kind.sliding_window is not None:
         return SlidingWindowSpec(
             block_size=block_size,
@@ -44,11 +51,12 @@ def kv_cache_specs(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    cache_config: CacheConfig | None = None,
 ) -> dict[str, KVCacheSpec]:
-    """One spec per attention layer, keyed by the layer's real module name."""
+    """One spec per attention (or state) layer, keyed by the layer's real module name."""
     if len(layer_names) != len(layer_kinds):
         raise ValueError(f"{len(layer_names)} layer names for {len(layer_kinds)} layer kinds")
     return {
-        name: attention_spec(kind, block_size, num_kv_heads, head_dim, dtype)
+        name: attention_spec(kind, block_size, num_kv_heads, head_dim, dtype, cache_config)
         for name, kind in zip(layer_names, layer_kinds)
     }

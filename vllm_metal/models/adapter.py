@@ -15,10 +15,11 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_metal.models import attention
-from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, kinds_from_caches
+from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, kinds_from_caches, state_shapes_of
 from vllm_metal.models.loaders import parameter_bytes
 
-_ATTENTION_ATTRS = ("self_attn", "attention", "attn")
+# A layer's token mixer: attention, or a linear-attention (state) layer in hybrid models.
+_ATTENTION_ATTRS = ("self_attn", "attention", "attn", "linear_attn")
 
 
 class ModelAdapter:
@@ -58,10 +59,15 @@ class ModelAdapter:
         return names
 
     def layer_kinds(self) -> list[LayerKind]:
-        """From mlx-lm's `make_cache()` where the model declares one, else full attention."""
-        if hasattr(self.model, "make_cache"):
-            return kinds_from_caches(self.model.make_cache())
-        return [FULL_ATTENTION] * self.num_layers
+        """From mlx-lm's `make_cache()` where the model declares one, else full attention; state
+        layers carry their shapes (`layers.STATE_SHAPES`)."""
+        if not hasattr(self.model, "make_cache"):
+            return [FULL_ATTENTION] * self.num_layers
+        kinds = kinds_from_caches(self.model.make_cache())
+        if any(kind.is_state for kind in kinds):
+            state = LayerKind(is_state=True, state=state_shapes_of(self.model_type, self.config))
+            kinds = [state if kind.is_state else kind for kind in kinds]
+        return kinds
 
     def install_paged_attention(self) -> None:
         attention.route_module_sdpa(self.model)

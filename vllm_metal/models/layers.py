@@ -1,6 +1,8 @@
 """What kind of memory each decoder layer needs: full attention, a sliding window, or a state.
 
 Adapters report one `LayerKind` per layer; `vllm_metal.kv` turns them into vLLM KV-cache specs.
+A state layer's shapes are read from the checkpoint's config by its model type (`STATE_SHAPES`),
+both by the platform (to size KV blocks before the model loads) and by the family adapter.
 """
 
 from __future__ import annotations
@@ -9,11 +11,55 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+# The recurrent state is kept in float32 whatever the model's dtype.
+RECURRENT_DTYPE = mx.float32
+
+
+@dataclass(frozen=True)
+class StateShapes:
+    """One Gated DeltaNet layer's state: the short convolution's window and the recurrence."""
+
+    conv: tuple[int, int]  # (kernel_size - 1, conv_dim), in the cache dtype
+    recurrent: tuple[int, int, int]  # (num_v_heads, head_v_dim, head_k_dim), float32
+
+    def recurrent_bytes(self) -> int:
+        return int(np.prod(self.recurrent)) * RECURRENT_DTYPE.size
+
+    def page_bytes(self, conv_itemsize: int) -> int:
+        return self.recurrent_bytes() + int(np.prod(self.conv)) * conv_itemsize
+
+
+def gated_delta_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Qwen3-Next-style linear-attention layer, from its config.json fields."""
+    num_k, num_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    conv_dim = 2 * num_k * dk + num_v * dv
+    return StateShapes(
+        conv=(config["linear_conv_kernel_dim"] - 1, conv_dim), recurrent=(num_v, dv, dk)
+    )
+
+
+# model_type -> the state of each of its state layers (all alike within a model).
+STATE_SHAPES = {"qwen3_next": gated_delta_state_shapes}
+
+
+def state_shapes_of(model_type: str, config: Mapping[str, Any]) -> StateShapes:
+    if model_type not in STATE_SHAPES:
+        raise ValueError(
+            f"model_type={model_type!r} has state (recurrent) layers vllm-metal does not "
+            f"implement; hybrid models supported: {', '.join(sorted(STATE_SHAPES))}"
+        )
+    return STATE_SHAPES[model_type](config)
+
 
 @dataclass(frozen=True)
 class LayerKind:
     sliding_window: int | None = None  # attends to the last W keys (None = the whole context)
     is_state: bool = False  # recurrent state instead of a KV cache (Mamba, Gated DeltaNet)
+    state: StateShapes | None = None  # the state's shapes, where the family declares them
 
     @property
     def label(self) -> str:

@@ -139,6 +139,25 @@ def paged_attention(
     )
 
 
+def gated_delta_rule(*arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """arrays: q, k, v, g, beta, state, cu_seqlens."""
+    if on_gpu():
+        if arrays[0].shape[2] > _C.CONSTANTS["GATED_DELTA_MAX_KEY_DIM"]:
+            # The Metal kernel holds a state row in registers; wider keys run the reference.
+            from vllm_metal.ops.gated_delta import reference
+
+            return reference.gated_delta_rule(*arrays)
+        arrays = _contiguous(*arrays)
+    return _C.gated_delta_rule(*arrays)
+
+
+def causal_conv1d(*arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """arrays: x, weight, conv_state, cu_seqlens."""
+    if on_gpu():
+        arrays = _contiguous(*arrays)
+    return _C.causal_conv1d(*arrays)
+
+
 def gpu_cores() -> int:
     return _C.gpu_cores()
 

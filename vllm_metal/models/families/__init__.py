@@ -16,6 +16,7 @@ FAMILIES = {
     "mistral": "mistral",
     "qwen2_moe": "qwen2_moe",
     "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_next": "qwen3_next",
     "qwen3_vl": "qwen3_vl",
 }
 

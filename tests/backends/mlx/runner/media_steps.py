@@ -84,7 +84,7 @@ def run_greedy(
     computed = dict.fromkeys(req_ids, 0)
     new = {r: [] for r in req_ids}
     first: dict[str, np.ndarray] = {}
-    windows = [kind.sliding_window for kind in adapter.layer_kinds()]
+    kinds = adapter.layer_kinds()
     cache = EncoderCache()
     while active := [r for r in req_ids if len(new[r]) < new_tokens]:
         scheduled = {
@@ -121,7 +121,7 @@ def run_greedy(
         rows = cache.step_rows(packed, states)
         positions = step_positions(packed, states, adapter) if adapter.uses_mrope else None
         ends = step_key_ends(packed, states) if adapter.bidirectional_media and key_ends else None
-        logits, _ = forward(adapter, pool, windows, packed, {}, rows, positions, ends)
+        logits, _ = forward(adapter, pool, kinds, packed, {}, rows, positions, ends)
         for i, r in enumerate(active):
             computed[r] += scheduled[r]
             if computed[r] < len(tokens[r]):

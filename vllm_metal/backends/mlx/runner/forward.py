@@ -1,5 +1,5 @@
-"""One packed forward: the step's varlen metadata on the device, a paged cache view per layer,
-the adapter's embeddings -> decoder (`hidden_states`, what pooling heads read) -> head on the
+"""One packed forward: the step's varlen metadata on the device, a paged cache view per layer
+(attention) or its requests' state pages (a hybrid model's state layers), the adapter's embeddings -> decoder (`hidden_states`, what pooling heads read) -> head on the
 rows that need logits (`forward`)."""
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch
 from vllm_metal.backends.mlx.runner.mm.embeddings import merge
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
+from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models import ModelAdapter
+from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 
 def layer_caches(
     pool: KVPool,
     packed: PackedBatch,
-    windows: Sequence[int | None],
+    kinds: Sequence[LayerKind],
     key_ends: np.ndarray | None = None,
-) -> list[PagedLayerCache]:
+) -> list[PagedLayerCache | StateLayerCache]:
     meta = StepMetadata(
         positions=mx.array(packed.positions),
         seq_lens=mx.array(packed.seq_lens),
@@ -34,22 +36,28 @@ def layer_caches(
         key_ends=key_ends,
     )
     layout = pool.layout
-    return [
-        PagedLayerCache(
-            pool,
-            layout.region_of_layer[i],
-            meta,
-            meta.groups[layout.group_of_layer[i]],
-            window,
-        )
-        for i, window in enumerate(windows)
-    ]
+    # A request with no computed tokens starts its state layers from zeros (so does one that
+    # resumes after a preemption: it recomputes from its first token).
+    fresh = packed.seq_lens == packed.num_scheduled
+    caches: list[PagedLayerCache | StateLayerCache] = []
+    for i, kind in enumerate(kinds):
+        region, group = layout.region_of_layer[i], layout.group_of_layer[i]
+        if kind.is_state:
+            blocks = packed.block_tables[group][:, 0]  # one state block per request
+            caches.append(
+                StateLayerCache(pool, region, kind.state, blocks, fresh, meta.cu_seqlens_q)
+            )
+        else:
+            caches.append(
+                PagedLayerCache(pool, region, meta, meta.groups[group], kind.sliding_window)
+            )
+    return caches
 
 
 def hidden_states(
     adapter: ModelAdapter,
     pool: KVPool,
-    windows: Sequence[int | None],
+    kinds: Sequence[LayerKind],
     packed: PackedBatch,
     mm_rows: TokenRows | None = None,
     mrope_positions: np.ndarray | None = None,
@@ -60,7 +68,7 @@ def hidden_states(
     their placeholder tokens. An M-RoPE model takes `mrope_positions` (`[3, T]`; without them
     every token is text, at its index on all three streams); a prefix-LM model the `key_ends`
     of its image tokens (`mm.spans`). Lazy."""
-    caches = layer_caches(pool, packed, windows, key_ends)
+    caches = layer_caches(pool, packed, kinds, key_ends)
     embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
     if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches)
@@ -73,7 +81,7 @@ def hidden_states(
 def forward(
     adapter: ModelAdapter,
     pool: KVPool,
-    windows: Sequence[int | None],
+    kinds: Sequence[LayerKind],
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
     mm_rows: TokenRows | None = None,
@@ -82,7 +90,7 @@ def forward(
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    hidden = hidden_states(adapter, pool, windows, packed, mm_rows, mrope_positions, key_ends)
+    hidden = hidden_states(adapter, pool, kinds, packed, mm_rows, mrope_positions, key_ends)
     return logits_of(adapter, hidden, packed, prompt_rows)
 
 

@@ -85,7 +85,6 @@ class MLXModelRunner:
 
         self.adapter: ModelAdapter | None = None
         self.layer_kinds: list[LayerKind] = []  # read from the adapter once per load
-        self.windows: list[int | None] = []  # per layer (None = full attention)
         self.kv_layout: KVLayout | None = None
         self.kv_pool: KVPool | None = None
         self.kv_cache_config: KVCacheConfig | None = None
@@ -115,7 +114,6 @@ class MLXModelRunner:
                 f"layers but the config says {self.num_layers}"
             )
         self.layer_kinds = kinds = adapter.layer_kinds()
-        self.windows = [kind.sliding_window for kind in kinds]
         if isinstance(adapter, MultimodalAdapter) and self.encoder_cache is None:
             self.encoder_cache = EncoderCache()
         if self.lora is not None:
@@ -148,6 +146,7 @@ class MLXModelRunner:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.kv_dtype,
+            cache_config=self.vllm_config.cache_config,
         )
         if self.spec is not None:  # a draft model's layers take part in vLLM's KV sizing
             specs.update(self.spec.drafter.kv_cache_specs(self.block_size, self.kv_dtype))
@@ -177,7 +176,7 @@ class MLXModelRunner:
         self.block_size = layout.block_size
         self.kv_cache_config = kv_cache_config
         self.connector = ConnectorSteps.make()
-        self.states.set_block_sizes([layout.block_size] * len(kv_cache_config.kv_cache_groups))
+        self.states.set_block_sizes(layout.block_sizes())
         self._allocate_kv_pool()
         if self.spec is not None:
             self.spec.drafter.initialize_kv_cache(kv_cache_config)
@@ -206,7 +205,7 @@ class MLXModelRunner:
         assert self.adapter is not None, "load the model first"
         return DummyRuns(
             self.adapter,
-            self.windows,
+            self.layer_kinds,
             self.num_kv_heads,
             self.head_dim,
             self.mlx_kv_dtype,
@@ -278,7 +277,7 @@ class MLXModelRunner:
         return forward(
             self.adapter,
             self.kv_pool,
-            self.windows,
+            self.layer_kinds,
             packed,
             prompt_rows,
             mm_rows,

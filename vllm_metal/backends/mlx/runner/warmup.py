@@ -17,6 +17,7 @@ from vllm_metal.backends.mlx.runner.batch import prefill_batch
 from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.models import ModelAdapter
+from vllm_metal.models.layers import LayerKind
 
 
 def activation_peak(run: Callable[[], None]) -> int:
@@ -32,7 +33,7 @@ class DummyRuns:
     def __init__(
         self,
         adapter: ModelAdapter,
-        windows: Sequence[int | None],
+        kinds: Sequence[LayerKind],
         num_kv_heads: int,
         head_dim: int,
         kv_dtype: mx.Dtype,
@@ -42,22 +43,22 @@ class DummyRuns:
     ):
         self.adapter = adapter
         self.logits = logits  # False: a pooling model, whose steps end at the hidden states
-        self.windows = list(windows)
+        self.kinds = list(kinds)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.kv_dtype = kv_dtype
         self.vocab_size = vocab_size
 
     def _pool(self, num_blocks: int, block_size: int) -> KVPool:
-        layout = KVLayout.single_group(len(self.windows), num_blocks, block_size)
+        layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size)
         return KVPool(layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
         packed = prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size)
         if self.logits:
-            mx.eval(forward(self.adapter, pool, self.windows, packed, {})[0])
+            mx.eval(forward(self.adapter, pool, self.kinds, packed, {})[0])
         else:
-            mx.eval(hidden_states(self.adapter, pool, self.windows, packed))
+            mx.eval(hidden_states(self.adapter, pool, self.kinds, packed))
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         """Peak bytes a prefill of `num_tokens` needs beyond what is allocated now."""

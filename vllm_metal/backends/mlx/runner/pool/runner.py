@@ -194,7 +194,7 @@ class MLXPoolingRunner(MLXModelRunner):
                 packed.num_scheduled.tolist(),
             )
         assert self.kv_pool is not None, "KV cache not initialized"
-        hidden = hidden_states(self.adapter, self.kv_pool, self.windows, packed)
+        hidden = hidden_states(self.adapter, self.kv_pool, self.layer_kinds, packed)
         return hidden.reshape(packed.num_tokens, -1)
 
     def _pool(self, hidden: torch.Tensor, packed: PackedBatch) -> ModelRunnerOutput:

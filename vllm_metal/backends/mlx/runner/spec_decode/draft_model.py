@@ -58,7 +58,6 @@ class DraftModelDrafter(Drafter):
         self.adapter: ModelAdapter | None = None
         self.kinds: list[LayerKind] = []
         self.layer_names: list[str] = []
-        self.windows: list[int | None] = []
         self.layout: KVLayout | None = None
         self.pool: KVPool | None = None
         self.seen: dict[str, int] = {}  # req_id -> tokens of it whose K/V the draft wrote
@@ -75,7 +74,6 @@ class DraftModelDrafter(Drafter):
             trust_remote_code=self.model_config.trust_remote_code,
         )
         self.kinds = adapter.layer_kinds()
-        self.windows = [kind.sliding_window for kind in self.kinds]
         self.layer_names = [DRAFT_LAYER_PREFIX + n for n in adapter.attention_layer_names]
 
     @property
@@ -180,7 +178,7 @@ class DraftModelDrafter(Drafter):
 
     def _next_tokens(self, packed: PackedBatch) -> np.ndarray:
         """The argmax at `packed.logits_indices`, with the step's K/V written to the pool."""
-        logits, _ = forward(self.adapter, self.pool, self.windows, packed, {})
+        logits, _ = forward(self.adapter, self.pool, self.kinds, packed, {})
         tokens = mx.argmax(logits, axis=-1)
         mx.eval(tokens, *self.pool.arrays())
         return np.array(tokens)

@@ -78,7 +78,6 @@ class MLXSpeechRunner(MLXModelRunner):
         self.num_kv_heads = adapter.num_kv_heads
         self.head_dim = adapter.head_dim
         self.layer_kinds = adapter.layer_kinds()
-        self.windows = [kind.sliding_window for kind in self.layer_kinds]
         logger.info(
             "Model loading took %.2f s; Whisper: %d encoder and %d decoder layers, "
             "%d encoder positions",
@@ -206,7 +205,7 @@ class MLXSpeechRunner(MLXModelRunner):
         """Hidden states of the packed decoder tokens; `features` of `encoded_rows` are encoded
         and their cross-attention K/V written first. Lazy."""
         adapter = self.speech
-        caches = layer_caches(pool, packed, self.windows)[: adapter.num_layers]
+        caches = layer_caches(pool, packed, self.layer_kinds)[: adapter.num_layers]
         cross = cross_inputs(packed, cross_table, encoder_lens, encoded_rows, pool.block_size)
         meta, tables = cross.device_views(packed.positions)
         layout = pool.layout

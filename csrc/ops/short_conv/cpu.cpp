@@ -1,0 +1,118 @@
+// The CPU causal_conv1d driver (see cpu.h).
+
+#include "ops/short_conv/cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/convert.h"
+#include "common/thread_pool.h"
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+// Below this many multiply-adds per call the convolution runs on the calling thread alone.
+constexpr int64_t kParallelWork = 1 << 18;
+// Tokens per work item.
+constexpr int64_t kTokenBlock = 32;
+
+struct F32 {
+  using T = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+struct F16 {
+  using T = uint16_t;
+  static float load(uint16_t x) { return half_to_float(x); }
+  static uint16_t store(float x) { return float_to_half(x); }
+};
+struct BF16 {
+  using T = uint16_t;
+  static float load(uint16_t x) { return bf16_to_float(x); }
+  static uint16_t store(float x) { return float_to_bf16(x); }
+};
+
+// Tokens [t0, t1) of the sequence whose tokens are [begin, begin + len); the item holding its
+// first token (t0 == begin) also writes its new window.
+struct Item {
+  int64_t s, begin, len, t0, t1;
+};
+
+template <typename E>
+void run(const ShortConvArgs& a) {
+  using T = typename E::T;
+  const int64_t C = a.channels, K = a.width, keep = K - 1, S = a.num_seqs;
+  const T* x = static_cast<const T*>(a.x);
+  const T* state = static_cast<const T*>(a.conv_state);
+  T* out = static_cast<T*>(a.out);
+  T* state_out = static_cast<T*>(a.state_out);
+
+  std::vector<float> w(K * C);  // weight as float [K, C]: the channel loop reads it contiguously
+  const T* weight = static_cast<const T*>(a.weight);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) w[j * C + c] = E::load(weight[c * K + j]);
+  }
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t b = std::clamp<int64_t>(a.cu_seqlens[s], 0, a.num_tokens);
+    const int64_t e = std::clamp<int64_t>(a.cu_seqlens[s + 1], b, a.num_tokens);
+    int64_t t = b;
+    do {
+      items.push_back({s, b, e - b, t, std::min(t + kTokenBlock, e)});
+      t += kTokenBlock;
+    } while (t < e);
+  }
+
+  // Entry u of sequence s's window-then-tokens sequence.
+  auto input_row = [&](const Item& it, int64_t u) -> const T* {
+    return u < keep ? state + (it.s * keep + u) * C : x + (it.begin + u - keep) * C;
+  };
+  auto body = [&](const Item& it, std::vector<float>& acc) {
+    acc.assign(C, 0.0f);
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        const T* row = input_row(it, t - it.begin + j);
+        const float* wj = w.data() + j * C;
+        for (int64_t c = 0; c < C; ++c) acc[c] += wj[c] * E::load(row[c]);
+      }
+      T* y = out + t * C;
+      for (int64_t c = 0; c < C; ++c) y[c] = E::store(acc[c] / (1.0f + std::exp(-acc[c])));
+    }
+    if (it.t0 != it.begin) return;
+    for (int64_t e = 0; e < keep; ++e) {  // the last K - 1 entries of window-then-tokens
+      std::memcpy(state_out + (it.s * keep + e) * C, input_row(it, it.len + e), C * sizeof(T));
+    }
+  };
+
+  auto& pool = ThreadPool::instance();
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (a.num_tokens * C * K < kParallelWork || n < 2 || pool.num_threads() == 1) {
+    std::vector<float> acc;
+    for (const Item& it : items) body(it, acc);
+    return;
+  }
+  const int nthreads = pool.num_threads();
+  std::vector<std::vector<float>> acc(nthreads);
+  pool.parallel_for(n, [&](int64_t i, int tid) { body(items[i], acc[tid]); }, nthreads);
+}
+
+}  // namespace
+
+void causal_conv1d(const ShortConvArgs& a) {
+  const int64_t itemsize = a.dtype == ElemType::f32 ? 4 : 2;
+  std::memset(a.out, 0, a.num_tokens * a.channels * itemsize);
+  switch (a.dtype) {
+    case ElemType::f32:
+      return run<F32>(a);
+    case ElemType::f16:
+      return run<F16>(a);
+    case ElemType::bf16:
+      return run<BF16>(a);
+  }
+}
+
+}  // namespace vllm_metal::cpu

@@ -1,0 +1,76 @@
+// causal_conv1d: the op builder and eval_cpu, which stages the inputs contiguously and hands plain
+// pointers to the driver.
+
+#include "ops/short_conv/op.h"
+
+#include <memory>
+
+#include "common/array_utils.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "ops/short_conv/cpu.h"
+
+namespace vllm_metal {
+
+namespace {
+
+cpu::ElemType elem_type(mx::Dtype t) {
+  if (t == mx::float16) return cpu::ElemType::f16;
+  if (t == mx::bfloat16) return cpu::ElemType::bf16;
+  return cpu::ElemType::f32;
+}
+
+}  // namespace
+
+std::pair<mx::array, mx::array> causal_conv1d(const mx::array& x, const mx::array& weight,
+                                              const mx::array& conv_state,
+                                              const mx::array& cu_seqlens,
+                                              mx::StreamOrDevice s) {
+  // One kernel dtype: the common one, else float32 (widening is exact, and the new windows hold
+  // only inputs, so narrowing them back to conv_state's dtype matches the contract).
+  const bool same = x.dtype() == weight.dtype() && x.dtype() == conv_state.dtype();
+  const mx::Dtype dt = same ? x.dtype() : mx::float32;
+  auto outputs = mx::array::make_arrays(
+      {x.shape(), conv_state.shape()}, {dt, dt}, std::make_shared<CausalConv1d>(mx::to_stream(s)),
+      {mx::astype(x, dt, s), mx::astype(weight, dt, s), mx::astype(conv_state, dt, s),
+       cu_seqlens});
+  if (same) return {outputs[0], outputs[1]};
+  return {mx::astype(outputs[0], x.dtype(), s), mx::astype(outputs[1], conv_state.dtype(), s)};
+}
+
+metal_args::CausalConv1dParams causal_conv1d_metal_args(const std::vector<mx::array>& inputs) {
+  return {
+      .num_tokens = inputs[0].shape(0),
+      .num_seqs = inputs[2].shape(0),
+      .channels = inputs[0].shape(1),
+      .width = inputs[1].shape(1),
+  };
+}
+
+void CausalConv1d::eval_cpu(const std::vector<mx::array>& inputs,
+                            std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::vector<mx::array> in;
+  for (const mx::array& x : inputs) in.push_back(cpu::row_contiguous(x, encoder));
+  for (mx::array& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (mx::array& x : in) encoder.set_input_array(x);
+  for (mx::array& out : outputs) encoder.set_output_array(out);
+
+  const cpu::ShortConvArgs a{
+      .x = in[0].data<void>(),
+      .weight = in[1].data<void>(),
+      .conv_state = in[2].data<void>(),
+      .cu_seqlens = in[3].data<int32_t>(),
+      .out = outputs[0].data<void>(),
+      .state_out = outputs[1].data<void>(),
+      .dtype = elem_type(in[0].dtype()),
+      .num_tokens = in[0].shape(0),
+      .num_seqs = in[2].shape(0),
+      .channels = in[0].shape(1),
+      .width = in[1].shape(1),
+  };
+  encoder.dispatch([a]() { cpu::causal_conv1d(a); });
+}
+
+}  // namespace vllm_metal

@@ -1,0 +1,126 @@
+"""State pages of hybrid models: a state layer's pages live in the K/V pools of the region it
+shares with attention layers, bytes as they are; the platform sizes KV blocks so a block holds a
+page, pads vLLM's state page to the attention page, and turns prefix caching off; what the
+hybrid path does not run is refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.models.layers import StateShapes
+
+SHAPES = StateShapes(conv=(3, 40), recurrent=(2, 8, 16))  # 80 + 1024 bytes in float16 + float32
+
+
+def _pool(dtype=mx.float16, num_blocks: int = 5) -> KVPool:
+    # One page: 2 * 16 tokens * 2 heads * 32 dims * 2 bytes = 4096 bytes >= 240 + 1024.
+    return KVPool(KVLayout.single_group(1, num_blocks, 16), 2, 32, dtype)
+
+
+def _bytes(a: mx.array) -> np.ndarray:
+    return np.array(mx.view(a, mx.uint8))
+
+
+def _cache(pool, blocks, fresh) -> StateLayerCache:
+    cu = mx.array(np.arange(len(blocks) + 1, dtype=np.int32))
+    return StateLayerCache(pool, 0, SHAPES, np.array(blocks), np.array(fresh), cu)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_pages_round_trip_bit_for_bit_and_leave_other_blocks(dtype):
+    pool = _pool(dtype)
+    rng = np.random.default_rng(0)
+    # Arbitrary bit patterns, NaN payloads included: pages are bytes, never converted.
+    bits = rng.integers(0, 2**32, size=(2, *SHAPES.recurrent), dtype=np.uint32)
+    recurrent = mx.view(mx.array(bits), mx.float32)
+    conv = mx.array(rng.standard_normal((2, *SHAPES.conv)).astype(np.float32)).astype(dtype)
+    before_k, before_v = _bytes(pool.keys[0]), _bytes(pool.values[0])
+
+    _cache(pool, [3, 1], [False, False]).write(conv, recurrent)
+    got_conv, got_recurrent = _cache(pool, [1, 3], [False, False]).read()
+
+    np.testing.assert_array_equal(np.array(mx.view(got_recurrent, mx.uint32)), bits[::-1])
+    np.testing.assert_array_equal(_bytes(got_conv), _bytes(conv)[::-1])
+    for b in (0, 2, 4):
+        np.testing.assert_array_equal(_bytes(pool.keys[0])[b], before_k[b])
+        np.testing.assert_array_equal(_bytes(pool.values[0])[b], before_v[b])
+
+
+def test_fresh_requests_read_zeros_whatever_their_block_holds():
+    pool = _pool()
+    ones_r = mx.ones((2, *SHAPES.recurrent), dtype=mx.float32)
+    ones_c = mx.ones((2, *SHAPES.conv), dtype=mx.float16)
+    _cache(pool, [0, 2], [False, False]).write(ones_c, ones_r)
+    conv, recurrent = _cache(pool, [0, 2], [True, False]).read()
+    assert not np.array(recurrent[0]).any() and not np.array(conv[0].astype(mx.float32)).any()
+    assert (np.array(recurrent[1]) == 1).all() and (np.array(conv[1].astype(mx.float32)) == 1).all()
+
+
+# ----------------------------------------------------------------- startup (vLLM's config)
+
+
+def _engine_config(model: Path, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = {"max_model_len": 256, "dtype": "float32", **kwargs}
+    return EngineArgs(model=str(model), **args).create_engine_config()
+
+
+def test_blocks_hold_a_state_page_and_prefix_caching_is_off(tiny_qwen3_next_dir):
+    from vllm_metal.capabilities import hybrid_model
+
+    config = _engine_config(tiny_qwen3_next_dir, enable_prefix_caching=True)
+    cache = config.cache_config
+    assert hybrid_model(config) == f"model={str(tiny_qwen3_next_dir)!r} (qwen3_next)"
+    # State page: 2 value heads x 64 x 64 float32 + 3 x 256 conv window float32 = 35,840 bytes;
+    # an attention token is 2 x 1 KV head x 64 x 4 bytes = 512, so 70 tokens -> 80 (16s).
+    assert cache.block_size == 80
+    assert cache.mamba_page_size_padded == 80 * 512
+    assert not cache.enable_prefix_caching
+    assert cache.mamba_cache_mode == "none" and cache.mamba_block_size == 256
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"enable_lora": True}, ["--enable-lora", "qwen3_next"]),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            ["--speculative-config", "qwen3_next"],
+        ),
+        ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "qwen3_next"]),
+    ],
+    ids=["lora", "speculative", "kv_offload"],
+)
+def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwargs, names):
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_qwen3_next_dir, **kwargs)
+    message = str(info.value)
+    assert "vllm-metal" in message
+    for name in names:
+        assert name in message
+
+
+def test_other_hybrids_are_refused_naming_the_architecture():
+    """A Mamba-2 hybrid (Nemotron-H) is checked on the model-config fields the row reads: on this
+    host vLLM stops earlier for some of them (their classes import kernels it lacks)."""
+    from types import SimpleNamespace
+
+    from vllm_metal.capabilities import CAPABILITIES, SUPPORTED
+
+    model_config = SimpleNamespace(
+        model="nvidia/Nemotron-H-8B",
+        is_hybrid=True,
+        hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"]),
+        hf_text_config=SimpleNamespace(model_type="nemotron_h"),
+    )
+    config = SimpleNamespace(model_config=model_config)
+    (row,) = [c for c in CAPABILITIES if c.key == "hybrid_other"]
+    assert row.key not in SUPPORTED["mlx"]
+    assert row.requested(config) == "model='nvidia/Nemotron-H-8B' (NemotronHForCausalLM, hybrid)"

@@ -1,0 +1,135 @@
+"""The native causal_conv1d matches its reference on varlen batches (an empty sequence, sequences
+shorter than the window, odd channel counts, mixed dtypes, strided inputs, a call large enough for
+the thread pool) in every dtype, and the public entry point dispatches to it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_metal.ops import _backend
+from vllm_metal.ops.short_conv import causal_conv1d, reference
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# |native - reference| <= atol + rtol |reference| for y (float32 sums of the same inputs, rounded
+# to the dtype once). The new windows are copies of inputs: exact.
+Y_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 1e-3), "bfloat16": (1.5e-2, 8e-3)}
+
+
+def make_args(
+    rng: np.random.Generator,
+    lens: list[int],
+    channels: int,
+    width: int,
+    dtype: str,
+    weight_dtype: str | None = None,
+    state_dtype: str | None = None,
+) -> list[mx.array]:
+    t, s = sum(lens), len(lens)
+    x = mx.array(rng.standard_normal((t, channels)).astype(np.float32))
+    weight = mx.array((rng.standard_normal((channels, width)) * 0.5).astype(np.float32))
+    state = mx.array(rng.standard_normal((s, width - 1, channels)).astype(np.float32))
+    cu = mx.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    return [
+        x.astype(DTYPES[dtype]),
+        weight.astype(DTYPES[weight_dtype or dtype]),
+        state.astype(DTYPES[state_dtype or dtype]),
+        cu,
+    ]
+
+
+def check(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array], dtype: str) -> None:
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    y, want_y = (np.asarray(a.astype(mx.float32)) for a in (got[0], want[0]))
+    atol, rtol = Y_TOL[dtype]
+    np.testing.assert_allclose(y, want_y, atol=atol, rtol=rtol)
+    np.testing.assert_array_equal(
+        np.asarray(got[1].astype(mx.float32)), np.asarray(want[1].astype(mx.float32))
+    )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    "lens,channels,width",
+    [
+        ([7, 1, 0, 3], 64, 4),  # a sequence shorter than the window, an empty one
+        ([2, 0, 9], 37, 2),  # odd channel count, the narrowest window
+        ([1, 1, 1], 96, 4),  # decode rows
+    ],
+)
+def test_matches_reference(
+    native: ModuleType, dtype: str, lens: list[int], channels: int, width: int
+) -> None:
+    args = make_args(np.random.default_rng(channels + width), lens, channels, width, dtype)
+    got = native.causal_conv1d(*args)
+    mx.eval(*got)
+    check(got, reference.causal_conv1d(*args), dtype)
+    for s in np.flatnonzero(np.asarray(lens) == 0):
+        # A sequence with no tokens keeps its window.
+        np.testing.assert_array_equal(
+            np.asarray(got[1][int(s)].astype(mx.float32)),
+            np.asarray(args[2][int(s)].astype(mx.float32)),
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype,weight_dtype,state_dtype",
+    [("bfloat16", "float32", "float32"), ("float32", "float16", "bfloat16")],
+)
+def test_mixed_dtypes(native: ModuleType, dtype: str, weight_dtype: str, state_dtype: str) -> None:
+    args = make_args(np.random.default_rng(5), [5, 2], 24, 4, dtype, weight_dtype, state_dtype)
+    check(native.causal_conv1d(*args), reference.causal_conv1d(*args), dtype)
+
+
+def test_no_tokens_at_all(native: ModuleType) -> None:
+    args = make_args(np.random.default_rng(0), [0, 0], 8, 3, "float16")
+    y, state = native.causal_conv1d(*args)
+    assert y.shape == (0, 8)
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(args[2]))
+
+
+def test_strided_inputs(native: ModuleType) -> None:
+    # x a slice of a fused projection, weight and state transposed views.
+    args = make_args(np.random.default_rng(1), [4, 6], 16, 4, "float32")
+    args[0] = mx.concatenate([args[0], args[0]], axis=-1)[:, 16:]
+    args[1] = mx.array(np.ascontiguousarray(np.asarray(args[1]).T)).T
+    args[2] = mx.swapaxes(
+        mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(args[2]), 1, 2))), 1, 2
+    )
+    check(native.causal_conv1d(*args), reference.causal_conv1d(*args), "float32")
+
+
+def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
+    args = make_args(np.random.default_rng(2), [150, 0, 3, 180], 256, 4, "bfloat16")
+    want = reference.causal_conv1d(*args)
+    mx.eval(*want)
+    native.set_num_threads(2)
+    got = native.causal_conv1d(*args)
+    mx.eval(*got)
+    native.set_num_threads(0)
+    check(got, want, "bfloat16")
+
+
+def test_entry_point_dispatches_to_native(native: ModuleType, monkeypatch) -> None:
+    args = make_args(np.random.default_rng(3), [3, 2], 8, 4, "float16")
+    calls = []
+    monkeypatch.setattr(_backend, "native", lambda: native)
+    real = native.causal_conv1d
+    monkeypatch.setattr(native, "causal_conv1d", lambda *a: calls.append(1) or real(*a))
+    check(causal_conv1d(*args), reference.causal_conv1d(*args), "float16")
+    assert calls == [1]
+
+
+def test_metal_plan(native: ModuleType) -> None:
+    from vllm_metal import _C
+
+    most = _C.CONSTANTS["SHORT_CONV_MAX_THREADS"]
+    plan = _C.select_causal_conv1d_kernel("f16", 10, 3, most + 1, 4)
+    assert plan == {"kernel": "causal_conv1d_f16", "threads": most, "grid": [2, 10 + 3 * 3, 1]}
+    assert _C.select_causal_conv1d_kernel("f32", 1, 1, 37, 2)["threads"] == 64
+    with pytest.raises(ValueError, match="dtype"):
+        _C.select_causal_conv1d_kernel("f64", 1, 1, 8, 2)

@@ -1,0 +1,77 @@
+"""Qwen3-Next: Gated DeltaNet (linear-attention) layers, three to each gated full-attention layer,
+and MoE blocks with a shared expert. mlx-lm's decoder takes no input embeddings, and its
+linear-attention layer keeps a dense per-batch state; here that layer reads and writes its
+requests' state pages (`kv.state.StateLayerCache`) and runs the packed ops
+`ops.causal_conv1d` and `ops.gated_delta_rule` over the step's varlen batch. The full-attention
+layers go through the paged attention like any mlx-lm family. Mirrors mlx-lm 0.32.2
+(`models/qwen3_next.py`, `models/gated_delta.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
+
+from vllm_metal import ops
+from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.models.adapter import ModelAdapter
+
+_MARK = "__vllm_metal_state__"
+
+
+class Adapter(ModelAdapter):
+    def install_paged_attention(self) -> None:
+        super().install_paged_attention()
+        _route_state_layers(Qwen3NextGatedDeltaNet)
+
+    def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
+        # Qwen3NextModel.__call__ with embeddings in; rows are single tokens and the state
+        # layers take their sequences from their caches, so no masks.
+        decoder = self.decoder
+        h = input_embeds
+        for layer, cache in zip(self.model.layers, caches):
+            h = layer(h, None, cache)
+        return decoder.norm(h)
+
+
+def _route_state_layers(layer_cls: type) -> None:
+    """Make the linear-attention layer run `_packed_gated_delta_net` on a state-page cache."""
+    if getattr(layer_cls, _MARK, False):
+        return
+    original = layer_cls.__call__
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if isinstance(cache, StateLayerCache):
+            return _packed_gated_delta_net(self, inputs, cache)
+        return original(self, inputs, mask, cache)
+
+    layer_cls.__call__ = __call__
+    setattr(layer_cls, _MARK, True)
+
+
+def _packed_gated_delta_net(
+    layer: Qwen3NextGatedDeltaNet, inputs: mx.array, cache: StateLayerCache
+) -> mx.array:
+    """The layer over packed rows (`[T, 1, hidden]`, each row one token of some request)."""
+    t = inputs.shape[0]
+    nk, dk = layer.num_k_heads, layer.head_k_dim
+    nv, dv = layer.num_v_heads, layer.head_v_dim
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(
+        layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs)
+    )
+    mixed = mx.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+    conv_state, state = cache.read()
+    conv_out, conv_state = ops.causal_conv1d(
+        mixed, layer.conv1d.weight[:, :, 0], conv_state, cache.cu_seqlens
+    )
+    q, k, v = mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], axis=-1)
+    q, k = normalize_qk(q.reshape(t, nk, dk), k.reshape(t, nk, dk), inv_scale=dk**-0.5, eps=1e-6)
+    beta = mx.sigmoid(b).reshape(t, nv).astype(mx.float32)
+    g = compute_g(layer.A_log, a, layer.dt_bias).reshape(t, nv).astype(mx.float32)
+    out, state = ops.gated_delta_rule(q, k, v.reshape(t, nv, dv), g, beta, state, cache.cu_seqlens)
+    cache.write(conv_state, state)
+    out = layer.norm(out.reshape(t, 1, nv, dv), z)
+    return layer.out_proj(out.reshape(t, 1, -1))
