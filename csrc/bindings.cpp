@@ -25,6 +25,8 @@
 #include "ops/cache/plan.h"
 #include "ops/gated_delta/op.h"
 #include "ops/gated_delta/plan.h"
+#include "ops/mamba2/op.h"
+#include "ops/mamba2/plan.h"
 #include "ops/short_conv/op.h"
 #include "ops/short_conv/plan.h"
 
@@ -67,6 +69,8 @@ nb::dict constants() {
   VM_NUMBER_(GATED_DELTA_ROWS)
   VM_NUMBER_(GATED_DELTA_MAX_KEY_DIM)
   VM_NUMBER_(SHORT_CONV_MAX_THREADS)
+  VM_NUMBER_(MAMBA2_ROWS)
+  VM_NUMBER_(MAMBA2_MAX_STATE_DIM)
   VM_NUMBER_(PARTITION_SIZE)
   VM_NUMBER_(PARTITION_ALIGN)
   VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
@@ -89,7 +93,7 @@ nb::dict constants() {
 
 std::vector<int> triple(const int (&v)[3]) { return {v[0], v[1], v[2]}; }
 
-// A one-kernel launch (gated_delta_rule, causal_conv1d) as a dict.
+// A one-kernel launch (gated_delta_rule, causal_conv1d, mamba2_scan) as a dict.
 template <typename Launch>
 nb::dict simple_launch(const Launch& l) {
   nb::dict d;
@@ -145,7 +149,7 @@ NB_MODULE(_C, m) {
   namespace mx = mlx::core;
   m.doc() =
       "Native ops of vllm-metal (MLX primitives): paged KV-cache writes, paged attention, the "
-      "gated delta rule and the causal short convolution.";
+      "gated delta rule, the causal short convolution and the Mamba-2 scan.";
 
   m.attr("MLX_VERSION") = VM_STR(MLX_VERSION_MAJOR) "." VM_STR(MLX_VERSION_MINOR) "." VM_STR(
       MLX_VERSION_PATCH);
@@ -177,8 +181,11 @@ NB_MODULE(_C, m) {
         "state"_a, "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.gated_delta_rule without argument checks. Returns (y, state).");
   m.def("causal_conv1d", &vm::causal_conv1d, "x"_a, "weight"_a, "conv_state"_a, "cu_seqlens"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
+        "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.causal_conv1d without argument checks. Returns (y, conv_state).");
+  m.def("mamba2_scan", &vm::mamba2_scan, "x"_a, "dt"_a, "A"_a, "B"_a, "C"_a, "D"_a, "state"_a,
+        "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "vllm_metal.ops.mamba2_scan without argument checks. Returns (y, state).");
 
   // The Metal planners: plain shapes in, plain dicts out (no GPU needed).
   m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
@@ -215,12 +222,21 @@ NB_MODULE(_C, m) {
       "dtype"_a, "num_tokens"_a, "num_seqs"_a, "channels"_a, "width"_a,
       "Kernel, threadgroup size and grid of one causal_conv1d call.");
   m.def(
+      "select_mamba2_scan_kernel",
+      [](const std::string& dtype, int num_heads, int head_dim, int state_dim, int num_seqs) {
+        return simple_launch(
+            vm::select_mamba2_scan_kernel(dtype, num_heads, head_dim, state_dim, num_seqs));
+      },
+      "dtype"_a, "num_heads"_a, "head_dim"_a, "state_dim"_a, "num_seqs"_a,
+      "Kernel, threadgroup size and grid of one mamba2_scan call.");
+  m.def(
       "all_kernel_names",
       [] {
         std::vector<std::string> names = vm::cache_kernel_names();
         for (auto& n : vm::attention_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::gated_delta_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::short_conv_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::mamba2_kernel_names()) names.push_back(std::move(n));
         return names;
       },
       "Every Metal kernel name the host can request (the instances of constants.h).");

@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 3
+#define VM_OPS_ABI 4
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -72,6 +72,10 @@
 #define VM_GATED_DELTA_MAX_KEY_DIM 256
 // causal_conv1d: most threads per threadgroup (one thread per channel of a row).
 #define VM_SHORT_CONV_MAX_THREADS 256
+// mamba2_scan: state rows (head-dim entries) per threadgroup (one simdgroup each), and the largest
+// state size its kernel holds in registers (a multiple of the SIMD width; the CPU body takes any).
+#define VM_MAMBA2_ROWS 4
+#define VM_MAMBA2_MAX_STATE_DIM 256
 
 // ---- split-KV decode ---------------------------------------------------------------------------
 // Keys per partition (a multiple of every block divisor and of the alignment).
@@ -164,6 +168,7 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_NAX(DT, D) "paged_attention_nax_" #DT "_d" #D
 #define VM_KERNEL_NAME_GATED_DELTA(DT) "gated_delta_rule_" #DT
 #define VM_KERNEL_NAME_SHORT_CONV(DT) "causal_conv1d_" #DT
+#define VM_KERNEL_NAME_MAMBA2(DT) "mamba2_scan_" #DT
 
 #define VM_WITH_DTYPE_(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
 #define VM_WITH_HEAD_(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
@@ -180,9 +185,10 @@ constexpr int vm_block_divisor(int block_size) {
 
 // X(tag, msl_type, bytes): reshape_and_cache.
 #define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
-// X(tag, msl_type, bytes): gated_delta_rule and causal_conv1d.
+// X(tag, msl_type, bytes): gated_delta_rule, causal_conv1d and mamba2_scan.
 #define VM_GATED_DELTA_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 #define VM_SHORT_CONV_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+#define VM_MAMBA2_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).
 #define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM_DECODE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): the split-KV reduce kernel of decode and gqa.

@@ -124,3 +124,14 @@ def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
 
     return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next") / "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Granite 4.0-H hybrid checkpoint (`vllm_metal.testing.tiny_granitemoehybrid`),
+    once per session."""
+    from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+
+    return write_tiny_granitemoehybrid(
+        tmp_path_factory.mktemp("tiny-granitemoehybrid") / "granitemoehybrid"
+    )

@@ -238,15 +238,15 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     Capability(
         "hybrid",
-        "hybrid models with Gated DeltaNet state layers (Qwen3-Next)",
+        "hybrid models with Gated DeltaNet or Mamba-2 state layers (Qwen3-Next, Granite 4.0-H)",
         "serve a model with attention layers only",
         hybrid_model,
     ),
     Capability(
         "hybrid_other",
-        "hybrid models with state layers other than Gated DeltaNet (Mamba, short convolutions, "
-        "linear attention of other kinds)",
-        "serve a Qwen3-Next-style hybrid or a model with attention layers only",
+        "hybrid models other than Qwen3-Next and Granite 4.0-H (other Mamba layouts, short "
+        "convolutions, linear attention of other kinds)",
+        "serve one of those hybrids or a model with attention layers only",
         _other_hybrid,
     ),
     Capability(

@@ -6,6 +6,7 @@
 #include "ops/attention/op.h"
 #include "ops/cache/op.h"
 #include "ops/gated_delta/op.h"
+#include "ops/mamba2/op.h"
 #include "ops/short_conv/op.h"
 
 namespace vllm_metal {
@@ -34,6 +35,10 @@ void GatedDeltaRule::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 
 void CausalConv1d::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   no_metal("causal_conv1d");
+}
+
+void Mamba2Scan::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_metal("mamba2_scan");
 }
 
 }  // namespace vllm_metal

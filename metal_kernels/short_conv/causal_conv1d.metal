@@ -11,9 +11,9 @@
 // min(VM_SHORT_CONV_MAX_THREADS, round_up(C, 32)) threads. Thread i of threadgroup (x, r) owns
 // channel c = x * threads + i of row r. With u_s a sequence's window followed by its tokens:
 // row r < T is token r of sequence s (cu_seqlens[s] <= r < cu_seqlens[s + 1], found by binary
-// search), y[r, c] = silu(sum_j weight[c, j] u_s[r - cu_seqlens[s] + j]); row T + s (K - 1) + e
-// is entry e of sequence s's new window, u_s[len_s + e]. A token row outside every sequence is
-// zero.
+// search), y[r, c] = silu(b[c] + sum_j weight[c, j] u_s[r - cu_seqlens[s] + j]), b the bias when
+// p.has_bias (else 0); row T + s (K - 1) + e is entry e of sequence s's new window,
+// u_s[len_s + e]. A token row outside every sequence is zero.
 
 #include <metal_stdlib>
 
@@ -37,6 +37,7 @@ template <typename T>
     const device T* weight [[buffer(SC_BUF_WEIGHT)]],
     const device T* conv_state [[buffer(SC_BUF_CONV_STATE)]],
     const device int* cu_seqlens [[buffer(SC_BUF_CU_SEQLENS)]],
+    const device T* bias [[buffer(SC_BUF_BIAS)]],
     device T* out [[buffer(SC_BUF_OUT)]],
     device T* state_out [[buffer(SC_BUF_STATE_OUT)]],
     constant CausalConv1dParams& p [[buffer(SC_BUF_PARAMS)]],
@@ -76,6 +77,7 @@ template <typename T>
   float acc = 0.0f;
   if (p.num_seqs > 0 && cu_seqlens[s] <= r && r < cu_seqlens[s + 1]) {
     const int begin = cu_seqlens[s];
+    acc = p.has_bias ? float(bias[c]) : 0.0f;
     for (int j = 0; j < p.width; ++j) {
       const float w = float(weight[long(c) * p.width + j]);
       acc += w * window_input(x, conv_state, p, s, begin, r - begin + j, c);

@@ -72,16 +72,22 @@ def _engine_config(model: Path, **kwargs):
     return EngineArgs(model=str(model), **args).create_engine_config()
 
 
-def test_blocks_hold_a_state_page_and_prefix_caching_is_off(tiny_qwen3_next_dir):
+@pytest.mark.parametrize(
+    ("family", "block_size"),
+    # State page: Qwen3-Next 2 value heads x 64 x 64 float32 + 3 x 256 conv window float32 =
+    # 35,840 bytes; Granite 4.0-H 4 heads x 32 x 32 float32 + 3 x 256 = 19,456 bytes. An
+    # attention token is 2 x 1 KV head x 64 x 4 bytes = 512: 70 -> 80 and 38 -> 48 tokens (16s).
+    [("qwen3_next", 80), ("granitemoehybrid", 48)],
+)
+def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, block_size):
     from vllm_metal.capabilities import hybrid_model
 
-    config = _engine_config(tiny_qwen3_next_dir, enable_prefix_caching=True)
+    model = request.getfixturevalue(f"tiny_{family}_dir")
+    config = _engine_config(model, enable_prefix_caching=True)
     cache = config.cache_config
-    assert hybrid_model(config) == f"model={str(tiny_qwen3_next_dir)!r} (qwen3_next)"
-    # State page: 2 value heads x 64 x 64 float32 + 3 x 256 conv window float32 = 35,840 bytes;
-    # an attention token is 2 x 1 KV head x 64 x 4 bytes = 512, so 70 tokens -> 80 (16s).
-    assert cache.block_size == 80
-    assert cache.mamba_page_size_padded == 80 * 512
+    assert hybrid_model(config) == f"model={str(model)!r} ({family})"
+    assert cache.block_size == block_size
+    assert cache.mamba_page_size_padded == block_size * 512
     assert not cache.enable_prefix_caching
     assert cache.mamba_cache_mode == "none" and cache.mamba_block_size == 256
 

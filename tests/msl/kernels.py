@@ -27,6 +27,7 @@ FAMILY_SOURCE = {
     "nax": "attention/nax.metal",
     "gated_delta_rule": "gated_delta/gated_delta_rule.metal",
     "causal_conv1d": "short_conv/causal_conv1d.metal",
+    "mamba2_scan": "mamba2/mamba2_scan.metal",
 }
 
 _FIELD_TYPES = {"int": "<i4", "long_t": "<i8", "float": "<f4"}
@@ -54,6 +55,8 @@ GDR_BUF = _buffer_slots("gated_delta", "GDR_BUF_")
 GDR_PARAMS = _struct("gated_delta", "GatedDeltaParams")
 SC_BUF = _buffer_slots("short_conv", "SC_BUF_")
 SC_PARAMS = _struct("short_conv", "CausalConv1dParams")
+M2_BUF = _buffer_slots("mamba2", "M2_BUF_")
+M2_PARAMS = _struct("mamba2", "Mamba2ScanParams")
 
 
 @functools.cache
@@ -135,7 +138,8 @@ def _single_launch(
 
 
 # --------------------------------------------------------------------------------------------
-# gated_delta_rule and causal_conv1d (outputs start as NaN: rows a kernel leaves out show)
+# gated_delta_rule, causal_conv1d and mamba2_scan (outputs start as NaN: rows a kernel leaves
+# out show)
 # --------------------------------------------------------------------------------------------
 
 
@@ -181,24 +185,64 @@ def causal_conv1d(
     conv_state: np.ndarray,
     cu_seqlens: np.ndarray,
     dtype: str,
+    bias: np.ndarray | None = None,
     kernel_dir: Path = KERNEL_DIR,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Run causal_conv1d_<dtype>; float32 in (representable in dtype), float32 out."""
+    """Run causal_conv1d_<dtype>; float32 in (representable in dtype), float32 out. Without a
+    bias, a one-element NaN buffer is bound in its slot (the host binds another buffer there)."""
     T, C = x.shape
     S, keep, _ = conv_state.shape
     launch = native().select_causal_conv1d_kernel(dtype, T, S, C, keep + 1)
     p = np.zeros((), SC_PARAMS)
     p["num_tokens"], p["num_seqs"], p["channels"], p["width"] = T, S, C, keep + 1
+    p["has_bias"] = bias is not None
     bufs = {
         "x": to_device(x, dtype),
         "weight": to_device(weight, dtype),
         "conv_state": to_device(conv_state, dtype),
         "cu_seqlens": cu_seqlens.astype(np.int32),
+        "bias": to_device(np.full(1, np.nan, np.float32) if bias is None else bias, dtype),
         "out": to_device(np.full(x.shape, np.nan, np.float32), dtype),
         "state_out": to_device(np.full(conv_state.shape, np.nan, np.float32), dtype),
     }
     r = _single_launch("causal_conv1d", launch, SC_BUF, p, bufs, ["out", "state_out"], kernel_dir)
     return from_device(r["out"], dtype), from_device(r["state_out"], dtype)
+
+
+def mamba2_scan(
+    x: np.ndarray,
+    dt: np.ndarray,
+    A: np.ndarray,
+    B: np.ndarray,
+    C: np.ndarray,
+    D: np.ndarray,
+    state: np.ndarray,
+    cu_seqlens: np.ndarray,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run mamba2_scan_<dtype>; float32 in (x/B/C representable in dtype), float32 out."""
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    S = state.shape[0]
+    launch = native().select_mamba2_scan_kernel(dtype, H, P, N, S)
+    p = np.zeros((), M2_PARAMS)
+    p["num_tokens"], p["num_seqs"], p["num_heads"], p["num_groups"] = T, S, H, G
+    p["head_dim"], p["state_dim"] = P, N
+    bufs = {
+        "x": to_device(x, dtype),
+        "dt": dt.astype(np.float32),
+        "a": A.astype(np.float32),
+        "b": to_device(B, dtype),
+        "c": to_device(C, dtype),
+        "d": D.astype(np.float32),
+        "state": state.astype(np.float32),
+        "cu_seqlens": cu_seqlens.astype(np.int32),
+        "out": to_device(np.full(x.shape, np.nan, np.float32), dtype),
+        "state_out": np.full(state.shape, np.nan, np.float32),
+    }
+    r = _single_launch("mamba2_scan", launch, M2_BUF, p, bufs, ["out", "state_out"], kernel_dir)
+    return from_device(r["out"], dtype), r["state_out"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,6 +111,11 @@ def test_host_launches_stay_within_the_pipeline_limits() -> None:
     ):
         launch = C.select_causal_conv1d_kernel(dt, 10, 3, channels, width)
         check(launch["kernel"], launch["threads"], (dt, channels, width))
+    for (dt, *_), h, p, n in itertools.product(
+        C.CONSTANTS["FLOAT_DTYPES"], (1, 8, 48), (1, 5, 64), (1, 16, 37, 128, 256)
+    ):
+        launch = C.select_mamba2_scan_kernel(dt, h, p, n, 3)
+        check(launch["kernel"], launch["threads"], (dt, h, p, n))
     assert planned > 2000
     assert set(launched) == {f.function for f in facts.values()}, "a kernel the grid never plans"
 

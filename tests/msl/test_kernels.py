@@ -435,8 +435,8 @@ def test_nax_prefill(
 
 
 # ---------------------------------------------------------------------------------------------
-# gated_delta_rule and causal_conv1d (one kernel each; the host's launch; the references of
-# vllm_metal/ops/gated_delta and vllm_metal/ops/short_conv)
+# gated_delta_rule, causal_conv1d and mamba2_scan (one kernel each; the host's launch; the
+# references of vllm_metal/ops/gated_delta, vllm_metal/ops/short_conv and vllm_metal/ops/mamba2)
 # ---------------------------------------------------------------------------------------------
 
 # |kernel - reference| <= atol + rtol |reference|: the kernels and the references read the same
@@ -488,14 +488,17 @@ def test_gated_delta_rule(dtype: str, lens: list[int], hk: int, hv: int, dk: int
 
 
 @pytest.mark.parametrize(
-    "dtype,lens,channels,width",
+    "dtype,lens,channels,width,with_bias",
     [
-        ("f32", [7, 1, 0, 3], 37, 4),  # a sequence shorter than the window, an empty one
-        ("f16", [2, 9], 64, 2),
-        ("bf16", [0, 4, 1], 300, 3),  # two channel blocks, the second partial
+        ("f32", [7, 1, 0, 3], 37, 4, False),  # a sequence shorter than the window, an empty one
+        ("f16", [2, 9], 64, 2, False),
+        ("bf16", [0, 4, 1], 300, 3, False),  # two channel blocks, the second partial
+        ("f16", [7, 1, 0, 3], 37, 4, True),  # a bias
     ],
 )
-def test_causal_conv1d(dtype: str, lens: list[int], channels: int, width: int) -> None:
+def test_causal_conv1d(
+    dtype: str, lens: list[int], channels: int, width: int, with_bias: bool
+) -> None:
     import mlx.core as mx
 
     from vllm_metal.ops.short_conv import reference as ref
@@ -505,8 +508,42 @@ def test_causal_conv1d(dtype: str, lens: list[int], channels: int, width: int) -
     x = O.quantize(rng.standard_normal((T, channels)), dtype)
     weight = O.quantize(rng.standard_normal((channels, width)) * 0.5, dtype)
     conv_state = O.quantize(rng.standard_normal((S, width - 1, channels)), dtype)
+    bias = O.quantize(rng.standard_normal(channels), dtype) if with_bias else None
     cu = _cu(lens)
-    y, new_state = K.causal_conv1d(x, weight, conv_state, cu, dtype)
-    want_y, want_state = ref.causal_conv1d(*(mx.array(a) for a in (x, weight, conv_state, cu)))
+    y, new_state = K.causal_conv1d(x, weight, conv_state, cu, dtype, bias)
+    args = [x, weight, conv_state, cu] + ([bias] if with_bias else [])
+    want_y, want_state = ref.causal_conv1d(*(mx.array(a) for a in args))
     assert_close(y, np.array(want_y), dtype, "y")
     np.testing.assert_array_equal(new_state, np.array(want_state))  # windows are copies
+
+
+@pytest.mark.parametrize(
+    "dtype,lens,h,g,p,n",
+    [
+        ("f16", [7, 1, 0, 3], 4, 2, 64, 128),  # two heads per group, an empty sequence
+        ("f32", [3, 0, 5], 3, 1, 5, 37),  # odd sizes: partial lanes, partial row block
+        ("bf16", [1, 1, 1], 4, 4, 6, 256),  # decode rows, one head per group, the widest state
+        ("f32", [4, 2], 4, 1, 32, 16),  # one group for all heads, a state narrower than a simdgroup
+    ],
+)
+def test_mamba2_scan(dtype: str, lens: list[int], h: int, g: int, p: int, n: int) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.mamba2 import reference as ref
+
+    rng = np.random.default_rng(p * n + h + g)
+    T, S = sum(lens), len(lens)
+    x = O.quantize(rng.standard_normal((T, h, p)), dtype)
+    dt = rng.uniform(0.01, 0.5, (T, h)).astype(np.float32)
+    A = -rng.uniform(0.5, 4.0, h).astype(np.float32)
+    B = O.quantize(rng.standard_normal((T, g, n)), dtype)
+    C = O.quantize(rng.standard_normal((T, g, n)) / np.sqrt(n), dtype)
+    D = rng.standard_normal(h).astype(np.float32)
+    state = (rng.standard_normal((S, h, p, n)) * 0.5).astype(np.float32)
+    cu = _cu(lens)
+    y, new_state = K.mamba2_scan(x, dt, A, B, C, D, state, cu, dtype)
+    want_y, want_state = ref.mamba2_scan(*(mx.array(a) for a in (x, dt, A, B, C, D, state, cu)))
+    assert_close(y, np.array(want_y), dtype, "y")
+    assert_close(new_state, np.array(want_state), "f32", "state")
+    for s in np.flatnonzero(np.asarray(lens) == 0):
+        np.testing.assert_array_equal(new_state[s], state[s])  # no tokens: state kept

@@ -1,6 +1,6 @@
 """The native causal_conv1d matches its reference on varlen batches (an empty sequence, sequences
-shorter than the window, odd channel counts, mixed dtypes, strided inputs, a call large enough for
-the thread pool) in every dtype, and the public entry point dispatches to it.
+shorter than the window, odd channel counts, a bias, mixed dtypes, strided inputs, a call large
+enough for the thread pool) in every dtype, and the public entry point dispatches to it.
 """
 
 from __future__ import annotations
@@ -28,18 +28,25 @@ def make_args(
     dtype: str,
     weight_dtype: str | None = None,
     state_dtype: str | None = None,
+    bias_dtype: str | None = None,
 ) -> list[mx.array]:
+    """x, weight, conv_state, cu_seqlens, and a bias [C] when ``bias_dtype`` is given."""
     t, s = sum(lens), len(lens)
     x = mx.array(rng.standard_normal((t, channels)).astype(np.float32))
     weight = mx.array((rng.standard_normal((channels, width)) * 0.5).astype(np.float32))
     state = mx.array(rng.standard_normal((s, width - 1, channels)).astype(np.float32))
     cu = mx.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-    return [
+    args = [
         x.astype(DTYPES[dtype]),
         weight.astype(DTYPES[weight_dtype or dtype]),
         state.astype(DTYPES[state_dtype or dtype]),
         cu,
     ]
+    if bias_dtype is not None:
+        args.append(
+            mx.array(rng.standard_normal(channels).astype(np.float32)).astype(DTYPES[bias_dtype])
+        )
+    return args
 
 
 def check(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array], dtype: str) -> None:
@@ -85,6 +92,29 @@ def test_mixed_dtypes(native: ModuleType, dtype: str, weight_dtype: str, state_d
     check(native.causal_conv1d(*args), reference.causal_conv1d(*args), dtype)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("lens,channels,width", [([7, 1, 0, 3], 64, 4), ([2, 0, 9], 37, 2)])
+def test_bias_matches_reference(
+    native: ModuleType, dtype: str, lens: list[int], channels: int, width: int
+) -> None:
+    rng = np.random.default_rng(channels + width + 1)
+    args = make_args(rng, lens, channels, width, dtype, bias_dtype=dtype)
+    got = native.causal_conv1d(*args)
+    check(got, reference.causal_conv1d(*args), dtype)
+    # The bias is applied: without it the outputs differ.
+    assert not np.allclose(
+        np.asarray(got[0].astype(mx.float32)),
+        np.asarray(native.causal_conv1d(*args[:4])[0].astype(mx.float32)),
+        atol=0.1,
+    )
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "float32"), ("float32", "float16")])
+def test_bias_of_another_dtype(native: ModuleType, dtype: str, bias_dtype: str) -> None:
+    args = make_args(np.random.default_rng(6), [5, 2], 24, 4, dtype, bias_dtype=bias_dtype)
+    check(native.causal_conv1d(*args), reference.causal_conv1d(*args), dtype)
+
+
 def test_no_tokens_at_all(native: ModuleType) -> None:
     args = make_args(np.random.default_rng(0), [0, 0], 8, 3, "float16")
     y, state = native.causal_conv1d(*args)
@@ -104,7 +134,9 @@ def test_strided_inputs(native: ModuleType) -> None:
 
 
 def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
-    args = make_args(np.random.default_rng(2), [150, 0, 3, 180], 256, 4, "bfloat16")
+    args = make_args(
+        np.random.default_rng(2), [150, 0, 3, 180], 256, 4, "bfloat16", None, None, "bfloat16"
+    )
     want = reference.causal_conv1d(*args)
     mx.eval(*want)
     native.set_num_threads(2)
@@ -115,13 +147,14 @@ def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
 
 
 def test_entry_point_dispatches_to_native(native: ModuleType, monkeypatch) -> None:
-    args = make_args(np.random.default_rng(3), [3, 2], 8, 4, "float16")
+    args = make_args(np.random.default_rng(3), [3, 2], 8, 4, "float16", bias_dtype="float16")
     calls = []
     monkeypatch.setattr(_backend, "native", lambda: native)
     real = native.causal_conv1d
-    monkeypatch.setattr(native, "causal_conv1d", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "causal_conv1d", lambda *a: calls.append(len(a)) or real(*a))
+    check(causal_conv1d(*args[:4]), reference.causal_conv1d(*args[:4]), "float16")
     check(causal_conv1d(*args), reference.causal_conv1d(*args), "float16")
-    assert calls == [1]
+    assert calls == [5, 5]
 
 
 def test_metal_plan(native: ModuleType) -> None:

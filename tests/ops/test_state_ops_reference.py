@@ -1,12 +1,14 @@
 """The references of the state-layer ops against independent implementations: mlx-lm's own gated
-delta recurrence (`gated_delta_ops`, one sequence at a time) and MLX's depthwise `nn.Conv1d` over
-each sequence's window and tokens. Varlen batches with GQA value heads and an empty sequence."""
+delta recurrence (`gated_delta_ops`) and Mamba-2 scan (`ssm_attn`, its chunked SSD form), one
+sequence at a time, and MLX's depthwise `nn.Conv1d` over each sequence's window and tokens.
+Varlen batches with grouped heads and an empty sequence."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx import nn
 import numpy as np
+import pytest
+from mlx import nn
 
 from vllm_metal.ops import reference
 
@@ -54,16 +56,20 @@ def test_gated_delta_rule_reference_matches_mlx_lm_per_sequence():
         )
 
 
-def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence():
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence(with_bias):
     cu_mx, cu = _cu()
     channels, width = 8, 4
     rng = np.random.default_rng(1)
     x = mx.array(rng.standard_normal((int(cu[-1]), channels)).astype(np.float32))
     weight = mx.array(rng.standard_normal((channels, width)).astype(np.float32))
     window = mx.array(rng.standard_normal((len(LENGTHS), width - 1, channels)).astype(np.float32))
-    y, new_window = reference.causal_conv1d(x, weight, window, cu_mx)
-    conv = nn.Conv1d(channels, channels, width, groups=channels, bias=False)
+    bias = mx.array(rng.standard_normal(channels).astype(np.float32)) if with_bias else None
+    y, new_window = reference.causal_conv1d(x, weight, window, cu_mx, bias)
+    conv = nn.Conv1d(channels, channels, width, groups=channels, bias=with_bias)
     conv.weight = weight[:, :, None]  # MLX's [out, kernel, in / groups]
+    if with_bias:
+        conv.bias = bias
     for s in range(len(LENGTHS)):
         a, b = cu[s], cu[s + 1]
         u = mx.concatenate([window[s], x[a:b]])
@@ -71,3 +77,35 @@ def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence():
             want = nn.silu(conv(u[None]))[0]
             np.testing.assert_allclose(np.array(y[a:b]), np.array(want), atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(np.array(new_window[s]), np.array(u[-(width - 1) :]))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_scan_reference_matches_mlx_lm_ssd_per_sequence(groups):
+    from mlx_lm.models.ssm import compute_dt, ssm_attn
+
+    cu_mx, cu = _cu()
+    t, heads, head_dim, state_size = int(cu[-1]), 4, 8, 16
+    rng = np.random.default_rng(2)
+
+    def rand(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    x, dt_raw, dt_bias, D = rand(t, heads, head_dim), rand(t, heads), rand(heads), rand(heads)
+    B, C = rand(t, groups, state_size), rand(t, groups, state_size)
+    A_log = mx.log(mx.arange(1, heads + 1).astype(mx.float32))
+    state = rand(len(LENGTHS), heads, head_dim, state_size)
+    dt = compute_dt(dt_raw, dt_bias, (0.001, 100.0))
+    y, new_state = reference.mamba2_scan(x, dt, -mx.exp(A_log), B, C, D, state, cu_mx)
+    for s in range(len(LENGTHS)):
+        a, b = cu[s], cu[s + 1]
+        if a == b:
+            np.testing.assert_array_equal(np.array(new_state[s]), np.array(state[s]))
+            continue
+        want_y, want_state = ssm_attn(
+            x[None, a:b], A_log, B[None, a:b], C[None, a:b], D, dt_raw[None, a:b], dt_bias,
+            state[s : s + 1],
+        )  # fmt: skip
+        np.testing.assert_allclose(np.array(y[a:b]), np.array(want_y[0]), atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(
+            np.array(new_state[s]), np.array(want_state[0]), atol=2e-5, rtol=2e-5
+        )

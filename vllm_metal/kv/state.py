@@ -1,4 +1,5 @@
-"""Recurrent-state memory of hybrid models (Gated DeltaNet layers between attention layers).
+"""Recurrent-state memory of hybrid models (Gated DeltaNet or Mamba-2 layers between attention
+layers).
 
 vLLM manages a state layer like an attention layer with a `MambaSpec`: its group's block table
 gives each running request one state block, allocated when the request is scheduled and freed
@@ -7,8 +8,8 @@ hybrids, so a preempted request recomputes its prompt). vLLM lays the state grou
 memory as the attention groups, one page per block id, which is sound because a block id belongs
 to one group at a time. So a state layer keeps its pages in the K/V pools of the region it
 shares: block `b`'s page is the bytes of `keys[region][b]` followed by those of
-`values[region][b]`, holding the float32 recurrent state `[Hv, Dv, Dk]` and then the convolution
-window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows and written
+`values[region][b]`, holding the float32 recurrent state (`StateShapes.recurrent`) and then the
+convolution window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows and written
 with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copies bytes as they
 are, in place.
 
@@ -76,6 +77,9 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     cache.mamba_page_size_padded = cache.block_size * token_bytes
 
 
+_MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2"}
+
+
 def mamba_spec(shapes: StateShapes, dtype: Any, cache: CacheConfig):
     """vLLM's spec of one state layer (`dtype`: the torch cache dtype of the conv window), as
     `align_block_size` set the cache config up."""
@@ -88,7 +92,7 @@ def mamba_spec(shapes: StateShapes, dtype: Any, cache: CacheConfig):
         dtypes=(dtype, torch.float32),
         block_size=cache.mamba_block_size,
         page_size_padded=cache.mamba_page_size_padded,
-        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_type=MambaAttentionBackendEnum[_MAMBA_TYPES[shapes.mixer]],
         mamba_cache_mode=cache.mamba_cache_mode,
     )
 
@@ -158,3 +162,22 @@ class StateLayerCache:
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc
+
+
+_ROUTED = "__vllm_metal_state__"
+
+
+def route_state_layers(layer_cls: type, packed_call: Any) -> None:
+    """Make `layer_cls(x, mask, cache)` (an mlx-lm state layer) run `packed_call(layer, x,
+    cache)` when `cache` is a `StateLayerCache`; plain mlx-lm use is unaffected."""
+    if getattr(layer_cls, _ROUTED, False):
+        return
+    original = layer_cls.__call__
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if isinstance(cache, StateLayerCache):
+            return packed_call(self, inputs, cache)
+        return original(self, inputs, mask, cache)
+
+    layer_cls.__call__ = __call__
+    setattr(layer_cls, _ROUTED, True)

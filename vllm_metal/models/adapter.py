@@ -19,7 +19,7 @@ from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, kinds_from_cache
 from vllm_metal.models.loaders import parameter_bytes
 
 # A layer's token mixer: attention, or a linear-attention (state) layer in hybrid models.
-_ATTENTION_ATTRS = ("self_attn", "attention", "attn", "linear_attn")
+_ATTENTION_ATTRS = ("self_attn", "attention", "attn", "linear_attn", "mamba")
 
 
 class ModelAdapter:

@@ -20,10 +20,13 @@ RECURRENT_DTYPE = mx.float32
 
 @dataclass(frozen=True)
 class StateShapes:
-    """One Gated DeltaNet layer's state: the short convolution's window and the recurrence."""
+    """One state layer's state: the short convolution's window and the recurrence's state."""
 
     conv: tuple[int, int]  # (kernel_size - 1, conv_dim), in the cache dtype
-    recurrent: tuple[int, int, int]  # (num_v_heads, head_v_dim, head_k_dim), float32
+    # float32: Gated DeltaNet (num_v_heads, head_v_dim, head_k_dim); Mamba-2 (num_heads,
+    # head_dim, state_size)
+    recurrent: tuple[int, int, int]
+    mixer: str = "gated_delta"  # "gated_delta" or "mamba2"
 
     def recurrent_bytes(self) -> int:
         return int(np.prod(self.recurrent)) * RECURRENT_DTYPE.size
@@ -42,8 +45,23 @@ def gated_delta_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
+def mamba2_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Granite 4.0-H-style Mamba-2 layer, from its config.json fields."""
+    heads, head_dim = config["mamba_n_heads"], config["mamba_d_head"]
+    groups, state_size = config["mamba_n_groups"], config["mamba_d_state"]
+    conv_dim = heads * head_dim + 2 * groups * state_size
+    return StateShapes(
+        conv=(config["mamba_d_conv"] - 1, conv_dim),
+        recurrent=(heads, head_dim, state_size),
+        mixer="mamba2",
+    )
+
+
 # model_type -> the state of each of its state layers (all alike within a model).
-STATE_SHAPES = {"qwen3_next": gated_delta_state_shapes}
+STATE_SHAPES = {
+    "qwen3_next": gated_delta_state_shapes,
+    "granitemoehybrid": mamba2_state_shapes,
+}
 
 
 def state_shapes_of(model_type: str, config: Mapping[str, Any]) -> StateShapes:

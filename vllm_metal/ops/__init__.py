@@ -1,7 +1,7 @@
 """The public native ops: paged KV-cache writes (reshape_and_cache), paged attention, and the
-state-layer ops of hybrid models (causal_conv1d, gated_delta_rule).
+state-layer ops of hybrid models (causal_conv1d, gated_delta_rule, mamba2_scan).
 
-One folder per op (attention/, cache/, short_conv/, gated_delta/) holds its validated entry point, which states the contract,
+One folder per op (attention/, cache/, short_conv/, gated_delta/, mamba2/) holds its validated entry point, which states the contract,
 and its pure-MLX reference. Calls run the compiled extension vllm_metal._C when it is built for
 this MLX, otherwise, or with VLLM_METAL_USE_REFERENCE_OPS=1, the reference. The constants below
 come from csrc/constants.h (through _C, or the header itself when _C is absent).
@@ -20,6 +20,7 @@ from vllm_metal.ops._constants import BLOCK_SIZE_MULTIPLE, FLOAT_DTYPES, HEAD_SI
 from vllm_metal.ops.attention import paged_attention
 from vllm_metal.ops.cache import reshape_and_cache
 from vllm_metal.ops.gated_delta import gated_delta_rule
+from vllm_metal.ops.mamba2 import mamba2_scan
 from vllm_metal.ops.short_conv import causal_conv1d
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "backend",
     "causal_conv1d",
     "gated_delta_rule",
+    "mamba2_scan",
     "native_available",
     "native_unavailable_reason",
     "paged_attention",

@@ -151,11 +151,29 @@ def gated_delta_rule(*arrays: mx.array) -> tuple[mx.array, mx.array]:
     return _C.gated_delta_rule(*arrays)
 
 
-def causal_conv1d(*arrays: mx.array) -> tuple[mx.array, mx.array]:
-    """arrays: x, weight, conv_state, cu_seqlens."""
+def causal_conv1d(
+    x: mx.array,
+    weight: mx.array,
+    conv_state: mx.array,
+    cu_seqlens: mx.array,
+    bias: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    arrays = [x, weight, conv_state, cu_seqlens, bias]
     if on_gpu():
         arrays = _contiguous(*arrays)
     return _C.causal_conv1d(*arrays)
+
+
+def mamba2_scan(*arrays: mx.array) -> tuple[mx.array, mx.array]:
+    """arrays: x, dt, A, B, C, D, state, cu_seqlens."""
+    if on_gpu():
+        if arrays[3].shape[2] > _C.CONSTANTS["MAMBA2_MAX_STATE_DIM"]:
+            # The Metal kernel holds a state row in registers; larger states run the reference.
+            from vllm_metal.ops.mamba2 import reference
+
+            return reference.mamba2_scan(*arrays)
+        arrays = _contiguous(*arrays)
+    return _C.mamba2_scan(*arrays)
 
 
 def gpu_cores() -> int:

@@ -55,6 +55,11 @@ void run(const ShortConvArgs& a) {
   for (int64_t c = 0; c < C; ++c) {
     for (int64_t j = 0; j < K; ++j) w[j * C + c] = E::load(weight[c * K + j]);
   }
+  std::vector<float> b(C, 0.0f);  // bias as float (zeros without one)
+  if (a.bias != nullptr) {
+    const T* bias = static_cast<const T*>(a.bias);
+    for (int64_t c = 0; c < C; ++c) b[c] = E::load(bias[c]);
+  }
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t b = std::clamp<int64_t>(a.cu_seqlens[s], 0, a.num_tokens);
@@ -71,9 +76,9 @@ void run(const ShortConvArgs& a) {
     return u < keep ? state + (it.s * keep + u) * C : x + (it.begin + u - keep) * C;
   };
   auto body = [&](const Item& it, std::vector<float>& acc) {
-    acc.assign(C, 0.0f);
+    acc.resize(C);
     for (int64_t t = it.t0; t < it.t1; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::copy(b.begin(), b.end(), acc.begin());
       for (int64_t j = 0; j < K; ++j) {
         const T* row = input_row(it, t - it.begin + j);
         const float* wj = w.data() + j * C;

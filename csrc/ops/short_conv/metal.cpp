@@ -28,8 +28,9 @@ void CausalConv1d::eval_gpu(const std::vector<mx::array>& inputs,
   enc.set_input_array(inputs[1], SC_BUF_WEIGHT);
   enc.set_input_array(inputs[2].size() ? inputs[2] : inputs[1], SC_BUF_CONV_STATE);
   enc.set_input_array(inputs[3], SC_BUF_CU_SEQLENS);
-  // An empty buffer (no tokens, or no sequences) is never read or written; another stands in for
-  // its binding.
+  // An empty buffer (no tokens, or no sequences) and an absent bias are never read or written;
+  // another stands in for its binding.
+  enc.set_input_array(p.has_bias ? inputs[4] : inputs[1], SC_BUF_BIAS);
   enc.set_output_array(outputs[0].size() ? outputs[0] : outputs[1], SC_BUF_OUT);
   enc.set_output_array(outputs[1].size() ? outputs[1] : outputs[0], SC_BUF_STATE_OUT);
   enc.set_bytes(p, SC_BUF_PARAMS);

@@ -26,15 +26,19 @@ cpu::ElemType elem_type(mx::Dtype t) {
 std::pair<mx::array, mx::array> causal_conv1d(const mx::array& x, const mx::array& weight,
                                               const mx::array& conv_state,
                                               const mx::array& cu_seqlens,
+                                              const std::optional<mx::array>& bias,
                                               mx::StreamOrDevice s) {
   // One kernel dtype: the common one, else float32 (widening is exact, and the new windows hold
   // only inputs, so narrowing them back to conv_state's dtype matches the contract).
-  const bool same = x.dtype() == weight.dtype() && x.dtype() == conv_state.dtype();
+  const bool same = x.dtype() == weight.dtype() && x.dtype() == conv_state.dtype() &&
+                    (!bias || bias->dtype() == x.dtype());
   const mx::Dtype dt = same ? x.dtype() : mx::float32;
-  auto outputs = mx::array::make_arrays(
-      {x.shape(), conv_state.shape()}, {dt, dt}, std::make_shared<CausalConv1d>(mx::to_stream(s)),
-      {mx::astype(x, dt, s), mx::astype(weight, dt, s), mx::astype(conv_state, dt, s),
-       cu_seqlens});
+  std::vector<mx::array> inputs = {mx::astype(x, dt, s), mx::astype(weight, dt, s),
+                                   mx::astype(conv_state, dt, s), cu_seqlens};
+  if (bias) inputs.push_back(mx::astype(*bias, dt, s));
+  auto outputs = mx::array::make_arrays({x.shape(), conv_state.shape()}, {dt, dt},
+                                        std::make_shared<CausalConv1d>(mx::to_stream(s)),
+                                        std::move(inputs));
   if (same) return {outputs[0], outputs[1]};
   return {mx::astype(outputs[0], x.dtype(), s), mx::astype(outputs[1], conv_state.dtype(), s)};
 }
@@ -45,6 +49,7 @@ metal_args::CausalConv1dParams causal_conv1d_metal_args(const std::vector<mx::ar
       .num_seqs = inputs[2].shape(0),
       .channels = inputs[0].shape(1),
       .width = inputs[1].shape(1),
+      .has_bias = inputs.size() > 4 ? 1 : 0,
   };
 }
 
@@ -62,6 +67,7 @@ void CausalConv1d::eval_cpu(const std::vector<mx::array>& inputs,
       .weight = in[1].data<void>(),
       .conv_state = in[2].data<void>(),
       .cu_seqlens = in[3].data<int32_t>(),
+      .bias = in.size() > 4 ? in[4].data<void>() : nullptr,
       .out = outputs[0].data<void>(),
       .state_out = outputs[1].data<void>(),
       .dtype = elem_type(in[0].dtype()),

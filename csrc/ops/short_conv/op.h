@@ -5,12 +5,13 @@
 // arguments are validated there too, so the builder assumes consistent shapes and dtypes.
 //
 // Primitive inputs, in order (one float dtype): 0 x [T, C]  1 weight [C, K]
-//   2 conv_state [S, K - 1, C]  3 cu_seqlens [S + 1] int32.
+//   2 conv_state [S, K - 1, C]  3 cu_seqlens [S + 1] int32  (4 bias [C], only when given).
 // Outputs: 0 y [T, C], 1 the new windows [S, K - 1, C], both of the inputs' dtype (new buffers).
 // The builder casts mixed dtypes to float32 (exactly) and the outputs back to the dtypes of x
 // and conv_state.
 #pragma once
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,7 @@ class CausalConv1d : public mx::Primitive {
 std::pair<mx::array, mx::array> causal_conv1d(const mx::array& x, const mx::array& weight,
                                               const mx::array& conv_state,
                                               const mx::array& cu_seqlens,
+                                              const std::optional<mx::array>& bias,
                                               mx::StreamOrDevice s = {});
 
 // The Metal kernel's arguments for a call with these inputs. Host code, built on every platform

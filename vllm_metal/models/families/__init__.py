@@ -12,6 +12,7 @@ FAMILIES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt_oss": "gpt_oss",
+    "granitemoehybrid": "granitemoehybrid",
     "idefics3": "idefics3",
     "mistral": "mistral",
     "qwen2_moe": "qwen2_moe",

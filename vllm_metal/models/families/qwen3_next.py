@@ -16,16 +16,14 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from vllm_metal import ops
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateLayerCache, route_state_layers
 from vllm_metal.models.adapter import ModelAdapter
-
-_MARK = "__vllm_metal_state__"
 
 
 class Adapter(ModelAdapter):
     def install_paged_attention(self) -> None:
         super().install_paged_attention()
-        _route_state_layers(Qwen3NextGatedDeltaNet)
+        route_state_layers(Qwen3NextGatedDeltaNet, _packed_gated_delta_net)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
         # Qwen3NextModel.__call__ with embeddings in; rows are single tokens and the state
@@ -35,21 +33,6 @@ class Adapter(ModelAdapter):
         for layer, cache in zip(self.model.layers, caches):
             h = layer(h, None, cache)
         return decoder.norm(h)
-
-
-def _route_state_layers(layer_cls: type) -> None:
-    """Make the linear-attention layer run `_packed_gated_delta_net` on a state-page cache."""
-    if getattr(layer_cls, _MARK, False):
-        return
-    original = layer_cls.__call__
-
-    def __call__(self, inputs, mask=None, cache=None):
-        if isinstance(cache, StateLayerCache):
-            return _packed_gated_delta_net(self, inputs, cache)
-        return original(self, inputs, mask, cache)
-
-    layer_cls.__call__ = __call__
-    setattr(layer_cls, _MARK, True)
 
 
 def _packed_gated_delta_net(

@@ -15,24 +15,31 @@ from vllm_metal.ops.short_conv import reference
 
 
 def causal_conv1d(
-    x: mx.array, weight: mx.array, conv_state: mx.array, cu_seqlens: mx.array
+    x: mx.array,
+    weight: mx.array,
+    conv_state: mx.array,
+    cu_seqlens: mx.array,
+    bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """SiLU of a causal depthwise convolution of each sequence, continued from its window.
 
     ``x`` ``[T, C]`` packs ``S`` sequences by ``cu_seqlens`` (``[S+1]`` int32); ``weight``
     ``[C, K]``; ``conv_state`` ``[S, K-1, C]`` holds each sequence's last ``K-1`` inputs before
-    its first token, oldest first (zeros for a new sequence). With ``u`` a sequence's window
-    followed by its tokens, ``y[t, c] = silu(sum_j weight[c, j] * u[t + j, c])`` (accumulated
-    in float32). Returns ``y`` ``[T, C]`` in the dtype of ``x`` and the new windows
+    its first token, oldest first (zeros for a new sequence); ``bias`` ``[C]`` or None. With
+    ``u`` a sequence's window followed by its tokens,
+    ``y[t, c] = silu(bias[c] + sum_j weight[c, j] * u[t + j, c])`` (accumulated in float32).
+    Returns ``y`` ``[T, C]`` in the dtype of ``x`` and the new windows
     ``[S, K-1, C]`` (the last ``K-1`` entries of each ``u``) in the dtype of ``conv_state``.
     """
-    check_causal_conv1d(x, weight, conv_state, cu_seqlens)
+    check_causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
     native = _backend.native()
     impl = native if native is not None and hasattr(native, "causal_conv1d") else reference
-    return impl.causal_conv1d(x, weight, conv_state, cu_seqlens)
+    return impl.causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
 
 
-def check_causal_conv1d(x: object, weight: object, conv_state: object, cu: object) -> None:
+def check_causal_conv1d(
+    x: object, weight: object, conv_state: object, cu: object, bias: object = None
+) -> None:
     """Raises ValueError (naming the argument) unless the shapes and dtypes fit together."""
     _, c = v.shape("x", x, 2, "[num_tokens, channels]")
     wc, width = v.shape("weight", weight, 2, "[channels, kernel_size]")
@@ -48,3 +55,7 @@ def check_causal_conv1d(x: object, weight: object, conv_state: object, cu: objec
     v.float_dtype("weight", weight)
     v.float_dtype("conv_state", conv_state)
     v.index("cu_seqlens", cu, mx.int32, s + 1, "[num_seqs + 1]")
+    if bias is not None:
+        if tuple(v.array("bias", bias).shape) != (c,):
+            v.fail(f"bias must have shape [channels] = ({c},), got {tuple(bias.shape)}")
+        v.float_dtype("bias", bias)

@@ -35,7 +35,11 @@ def window_indices(cu_seqlens: np.ndarray, width: int) -> tuple[np.ndarray, np.n
 
 
 def causal_conv1d(
-    x: mx.array, weight: mx.array, conv_state: mx.array, cu_seqlens: mx.array
+    x: mx.array,
+    weight: mx.array,
+    conv_state: mx.array,
+    cu_seqlens: mx.array,
+    bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     num_seqs, keep, channels = conv_state.shape
     taps, windows = window_indices(np.asarray(cu_seqlens), keep + 1)
@@ -43,6 +47,8 @@ def causal_conv1d(
         [conv_state.reshape(num_seqs * keep, channels).astype(mx.float32), x.astype(mx.float32)]
     )
     y = (buffer[mx.array(taps)] * weight.astype(mx.float32).T[None]).sum(axis=1)
+    if bias is not None:
+        y = y + bias.astype(mx.float32)
     y = y * mx.sigmoid(y)
     new_state = buffer[mx.array(windows)].astype(conv_state.dtype)
     return y.astype(x.dtype), new_state
