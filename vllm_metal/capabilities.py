@@ -256,6 +256,16 @@ CAPABILITIES: tuple[Capability, ...] = (
         _extras_with(hybrid_model),
     ),
     Capability(
+        "hybrid_pooling",
+        "pooling (embeddings, classification, scoring) with hybrid models",
+        "serve it with --runner generate",
+        lambda c: (
+            _model_attr(c, "runner_type") == "pooling"
+            and (model := hybrid_model(c))
+            and f"runner='pooling' with {model}"
+        ),
+    ),
+    Capability(
         "mla",
         "multi-head latent attention (MLA) models",
         "serve a model with standard attention",

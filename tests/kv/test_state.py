@@ -101,8 +101,9 @@ def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, blo
             ["--speculative-config", "qwen3_next"],
         ),
         ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "qwen3_next"]),
+        ({"runner": "pooling"}, ["runner='pooling'", "qwen3_next"]),
     ],
-    ids=["lora", "speculative", "kv_offload"],
+    ids=["lora", "speculative", "kv_offload", "pooling"],
 )
 def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwargs, names):
     with pytest.raises(ValueError) as info:
