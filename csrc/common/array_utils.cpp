@@ -67,4 +67,20 @@ mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
   return packed ? x : staged_copy(x, encoder);
 }
 
+ElemType elem_type(mx::Dtype t) {
+  if (t == mx::float16) return ElemType::f16;
+  if (t == mx::bfloat16) return ElemType::bf16;
+  return ElemType::f32;
+}
+
+std::vector<mx::array> stage_io(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs, mx::cpu::CommandEncoder& encoder) {
+  std::vector<mx::array> in;
+  for (const mx::array& x : inputs) in.push_back(row_contiguous(x, encoder));
+  for (mx::array& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (mx::array& x : in) encoder.set_input_array(x);
+  for (mx::array& out : outputs) encoder.set_output_array(out);
+  return in;
+}
+
 }  // namespace vllm_metal::cpu

@@ -1,9 +1,11 @@
-// Layout helpers shared by the CPU bodies: strided copies and contiguous staging of inputs.
+// Layout helpers shared by the CPU bodies: strided copies, contiguous staging of inputs, and the
+// eval_cpu prologue of ops that write new buffers.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "common/elem.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -23,5 +25,14 @@ mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder);
 // to last stepping over one whole row), so pools sliced out of a larger allocation are used in
 // place.
 mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder);
+
+// The CPU drivers' element type for an MLX float dtype (float16, bfloat16, else float32).
+ElemType elem_type(mx::Dtype t);
+
+// The eval_cpu prologue of an op whose outputs are new buffers: stages every input row-contiguous
+// (row_contiguous), gives each output a new buffer, registers both with `encoder`, and returns the
+// staged inputs.
+std::vector<mx::array> stage_io(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs, mx::cpu::CommandEncoder& encoder);
 
 }  // namespace vllm_metal::cpu

@@ -59,4 +59,20 @@ class ThreadPool {
   std::atomic<int64_t> next_{0};
 };
 
+// Calls body(i, scratch) for every i in [0, n): on the calling thread alone when the call is small
+// (work < min_work), has fewer than two items or the pool has one thread, else on the pool. Each
+// thread has its own Scratch (default-constructed), kept across the items it runs.
+template <typename Scratch, typename Body>
+void for_each_item(int64_t n, int64_t work, int64_t min_work, const Body& body) {
+  ThreadPool& pool = ThreadPool::instance();
+  if (work < min_work || n < 2 || pool.num_threads() == 1) {
+    Scratch scratch;
+    for (int64_t i = 0; i < n; ++i) body(i, scratch);
+    return;
+  }
+  const int nthreads = pool.num_threads();
+  std::vector<Scratch> scratch(nthreads);
+  pool.parallel_for(n, [&](int64_t i, int tid) { body(i, scratch[tid]); }, nthreads);
+}
+
 }  // namespace vllm_metal::cpu

@@ -127,14 +127,19 @@ def _single_launch(
     slots: dict[str, int],
     params: np.ndarray,
     bufs: dict[str, np.ndarray],
-    outputs: list[str],
+    outputs: dict[str, tuple[tuple[int, ...], str]],
     kernel_dir: Path,
-) -> dict[str, np.ndarray]:
-    """One dispatch of a one-kernel op as its host plans it (buffers named as its slots)."""
+) -> tuple[np.ndarray, ...]:
+    """One dispatch of a one-kernel op as its host plans it (buffers named as its slots). Each
+    output {name: (shape, dtype)} is a new buffer that starts as NaN; returns their float32 values,
+    in order."""
+    for name, (shape, dtype) in outputs.items():
+        bufs[name] = to_device(np.full(shape, np.nan, np.float32), dtype)
     binds: dict[int, harness.BufferArg] = {i: n for n, i in slots.items() if n != "params"}
     binds[slots["params"]] = np.frombuffer(params.tobytes(), np.uint8)
     d = harness.Dispatch(launch["kernel"], tuple(launch["grid"]), (launch["threads"], 1, 1), binds)
-    return harness.run(program(FAMILY_SOURCE[family], kernel_dir), bufs, [d], outputs)
+    r = harness.run(program(FAMILY_SOURCE[family], kernel_dir), bufs, [d], list(outputs))
+    return tuple(from_device(r[name], dtype) for name, (_, dtype) in outputs.items())
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,13 +175,9 @@ def gated_delta_rule(
         "beta": beta.astype(np.float32),
         "state": state.astype(np.float32),
         "cu_seqlens": cu_seqlens.astype(np.int32),
-        "out": to_device(np.full(v.shape, np.nan, np.float32), dtype),
-        "state_out": np.full(state.shape, np.nan, np.float32),
     }
-    r = _single_launch(
-        "gated_delta_rule", launch, GDR_BUF, p, bufs, ["out", "state_out"], kernel_dir
-    )
-    return from_device(r["out"], dtype), r["state_out"]
+    outputs = {"out": (v.shape, dtype), "state_out": (state.shape, "f32")}
+    return _single_launch("gated_delta_rule", launch, GDR_BUF, p, bufs, outputs, kernel_dir)
 
 
 def causal_conv1d(
@@ -202,11 +203,9 @@ def causal_conv1d(
         "conv_state": to_device(conv_state, dtype),
         "cu_seqlens": cu_seqlens.astype(np.int32),
         "bias": to_device(np.full(1, np.nan, np.float32) if bias is None else bias, dtype),
-        "out": to_device(np.full(x.shape, np.nan, np.float32), dtype),
-        "state_out": to_device(np.full(conv_state.shape, np.nan, np.float32), dtype),
     }
-    r = _single_launch("causal_conv1d", launch, SC_BUF, p, bufs, ["out", "state_out"], kernel_dir)
-    return from_device(r["out"], dtype), from_device(r["state_out"], dtype)
+    outputs = {"out": (x.shape, dtype), "state_out": (conv_state.shape, dtype)}
+    return _single_launch("causal_conv1d", launch, SC_BUF, p, bufs, outputs, kernel_dir)
 
 
 def mamba2_scan(
@@ -238,11 +237,9 @@ def mamba2_scan(
         "d": D.astype(np.float32),
         "state": state.astype(np.float32),
         "cu_seqlens": cu_seqlens.astype(np.int32),
-        "out": to_device(np.full(x.shape, np.nan, np.float32), dtype),
-        "state_out": np.full(state.shape, np.nan, np.float32),
     }
-    r = _single_launch("mamba2_scan", launch, M2_BUF, p, bufs, ["out", "state_out"], kernel_dir)
-    return from_device(r["out"], dtype), r["state_out"]
+    outputs = {"out": (x.shape, dtype), "state_out": (state.shape, "f32")}
+    return _single_launch("mamba2_scan", launch, M2_BUF, p, bufs, outputs, kernel_dir)
 
 
 # --------------------------------------------------------------------------------------------

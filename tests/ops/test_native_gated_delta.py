@@ -10,15 +10,17 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 import pytest
+from state_ops import (
+    DTYPES,
+    assert_empty_keep_state,
+    cu_seqlens,
+    on_threads,
+    spy_native,
+    transposed_view,
+)
+from state_ops import check_recurrence as check
 
-from vllm_metal.ops import _backend
 from vllm_metal.ops.gated_delta import gated_delta_rule, reference
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# |native - reference| <= atol + rtol |reference| for y: both sum in float32 from the same inputs,
-# y is rounded to the dtype once. The float32 states differ only by summation order.
-Y_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 1e-3), "bfloat16": (1.5e-2, 8e-3)}
-STATE_TOL = (1e-4, 1e-5)
 
 
 def make_args(
@@ -32,7 +34,7 @@ def make_args(
     g = rng.uniform(0.3, 1.0, (t, hv)).astype(np.float32)
     beta = rng.uniform(0.0, 1.0, (t, hv)).astype(np.float32)
     state = (rng.standard_normal((s, hv, dv, dk)) * 0.5).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = cu_seqlens(lens)
     dt = DTYPES[dtype]
     return [
         mx.array(q).astype(dt),
@@ -43,16 +45,6 @@ def make_args(
         mx.array(state),
         mx.array(cu),
     ]
-
-
-def check(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array], dtype: str) -> None:
-    assert got[0].dtype == want[0].dtype and got[1].dtype == mx.float32
-    y, want_y = (np.asarray(a.astype(mx.float32)) for a in (got[0], want[0]))
-    atol, rtol = Y_TOL[dtype]
-    np.testing.assert_allclose(y, want_y, atol=atol, rtol=rtol)
-    np.testing.assert_allclose(
-        np.asarray(got[1]), np.asarray(want[1]), atol=STATE_TOL[0], rtol=STATE_TOL[1]
-    )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -71,9 +63,7 @@ def test_matches_reference(
     got = native.gated_delta_rule(*args)
     mx.eval(*got)
     check(got, reference.gated_delta_rule(*args), dtype)
-    for s in np.flatnonzero(np.asarray(lens) == 0):
-        # A sequence with no tokens keeps its state, bit for bit.
-        np.testing.assert_array_equal(np.asarray(got[1][int(s)]), np.asarray(args[5][int(s)]))
+    assert_empty_keep_state(lens, got[1], args[5])
 
 
 def test_no_tokens_at_all(native: ModuleType) -> None:
@@ -89,8 +79,7 @@ def test_strided_inputs(native: ModuleType) -> None:
     qk = mx.concatenate(args[:2], axis=-1)
     args[0], args[1] = qk[..., :16], qk[..., 16:]
     args[2] = mx.concatenate([args[2], args[2]], axis=-1)[..., :16]
-    transposed = mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(args[5]), 2, 3)))
-    args[5] = mx.swapaxes(transposed, 2, 3)
+    args[5] = transposed_view(args[5], 2, 3)
     check(native.gated_delta_rule(*args), reference.gated_delta_rule(*args), "float32")
 
 
@@ -98,21 +87,14 @@ def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
     args = make_args(np.random.default_rng(2), [40, 0, 25, 31], 2, 4, 64, 64, "bfloat16")
     want = reference.gated_delta_rule(*args)
     mx.eval(*want)
-    native.set_num_threads(2)
-    got = native.gated_delta_rule(*args)
-    mx.eval(*got)
-    native.set_num_threads(0)
-    check(got, want, "bfloat16")
+    check(on_threads(native, native.gated_delta_rule, args), want, "bfloat16")
 
 
 def test_entry_point_dispatches_to_native(native: ModuleType, monkeypatch) -> None:
     args = make_args(np.random.default_rng(3), [3, 2], 1, 2, 8, 8, "float16")
-    calls = []
-    monkeypatch.setattr(_backend, "native", lambda: native)
-    real = native.gated_delta_rule
-    monkeypatch.setattr(native, "gated_delta_rule", lambda *a: calls.append(1) or real(*a))
+    calls = spy_native(native, "gated_delta_rule", monkeypatch)
     check(gated_delta_rule(*args), reference.gated_delta_rule(*args), "float16")
-    assert calls == [1]
+    assert calls == [7]
 
 
 def test_metal_plan(native: ModuleType) -> None:

@@ -10,15 +10,17 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 import pytest
+from state_ops import (
+    DTYPES,
+    assert_empty_keep_state,
+    cu_seqlens,
+    on_threads,
+    spy_native,
+    transposed_view,
+)
+from state_ops import check_recurrence as check
 
-from vllm_metal.ops import _backend
 from vllm_metal.ops.mamba2 import mamba2_scan, reference
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# |native - reference| <= atol + rtol |reference| for y: both sum in float32 from the same inputs,
-# y is rounded to the dtype once. The float32 states differ only by summation order.
-Y_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 1e-3), "bfloat16": (1.5e-2, 8e-3)}
-STATE_TOL = (1e-4, 1e-5)
 
 
 def make_args(
@@ -34,7 +36,7 @@ def make_args(
     C = (rng.standard_normal((t, g, n)) / np.sqrt(n)).astype(np.float32)
     D = rng.standard_normal(h).astype(np.float32)
     state = (rng.standard_normal((s, h, p, n)) * 0.5).astype(np.float32)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = cu_seqlens(lens)
     dt_ = DTYPES[dtype]
     return [
         mx.array(x).astype(dt_),
@@ -46,17 +48,6 @@ def make_args(
         mx.array(state),
         mx.array(cu),
     ]
-
-
-def check(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array], dtype: str) -> None:
-    assert got[0].dtype == want[0].dtype and got[1].dtype == mx.float32
-    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
-    y, want_y = (np.asarray(a.astype(mx.float32)) for a in (got[0], want[0]))
-    atol, rtol = Y_TOL[dtype]
-    np.testing.assert_allclose(y, want_y, atol=atol, rtol=rtol)
-    np.testing.assert_allclose(
-        np.asarray(got[1]), np.asarray(want[1]), atol=STATE_TOL[0], rtol=STATE_TOL[1]
-    )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -76,9 +67,7 @@ def test_matches_reference(
     got = native.mamba2_scan(*args)
     mx.eval(*got)
     check(got, reference.mamba2_scan(*args), dtype)
-    for s in np.flatnonzero(np.asarray(lens) == 0):
-        # A sequence with no tokens keeps its state, bit for bit.
-        np.testing.assert_array_equal(np.asarray(got[1][int(s)]), np.asarray(args[6][int(s)]))
+    assert_empty_keep_state(lens, got[1], args[6])
 
 
 def test_no_tokens_at_all(native: ModuleType) -> None:
@@ -99,8 +88,7 @@ def test_strided_inputs(native: ModuleType) -> None:
     args[3] = fused[:, 64:128].reshape(t, 2, 32)
     args[4] = fused[:, 128:].reshape(t, 2, 32)
     args[1] = mx.concatenate([args[1], args[1]], axis=-1)[:, 4:]
-    transposed = mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(args[6]), 2, 3)))
-    args[6] = mx.swapaxes(transposed, 2, 3)
+    args[6] = transposed_view(args[6], 2, 3)
     check(native.mamba2_scan(*args), reference.mamba2_scan(*args), "float32")
 
 
@@ -108,19 +96,12 @@ def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
     args = make_args(np.random.default_rng(2), [40, 0, 25, 31], 4, 2, 64, 128, "bfloat16")
     want = reference.mamba2_scan(*args)
     mx.eval(*want)
-    native.set_num_threads(2)
-    got = native.mamba2_scan(*args)
-    mx.eval(*got)
-    native.set_num_threads(0)
-    check(got, want, "bfloat16")
+    check(on_threads(native, native.mamba2_scan, args), want, "bfloat16")
 
 
 def test_entry_point_dispatches_to_native(native: ModuleType, monkeypatch) -> None:
     args = make_args(np.random.default_rng(3), [3, 2], 2, 1, 8, 16, "float16")
-    calls = []
-    monkeypatch.setattr(_backend, "native", lambda: native)
-    real = native.mamba2_scan
-    monkeypatch.setattr(native, "mamba2_scan", lambda *a: calls.append(len(a)) or real(*a))
+    calls = spy_native(native, "mamba2_scan", monkeypatch)
     check(mamba2_scan(*args), reference.mamba2_scan(*args), "float16")
     assert calls == [8]
 

@@ -10,14 +10,18 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 import pytest
+from state_ops import (
+    DTYPES,
+    as_f32,
+    assert_empty_keep_state,
+    assert_y_close,
+    cu_seqlens,
+    on_threads,
+    spy_native,
+    transposed_view,
+)
 
-from vllm_metal.ops import _backend
 from vllm_metal.ops.short_conv import causal_conv1d, reference
-
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# |native - reference| <= atol + rtol |reference| for y (float32 sums of the same inputs, rounded
-# to the dtype once). The new windows are copies of inputs: exact.
-Y_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 1e-3), "bfloat16": (1.5e-2, 8e-3)}
 
 
 def make_args(
@@ -35,7 +39,7 @@ def make_args(
     x = mx.array(rng.standard_normal((t, channels)).astype(np.float32))
     weight = mx.array((rng.standard_normal((channels, width)) * 0.5).astype(np.float32))
     state = mx.array(rng.standard_normal((s, width - 1, channels)).astype(np.float32))
-    cu = mx.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    cu = mx.array(cu_seqlens(lens))
     args = [
         x.astype(DTYPES[dtype]),
         weight.astype(DTYPES[weight_dtype or dtype]),
@@ -50,13 +54,11 @@ def make_args(
 
 
 def check(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array], dtype: str) -> None:
+    """y within the tolerance of the dtype (state_ops.Y_TOL); the new windows are copies of
+    inputs: exact."""
     assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
-    y, want_y = (np.asarray(a.astype(mx.float32)) for a in (got[0], want[0]))
-    atol, rtol = Y_TOL[dtype]
-    np.testing.assert_allclose(y, want_y, atol=atol, rtol=rtol)
-    np.testing.assert_array_equal(
-        np.asarray(got[1].astype(mx.float32)), np.asarray(want[1].astype(mx.float32))
-    )
+    assert_y_close(got[0], want[0], dtype)
+    np.testing.assert_array_equal(as_f32(got[1]), as_f32(want[1]))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -75,12 +77,7 @@ def test_matches_reference(
     got = native.causal_conv1d(*args)
     mx.eval(*got)
     check(got, reference.causal_conv1d(*args), dtype)
-    for s in np.flatnonzero(np.asarray(lens) == 0):
-        # A sequence with no tokens keeps its window.
-        np.testing.assert_array_equal(
-            np.asarray(got[1][int(s)].astype(mx.float32)),
-            np.asarray(args[2][int(s)].astype(mx.float32)),
-        )
+    assert_empty_keep_state(lens, got[1], args[2])
 
 
 @pytest.mark.parametrize(
@@ -102,11 +99,7 @@ def test_bias_matches_reference(
     got = native.causal_conv1d(*args)
     check(got, reference.causal_conv1d(*args), dtype)
     # The bias is applied: without it the outputs differ.
-    assert not np.allclose(
-        np.asarray(got[0].astype(mx.float32)),
-        np.asarray(native.causal_conv1d(*args[:4])[0].astype(mx.float32)),
-        atol=0.1,
-    )
+    assert not np.allclose(as_f32(got[0]), as_f32(native.causal_conv1d(*args[:4])[0]), atol=0.1)
 
 
 @pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "float32"), ("float32", "float16")])
@@ -126,10 +119,8 @@ def test_strided_inputs(native: ModuleType) -> None:
     # x a slice of a fused projection, weight and state transposed views.
     args = make_args(np.random.default_rng(1), [4, 6], 16, 4, "float32")
     args[0] = mx.concatenate([args[0], args[0]], axis=-1)[:, 16:]
-    args[1] = mx.array(np.ascontiguousarray(np.asarray(args[1]).T)).T
-    args[2] = mx.swapaxes(
-        mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(args[2]), 1, 2))), 1, 2
-    )
+    args[1] = transposed_view(args[1], 0, 1)
+    args[2] = transposed_view(args[2], 1, 2)
     check(native.causal_conv1d(*args), reference.causal_conv1d(*args), "float32")
 
 
@@ -139,19 +130,12 @@ def test_large_call_uses_threads_and_matches(native: ModuleType) -> None:
     )
     want = reference.causal_conv1d(*args)
     mx.eval(*want)
-    native.set_num_threads(2)
-    got = native.causal_conv1d(*args)
-    mx.eval(*got)
-    native.set_num_threads(0)
-    check(got, want, "bfloat16")
+    check(on_threads(native, native.causal_conv1d, args), want, "bfloat16")
 
 
 def test_entry_point_dispatches_to_native(native: ModuleType, monkeypatch) -> None:
     args = make_args(np.random.default_rng(3), [3, 2], 8, 4, "float16", bias_dtype="float16")
-    calls = []
-    monkeypatch.setattr(_backend, "native", lambda: native)
-    real = native.causal_conv1d
-    monkeypatch.setattr(native, "causal_conv1d", lambda *a: calls.append(len(a)) or real(*a))
+    calls = spy_native(native, "causal_conv1d", monkeypatch)
     check(causal_conv1d(*args[:4]), reference.causal_conv1d(*args[:4]), "float16")
     check(causal_conv1d(*args), reference.causal_conv1d(*args), "float16")
     assert calls == [5, 5]

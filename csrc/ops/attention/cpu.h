@@ -3,14 +3,15 @@
 // long key ranges across threads (merging their partial softmax states), and runs the inner kernel
 // build chosen for this CPU (cpu_isa.h) on the shared thread pool.
 //
-// Only plain data here: the ISA-specific kernel objects include this header.
+// Only plain data here (and common/elem.h, built for that): the ISA-specific kernel objects
+// include this header.
 #pragma once
 
 #include <cstdint>
 
-namespace vllm_metal::cpu {
+#include "common/elem.h"  // ElemType
 
-enum class ElemType : int32_t { f32 = 0, f16 = 1, bf16 = 2 };
+namespace vllm_metal::cpu {
 
 struct AttentionArgs {
   const void* query;            // [T, Hq, D], element strides q_stride_*

@@ -2,7 +2,8 @@
 // (AVX-512: 16 floats, AVX2: 8, otherwise 4), with GCC/Clang vector extensions.
 //
 // Included only by cpu_kernel.cpp, which is compiled once per ISA: everything here sits in an
-// anonymous namespace, so each build keeps its own copy (see cpu_kernel.cpp).
+// anonymous namespace, so each build keeps its own copy (see cpu_kernel.cpp). The scalar element
+// traits Elem<E> come from common/elem.h, built the same way.
 #pragma once
 
 #include <cstdint>
@@ -42,28 +43,6 @@ inline vf vload(const float* p) {
 inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
 inline vf vsplat(float x) { return vf{} + x; }
 inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-template <ElemType E>
-struct Elem;
-template <>
-struct Elem<ElemType::f32> {
-  using T = float;
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
-};
-template <>
-struct Elem<ElemType::f16> {
-  using T = uint16_t;
-  static float load(uint16_t v) { return half_to_float(v); }
-  static uint16_t store(float v) { return float_to_half(v); }
-};
-template <>
-struct Elem<ElemType::bf16> {
-  using T = uint16_t;
-  static float load(uint16_t v) { return bf16_to_float(v); }
-  static uint16_t store(float v) { return float_to_bf16(v); }
-};
-
 
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 

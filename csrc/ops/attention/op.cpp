@@ -14,16 +14,6 @@
 
 namespace vllm_metal {
 
-namespace {
-
-cpu::ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float16) return cpu::ElemType::f16;
-  if (t == mx::bfloat16) return cpu::ElemType::bf16;
-  return cpu::ElemType::f32;
-}
-
-}  // namespace
-
 mx::array paged_attention(const mx::array& query, const mx::array& key_cache,
                           const mx::array& value_cache, const mx::array& block_tables,
                           const mx::array& seq_lens, const mx::array& cu_seqlens_q, float scale,
@@ -82,7 +72,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
       .cu_seqlens_q = cu_seqlens_q.data<int32_t>(),
       .sinks = sinks ? sinks->data<float>() : nullptr,
       .out = out.data<void>(),
-      .dtype = elem_type(query.dtype()),
+      .dtype = cpu::elem_type(query.dtype()),
       .num_tokens = query.shape(0),
       .num_seqs = block_tables.shape(0),
       .num_q_heads = query.shape(1),

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "common/convert.h"
+#include "common/elem.h"
 #include "common/thread_pool.h"
 
 namespace vllm_metal::cpu {
@@ -16,33 +16,6 @@ namespace {
 
 // Below this many multiply-adds per call the recurrence runs on the calling thread alone.
 constexpr int64_t kParallelWork = 1 << 18;
-
-struct F32 {
-  using T = float;
-  static float load(float x) { return x; }
-  static float store(float x) { return x; }
-};
-struct F16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return half_to_float(x); }
-  static uint16_t store(float x) { return float_to_half(x); }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return bf16_to_float(x); }
-  static uint16_t store(float x) { return float_to_bf16(x); }
-};
-
-// Eight partial sums in a fixed order, so the loop vectorises without -ffast-math.
-float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
 
 // One (sequence, head): the state rows [P, N] stepped over the sequence's tokens.
 template <typename E>
@@ -84,36 +57,18 @@ void run_head(const Mamba2Args& a, int64_t s, int64_t h, std::vector<float>& scr
 
 template <typename E>
 void run(const Mamba2Args& a) {
-  const int64_t items = a.num_seqs * a.num_heads;
-  auto& pool = ThreadPool::instance();
   const int64_t work = a.num_tokens * a.num_heads * a.head_dim * a.state_dim;
-  if (work < kParallelWork || items < 2 || pool.num_threads() == 1) {
-    std::vector<float> scratch;
-    for (int64_t i = 0; i < items; ++i) {
-      run_head<E>(a, i / a.num_heads, i % a.num_heads, scratch);
-    }
-    return;
-  }
-  const int nthreads = pool.num_threads();
-  std::vector<std::vector<float>> scratch(nthreads);
-  pool.parallel_for(items, [&](int64_t i, int tid) {
-    run_head<E>(a, i / a.num_heads, i % a.num_heads, scratch[tid]);
-  }, nthreads);
+  for_each_item<std::vector<float>>(
+      a.num_seqs * a.num_heads, work, kParallelWork, [&](int64_t i, std::vector<float>& scratch) {
+        run_head<E>(a, i / a.num_heads, i % a.num_heads, scratch);
+      });
 }
 
 }  // namespace
 
 void mamba2_scan(const Mamba2Args& a) {
-  const int64_t itemsize = a.dtype == ElemType::f32 ? 4 : 2;
-  std::memset(a.out, 0, a.num_tokens * a.num_heads * a.head_dim * itemsize);
-  switch (a.dtype) {
-    case ElemType::f32:
-      return run<F32>(a);
-    case ElemType::f16:
-      return run<F16>(a);
-    case ElemType::bf16:
-      return run<BF16>(a);
-  }
+  std::memset(a.out, 0, a.num_tokens * a.num_heads * a.head_dim * elem_size(a.dtype));
+  dispatch_elem(a.dtype, [&](auto e) { run<decltype(e)>(a); });
 }
 
 }  // namespace vllm_metal::cpu

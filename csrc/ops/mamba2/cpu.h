@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "ops/attention/cpu.h"  // ElemType
+#include "common/elem.h"  // ElemType
 
 namespace vllm_metal::cpu {
 

@@ -6,21 +6,10 @@
 #include <memory>
 
 #include "common/array_utils.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "ops/mamba2/cpu.h"
 
 namespace vllm_metal {
-
-namespace {
-
-cpu::ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float16) return cpu::ElemType::f16;
-  if (t == mx::bfloat16) return cpu::ElemType::bf16;
-  return cpu::ElemType::f32;
-}
-
-}  // namespace
 
 std::pair<mx::array, mx::array> mamba2_scan(const mx::array& x, const mx::array& dt,
                                             const mx::array& A, const mx::array& B,
@@ -48,11 +37,7 @@ metal_args::Mamba2ScanParams mamba2_scan_metal_args(const std::vector<mx::array>
 
 void Mamba2Scan::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in;
-  for (const mx::array& x : inputs) in.push_back(cpu::row_contiguous(x, encoder));
-  for (mx::array& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (mx::array& x : in) encoder.set_input_array(x);
-  for (mx::array& out : outputs) encoder.set_output_array(out);
+  const std::vector<mx::array> in = cpu::stage_io(inputs, outputs, encoder);
 
   const cpu::Mamba2Args a{
       .x = in[0].data<void>(),
@@ -65,7 +50,7 @@ void Mamba2Scan::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
       .cu_seqlens = in[7].data<int32_t>(),
       .out = outputs[0].data<void>(),
       .state_out = outputs[1].data<float>(),
-      .dtype = elem_type(in[0].dtype()),
+      .dtype = cpu::elem_type(in[0].dtype()),
       .num_tokens = in[0].shape(0),
       .num_seqs = in[6].shape(0),
       .num_heads = in[0].shape(1),

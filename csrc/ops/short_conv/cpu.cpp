@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "common/convert.h"
+#include "common/elem.h"
 #include "common/thread_pool.h"
 
 namespace vllm_metal::cpu {
@@ -18,22 +18,6 @@ namespace {
 constexpr int64_t kParallelWork = 1 << 18;
 // Tokens per work item.
 constexpr int64_t kTokenBlock = 32;
-
-struct F32 {
-  using T = float;
-  static float load(float x) { return x; }
-  static float store(float x) { return x; }
-};
-struct F16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return half_to_float(x); }
-  static uint16_t store(float x) { return float_to_half(x); }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return bf16_to_float(x); }
-  static uint16_t store(float x) { return float_to_bf16(x); }
-};
 
 // Tokens [t0, t1) of the sequence whose tokens are [begin, begin + len); the item holding its
 // first token (t0 == begin) also writes its new window.
@@ -93,31 +77,16 @@ void run(const ShortConvArgs& a) {
     }
   };
 
-  auto& pool = ThreadPool::instance();
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (a.num_tokens * C * K < kParallelWork || n < 2 || pool.num_threads() == 1) {
-    std::vector<float> acc;
-    for (const Item& it : items) body(it, acc);
-    return;
-  }
-  const int nthreads = pool.num_threads();
-  std::vector<std::vector<float>> acc(nthreads);
-  pool.parallel_for(n, [&](int64_t i, int tid) { body(items[i], acc[tid]); }, nthreads);
+  for_each_item<std::vector<float>>(
+      static_cast<int64_t>(items.size()), a.num_tokens * C * K, kParallelWork,
+      [&](int64_t i, std::vector<float>& acc) { body(items[i], acc); });
 }
 
 }  // namespace
 
 void causal_conv1d(const ShortConvArgs& a) {
-  const int64_t itemsize = a.dtype == ElemType::f32 ? 4 : 2;
-  std::memset(a.out, 0, a.num_tokens * a.channels * itemsize);
-  switch (a.dtype) {
-    case ElemType::f32:
-      return run<F32>(a);
-    case ElemType::f16:
-      return run<F16>(a);
-    case ElemType::bf16:
-      return run<BF16>(a);
-  }
+  std::memset(a.out, 0, a.num_tokens * a.channels * elem_size(a.dtype));
+  dispatch_elem(a.dtype, [&](auto e) { run<decltype(e)>(a); });
 }
 
 }  // namespace vllm_metal::cpu

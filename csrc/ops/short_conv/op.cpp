@@ -6,22 +6,11 @@
 #include <memory>
 
 #include "common/array_utils.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "ops/short_conv/cpu.h"
 
 namespace vllm_metal {
-
-namespace {
-
-cpu::ElemType elem_type(mx::Dtype t) {
-  if (t == mx::float16) return cpu::ElemType::f16;
-  if (t == mx::bfloat16) return cpu::ElemType::bf16;
-  return cpu::ElemType::f32;
-}
-
-}  // namespace
 
 std::pair<mx::array, mx::array> causal_conv1d(const mx::array& x, const mx::array& weight,
                                               const mx::array& conv_state,
@@ -56,11 +45,7 @@ metal_args::CausalConv1dParams causal_conv1d_metal_args(const std::vector<mx::ar
 void CausalConv1d::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in;
-  for (const mx::array& x : inputs) in.push_back(cpu::row_contiguous(x, encoder));
-  for (mx::array& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (mx::array& x : in) encoder.set_input_array(x);
-  for (mx::array& out : outputs) encoder.set_output_array(out);
+  const std::vector<mx::array> in = cpu::stage_io(inputs, outputs, encoder);
 
   const cpu::ShortConvArgs a{
       .x = in[0].data<void>(),
@@ -70,7 +55,7 @@ void CausalConv1d::eval_cpu(const std::vector<mx::array>& inputs,
       .bias = in.size() > 4 ? in[4].data<void>() : nullptr,
       .out = outputs[0].data<void>(),
       .state_out = outputs[1].data<void>(),
-      .dtype = elem_type(in[0].dtype()),
+      .dtype = cpu::elem_type(in[0].dtype()),
       .num_tokens = in[0].shape(0),
       .num_seqs = in[2].shape(0),
       .channels = in[0].shape(1),

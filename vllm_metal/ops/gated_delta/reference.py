@@ -8,7 +8,8 @@ the host.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
+
+from vllm_metal.ops._varlen import lockstep, packed
 
 
 def gated_delta_rule(
@@ -22,22 +23,16 @@ def gated_delta_rule(
 ) -> tuple[mx.array, mx.array]:
     t, hk, _ = q.shape
     hv = v.shape[1]
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    lens = np.diff(cu)
-    steps = int(lens.max(initial=0))
-    if t == 0 or steps == 0:
+    rows, live = lockstep(cu_seqlens)
+    if t == 0 or not live.any():
         return mx.zeros(v.shape, dtype=q.dtype), state
-    # rows[s, i]: the packed row of sequence s's i-th token (any valid row where it has none).
-    offsets = np.arange(steps)
-    live = offsets[None, :] < lens[:, None]  # [S, steps]
-    rows = np.where(live, cu[:-1, None] + offsets[None, :], 0)
     group = hv // hk
     f32 = mx.float32
     qs = mx.repeat(q.astype(f32), group, axis=1) if group > 1 else q.astype(f32)
     ks = mx.repeat(k.astype(f32), group, axis=1) if group > 1 else k.astype(f32)
     vs = v.astype(f32)
     ys = []
-    for i in range(steps):
+    for i in range(rows.shape[1]):
         r = mx.array(rows[:, i])
         q_i, k_i, v_i = qs[r], ks[r], vs[r]  # [S, Hv, D*]
         decayed = state * g[r][:, :, None, None]
@@ -46,7 +41,4 @@ def gated_delta_rule(
         updated = decayed + delta[:, :, :, None] * k_i[:, :, None, :]
         ys.append((updated * q_i[:, :, None, :]).sum(axis=-1))
         state = mx.where(mx.array(live[:, i])[:, None, None, None], updated, state)
-    y = mx.stack(ys, axis=1)  # [S, steps, Hv, Dv]
-    seq, pos = np.nonzero(live)
-    out = y[mx.array(seq), mx.array(pos)]  # packed order: row-major over (s, i) is cu order
-    return out.astype(q.dtype), state
+    return packed(ys, live).astype(q.dtype), state

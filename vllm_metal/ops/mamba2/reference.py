@@ -8,7 +8,8 @@ host.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
+
+from vllm_metal.ops._varlen import lockstep, packed
 
 
 def mamba2_scan(
@@ -23,27 +24,20 @@ def mamba2_scan(
 ) -> tuple[mx.array, mx.array]:
     t, h, _ = x.shape
     g = B.shape[1]
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    lens = np.diff(cu)
-    steps = int(lens.max(initial=0))
-    if t == 0 or steps == 0:
+    rows, live = lockstep(cu_seqlens)
+    if t == 0 or not live.any():
         return mx.zeros(x.shape, dtype=x.dtype), state
-    offsets = np.arange(steps)
-    live = offsets[None, :] < lens[:, None]  # [S, steps]
-    rows = np.where(live, cu[:-1, None] + offsets[None, :], 0)
     f32 = mx.float32
     xs = x.astype(f32)
     group = h // g
     bs = mx.repeat(B.astype(f32), group, axis=1) if group > 1 else B.astype(f32)  # [T, H, N]
     cs = mx.repeat(C.astype(f32), group, axis=1) if group > 1 else C.astype(f32)
     ys = []
-    for i in range(steps):
+    for i in range(rows.shape[1]):
         r = mx.array(rows[:, i])
         x_i, dt_i = xs[r], dt[r]  # [S, H, P], [S, H]
         decay = mx.exp(dt_i * A[None, :])[:, :, None, None]
         updated = decay * state + (dt_i[:, :, None] * x_i)[:, :, :, None] * bs[r][:, :, None, :]
         ys.append((updated * cs[r][:, :, None, :]).sum(axis=-1) + D[None, :, None] * x_i)
         state = mx.where(mx.array(live[:, i])[:, None, None, None], updated, state)
-    y = mx.stack(ys, axis=1)  # [S, steps, H, P]
-    seq, pos = np.nonzero(live)
-    return y[mx.array(seq), mx.array(pos)].astype(x.dtype), state
+    return packed(ys, live).astype(x.dtype), state
