@@ -9,13 +9,14 @@ project's tiny BPE tokenizer padded to the vocabulary.
 
 Each backend is one `vllm.LLM` (greedy, EOS ignored, the same engine arguments) in a worker
 process of its own (`VLLM_TARGET_DEVICE=cpu` for vLLM's; the worker protocol is
-`bench/pooling_worker.py`'s). Both workers are started, then this process sends them the same
-rounds alternately (the first backend alternating), each once the other worker is idle again:
-single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts and
-64 output tokens. Decode tok/s = streams / median TPOT (vLLM's per-request metrics: time from the
-first to the last token over the tokens between them), so prefill is left out; output tok/s
-(tokens / wall time, prefill included) is reported beside it. One warm-up round of each size
-comes first. Both backends' greedy tokens of one 16-stream round are compared.
+`bench/pooling_worker.py`'s, the rounds `bench/decode_rounds.py`'s). Both workers are started,
+then this process sends them the same rounds alternately (the first backend alternating), each
+once the other worker is idle again: single stream (1 request) and 16 concurrent streams (16
+requests at once), 32-token prompts and 64 output tokens. Decode tok/s = streams / median TPOT
+(vLLM's per-request metrics: time from the first to the last token over the tokens between them),
+so prefill is left out; output tok/s (tokens / wall time, prefill included) is reported beside
+it. One warm-up round of each size comes first. Both backends' greedy tokens of one 16-stream
+round are compared.
 
     python -m bench.moe --out docs/benchmarks          # a few minutes on 2 cores
     python -m bench.moe --quick --out /tmp/moe-quick   # tiny MoE, checks the harness
@@ -29,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.decode_rounds import STREAMS
 from bench.generate_worker import worker
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
@@ -44,7 +44,6 @@ from bench.generate_worker import worker
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("plugin", "cpu")
-STREAMS = (1, 16)
 DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
 SHAPE = {
     "num_layers": 8,
@@ -131,123 +130,12 @@ def describe_moe_model(path: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the whole run
 
 
-def engine_args(model: Path, kv_cache_bytes: int, max_model_len: int, eager: bool) -> dict:
-    """The same `vllm.LLM` arguments for both backends."""
-    return {
-        "model": str(model),
-        "dtype": DTYPE,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max(STREAMS),
-        "kv_cache_memory_bytes": kv_cache_bytes,
-        "enable_prefix_caching": False,  # distinct prompts anyway; no backend may skip work
-        "enforce_eager": eager,
-        "disable_log_stats": False,  # per-request metrics (TPOT)
-        "seed": 0,
-    }
-
-
-def _agreement(plugin: list[list[int]], cpu: list[list[int]]) -> dict[str, Any]:
-    """How far the two backends' greedy continuations of the same prompts agree."""
-
-    def common(a: list[int], b: list[int]) -> int:
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    prefixes = [common(a, b) for a, b in zip(plugin, cpu)]
-    return {
-        "requests": len(prefixes),
-        "identical": sum(a == b for a, b in zip(plugin, cpu)),
-        "first_token_equal": sum(p >= 1 for p in prefixes),
-        "common_prefix_tokens": prefixes,
-        "distinct_continuations": len({tuple(a) for a in plugin}),
-        # Random weights: a near-tie (router or LM head) may flip a later token between two
-        # float32 implementations; every first token must agree.
-        "passed": all(p >= 1 for p in prefixes),
-    }
-
-
 def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
-    from bench.pooling_worker import Worker, close_all
-    from bench.run import _kv_bytes, blas_log_lines
-    from bench.single_stream import make_prompts
+    """Both backends side by side on the checkpoint (`bench.decode_rounds.run`)."""
+    from bench.decode_rounds import run as run_rounds
 
-    desc = describe_moe_model(model)
-    big = max(STREAMS)
-    rounds = {1: args.c1_rounds, big: args.c16_rounds}
-    # Warm-up: one round of each size; then the measured rounds. Every request its own prompt.
-    num_prompts = sum(STREAMS) + sum(n * r for n, r in rounds.items())
-    inputs = logs / "prompts.json"
-    inputs.write_text(json.dumps(make_prompts(num_prompts, args.input_len, args.seed)))
-    max_model_len = args.input_len + args.output_len + 16
-    engine = engine_args(model, _kv_bytes(desc, max_model_len, big), max_model_len, args.quick)
-
-    print("[moe] starting both workers", flush=True)
-    started = time.perf_counter()
-    workers = {be: Worker(f"moe_{be}", be, engine, inputs, logs / f"moe_{be}.log", args.timeout,
-                          module="bench.moe") for be in BACKENDS}  # fmt: skip
-    nxt = 0
-    try:
-        ready = {be: w.receive() for be, w in workers.items()}
-        both_ready_s = time.perf_counter() - started
-
-        def round_robin(n: int, k: int, max_tokens: int) -> dict[str, dict]:
-            nonlocal nxt
-            start, nxt = nxt, nxt + n
-            order = BACKENDS if k % 2 == 0 else BACKENDS[::-1]
-            out = {}
-            for be in order:
-                out[be] = workers[be].call(op="generate", start=start, n=n, max_tokens=max_tokens)
-                out[be]["busy_after_s"] = workers[be].settle()
-            return out
-
-        for n in STREAMS:
-            for be, r in round_robin(n, 0, 4).items():
-                ready[be].setdefault("warmup_s", []).append(round(r["seconds"], 3))
-        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in BACKENDS} for n in STREAMS}
-        for n in STREAMS:
-            print(f"[moe] {rounds[n]} round(s) of {n} stream(s) per backend", flush=True)
-            for k in range(rounds[n]):
-                for be, r in round_robin(n, k, args.output_len).items():
-                    calls[n][be].append(r)
-    finally:
-        close_all(list(workers.values()))
-
-    out_cases: dict[str, dict[str, Any]] = {}
-    for n in STREAMS:
-        for be in BACKENDS:
-            rs = calls[n][be]
-            tpots = [t for r in rs for t in r["tpot_ms"]]
-            counts = [c for r in rs for c in r["tokens"]]
-            assert counts == [args.output_len] * len(counts), (n, be, counts)
-            tpot = statistics.median(tpots)
-            out_cases[f"c{n}_{be}"] = {
-                "streams": n,
-                "backend": be,
-                "rounds": len(rs),
-                "median_tpot_ms": tpot,
-                "decode_tok_s": n * 1e3 / tpot,
-                "output_tok_s": statistics.median(sum(r["tokens"]) / r["seconds"] for r in rs),
-                "median_ttft_ms": statistics.median(t for r in rs for t in r["ttft_ms"]),
-                "round_s": [round(r["seconds"], 3) for r in rs],
-                "busy_after_call_s": statistics.median(r["busy_after_s"] for r in rs),
-            }
-    check = _agreement(calls[big]["plugin"][0]["token_ids"], calls[big]["cpu"][0]["token_ids"])
-    worker_info = {}
-    for be, w in workers.items():
-        text = w.log.read_text(encoding="utf-8", errors="replace")
-        bound = re.search(r"core ids=\[([^\]]*)\]", text)
-        worker_info[be] = {**ready[be], "log": str(w.log), "cpu_blas_logged": blas_log_lines(text),
-                           "omp_bound_cores": bound.group(1) if bound else None}  # fmt: skip
-    return {
-        "model": desc,
-        "engine": engine,
-        "workers": worker_info,
-        "both_ready_s": round(both_ready_s, 1),
-        "cases": out_cases,
-        "agreement": check,
-    }
+    return run_rounds(args, describe_moe_model(model), logs, backends=BACKENDS, tag="moe",
+                      module="bench.moe", dtype=DTYPE)  # fmt: skip
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:

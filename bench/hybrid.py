@@ -1,0 +1,362 @@
+"""Hybrid-model decode throughput: Qwen3-Next (Gated DeltaNet) and Granite 4.0-H (Mamba-2), one run.
+
+Two random-weight checkpoints written locally with the tests' writers at larger shapes
+(`write_hybrid_model`), both 8 layers of hidden 1024 in their families' layer patterns, an
+untied (Qwen3-Next) or tied (Granite, as released) 32,000-row vocabulary, every layer followed by
+a MoE block of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert of 512:
+
+- Qwen3-Next (`Qwen3NextForCausalLM`): 3 Gated DeltaNet layers then 1 gated full attention,
+  twice; the linear layers have 8 key and 16 value heads of 128 (a 1 MiB float32 recurrent state
+  per layer and request), the attention 8 query / 2 KV heads of 128.
+- Granite 4.0-H (`GraniteMoeHybridForCausalLM`): 3 Mamba-2 layers then 1 attention layer, twice;
+  Mamba-2 with 32 heads of 64 (intermediate 2048), state 128, one group of B/C, the attention 16
+  query / 4 KV heads of 64. One group because vLLM's gated RMSNorm (`Mixer2RMSNormGated`)
+  normalises each group's slice while transformers and mlx-lm (the plugin's model code)
+  normalise the whole intermediate: with more groups the two backends compute different models
+  and the agreement check would mean nothing. The released Granite 4.0-H models have one group.
+
+Weights are drawn from N(0, 0.02) (the embedding of the tied Granite from N(0, 0.01), as its
+muP multiplier scales it by 12), so 8 layers' activations stay tame. The tokenizer is the
+project's tiny BPE tokenizer padded to the vocabulary (`bench.model._pad_tokenizer`).
+
+Each (family, backend) is one `vllm.LLM` (greedy, EOS ignored, float32, the same engine
+arguments, prefix caching off as the plugin has it for hybrids anyway) in a worker process of its
+own; the rounds are `bench/decode_rounds.py`'s (as bench.moe's): one warm-up round of each size,
+then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
+and 64 output tokens; decode tok/s = streams / median TPOT. Granite runs the plugin and vLLM's own
+CPU backend (`VLLM_TARGET_DEVICE=cpu`) side by side, the same rounds in turn, and compares their
+greedy tokens of one 16-stream round. Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
+serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_core`, asserts
+bfloat16 inputs, so the engine dies on its first step with "CPU GDN attention requires BF16"), and
+a bfloat16 vLLM against the plugin's float32 would measure two different computations (other
+matmul kernels, other precision, no meaningful agreement check), so there is no like-for-like peer.
+The KV cache is 1 GiB per engine (`kv_cache_memory_bytes`), far more than 16 requests of 112
+tokens need with their state pages; every worker's log line "Maximum concurrency for N tokens per
+request" is recorded and must be at least 16, so no request is preempted.
+
+    python -m bench.hybrid --out docs/benchmarks             # ~12 min on 2 cores
+    python -m bench.hybrid --quick --out /tmp/hybrid-quick   # tiny models, ~3 min: the harness
+
+`--quick`: the tests' tiny checkpoints (4 layers, hidden 128; Granite with one group, as above),
+8 output tokens, one round per case, `enforce_eager` on every engine (vLLM's CPU backend then
+skips its torch.compile warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.decode_rounds import STREAMS
+from bench.generate_worker import worker
+
+# Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
+# starts engines (each worker is this module with --reply-fd).
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("qwen3_next", "granite")
+# vLLM's CPU backend cannot start Qwen3-Next here (module docstring): the plugin runs alone.
+BACKENDS = {"qwen3_next": ("plugin",), "granite": ("plugin", "cpu")}
+DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
+KV_CACHE_BYTES = {False: 2**30, True: 256 * 2**20}  # by --quick
+VOCAB = 32000
+MOE = {"num_experts": 8, "top_k": 2}
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_next": {
+        "num_layers": 8,
+        "full_attention_interval": 4,
+        "hidden_size": 1024,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        **MOE,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": VOCAB,
+    },
+    "granite": {
+        "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
+        "hidden_size": 1024,
+        "num_heads": 16,
+        "num_kv_heads": 4,  # attention head size: hidden / heads = 64
+        "attention_multiplier": 1 / 64,  # Granite's 1 / head_dim
+        "mamba_n_heads": 32,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        **MOE,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 512,
+        "vocab_size": VOCAB,
+    },
+}
+WEIGHT_STD = 0.02
+STDS = {
+    "qwen3_next": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
+    "granite": {"weight_std": WEIGHT_STD, "embed_std": WEIGHT_STD / 2},
+}
+
+
+def cases() -> list[dict[str, Any]]:
+    return [{"name": f"{f}_c{n}_{be}", "family": f, "streams": n, "backend": be}
+            for f in FAMILIES for n in STREAMS for be in BACKENDS[f]]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
+    """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
+    with one group)."""
+    from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+    from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
+
+    writer = {"qwen3_next": write_tiny_qwen3_next, "granite": write_tiny_granitemoehybrid}[family]
+    name = f"{family}-tiny" if quick else f"{family}-hybrid-random"
+    path = Path(work) / "models" / f"{name}-{DTYPE}"
+    if quick:
+        kwargs: dict[str, Any] = {"mamba_n_groups": 1} if family == "granite" else {}
+    else:
+        kwargs = {**SHAPES[family], **STDS[family]}
+    stamp = {"kind": family, "kwargs": kwargs, "dtype": DTYPE, "seed": seed, "format": 1}
+    stamp_file = path / "bench_model.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return path
+    writer(path, dtype=DTYPE, seed=seed, **kwargs)
+    if not quick:
+        from bench.model import _pad_tokenizer
+
+        _pad_tokenizer(path / "tokenizer.json", kwargs["vocab_size"])
+    stamp_file.write_text(json.dumps(stamp, indent=2) + "\n")
+    return path
+
+
+def describe_hybrid_model(path: Path) -> dict[str, Any]:
+    """Shape, layer pattern, total and active parameters (per token: everything but the experts
+    the router skips and, when untied, the embedding, which is only gathered), attention KV bytes
+    per token and state bytes per request, from config.json and the safetensors header."""
+    from bench.model import _safetensors_sizes
+
+    c = json.loads((path / "config.json").read_text())
+    sizes = _safetensors_sizes(path / "model.safetensors")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[c["dtype"]]
+    qwen = c["model_type"] == "qwen3_next"
+    experts = c["num_experts"] if qwen else c["num_local_experts"]
+    k = c["num_experts_per_tok"]
+    sparse = re.compile(r"\.mlp\.experts\.|\.block_sparse_moe\.(input|output)_linear\.")
+    expert_bytes = sum(v for n, v in sizes.items() if sparse.search(n))
+    other = sum(v for n, v in sizes.items() if not sparse.search(n))
+    tied = c.get("tie_word_embeddings", False)
+    active = other - (0 if tied else sizes["model.embed_tokens.weight"])
+    active += expert_bytes * k // experts
+    layer_types = c["layer_types"]
+    attention = [t for t in layer_types if t in ("full_attention", "attention")]
+    head_dim = c["head_dim"] if qwen else c["hidden_size"] // c["num_attention_heads"]
+    if qwen:
+        mixer = "Gated DeltaNet"
+        key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        conv_dim, kernel = 2 * key_dim + value_dim, c["linear_conv_kernel_dim"]
+        state = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
+        mixer_shape = {
+            "key_heads": c["linear_num_key_heads"],
+            "value_heads": c["linear_num_value_heads"],
+            "key_head_dim": c["linear_key_head_dim"],
+            "value_head_dim": c["linear_value_head_dim"],
+        }
+        experts_inter = c["moe_intermediate_size"]
+        shared_inter = c["shared_expert_intermediate_size"]
+    else:
+        mixer = "Mamba-2"
+        inner = c["mamba_n_heads"] * c["mamba_d_head"]
+        conv_dim = inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]
+        kernel = c["mamba_d_conv"]
+        state = inner * c["mamba_d_state"]
+        mixer_shape = {
+            "heads": c["mamba_n_heads"],
+            "head_dim": c["mamba_d_head"],
+            "state": c["mamba_d_state"],
+            "groups": c["mamba_n_groups"],
+        }
+        experts_inter = c["intermediate_size"]
+        shared_inter = c["shared_intermediate_size"]
+    state_layers = len(layer_types) - len(attention)
+    return {
+        "path": str(path),
+        "name": path.name,
+        "architecture": c["architectures"][0],
+        "dtype": c["dtype"],
+        "num_layers": c["num_hidden_layers"],
+        "layer_types": layer_types,
+        "mixer": mixer,
+        "state_layers": state_layers,
+        "attention_layers": len(attention),
+        "hidden_size": c["hidden_size"],
+        "num_heads": c["num_attention_heads"],
+        "num_kv_heads": c["num_key_value_heads"],
+        "head_dim": head_dim,
+        "mixer_shape": mixer_shape,
+        "num_experts": experts,
+        "experts_per_token": k,
+        "expert_intermediate_size": experts_inter,
+        "shared_intermediate_size": shared_inter,
+        "vocab_size": c["vocab_size"],
+        "tied_embeddings": tied,
+        "num_parameters": sum(sizes.values()) // itemsize,
+        "active_parameters_per_token": active // itemsize,
+        "kv_bytes_per_token": 2 * len(attention) * c["num_key_value_heads"] * head_dim * itemsize,
+        # float32 recurrent state plus the convolution window, per state layer
+        "state_bytes_per_request": state_layers * (4 * state + (kernel - 1) * conv_dim * itemsize),
+    }
+
+
+# ------------------------------------------------------------------------------ the whole run
+
+
+def _kv_log(path: str) -> dict[str, Any]:
+    """What the engine logged about its KV cache: size in tokens and how many requests of
+    max_model_len fit at once (fewer than 16 would let the 16-stream rounds preempt)."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    size = re.findall(r"KV cache size: ([\d,]+) tokens", text)
+    conc = re.findall(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", text)
+    preempt = len(re.findall(r"preempt", text, flags=re.IGNORECASE))
+    return {
+        "kv_cache_tokens": int(size[-1].replace(",", "")) if size else None,
+        "max_concurrency": float(conc[-1][1]) if conc else None,
+        "log_lines_mentioning_preemption": preempt,
+    }
+
+
+def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, Any]:
+    from bench.decode_rounds import run as run_rounds
+
+    print(f"[hybrid] {family}: checkpoint", flush=True)
+    model = write_hybrid_model(Path(args.work_dir), family, args.quick, args.seed)
+    logs.mkdir(parents=True, exist_ok=True)
+    result = run_rounds(args, describe_hybrid_model(model), logs, backends=BACKENDS[family],
+                        tag=f"hybrid_{family}", module="bench.hybrid", dtype=DTYPE,
+                        kv_cache_bytes=KV_CACHE_BYTES[args.quick])  # fmt: skip
+    for w in result["workers"].values():
+        w["kv"] = _kv_log(w["log"])
+    return result
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    big = max(STREAMS)
+    out: dict[str, Any] = {}
+    for family, r in report["families"].items():
+        cs, backends = r["cases"], BACKENDS[family]
+        s: dict[str, Any] = {
+            f"c{big}_vs_c1": {be: round(cs[f"c{big}_{be}"]["decode_tok_s"]
+                                        / cs[f"c1_{be}"]["decode_tok_s"], 2)
+                              for be in backends},
+            "concurrency_ok": all((w["kv"]["max_concurrency"] or 0) >= big
+                                  for w in r["workers"].values()),
+        }  # fmt: skip
+        if "cpu" in backends:
+            s["ratios"] = {f"c{n}_plugin_vs_cpu": round(cs[f"c{n}_plugin"]["decode_tok_s"]
+                                                        / cs[f"c{n}_cpu"]["decode_tok_s"], 3)
+                           for n in STREAMS}  # fmt: skip
+            s["agreement_passed"] = r["agreement"]["passed"]
+        out[family] = s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hybrid", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--quick", action="store_true", help="tiny hybrids: checks the harness")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
+    p.add_argument("--c1-rounds", type=int, default=None, help="single-stream rounds: 3 (1)")
+    p.add_argument("--c16-rounds", type=int, default=None, help="16-stream rounds: 2 (1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
+    p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    # A worker: the same arguments as bench/pooling_worker.py.
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.reply_fd is not None:
+        return worker(args)
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 64
+    if args.c1_rounds is None:
+        args.c1_rounds = 1 if args.quick else 3
+    if args.c16_rounds is None:
+        args.c16_rounds = 1 if args.quick else 2
+    families = [f for f in args.families.split(",") if f]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
+    if args.machine:
+        from bench.machine import describe_machine
+
+        Path(args.json).write_text(json.dumps(describe_machine(), indent=2))
+        return 0
+
+    from bench.run import _python_stage
+
+    started = time.perf_counter()
+    work = Path(args.work_dir)
+    logs = work / ("hybrid-quick" if args.quick else "hybrid")
+    logs.mkdir(parents=True, exist_ok=True)
+    print("[hybrid] machine", flush=True)
+    machine = _python_stage("bench.hybrid", ["--machine"], 600, logs / "machine.log")
+    results = {}
+    for family in families:
+        fam_started = time.perf_counter()
+        results[family] = run_family(args, family, logs / family)
+        results[family]["seconds"] = round(time.perf_counter() - fam_started, 1)
+    report: dict[str, Any] = {
+        "settings": {
+            "quick": args.quick,
+            "dtype": DTYPE,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "streams": list(STREAMS),
+            "c1_rounds": args.c1_rounds,
+            "c16_rounds": args.c16_rounds,
+            "seed": args.seed,
+            "backends": {f: list(BACKENDS[f]) for f in families},
+            "command": " ".join(
+                ["python -m bench.hybrid", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "total_seconds": round(time.perf_counter() - started, 1),
+        },
+        "machine": machine,
+        "families": results,
+    }
+    report["summary"] = summarize(report)
+    from bench.hybrid_report import write_report
+
+    write_report(report, Path(args.out))
+    status = 0
+    for family, s in report["summary"].items():
+        if s.get("agreement_passed") is False:
+            print(f"[hybrid] {family}: the backends' first greedy tokens differ", file=sys.stderr)
+            status = 1
+        if not s["concurrency_ok"]:
+            print(f"[hybrid] {family}: an engine holds fewer than {max(STREAMS)} requests",
+                  file=sys.stderr)  # fmt: skip
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""`hybrid.md` and `hybrid.png` from the results of `python -m bench.hybrid`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.lora_report import _machine
+from bench.moe_report import BACKEND_NAMES, _f, _millions
+from bench.pooling_report import _threads
+from bench.publish import publish, regenerate
+
+QUICK_NOTE = (
+    "*Quick run on the tiny hybrids: it checks the harness; its figures are no speed claim.*"
+)
+FAMILY_NAMES = {"qwen3_next": "Qwen3-Next", "granite": "Granite 4.0-H"}
+NO_CPU_PEER = (
+    "vLLM's CPU backend is not run for Qwen3-Next: its Gated DeltaNet CPU kernel "
+    "(`cpu_gdn_attention_core`) asserts bfloat16 inputs, so its engine dies on the first step of a "
+    'float32 model ("CPU GDN attention requires BF16"). It does run the model in bfloat16, but '
+    "that is another computation than the plugin's float32 (other matmul kernels and precision, "
+    "no meaningful agreement check), so the plugin runs alone here."
+)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _pattern(types: list[str]) -> str:
+    short = {"linear_attention": "L", "full_attention": "A", "mamba": "M", "attention": "A"}
+    return "".join(short.get(t, "?") for t in types)
+
+
+def _model_line(d: dict[str, Any]) -> str:
+    m = d["mixer_shape"]
+    if d["mixer"] == "Gated DeltaNet":
+        mixer = (
+            f"{d['state_layers']} Gated DeltaNet layers ({m['key_heads']} key heads of "
+            f"{m['key_head_dim']}, {m['value_heads']} value heads of {m['value_head_dim']})"
+        )
+    else:
+        mixer = (
+            f"{d['state_layers']} Mamba-2 layers ({m['heads']} heads of {m['head_dim']}, state "
+            f"{m['state']}, {m['groups']} group{'s' if m['groups'] != 1 else ''})"
+        )
+    return (
+        f"`{d['name']}` ({d['architecture']}, {d['num_layers']} layers "
+        f"`{_pattern(d['layer_types'])}`: {mixer} and {d['attention_layers']} attention "
+        f"layer{'s' if d['attention_layers'] != 1 else ''} "
+        f"({d['num_heads']} query / "
+        f"{d['num_kv_heads']} KV heads of {d['head_dim']}); hidden {d['hidden_size']}; per layer "
+        f"{d['num_experts']} experts of intermediate {d['expert_intermediate_size']}, top-"
+        f"{d['experts_per_token']}, and a shared expert of {d['shared_intermediate_size']}; "
+        f"vocabulary {d['vocab_size']:,}{' (tied)' if d['tied_embeddings'] else ''}; "
+        f"{_millions(d['num_parameters'])} M parameters, "
+        f"{_millions(d['active_parameters_per_token'])} M active per token; state "
+        f"{_mib(d['state_bytes_per_request'])} per request, attention KV "
+        f"{d['kv_bytes_per_token'] / 1024:g} KiB per token; {d['dtype']})"
+    )
+
+
+def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int) -> list[str]:
+    cases, backends = r["cases"], list(r["workers"])
+    name = FAMILY_NAMES[family]
+    lines = [f"## {name}", "", f"Model: {_model_line(r['model'])}, random weights.", ""]
+    if "cpu" in backends:
+        lines += [
+            "Plugin / vLLM CPU, side by side in the same run:",
+            "",
+            (
+                "| streams | plugin decode tok/s | vLLM CPU decode tok/s | plugin / vLLM CPU | "
+                "plugin TPOT ms | vLLM CPU TPOT ms |"
+            ),
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n in sorted({c["streams"] for c in cases.values()}):
+            p, c = cases[f"c{n}_plugin"], cases[f"c{n}_cpu"]
+            lines.append(
+                f"| {n} | {_f(p['decode_tok_s'])} | {_f(c['decode_tok_s'])} | "
+                f"{_f(s['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x | {_f(p['median_tpot_ms'])} | "
+                f"{_f(c['median_tpot_ms'])} |"
+            )
+    else:
+        lines += [
+            NO_CPU_PEER,
+            "",
+            "| streams | plugin decode tok/s | plugin TPOT ms |",
+            "|---:|---:|---:|",
+        ]
+        for n in sorted({c["streams"] for c in cases.values()}):
+            p = cases[f"c{n}_plugin"]
+            lines.append(f"| {n} | {_f(p['decode_tok_s'])} | {_f(p['median_tpot_ms'])} |")
+    lines += ["", f"{big} streams against 1 (decode tok/s):", ""]
+    lines += [f"- {BACKEND_NAMES[be]}: {v:.2f}x" for be, v in s[f"c{big}_vs_c1"].items()]
+    a = r.get("agreement")
+    if a:
+        lines += [
+            "",
+            (
+                f"Agreement (one {big}-stream round, plugin vs vLLM CPU): {a['identical']} of "
+                f"{a['requests']} greedy continuations identical, first token equal in "
+                f"{a['first_token_equal']}; tokens in common from the start: "
+                f"{', '.join(str(x) for x in a['common_prefix_tokens'])}; "
+                f"{a['distinct_continuations']} distinct continuations on the plugin. "
+                f"Passed (every first token equal): {'yes' if a['passed'] else 'NO'}."
+            ),
+        ]
+    lines += [
+        "",
+        (
+            "| case | rounds | median TPOT ms | decode tok/s | output tok/s | median TTFT ms | "
+            "busy after a round, s | round s |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for case, c in cases.items():
+        lines.append(
+            f"| {case} | {c['rounds']} | {c['median_tpot_ms']:.1f} | {c['decode_tok_s']:.1f} | "
+            f"{c['output_tok_s']:.1f} | {c['median_ttft_ms']:.0f} | "
+            f"{_f(c.get('busy_after_call_s'), 2)} | {', '.join(_f(x, 2) for x in c['round_s'])} |"
+        )
+    lines += [
+        "",
+        (
+            "| backend | platform | engine start s | warm-up rounds s | KV cache tokens | "
+            "max concurrency (logged) | threads |"
+        ),
+        "|---|---|---:|---|---:|---:|---|",
+    ]
+    for be, w in r["workers"].items():
+        warm = ", ".join(_f(x, 2) for x in w.get("warmup_s", []))
+        kv = w.get("kv", {})
+        tokens = kv.get("kv_cache_tokens")
+        lines.append(
+            f"| {BACKEND_NAMES[be]} | {w.get('platform', '—')} | {_f(w['engine_start_s'])} | "
+            f"{warm} | {'—' if tokens is None else f'{tokens:,}'} | "
+            f"{_f(kv.get('max_concurrency'), 2)}x | {_threads(be, w)} |"
+        )
+    ok = s["concurrency_ok"]
+    lines += [
+        "",
+        (
+            f"Every engine holds {big} requests of {r['engine']['max_model_len']} tokens at once "
+            f"(vLLM's logged maximum concurrency ≥ {big}), so none was preempted."
+            if ok
+            else f"**An engine holds fewer than {big} requests at once: rounds may have "
+            "preempted.**"
+        ),
+    ]
+    return lines
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    st, summary, fams = report["settings"], report["summary"], report["families"]
+    big = max(st["streams"])
+    lines = [
+        "# Hybrid-model decode: Qwen3-Next and Granite 4.0-H",
+        "",
+        (
+            f"Generated by `python -m bench.hybrid{' --quick' if st.get('quick') else ''}` in "
+            f"{st['total_seconds']:.0f} s. Raw figures: `hybrid.json`."
+        ),
+        "",
+        _machine(report.get("machine") or {}),
+        "",
+        *([QUICK_NOTE, ""] if st.get("quick") else []),
+        (
+            f"Greedy decoding, EOS ignored, {st['input_len']}-token prompts and {st['output_len']} "
+            f"output tokens, {st['dtype']}, the same engine arguments on every engine (prefix "
+            f"caching off, `kv_cache_memory_bytes` "
+            f"{next(iter(fams.values()))['engine']['kv_cache_memory_bytes'] / 2**20:.0f} MiB). "
+            f"1 stream: {st['c1_rounds']} round(s) of one request; {big} streams: "
+            f"{st['c16_rounds']} round(s) of {big} requests at once, after one warm-up round of "
+            "each size. Decode tok/s = streams / median TPOT (prefill excluded); output tok/s = "
+            "tokens / wall time of a round (prefill included). Where two backends run, their "
+            "workers run side by side and get each round in turn (the first backend alternating); "
+            "a round starts once the previous round's worker is idle again. Random weights "
+            "(N(0, 0.02)): these figures are about the machinery, not any released checkpoint's "
+            "quality. MLX here runs on the CPU: nothing in this report is an Apple GPU figure."
+        ),
+        "",
+        "| family | streams | plugin decode tok/s | vLLM CPU decode tok/s | plugin / vLLM CPU |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for family, r in fams.items():
+        for n in st["streams"]:
+            p = r["cases"][f"c{n}_plugin"]
+            c = r["cases"].get(f"c{n}_cpu")
+            ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+            lines.append(
+                f"| {FAMILY_NAMES[family]} | {n} | {_f(p['decode_tok_s'])} | "
+                f"{_f(c['decode_tok_s']) if c else 'not run'} | "
+                f"{_f(ratio, 2) + 'x' if ratio is not None else '—'} |"
+            )
+    for family, r in fams.items():
+        lines += ["", *_family_section(family, r, summary[family], big)]
+    lines += ["", "![Hybrid decode throughput](hybrid.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict[str, Any], plt: Any) -> Any:
+    fams, summary = report["families"], report["summary"]
+    streams = report["settings"]["streams"]
+    panels = [(f, n) for f in fams for n in streams]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels), 4.2), squeeze=False)
+    colors = {"plugin": "tab:blue", "cpu": "tab:gray"}
+    for ax, (family, n) in zip(axes[0], panels):
+        cases = fams[family]["cases"]
+        backends = [be for be in BACKEND_NAMES if f"c{n}_{be}" in cases]
+        values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in backends]
+        bars = ax.bar([BACKEND_NAMES[be] for be in backends], values,
+                      color=[colors[be] for be in backends])  # fmt: skip
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
+        label = "1 stream" if n == 1 else f"{n} streams"
+        ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+        sub = f"plugin / CPU {_f(ratio, 2)}x" if ratio is not None else "no vLLM CPU peer"
+        ax.set_title(f"{FAMILY_NAMES[family]}, {label}\n{sub}", fontsize=9)
+        ax.set_ylim(0, max(values) * 1.18)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][0].set_ylabel("decode tok/s (streams / TPOT)")
+    title = "Hybrid decode (MLX on CPU), plugin vs vLLM CPU"
+    if report["settings"].get("quick"):
+        title += " (quick run: tiny hybrids)"
+    fig.suptitle(title)
+    return fig
+
+
+def write_report(report: dict[str, Any], out: Any) -> list[Any]:
+    return publish(report, out, "hybrid", _markdown, _plot)
+
+
+if __name__ == "__main__":  # regenerate from hybrid.json
+    regenerate("hybrid", _markdown, _plot)
