@@ -15,11 +15,14 @@ from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models.layers import StateShapes
 
-SHAPES = StateShapes(conv=(3, 40), recurrent=(2, 8, 16))  # 80 + 1024 bytes in float16 + float32
+SHAPES = StateShapes(conv=(3, 40), recurrent=(2, 8, 16))  # 1024 bytes + 120 conv elements
+# A state larger than a block's K rows (2048 bytes in float16), so it runs on into the V rows,
+# and an odd number of conv elements (123: half a word left over in float16).
+SPANNING = StateShapes(conv=(3, 41), recurrent=(4, 8, 16))
 
 
 def _pool(dtype=mx.float16, num_blocks: int = 5) -> KVPool:
-    # One page: 2 * 16 tokens * 2 heads * 32 dims * 2 bytes = 4096 bytes >= 240 + 1024.
+    # One page: 2 * 16 tokens * 2 heads * 32 dims * 2 bytes = 4096 bytes (8192 in float32).
     return KVPool(KVLayout.single_group(1, num_blocks, 16), 2, 32, dtype)
 
 
@@ -27,23 +30,24 @@ def _bytes(a: mx.array) -> np.ndarray:
     return np.array(mx.view(a, mx.uint8))
 
 
-def _cache(pool, blocks, fresh) -> StateLayerCache:
+def _cache(pool, blocks, fresh, shapes=SHAPES) -> StateLayerCache:
     cu = mx.array(np.arange(len(blocks) + 1, dtype=np.int32))
-    return StateLayerCache(pool, 0, SHAPES, np.array(blocks), np.array(fresh), cu)
+    return StateLayerCache(pool, 0, shapes, np.array(blocks), np.array(fresh), cu)
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, SPANNING], ids=["k_rows", "k_and_v_rows"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_pages_round_trip_bit_for_bit_and_leave_other_blocks(dtype):
+def test_pages_round_trip_bit_for_bit_and_leave_other_blocks(dtype, shapes):
     pool = _pool(dtype)
     rng = np.random.default_rng(0)
     # Arbitrary bit patterns, NaN payloads included: pages are bytes, never converted.
-    bits = rng.integers(0, 2**32, size=(2, *SHAPES.recurrent), dtype=np.uint32)
+    bits = rng.integers(0, 2**32, size=(2, *shapes.recurrent), dtype=np.uint32)
     recurrent = mx.view(mx.array(bits), mx.float32)
-    conv = mx.array(rng.standard_normal((2, *SHAPES.conv)).astype(np.float32)).astype(dtype)
+    conv = mx.array(rng.standard_normal((2, *shapes.conv)).astype(np.float32)).astype(dtype)
     before_k, before_v = _bytes(pool.keys[0]), _bytes(pool.values[0])
 
-    _cache(pool, [3, 1], [False, False]).write(conv, recurrent)
-    got_conv, got_recurrent = _cache(pool, [1, 3], [False, False]).read()
+    _cache(pool, [3, 1], [False, False], shapes).write(conv, recurrent)
+    got_conv, got_recurrent = _cache(pool, [1, 3], [False, False], shapes).read()
 
     np.testing.assert_array_equal(np.array(mx.view(got_recurrent, mx.uint32)), bits[::-1])
     np.testing.assert_array_equal(_bytes(got_conv), _bytes(conv)[::-1])

@@ -38,6 +38,8 @@ logger = init_logger(__name__)
 
 # Attention block sizes stay multiples of this when raised to hold a state page.
 _BLOCK_ALIGN = 16
+# Pages are moved in words of this type (bits as they are).
+_WORD = mx.uint32
 
 
 def align_block_size(vllm_config: VllmConfig) -> None:
@@ -116,23 +118,36 @@ class StateLayerCache:
         self.fresh = fresh  # [S] host bools: the request starts from a zero state
         self.cu_seqlens = cu_seqlens  # [S+1] int32
 
+    # A page is handled in 4-byte words (never converted, so any bit pattern survives), and
+    # only the token rows of a block that hold state are read or written: the K rows first,
+    # then as many V rows as the rest needs (the padding vLLM counts is left alone).
+
+    def _layout(self) -> tuple[int, int, int, int]:
+        """Words per token row, token rows holding state in K and in V, conv window words."""
+        _, block_size, heads, head_dim = self.pool.keys[self.region].shape
+        row_words = heads * head_dim * self.pool.dtype.size // _WORD.size
+        conv_words = -(-int(np.prod(self.shapes.conv)) * self.pool.dtype.size // _WORD.size)
+        used = self.shapes.recurrent_bytes() // _WORD.size + conv_words
+        rows = -(-used // row_words)
+        return row_words, min(rows, block_size), max(0, rows - block_size), conv_words
+
     def read(self) -> tuple[mx.array, mx.array]:
         """Each request's convolution window `[S, K-1, C]` (cache dtype) and recurrent state
-        `[S, Hv, Dv, Dk]` (float32); zeros for fresh requests."""
-        idx = mx.array(self.blocks.astype(np.int32))
+        (float32); zeros for fresh requests."""
         num = len(self.blocks)
-        page = mx.concatenate(
-            [
-                mx.view(self.pool.keys[self.region][idx], mx.uint8).reshape(num, -1),
-                mx.view(self.pool.values[self.region][idx], mx.uint8).reshape(num, -1),
-            ],
-            axis=1,
-        )
-        split = self.shapes.recurrent_bytes()
-        conv_bytes = self.shapes.page_bytes(self.pool.dtype.size) - split
+        idx = mx.array(self.blocks.astype(np.int32))
+        _, k_rows, v_rows, conv_words = self._layout()
+
+        def words(pool: mx.array, rows: int) -> mx.array:
+            return mx.view(pool[idx, :rows], _WORD).reshape(num, -1)
+
+        page = words(self.pool.keys[self.region], k_rows)
+        if v_rows:
+            page = mx.concatenate([page, words(self.pool.values[self.region], v_rows)], axis=1)
+        split = self.shapes.recurrent_bytes() // _WORD.size
         recurrent = mx.view(page[:, :split], RECURRENT_DTYPE).reshape(num, *self.shapes.recurrent)
-        conv = mx.view(page[:, split : split + conv_bytes], self.pool.dtype)
-        conv = conv.reshape(num, *self.shapes.conv)
+        conv = mx.view(page[:, split : split + conv_words], self.pool.dtype)
+        conv = conv[:, : int(np.prod(self.shapes.conv))].reshape(num, *self.shapes.conv)
         if self.fresh.any():
             keep = mx.array(~self.fresh)
             recurrent = mx.where(keep[:, None, None, None], recurrent, 0)
@@ -144,19 +159,25 @@ class StateLayerCache:
         keys, values = self.pool.keys[self.region], self.pool.values[self.region]
         num = len(self.blocks)
         _, block_size, heads, head_dim = keys.shape
-        half = block_size * heads * head_dim * self.pool.dtype.size
+        row_words, k_rows, v_rows, conv_words = self._layout()
+        conv = conv.astype(self.pool.dtype).reshape(num, -1)
+        pad = conv_words * _WORD.size // self.pool.dtype.size - conv.shape[1]
+        if pad:
+            conv = mx.concatenate([conv, mx.zeros((num, pad), dtype=conv.dtype)], axis=1)
         parts = [
-            mx.view(recurrent.astype(RECURRENT_DTYPE), mx.uint8).reshape(num, -1),
-            mx.view(conv.astype(self.pool.dtype), mx.uint8).reshape(num, -1),
+            mx.view(recurrent.astype(RECURRENT_DTYPE), _WORD).reshape(num, -1),
+            mx.view(conv, _WORD),
         ]
+        # K and V take the same slots, so the V part is padded to the K rows.
         used = sum(p.shape[1] for p in parts)
-        parts.append(mx.zeros((num, 2 * half - used), dtype=mx.uint8))
+        parts.append(mx.zeros((num, (k_rows + k_rows) * row_words - used), dtype=_WORD))
         page = mx.concatenate(parts, axis=1)
 
         def rows(part: mx.array) -> mx.array:
-            return mx.view(part, self.pool.dtype).reshape(num * block_size, heads, head_dim)
+            return mx.view(part, self.pool.dtype).reshape(num * k_rows, heads, head_dim)
 
-        slots = self.blocks.astype(np.int64)[:, None] * block_size + np.arange(block_size)
+        half = k_rows * row_words
+        slots = self.blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
         kc, vc = ops.reshape_and_cache(
             rows(page[:, :half]), rows(page[:, half:]), keys, values, mx.array(slots.reshape(-1))
         )
