@@ -159,7 +159,7 @@ class StateLayerCache:
         keys, values = self.pool.keys[self.region], self.pool.values[self.region]
         num = len(self.blocks)
         _, block_size, heads, head_dim = keys.shape
-        row_words, k_rows, v_rows, conv_words = self._layout()
+        row_words, k_rows, _, conv_words = self._layout()
         conv = conv.astype(self.pool.dtype).reshape(num, -1)
         pad = conv_words * _WORD.size // self.pool.dtype.size - conv.shape[1]
         if pad:
