@@ -22,12 +22,48 @@ import argparse
 import json
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 STREAMS = (1, 16)
+
+
+def round_parser(prog: str, description: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """The command line of a decode-round benchmark: output, rounds, lengths, and the hidden
+    options its machine stage and workers are started with (`fill_round_defaults` after
+    parsing)."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    p.add_argument("--out", default=str(root / "docs" / "benchmarks"))
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
+    p.add_argument("--c1-rounds", type=int, default=None, help="single-stream rounds: 3 (1)")
+    p.add_argument("--c16-rounds", type=int, default=None, help="16-stream rounds: 2 (1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
+    p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    # A worker: the same arguments as bench/pooling_worker.py.
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def fill_round_defaults(args: argparse.Namespace) -> None:
+    """Output length and rounds left unset: 64 tokens, 3 and 2 rounds (8, 1 and 1 `--quick`)."""
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 64
+    if args.c1_rounds is None:
+        args.c1_rounds = 1 if args.quick else 3
+    if args.c16_rounds is None:
+        args.c16_rounds = 1 if args.quick else 2
 
 
 def engine_args(model: Path | str, dtype: str, kv_cache_bytes: int, max_model_len: int,

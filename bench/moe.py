@@ -31,18 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.decode_rounds import STREAMS
+from bench.decode_rounds import STREAMS, fill_round_defaults, round_parser
 from bench.generate_worker import worker
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (each worker is this module with --reply-fd).
 
-ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("plugin", "cpu")
 DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
 SHAPE = {
@@ -150,32 +148,11 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    p.add_argument("--quick", action="store_true", help="tiny MoE: checks the harness")
-    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
-    p.add_argument("--c1-rounds", type=int, default=None, help="single-stream rounds: 3 (1)")
-    p.add_argument("--c16-rounds", type=int, default=None, help="16-stream rounds: 2 (1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
-    p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
-    # A worker: the same arguments as bench/pooling_worker.py.
-    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p = round_parser("python -m bench.moe", __doc__, "tiny MoE: checks the harness")
     args = p.parse_args(argv)
     if args.reply_fd is not None:
         return worker(args)
-    if args.output_len is None:
-        args.output_len = 8 if args.quick else 64
-    if args.c1_rounds is None:
-        args.c1_rounds = 1 if args.quick else 3
-    if args.c16_rounds is None:
-        args.c16_rounds = 1 if args.quick else 2
+    fill_round_defaults(args)
     if args.machine:
         from bench.machine import describe_machine
 
