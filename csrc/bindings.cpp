@@ -27,6 +27,8 @@
 #include "ops/gated_delta/plan.h"
 #include "ops/mamba2/op.h"
 #include "ops/mamba2/plan.h"
+#include "ops/mla/op.h"
+#include "ops/mla/plan.h"
 #include "ops/short_conv/op.h"
 #include "ops/short_conv/plan.h"
 
@@ -71,6 +73,8 @@ nb::dict constants() {
   VM_NUMBER_(SHORT_CONV_MAX_THREADS)
   VM_NUMBER_(MAMBA2_ROWS)
   VM_NUMBER_(MAMBA2_MAX_STATE_DIM)
+  VM_NUMBER_(MLA_HEADS)
+  VM_NUMBER_(MLA_MAX_KEYS)
   VM_NUMBER_(PARTITION_SIZE)
   VM_NUMBER_(PARTITION_ALIGN)
   VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
@@ -83,6 +87,7 @@ nb::dict constants() {
   VM_LIST_(HEAD_SIZES, VM_INT_)
   VM_LIST_(BLOCK_DIVISORS, VM_INT_)
   VM_LIST_(PREFILL_TILES, VM_PAIR_)
+  VM_LIST_(MLA_SIZES, VM_PAIR_)
 #undef VM_NUMBER_
 #undef VM_INT_
 #undef VM_PAIR_
@@ -149,7 +154,8 @@ NB_MODULE(_C, m) {
   namespace mx = mlx::core;
   m.doc() =
       "Native ops of vllm-metal (MLX primitives): paged KV-cache writes, paged attention, the "
-      "gated delta rule, the causal short convolution and the Mamba-2 scan.";
+      "gated delta rule, the causal short convolution, the Mamba-2 scan and multi-head latent "
+      "attention (with its latent-cache write).";
 
   m.attr("MLX_VERSION") = VM_STR(MLX_VERSION_MAJOR) "." VM_STR(MLX_VERSION_MINOR) "." VM_STR(
       MLX_VERSION_PATCH);
@@ -186,6 +192,13 @@ NB_MODULE(_C, m) {
   m.def("mamba2_scan", &vm::mamba2_scan, "x"_a, "dt"_a, "A"_a, "B"_a, "C"_a, "D"_a, "state"_a,
         "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.mamba2_scan without argument checks. Returns (y, state).");
+  m.def("mla_attention", &vm::mla_attention, "query"_a, "latent_cache"_a, "block_tables"_a,
+        "seq_lens"_a, "cu_seqlens_q"_a, nb::kw_only(), "scale"_a, "value_dim"_a,
+        "stream"_a = nb::none(), "vllm_metal.ops.mla_attention without argument checks.");
+  m.def("mla_reshape_and_cache", &vm::mla_reshape_and_cache, "latent"_a, "latent_cache"_a,
+        "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "vllm_metal.ops.mla_reshape_and_cache without argument checks. Returns latent_cache, "
+        "which shares the pool's memory.");
 
   // The Metal planners: plain shapes in, plain dicts out (no GPU needed).
   m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
@@ -230,6 +243,25 @@ NB_MODULE(_C, m) {
       "dtype"_a, "num_heads"_a, "head_dim"_a, "state_dim"_a, "num_seqs"_a,
       "Kernel, threadgroup size and grid of one mamba2_scan call.");
   m.def(
+      "select_mla_attention_kernel",
+      [](const std::string& dtype, int num_heads, int latent_dim, int value_dim, int num_tokens) {
+        const vm::MlaLaunch l =
+            vm::select_mla_attention_kernel(dtype, num_heads, latent_dim, value_dim, num_tokens);
+        nb::dict d = simple_launch(l);
+        d["keys"] = l.keys;
+        return d;
+      },
+      "dtype"_a, "num_heads"_a, "latent_dim"_a, "value_dim"_a, "num_tokens"_a,
+      "Kernel, threadgroup size, grid and latent rows per tile of one mla_attention call.");
+  m.def(
+      "select_mla_reshape_and_cache_kernel",
+      [](const std::string& dtype, int latent_dim, int num_tokens) {
+        return simple_launch(
+            vm::select_mla_reshape_and_cache_kernel(dtype, latent_dim, num_tokens));
+      },
+      "dtype"_a, "latent_dim"_a, "num_tokens"_a,
+      "Kernel, threadgroup size and grid of one mla_reshape_and_cache call.");
+  m.def(
       "all_kernel_names",
       [] {
         std::vector<std::string> names = vm::cache_kernel_names();
@@ -237,6 +269,7 @@ NB_MODULE(_C, m) {
         for (auto& n : vm::gated_delta_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::short_conv_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::mamba2_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::mla_kernel_names()) names.push_back(std::move(n));
         return names;
       },
       "Every Metal kernel name the host can request (the instances of constants.h).");

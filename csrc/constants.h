@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 4
+#define VM_OPS_ABI 5
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -35,6 +35,12 @@
 #define VM_WIDE_HEAD_SIZES(X, ...) X(512, __VA_ARGS__)
 #define VM_HEAD_SIZES(X, ...) \
   VM_DECODE_HEAD_SIZES(X, __VA_ARGS__) VM_WIDE_HEAD_SIZES(X, __VA_ARGS__)
+
+// ---- multi-head latent attention ----------------------------------------------------------------
+// X(latent_dim, value_dim, ...): the (kv_lora_rank + rope_dim, kv_lora_rank) sizes the MLA kernel
+// is built for: DeepSeek-V2/V3 and Kimi K2 (576, 512), MiniCPM3 (288, 256). Other sizes run the
+// reference on the GPU (the C++ CPU body takes any).
+#define VM_MLA_SIZES(X, ...) X(576, 512, __VA_ARGS__) X(288, 256, __VA_ARGS__)
 
 // ---- vLLM blocks -------------------------------------------------------------------------------
 // A kernel reads the KV pools in tiles that never span two vLLM blocks. Kernels are built per block
@@ -76,6 +82,10 @@
 // state size its kernel holds in registers (a multiple of the SIMD width; the CPU body takes any).
 #define VM_MAMBA2_ROWS 4
 #define VM_MAMBA2_MAX_STATE_DIM 256
+// mla_attention: query heads per threadgroup at most (one simdgroup each; they share every staged
+// latent tile), and the most latent rows one tile stages.
+#define VM_MLA_HEADS 8
+#define VM_MLA_MAX_KEYS 32
 
 // ---- split-KV decode ---------------------------------------------------------------------------
 // Keys per partition (a multiple of every block divisor and of the alignment).
@@ -146,6 +156,23 @@ constexpr int vm_prefill_keys(int elem_bytes, int head_size, int divisor) {
   return vm_prefill_tile_(elem_bytes, head_size, divisor) % 64;
 }
 
+// Threadgroup bytes of the mla_attention kernel: a tile of `keys` latent rows and their pool
+// offsets (one 8-byte integer each).
+constexpr int vm_mla_threadgroup_bytes(int elem_bytes, int latent_dim, int keys) {
+  return keys * latent_dim * elem_bytes + keys * 8;
+}
+
+// Latent rows per mla_attention tile: the largest power of two up to VM_MLA_MAX_KEYS that fits
+// threadgroup memory (at least 1).
+constexpr int vm_mla_keys(int elem_bytes, int latent_dim) {
+  int keys = VM_MLA_MAX_KEYS;
+  while (keys > 1 && vm_mla_threadgroup_bytes(elem_bytes, latent_dim, keys) >
+                         VM_THREADGROUP_MEMORY_BYTES) {
+    keys /= 2;
+  }
+  return keys;
+}
+
 // Largest block divisor of a vLLM block size (0 when it is not a multiple of any).
 constexpr int vm_block_divisor(int block_size) {
   int divisor = 0;
@@ -169,6 +196,8 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_GATED_DELTA(DT) "gated_delta_rule_" #DT
 #define VM_KERNEL_NAME_SHORT_CONV(DT) "causal_conv1d_" #DT
 #define VM_KERNEL_NAME_MAMBA2(DT) "mamba2_scan_" #DT
+#define VM_KERNEL_NAME_MLA(DT, D, DV) "mla_attention_" #DT "_d" #D "_v" #DV
+#define VM_KERNEL_NAME_MLA_CACHE(DT) "mla_reshape_and_cache_" #DT
 
 #define VM_WITH_DTYPE_(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
 #define VM_WITH_HEAD_(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
@@ -182,6 +211,8 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_REDUCE_HEADS_(DT, T, NAME, BYTES, X) \
   VM_DECODE_HEAD_SIZES(VM_WITH_HEAD_, X, DT, T, BYTES)
 #define VM_ALL_HEADS_(DT, T, NAME, BYTES, X) VM_HEAD_SIZES(VM_WITH_HEAD_, X, DT, T, BYTES)
+#define VM_WITH_MLA_SIZE_(D, DV, X, DT, T, BYTES) X(DT, T, BYTES, D, DV)
+#define VM_MLA_SIZES_(DT, T, NAME, BYTES, X) VM_MLA_SIZES(VM_WITH_MLA_SIZE_, X, DT, T, BYTES)
 
 // X(tag, msl_type, bytes): reshape_and_cache.
 #define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
@@ -189,6 +220,10 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_GATED_DELTA_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 #define VM_SHORT_CONV_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 #define VM_MAMBA2_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+// X(tag, msl_type, bytes): mla_reshape_and_cache.
+#define VM_MLA_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+// X(tag, msl_type, bytes, latent_dim, value_dim): mla_attention.
+#define VM_MLA_INSTANCES(X) VM_FLOAT_DTYPES(VM_MLA_SIZES_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).
 #define VM_DECODE_INSTANCES(X) VM_FLOAT_DTYPES(VM_DECODE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): the split-KV reduce kernel of decode and gqa.

@@ -135,3 +135,12 @@ def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_granitemoehybrid(
         tmp_path_factory.mktemp("tiny-granitemoehybrid") / "granitemoehybrid"
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random DeepSeek-V3 (MLA) checkpoint (`vllm_metal.testing.tiny_deepseek_v3`), once
+    per session."""
+    from vllm_metal.testing.tiny_deepseek_v3 import write_tiny_deepseek_v3
+
+    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3") / "deepseek_v3")

@@ -86,6 +86,23 @@ def hybrid_model(config: VllmConfig) -> str | None:
     return None
 
 
+def latent_attention_model(config: VllmConfig) -> str | None:
+    """ "model=... (deepseek_v3)" when the config serves a multi-head latent attention (MLA) model
+    the MLX runner runs (`models.layers.LATENT_ATTENTION_MODEL_TYPES`), else None."""
+    from vllm_metal.models.layers import LATENT_ATTENTION_MODEL_TYPES
+
+    model_type = getattr(_model_attr(config, "hf_text_config"), "model_type", None)
+    if _model_attr(config, "use_mla", False) and model_type in LATENT_ATTENTION_MODEL_TYPES:
+        return f"model={_model_attr(config, 'model')!r} ({model_type})"
+    return None
+
+
+def _other_latent_attention(config: VllmConfig) -> str | None:
+    if _model_attr(config, "use_mla", False) and not latent_attention_model(config):
+        return f"model={_model_attr(config, 'model')!r} ({_architecture(config)}, MLA)"
+    return None
+
+
 def _other_hybrid(config: VllmConfig) -> str | None:
     if _model_attr(config, "is_hybrid", False) and not hybrid_model(config):
         return f"model={_model_attr(config, 'model')!r} ({_architecture(config)}, hybrid)"
@@ -107,6 +124,15 @@ def _architecture(config: VllmConfig) -> str:
 def _extras_with(model_of: Callable[[VllmConfig], str | None]):
     """The setting asked for beside the model `model_of` names that its runner does not run."""
     return lambda config: (model := model_of(config)) and _extra_setting(config, model)
+
+
+def _pooling_with(model_of: Callable[[VllmConfig], str | None]):
+    """The pooling runner asked for with the model `model_of` names."""
+    return lambda config: (
+        _model_attr(config, "runner_type") == "pooling"
+        and (model := model_of(config))
+        and f"runner='pooling' with {model}"
+    )
 
 
 def _extra_setting(config: VllmConfig, model: str) -> str | None:
@@ -259,19 +285,32 @@ CAPABILITIES: tuple[Capability, ...] = (
         "hybrid_pooling",
         "pooling (embeddings, classification, scoring) with hybrid models",
         "serve it with --runner generate",
-        lambda c: (
-            _model_attr(c, "runner_type") == "pooling"
-            and (model := hybrid_model(c))
-            and f"runner='pooling' with {model}"
-        ),
+        _pooling_with(hybrid_model),
     ),
     Capability(
         "mla",
-        "multi-head latent attention (MLA) models",
+        "multi-head latent attention (MLA) models (DeepSeek-V3)",
         "serve a model with standard attention",
-        lambda c: (
-            bool(_model_attr(c, "use_mla", False)) and f"model={_model_attr(c, 'model')!r} (MLA)"
-        ),
+        latent_attention_model,
+    ),
+    Capability(
+        "mla_other",
+        "multi-head latent attention (MLA) models other than DeepSeek-V3 (DeepSeek-V2, "
+        "DeepSeek-V3.2's sparse attention, Kimi, GLM-4.7-Flash, MiniCPM3, ...)",
+        "serve a DeepSeek-V3-architecture model or one with standard attention",
+        _other_latent_attention,
+    ),
+    Capability(
+        "mla_extras",
+        "LoRA adapters, speculative decoding and KV offloading on MLA models",
+        "remove that setting",
+        _extras_with(latent_attention_model),
+    ),
+    Capability(
+        "mla_pooling",
+        "pooling (embeddings, classification, scoring) with MLA models",
+        "serve it with --runner generate",
+        _pooling_with(latent_attention_model),
     ),
     Capability(
         "vllm_quantization",
@@ -333,6 +372,7 @@ SUPPORTED: dict[str, frozenset[str]] = {
             "speech_to_text",
             "vision_language",
             "hybrid",
+            "mla",
         }
     ),
 }

@@ -7,6 +7,7 @@
 #include "ops/cache/op.h"
 #include "ops/gated_delta/op.h"
 #include "ops/mamba2/op.h"
+#include "ops/mla/op.h"
 #include "ops/short_conv/op.h"
 
 namespace vllm_metal {
@@ -39,6 +40,14 @@ void CausalConv1d::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 
 void Mamba2Scan::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   no_metal("mamba2_scan");
+}
+
+void MlaAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_metal("mla_attention");
+}
+
+void MlaReshapeAndCache::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_metal("mla_reshape_and_cache");
 }
 
 }  // namespace vllm_metal

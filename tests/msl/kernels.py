@@ -28,6 +28,8 @@ FAMILY_SOURCE = {
     "gated_delta_rule": "gated_delta/gated_delta_rule.metal",
     "causal_conv1d": "short_conv/causal_conv1d.metal",
     "mamba2_scan": "mamba2/mamba2_scan.metal",
+    "mla_attention": "mla/mla_attention.metal",
+    "mla_reshape_and_cache": "mla/mla_reshape_and_cache.metal",
 }
 
 _FIELD_TYPES = {"int": "<i4", "long_t": "<i8", "float": "<f4"}
@@ -57,6 +59,10 @@ SC_BUF = _buffer_slots("short_conv", "SC_BUF_")
 SC_PARAMS = _struct("short_conv", "CausalConv1dParams")
 M2_BUF = _buffer_slots("mamba2", "M2_BUF_")
 M2_PARAMS = _struct("mamba2", "Mamba2ScanParams")
+MLA_BUF = _buffer_slots("mla", "MLA_BUF_")
+MLA_PARAMS = _struct("mla", "MlaAttentionParams")
+MLC_BUF = _buffer_slots("mla", "MLC_BUF_")
+MLC_PARAMS = _struct("mla", "MlaReshapeAndCacheParams")
 
 
 @functools.cache
@@ -240,6 +246,79 @@ def mamba2_scan(
     }
     outputs = {"out": (x.shape, dtype), "state_out": (state.shape, "f32")}
     return _single_launch("mamba2_scan", launch, M2_BUF, p, bufs, outputs, kernel_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# MLA: mla_attention and mla_reshape_and_cache
+# --------------------------------------------------------------------------------------------
+
+
+def mla_attention(
+    query: np.ndarray,
+    latent_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    *,
+    scale: float,
+    value_dim: int,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> np.ndarray:
+    """Run the mla_attention instance the host plans; float32 in (representable in dtype),
+    float32 [T, H, value_dim] out (starts as NaN: rows the kernel leaves out show)."""
+    T, H, D = query.shape
+    nb, bs, _ = latent_cache.shape
+    launch = native().select_mla_attention_kernel(dtype, H, D, value_dim, T)
+    p = np.zeros((), MLA_PARAMS)
+    p["num_tokens"], p["num_seqs"], p["num_heads"] = T, len(seq_lens), H
+    p["num_blocks"], p["block_size"] = nb, bs
+    p["max_blocks_per_seq"] = block_tables.shape[1]
+    p["q_stride_token"], p["q_stride_head"] = H * D, D
+    p["cache_stride_block"], p["cache_stride_slot"] = bs * D, D
+    p["scale"] = scale
+    bufs = {
+        "query": to_device(query, dtype),
+        "latent_cache": to_device(latent_cache, dtype),
+        "block_tables": block_tables.astype(np.int32),
+        "seq_lens": seq_lens.astype(np.int32),
+        "cu_seqlens_q": cu_seqlens_q.astype(np.int32),
+    }
+    outputs = {"out": ((T, H, value_dim), dtype)}
+    return _single_launch("mla_attention", launch, MLA_BUF, p, bufs, outputs, kernel_dir)[0]
+
+
+def mla_reshape_and_cache(
+    latent: np.ndarray,
+    latent_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+    dtype: str,
+    kernel_dir: Path = KERNEL_DIR,
+) -> np.ndarray:
+    """Run mla_reshape_and_cache_<dtype>; float32 in (representable in dtype), float32 out."""
+    T, D = latent.shape
+    nb, bs, _ = latent_cache.shape
+    launch = native().select_mla_reshape_and_cache_kernel(dtype, D, T)
+    p = np.zeros((), MLC_PARAMS)
+    p["num_tokens"], p["latent_dim"], p["num_slots"] = T, D, nb * bs
+    p["latent_stride_token"] = D
+    p["cache_stride_block"], p["cache_stride_slot"] = bs * D, D
+    p["block_size"] = bs
+    bufs = {
+        "latent": to_device(latent, dtype),
+        "latent_cache": to_device(latent_cache, dtype),
+        "slot_mapping": slot_mapping.astype(np.int64),
+    }
+    binds: dict[int, harness.BufferArg] = {i: n for n, i in MLC_BUF.items() if n != "params"}
+    binds[MLC_BUF["params"]] = np.frombuffer(p.tobytes(), np.uint8)
+    d = harness.Dispatch(launch["kernel"], tuple(launch["grid"]), (launch["threads"], 1, 1), binds)
+    r = harness.run(
+        program(FAMILY_SOURCE["mla_reshape_and_cache"], kernel_dir),
+        bufs,
+        [d],
+        ["latent_cache"],
+    )
+    return from_device(r["latent_cache"], dtype)
 
 
 # --------------------------------------------------------------------------------------------

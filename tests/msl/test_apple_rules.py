@@ -116,6 +116,14 @@ def test_host_launches_stay_within_the_pipeline_limits() -> None:
     ):
         launch = C.select_mamba2_scan_kernel(dt, h, p, n, 3)
         check(launch["kernel"], launch["threads"], (dt, h, p, n))
+    for (dt, *_), (d, dv), h in itertools.product(
+        C.CONSTANTS["FLOAT_DTYPES"], C.CONSTANTS["MLA_SIZES"], (1, 7, 8, 16, 128)
+    ):
+        launch = C.select_mla_attention_kernel(dt, h, d, dv, 5)
+        check(launch["kernel"], launch["threads"], (dt, d, dv, h))
+    for (dt, *_), d in itertools.product(C.CONSTANTS["FLOAT_DTYPES"], (1, 64, 576, 1000)):
+        launch = C.select_mla_reshape_and_cache_kernel(dt, d, 3)
+        check(launch["kernel"], launch["threads"], (dt, d))
     assert planned > 2000
     assert set(launched) == {f.function for f in facts.values()}, "a kernel the grid never plans"
 

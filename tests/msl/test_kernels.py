@@ -547,3 +547,94 @@ def test_mamba2_scan(dtype: str, lens: list[int], h: int, g: int, p: int, n: int
     assert_close(new_state, np.array(want_state), "f32", "state")
     for s in np.flatnonzero(np.asarray(lens) == 0):
         np.testing.assert_array_equal(new_state[s], state[s])  # no tokens: state kept
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_attention and mla_reshape_and_cache (the references of vllm_metal/ops/mla)
+# ---------------------------------------------------------------------------------------------
+
+
+def _mla_case(
+    dtype: str,
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: int,
+    latent_dim: int,
+    block_size: int,
+    padding: int,
+    seed: int,
+) -> dict:
+    """Random MLA inputs: shuffled block tables whose unused entries name a NaN block, and NaN in
+    every cache row past a sequence's length (a kernel reading a row it must not shows)."""
+    rng = np.random.default_rng(seed)
+    S = len(seq_lens)
+    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
+    num_blocks = S * max_blocks + 1
+    perm = rng.permutation(num_blocks)
+    cache = np.full((num_blocks, block_size, latent_dim), np.nan, np.float32)
+    tables = np.full((S, max_blocks), perm[-1], np.int32)
+    for s, L in enumerate(seq_lens):
+        for b in range(-(-L // block_size)):
+            block = perm[s * max_blocks + b]
+            tables[s, b] = block
+            used = min(block_size, L - b * block_size)
+            cache[block, :used] = O.quantize(rng.standard_normal((used, latent_dim)), dtype)
+    T = sum(q_lens) + padding
+    return {
+        "query": O.quantize(rng.standard_normal((T, heads, latent_dim)), dtype),
+        "latent_cache": cache,
+        "block_tables": tables,
+        "seq_lens": np.asarray(seq_lens, np.int32),
+        "cu_seqlens_q": _cu(q_lens),
+    }
+
+
+MLA_CASES = [
+    # dtype, (latent_dim, value_dim), heads, block_size, q_lens, seq_lens, padding rows
+    ("f32", (288, 256), 3, 8, [1, 6, 1, 0], [40, 6, 23, 5], 2),  # one partial head group
+    ("f16", (288, 256), 10, 16, [1, 1, 1], [1, 70, 33], 0),  # decode rows, two head groups
+    ("bf16", (288, 256), 8, 32, [5, 1], [50, 97], 1),  # chunked prefill with history
+    ("f16", (576, 512), 2, 16, [1, 3], [45, 20], 1),  # DeepSeek's sizes
+]
+
+
+@pytest.mark.parametrize("dtype,sizes,heads,block_size,q_lens,seq_lens,padding", MLA_CASES)
+def test_mla_attention(
+    dtype: str,
+    sizes: tuple[int, int],
+    heads: int,
+    block_size: int,
+    q_lens: list[int],
+    seq_lens: list[int],
+    padding: int,
+) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.mla import reference as ref
+
+    latent_dim, value_dim = sizes
+    case = _mla_case(dtype, q_lens, seq_lens, heads, latent_dim, block_size, padding, heads)
+    scale = 1.5 / np.sqrt(latent_dim)
+    got = K.mla_attention(**case, scale=scale, value_dim=value_dim, dtype=dtype)
+    want = ref.mla_attention(*(mx.array(case[k]) for k in case), scale=scale, value_dim=value_dim)
+    assert_close(got, np.array(want), dtype, "out")
+    if padding:
+        np.testing.assert_array_equal(got[-padding:], 0.0)  # tokens outside every sequence
+
+
+@pytest.mark.parametrize("dtype", O.DTYPES)
+def test_mla_reshape_and_cache(dtype: str) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.mla import reference as ref
+
+    rng = np.random.default_rng(len(dtype))
+    num_blocks, block_size, latent_dim = 5, 16, 576
+    latent = O.quantize(rng.standard_normal((8, latent_dim)), dtype)
+    cache = O.quantize(rng.standard_normal((num_blocks, block_size, latent_dim)), dtype)
+    n = num_blocks * block_size
+    # Slot 0, the last slot, padding (-1, -7) and an out-of-range slot.
+    slots = np.array([0, 17, -1, n - 1, n, 33, -7, 5], np.int64)
+    got = K.mla_reshape_and_cache(latent, cache, slots, dtype)
+    want = ref.mla_reshape_and_cache(mx.array(latent), mx.array(cache), mx.array(slots))
+    np.testing.assert_array_equal(got, np.array(want))

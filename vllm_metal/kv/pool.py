@@ -7,6 +7,8 @@ array `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's `LBNHC` layout,
 and each layer knows its region (memory) and its group (block table). A hybrid model's state
 layers keep their pages in the same regions (`kv.state`); their groups count one block per
 request (block size `max_model_len`), so `block_size` here is the attention groups'.
+A latent-attention (MLA) model's regions are one array each, `[num_blocks, block_size, head_dim]`
+(`kv.latent`): its row is both key and value, and vLLM's `MLAAttentionSpec` sizes no values.
 """
 
 from __future__ import annotations
@@ -107,14 +109,31 @@ class KVLayout:
 
 
 class KVPool:
-    """K and V arrays per region, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """K and V arrays per region, `[num_blocks, block_size, num_kv_heads, head_dim]`; with
+    `latent`, one array per region in `keys`, `[num_blocks, block_size, head_dim]`, and no
+    `values`."""
 
-    def __init__(self, layout: KVLayout, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        shape = (layout.num_blocks, layout.block_size, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        *,
+        latent: bool = False,
+    ):
         self.layout = layout
         self.dtype = dtype
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(layout.num_regions)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(layout.num_regions)]
+        self.latent = latent
+        if latent:
+            if num_kv_heads != 1:
+                raise ValueError(f"a latent (MLA) cache has one KV head, got {num_kv_heads}")
+            shape: tuple[int, ...] = (layout.num_blocks, layout.block_size, head_dim)
+        else:
+            shape = (layout.num_blocks, layout.block_size, num_kv_heads, head_dim)
+        regions = range(layout.num_regions)
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in regions]
+        self.values = [] if latent else [mx.zeros(shape, dtype=dtype) for _ in regions]
         mx.eval(self.keys, self.values)
 
     @property

@@ -2,7 +2,8 @@
 
 Full-attention layers get `FullAttentionSpec`; sliding-window layers get `SlidingWindowSpec`, so
 vLLM's KV manager frees the blocks that fall out of the window instead of keeping the whole
-context; state layers get a `MambaSpec` (`kv.state`). Layers of one kind form one KV-cache group
+context; latent-attention (MLA) layers get an `MLAAttentionSpec` (one latent row per token, no
+separate values: `kv.latent`); state layers get a `MambaSpec` (`kv.state`). Layers of one kind form one KV-cache group
 on vLLM's side.
 """
 
@@ -12,7 +13,12 @@ from collections.abc import Sequence
 
 import torch
 from vllm.config import CacheConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from vllm_metal.kv.state import mamba_spec
 from vllm_metal.models.layers import LayerKind
@@ -30,6 +36,15 @@ def attention_spec(
         if kind.state is None or cache_config is None:
             raise ValueError("a state layer needs its shapes and vLLM's cache config")
         return mamba_spec(kind.state, dtype, cache_config)
+    if kind.latent:
+        # vLLM gives MLA models one KV head whose head size is the latent row's width.
+        return MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_dim,
+            dtype=dtype,
+            cache_dtype_str=None if cache_config is None else cache_config.cache_dtype,
+        )
     if kind.sliding_window is not None:
         return SlidingWindowSpec(
             block_size=block_size,

@@ -183,22 +183,3 @@ class StateLayerCache:
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc
-
-
-_ROUTED = "__vllm_metal_state__"
-
-
-def route_state_layers(layer_cls: type, packed_call: Any) -> None:
-    """Make `layer_cls(x, mask, cache)` (an mlx-lm state layer) run `packed_call(layer, x,
-    cache)` when `cache` is a `StateLayerCache`; plain mlx-lm use is unaffected."""
-    if getattr(layer_cls, _ROUTED, False):
-        return
-    original = layer_cls.__call__
-
-    def __call__(self, inputs, mask=None, cache=None):
-        if isinstance(cache, StateLayerCache):
-            return packed_call(self, inputs, cache)
-        return original(self, inputs, mask, cache)
-
-    layer_cls.__call__ = __call__
-    setattr(layer_cls, _ROUTED, True)

@@ -44,14 +44,17 @@ def route_module_sdpa(model: Any) -> None:
         module.scaled_dot_product_attention = _paged_sdpa(current)
 
 
-def patch_attention_class(attention_cls: type, paged_call: Any) -> None:
-    """Make `attention_cls(x, mask, cache)` run `paged_call` when `cache` is a paged view."""
+def patch_attention_class(
+    attention_cls: type, paged_call: Any, cache_cls: type = PagedLayerCache
+) -> None:
+    """Make `attention_cls(x, mask, cache)` run `paged_call` when `cache` is a paged view (a
+    `cache_cls`: `PagedLayerCache`, or `kv.latent.LatentLayerCache` for MLA)."""
     if getattr(attention_cls, _MARK, False):
         return
     original = attention_cls.__call__
 
     def __call__(self, x, mask=None, cache=None):
-        if isinstance(cache, PagedLayerCache):
+        if isinstance(cache, cache_cls):
             return paged_call(self, x, cache)
         return original(self, x, mask, cache)
 

@@ -1,4 +1,5 @@
-"""What kind of memory each decoder layer needs: full attention, a sliding window, or a state.
+"""What kind of memory each decoder layer needs: full attention, a sliding window, a latent (MLA)
+cache, or a state.
 
 Adapters report one `LayerKind` per layer; `vllm_metal.kv` turns them into vLLM KV-cache specs.
 A state layer's shapes are read from the checkpoint's config by its model type (`STATE_SHAPES`),
@@ -64,6 +65,11 @@ STATE_SHAPES = {
 }
 
 
+# model_type of the multi-head latent attention (MLA) families the MLX runner serves: their layers
+# cache one latent row per token (`kv.latent`).
+LATENT_ATTENTION_MODEL_TYPES = ("deepseek_v3",)
+
+
 def state_shapes_of(model_type: str, config: Mapping[str, Any]) -> StateShapes:
     if model_type not in STATE_SHAPES:
         raise ValueError(
@@ -78,16 +84,22 @@ class LayerKind:
     sliding_window: int | None = None  # attends to the last W keys (None = the whole context)
     is_state: bool = False  # recurrent state instead of a KV cache (Mamba, Gated DeltaNet)
     state: StateShapes | None = None  # the state's shapes, where the family declares them
+    # Multi-head latent attention: one compressed row per token serves as every head's key and
+    # value (no separate values, `kv.latent`).
+    latent: bool = False
 
     @property
     def label(self) -> str:
         if self.is_state:
             return "state"
+        if self.latent:
+            return "latent"
         return "full" if self.sliding_window is None else f"sliding({self.sliding_window})"
 
 
 FULL_ATTENTION = LayerKind()
 STATE = LayerKind(is_state=True)
+LATENT = LayerKind(latent=True)
 
 
 def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:

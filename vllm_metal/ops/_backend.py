@@ -34,14 +34,15 @@ def native() -> ModuleType | None:
     return None if envs.VLLM_METAL_USE_REFERENCE_OPS else _native_ops
 
 
-def native_for(head_size: int) -> ModuleType | None:
-    """``native()`` for one call with that head size. The C++ CPU bodies take any head size; the
-    Metal kernels only ``HEAD_SIZES``, so a call that would run on the GPU with another size runs
-    the reference instead (MLX's own ops, on the GPU too)."""
-    from vllm_metal.ops._constants import HEAD_SIZES  # it reads the constants through this module
+def native_for(size: object, sizes: str = "HEAD_SIZES") -> ModuleType | None:
+    """``native()`` for one call with that kernel size. The C++ CPU bodies take any size; the Metal
+    kernels only those of the size list ``sizes`` of ``_constants`` (``HEAD_SIZES`` for the
+    attention ops, ``MLA_SIZES`` (latent_dim, value_dim) pairs for MLA), so a call that would run
+    on the GPU with another size runs the reference instead (MLX's own ops, on the GPU too)."""
+    from vllm_metal.ops import _constants  # it reads the constants through this module
 
     mod = native()
-    if mod is not None and head_size not in HEAD_SIZES and mod.on_gpu():
+    if mod is not None and size not in getattr(_constants, sizes) and mod.on_gpu():
         return None
     return mod
 

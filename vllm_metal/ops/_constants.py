@@ -18,6 +18,8 @@ def _source() -> dict[str, object]:
 CONSTANTS: dict[str, object] = _source()
 
 HEAD_SIZES: tuple[int, ...] = tuple(CONSTANTS["HEAD_SIZES"])
+# (latent_dim, value_dim) pairs of the MLA kernel.
+MLA_SIZES: tuple[tuple[int, int], ...] = tuple(tuple(e) for e in CONSTANTS["MLA_SIZES"])
 BLOCK_SIZE_MULTIPLE: int = CONSTANTS["BLOCK_SIZE_MULTIPLE"]
 # Entries are (tag, msl_type, mlx_name, bytes).
 FLOAT_DTYPES: tuple[mx.Dtype, ...] = tuple(getattr(mx, e[2]) for e in CONSTANTS["FLOAT_DTYPES"])

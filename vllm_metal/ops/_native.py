@@ -176,6 +176,26 @@ def mamba2_scan(*arrays: mx.array) -> tuple[mx.array, mx.array]:
     return _C.mamba2_scan(*arrays)
 
 
+def mla_attention(*arrays: mx.array, scale: float, value_dim: int) -> mx.array:
+    """arrays: query, latent_cache, block_tables, seq_lens, cu_seqlens_q."""
+    query, latent_cache, *index = arrays
+    if on_gpu():
+        # The kernel reads the cache through its block and slot strides (a layer slice of a larger
+        # allocation is used in place).
+        query, *index = _contiguous(query, *index)
+    return _C.mla_attention(
+        query, latent_cache, *index, scale=float(scale), value_dim=int(value_dim)
+    )
+
+
+def mla_reshape_and_cache(
+    latent: mx.array, latent_cache: mx.array, slot_mapping: mx.array
+) -> mx.array:
+    if on_gpu():
+        latent, slot_mapping = _contiguous(latent, slot_mapping)
+    return _C.mla_reshape_and_cache(latent, latent_cache, slot_mapping)
+
+
 def gpu_cores() -> int:
     return _C.gpu_cores()
 

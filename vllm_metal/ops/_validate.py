@@ -12,6 +12,7 @@ import mlx.core as mx
 from vllm_metal.ops._constants import BLOCK_SIZE_MULTIPLE, FLOAT_DTYPES
 
 POOL_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_size]"
+LATENT_POOL_LAYOUT = "[num_blocks, block_size, latent_dim]"
 
 
 def fail(message: str) -> None:
@@ -63,15 +64,26 @@ def head_size(name: str, size: int) -> None:
         fail(f"{name} head_size must be positive, got {size}")
 
 
+def block_size(name: str, size: int) -> None:
+    if size <= 0 or size % BLOCK_SIZE_MULTIPLE:
+        fail(f"{name} block_size must be a positive multiple of {BLOCK_SIZE_MULTIPLE}, got {size}")
+
+
+def latent_pool(name: str, cache: object) -> tuple[int, int, int]:
+    """Checks a paged latent cache (MLA: one row per token, no heads); returns its shape."""
+    pool = shape(name, cache, 3, LATENT_POOL_LAYOUT)
+    block_size(name, pool[1])
+    if pool[0] <= 0:
+        fail(f"{name} must have at least one block, got shape {pool}")
+    float_dtype(name, cache)
+    head_size(name, pool[2])
+    return pool  # type: ignore[return-value]
+
+
 def pools(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
     """Checks the K/V pools against each other and the supported sizes; returns their shape."""
     pool = shape("key_cache", key_cache, 4, POOL_LAYOUT)
-    block_size = pool[1]
-    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
-        fail(
-            f"key_cache block_size must be a positive multiple of {BLOCK_SIZE_MULTIPLE}, "
-            f"got {block_size}"
-        )
+    block_size("key_cache", pool[1])
     if pool[0] <= 0 or pool[2] <= 0:
         fail(f"key_cache must have at least one block and one KV head, got shape {pool}")
     if tuple(array("value_cache", value_cache).shape) != pool:

@@ -36,25 +36,38 @@ void write_rows(const CacheWriteArgs& w, int64_t t_begin, int64_t t_end) {
   }
 }
 
+// Writes every pool's rows, on the calling thread or (large writes) the pool.
+void write_pools(const CacheWriteArgs* const* pools, int num_pools) {
+  auto& thread_pool = ThreadPool::instance();
+  int64_t bytes = 0;
+  for (int i = 0; i < num_pools; ++i) {
+    const CacheWriteArgs& w = *pools[i];
+    bytes += w.num_tokens * w.num_heads * w.head_dim * w.itemsize;
+  }
+  if (bytes < kParallelBytes || thread_pool.num_threads() == 1) {
+    for (int i = 0; i < num_pools; ++i) write_rows(*pools[i], 0, pools[i]->num_tokens);
+    return;
+  }
+  const int64_t chunks = 4 * thread_pool.num_threads();
+  thread_pool.parallel_for(num_pools * chunks, [&](int64_t i, int) {
+    const CacheWriteArgs& w = *pools[i / chunks];
+    const int64_t per = (w.num_tokens + chunks - 1) / chunks;
+    const int64_t t0 = std::min(w.num_tokens, (i % chunks) * per);
+    const int64_t t1 = std::min(w.num_tokens, t0 + per);
+    write_rows(w, t0, t1);
+  }, thread_pool.num_threads());
+}
+
 }  // namespace
 
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value) {
-  auto& pool = ThreadPool::instance();
-  const int64_t bytes = 2 * key.num_tokens * key.num_heads * key.head_dim * key.itemsize;
-  if (bytes < kParallelBytes || pool.num_threads() == 1) {
-    write_rows(key, 0, key.num_tokens);
-    write_rows(value, 0, value.num_tokens);
-    return;
-  }
-  const int64_t chunks = 4 * pool.num_threads();
-  const int64_t per = (key.num_tokens + chunks - 1) / chunks;
-  pool.parallel_for(2 * chunks, [&](int64_t i, int) {
-    const CacheWriteArgs& w = i < chunks ? key : value;
-    const int64_t c = i % chunks;
-    const int64_t t0 = std::min(w.num_tokens, c * per);
-    const int64_t t1 = std::min(w.num_tokens, t0 + per);
-    write_rows(w, t0, t1);
-  }, pool.num_threads());
+  const CacheWriteArgs* pools[] = {&key, &value};
+  write_pools(pools, 2);
+}
+
+void write_cache(const CacheWriteArgs& rows) {
+  const CacheWriteArgs* pools[] = {&rows};
+  write_pools(pools, 1);
 }
 
 }  // namespace vllm_metal::cpu

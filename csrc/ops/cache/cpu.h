@@ -19,4 +19,7 @@ struct CacheWriteArgs {
 // Writes the key rows and the value rows, on the calling thread or (large writes) the pool.
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value);
 
+// Writes one pool's rows the same way (mla_reshape_and_cache: one latent pool, one "head").
+void write_cache(const CacheWriteArgs& rows);
+
 }  // namespace vllm_metal::cpu

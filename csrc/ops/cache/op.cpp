@@ -35,8 +35,8 @@ cpu::CacheWriteArgs write_args(const mx::array& src, mx::array& dst, const int64
   };
 }
 
-// The output pool: the input's own buffer when it can be written in place, else a fresh
-// row-contiguous copy of it.
+}  // namespace
+
 void bind_output_pool(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& encoder) {
   if (pool_is_aliasable(pool)) {
     out.copy_shared_buffer(pool);
@@ -50,8 +50,6 @@ void bind_output_pool(const mx::array& pool, mx::array& out, mx::cpu::CommandEnc
     cpu::copy_strided(src, shape, strides, itemsize, dst);
   });
 }
-
-}  // namespace
 
 bool pool_is_aliasable(const mx::array& pool) {
   if (pool.flags().row_contiguous) return true;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 #include "ops/cache/params.h"
@@ -40,6 +41,10 @@ class ReshapeAndCache : public mx::Primitive {
 // True when writing through `pool`'s strides touches each element's own memory (row-major order
 // with possible gaps, as for a contiguous pool or a slice of a larger one), so writes may alias it.
 bool pool_is_aliasable(const mx::array& pool);
+
+// eval_cpu's binding of an output pool: the input pool's own buffer when it is aliasable, else a
+// fresh row-contiguous copy of it (enqueued on `encoder`).
+void bind_output_pool(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& encoder);
 
 std::pair<mx::array, mx::array> reshape_and_cache(
     const mx::array& key, const mx::array& value, const mx::array& key_cache,

@@ -9,6 +9,7 @@ from vllm_metal.models.adapter import ModelAdapter
 
 # model_type -> module in this package defining `Adapter`
 FAMILIES = {
+    "deepseek_v3": "deepseek_v3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gpt_oss": "gpt_oss",

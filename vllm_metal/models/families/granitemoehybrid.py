@@ -16,14 +16,15 @@ from mlx_lm.models.granitemoehybrid import GraniteMoeHybridMamba2Mixer
 from mlx_lm.models.ssm import compute_dt
 
 from vllm_metal import ops
-from vllm_metal.kv.state import StateLayerCache, route_state_layers
+from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models.adapter import ModelAdapter
+from vllm_metal.models.attention import patch_attention_class
 
 
 class Adapter(ModelAdapter):
     def install_paged_attention(self) -> None:
         super().install_paged_attention()
-        route_state_layers(GraniteMoeHybridMamba2Mixer, _packed_mamba2_mixer)
+        patch_attention_class(GraniteMoeHybridMamba2Mixer, _packed_mamba2_mixer, StateLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
         # GraniteMoeHybridModel.__call__ with embeddings in; rows are single tokens and the

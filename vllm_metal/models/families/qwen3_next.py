@@ -16,14 +16,15 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from vllm_metal import ops
-from vllm_metal.kv.state import StateLayerCache, route_state_layers
+from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models.adapter import ModelAdapter
+from vllm_metal.models.attention import patch_attention_class
 
 
 class Adapter(ModelAdapter):
     def install_paged_attention(self) -> None:
         super().install_paged_attention()
-        route_state_layers(Qwen3NextGatedDeltaNet, _packed_gated_delta_net)
+        patch_attention_class(Qwen3NextGatedDeltaNet, _packed_gated_delta_net, StateLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
         # Qwen3NextModel.__call__ with embeddings in; rows are single tokens and the state

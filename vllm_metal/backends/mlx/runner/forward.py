@@ -1,6 +1,7 @@
-"""One packed forward: the step's varlen metadata on the device, a paged cache view per layer
-(attention) or its requests' state pages (a hybrid model's state layers), the adapter's embeddings -> decoder (`hidden_states`, what pooling heads read) -> head on the
-rows that need logits (`forward`)."""
+"""One packed forward: the step's varlen metadata on the device; a cache view per layer (paged
+K/V for attention, latent rows for MLA, its requests' state pages for a hybrid model's state
+layers); the adapter's embeddings -> decoder (`hidden_states`, what pooling heads read) -> head on
+the rows that need logits (`forward`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
 from vllm_metal.backends.mlx.runner.mm.embeddings import merge
+from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.kv.state import StateLayerCache
@@ -24,7 +26,7 @@ def layer_caches(
     packed: PackedBatch,
     kinds: Sequence[LayerKind],
     key_ends: np.ndarray | None = None,
-) -> list[PagedLayerCache | StateLayerCache]:
+) -> list[PagedLayerCache | LatentLayerCache | StateLayerCache]:
     meta = StepMetadata(
         positions=mx.array(packed.positions),
         seq_lens=mx.array(packed.seq_lens),
@@ -39,7 +41,7 @@ def layer_caches(
     # A request with no computed tokens starts its state layers from zeros (so does one that
     # resumes after a preemption: it recomputes from its first token).
     fresh = packed.seq_lens == packed.num_scheduled
-    caches: list[PagedLayerCache | StateLayerCache] = []
+    caches: list[PagedLayerCache | LatentLayerCache | StateLayerCache] = []
     for i, kind in enumerate(kinds):
         region, group = layout.region_of_layer[i], layout.group_of_layer[i]
         if kind.is_state:
@@ -47,6 +49,8 @@ def layer_caches(
             caches.append(
                 StateLayerCache(pool, region, kind.state, blocks, fresh, meta.cu_seqlens_q)
             )
+        elif kind.latent:
+            caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
         else:
             caches.append(
                 PagedLayerCache(pool, region, meta, meta.groups[group], kind.sliding_window)

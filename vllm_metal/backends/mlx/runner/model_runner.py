@@ -194,7 +194,13 @@ class MLXModelRunner:
         return self.adapter.attention_layer_names
 
     def _allocate_kv_pool(self) -> None:
-        self.kv_pool = KVPool(self.kv_layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype)
+        self.kv_pool = KVPool(
+            self.kv_layout,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlx_kv_dtype,
+            latent=any(kind.latent for kind in self.layer_kinds),
+        )
         if self.connector is not None:
             self.connector.bind_pool(self.kv_pool, self.kv_cache_config)
 

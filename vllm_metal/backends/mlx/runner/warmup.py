@@ -51,7 +51,8 @@ class DummyRuns:
 
     def _pool(self, num_blocks: int, block_size: int) -> KVPool:
         layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size)
-        return KVPool(layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        latent = any(kind.latent for kind in self.kinds)
+        return KVPool(layout, self.num_kv_heads, self.head_dim, self.kv_dtype, latent=latent)
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
         packed = prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size)

@@ -1,0 +1,70 @@
+"""A multi-head latent attention (MLA) model served by the MLX runner: DeepSeek-V3, whose layers
+cache one latent row per token (`kv.latent`) and attend in the absorbed form. Greedy tokens and
+logprobs equal transformers float32 (which expands the latent into per-head keys and values) for a
+mixed batch prefilled in chunks smaller than its prompts, from a KV pool so small that vLLM
+preempts requests; then two prompts sharing a prefix, one job after the other: the second is
+served from vLLM's prefix cache and still equals transformers (a cache-on round whose results
+equal the cache-free oracle)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
+
+NEW_TOKENS = 24
+BLOCK_SIZE = 16
+# A latent row is 64 + 16 float32 values; 3 layers: 960 bytes a token.
+TOKEN_BYTES = 3 * (64 + 16) * 4
+
+
+@pytest.fixture(scope="module")
+def mla_run(tiny_deepseek_v3_dir):
+    prompts = random_prompts(21, [30, 26, 35, 1, 5])
+    # 32 tokens (two whole blocks) and two tails.
+    prefix = random_prompts(23, [32])[0]
+    shared = [prefix + tail for tail in random_prompts(22, [7, 12])]
+    engine = {
+        "max_num_batched_tokens": 16,
+        "block_size": BLOCK_SIZE,
+        # 8 blocks (7 usable: 112 tokens): the batch needs 16 at its longest, so requests are
+        # preempted.
+        "kv_cache_memory_bytes": 8 * BLOCK_SIZE * TOKEN_BYTES,
+        "max_model_len": 96,
+        "disable_log_stats": False,
+    }
+    jobs = [
+        {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        *({"prompts": [prompt], "params": [greedy(NEW_TOKENS)]} for prompt in shared),
+    ]
+    results, metrics = run_engine_job(
+        tiny_deepseek_v3_dir, jobs, engine=engine, with_metrics="per_job"
+    )
+    return prompts, shared, results, metrics
+
+
+@pytest.mark.slow
+def test_mla_greedy_matches_transformers_through_chunks_and_preemption(
+    tiny_deepseek_v3_dir, mla_run
+):
+    from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+
+    prompts, _, (batch, *_), metrics = mla_run
+    assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
+    assert tokens(batch) == hf_greedy(tiny_deepseek_v3_dir, prompts, NEW_TOKENS)
+    for prompt, result in zip(prompts, batch):
+        sample = result["outputs"][0]
+        ref = hf_logprobs(tiny_deepseek_v3_dir, prompt + sample["token_ids"])
+        for step, token in enumerate(sample["token_ids"]):
+            got = sample["logprobs"][step][str(token)]
+            want = ref[len(prompt) - 1 + step, token]
+            assert abs(got - want) < 1e-3, (step, got, want)
+
+
+@pytest.mark.slow
+def test_mla_prefix_cache_hits_match_transformers(tiny_deepseek_v3_dir, mla_run):
+    from vllm_metal.testing.oracles import hf_greedy
+
+    _, shared, (_, first, second), _ = mla_run
+    assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
+    assert tokens(first + second) == hf_greedy(tiny_deepseek_v3_dir, shared, NEW_TOKENS)
