@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Any
 
 
+def _resident_bytes() -> int:
+    """Resident memory of this process and its children (the engine core), idle after startup."""
+    import psutil
+
+    me = psutil.Process()
+    return sum(p.memory_info().rss for p in (me, *me.children(recursive=True)))
+
+
 def worker(args: argparse.Namespace) -> int:
     """One `vllm.LLM`; `{"op": "generate", "start", "n", "max_tokens"}` commands (JSON lines) on
     stdin, one JSON reply line each on --reply-fd; `{"op": "quit"}` ends it."""
@@ -34,7 +42,8 @@ def worker(args: argparse.Namespace) -> int:
     from vllm.platforms import current_platform
 
     reply({"ready": True, "engine_start_s": round(engine_start_s, 2),
-           "platform": type(current_platform).__name__})  # fmt: skip
+           "platform": type(current_platform).__name__,
+           "idle_rss_bytes": _resident_bytes()})  # fmt: skip
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":

@@ -1,9 +1,11 @@
-"""Hybrid-model decode throughput: Qwen3-Next (Gated DeltaNet) and Granite 4.0-H (Mamba-2), one run.
+"""Decode throughput of hybrid and latent-attention models: Qwen3-Next (Gated DeltaNet),
+Granite 4.0-H (Mamba-2) and DeepSeek-V3 (multi-head latent attention), one run; and the memory an
+idle engine holds.
 
-Two random-weight checkpoints written locally with the tests' writers at larger shapes
-(`write_hybrid_model`), both 8 layers of hidden 1024 in their families' layer patterns, an
-untied (Qwen3-Next) or tied (Granite, as released) 32,000-row vocabulary, every layer followed by
-a MoE block of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert of 512:
+Three random-weight checkpoints written locally with the tests' writers at larger shapes
+(`write_hybrid_model`), all 8 layers of hidden 1024 in their families' layer patterns, an
+untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, as released) 32,000-row vocabulary, the layers
+followed by MoE blocks of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert of 512:
 
 - Qwen3-Next (`Qwen3NextForCausalLM`): 3 Gated DeltaNet layers then 1 gated full attention,
   twice; the linear layers have 8 key and 16 value heads of 128 (a 1 MiB float32 recurrent state
@@ -14,6 +16,10 @@ a MoE block of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert 
   normalises each group's slice while transformers and mlx-lm (the plugin's model code)
   normalise the whole intermediate: with more groups the two backends compute different models
   and the agreement check would mean nothing. The released Granite 4.0-H models have one group.
+- DeepSeek-V3 (`DeepseekV3ForCausalLM`): MLA with DeepSeek-V3's own head shapes (16 heads; query
+  LoRA rank 384; latent 512 plus a rotary part of 64, so 576 values cached per token and layer;
+  nope and value head dims 128), the first layer dense (intermediate 2048), the other 7 MoE with
+  sigmoid routing.
 
 Weights are drawn from N(0, 0.02) (the embedding of the tied Granite from N(0, 0.01), as its
 muP multiplier scales it by 12), so 8 layers' activations stay tame. The tokenizer is the
@@ -21,11 +27,13 @@ project's tiny BPE tokenizer padded to the vocabulary (`bench.model._pad_tokeniz
 
 Each (family, backend) is one `vllm.LLM` (greedy, EOS ignored, float32, the same engine
 arguments, prefix caching off as the plugin has it for hybrids anyway) in a worker process of its
-own; the rounds are `bench/decode_rounds.py`'s (as bench.moe's): one warm-up round of each size,
+own; each worker reports its resident memory (its process and the engine core's) once the engine
+is up and idle, with the KV cache allocated; the rounds are `bench/decode_rounds.py`'s (as bench.moe's): one warm-up round of each size,
 then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
 and 64 output tokens; decode tok/s = streams / median TPOT. Granite runs the plugin and vLLM's own
 CPU backend (`VLLM_TARGET_DEVICE=cpu`) side by side, the same rounds in turn, and compares their
-greedy tokens of one 16-stream round. Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
+greedy tokens of one 16-stream round; so does DeepSeek-V3 (vLLM's CPU MLA kernel is built for
+576-value rows only, which these shapes have). Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
 serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_core`, asserts
 bfloat16 inputs, so the engine dies on its first step with "CPU GDN attention requires BF16"), and
 a bfloat16 vLLM against the plugin's float32 would measure two different computations (other
@@ -37,7 +45,8 @@ request" is recorded and must be at least 16, so no request is preempted.
     python -m bench.hybrid --out docs/benchmarks             # ~12 min on 2 cores
     python -m bench.hybrid --quick --out /tmp/hybrid-quick   # tiny models, ~3 min: the harness
 
-`--quick`: the tests' tiny checkpoints (4 layers, hidden 128; Granite with one group, as above),
+`--quick`: the tests' tiny checkpoints (hidden 128; Granite with one group, as above; DeepSeek-V3
+with the 512 + 64 latent vLLM's CPU kernel needs),
 8 output tokens, one round per case, `enforce_eager` on every engine (vLLM's CPU backend then
 skips its torch.compile warm-up).
 """
@@ -58,9 +67,13 @@ from bench.generate_worker import worker
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (each worker is this module with --reply-fd).
 
-FAMILIES = ("qwen3_next", "granite")
+FAMILIES = ("qwen3_next", "granite", "deepseek_v3")
 # vLLM's CPU backend cannot start Qwen3-Next here (module docstring): the plugin runs alone.
-BACKENDS = {"qwen3_next": ("plugin",), "granite": ("plugin", "cpu")}
+BACKENDS = {
+    "qwen3_next": ("plugin",),
+    "granite": ("plugin", "cpu"),
+    "deepseek_v3": ("plugin", "cpu"),
+}
 DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
 KV_CACHE_BYTES = {False: 2**30, True: 256 * 2**20}  # by --quick
 VOCAB = 32000
@@ -97,11 +110,35 @@ SHAPES: dict[str, dict[str, Any]] = {
         "shared_intermediate_size": 512,
         "vocab_size": VOCAB,
     },
+    "deepseek_v3": {
+        "num_layers": 8,
+        "first_k_dense_replace": 1,
+        "hidden_size": 1024,
+        "num_heads": 16,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": MOE["num_experts"],
+        "top_k": MOE["top_k"],
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 2048,
+        "vocab_size": VOCAB,
+    },
+}
+# vLLM's CPU MLA kernel takes 576-value latent rows only.
+QUICK_KWARGS: dict[str, dict[str, Any]] = {
+    "qwen3_next": {},
+    "granite": {"mamba_n_groups": 1},
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
 }
 WEIGHT_STD = 0.02
 STDS = {
     "qwen3_next": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
     "granite": {"weight_std": WEIGHT_STD, "embed_std": WEIGHT_STD / 2},
+    "deepseek_v3": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
 }
 
 
@@ -116,14 +153,19 @@ def cases() -> list[dict[str, Any]]:
 def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
     with one group)."""
+    from vllm_metal.testing.tiny_deepseek_v3 import write_tiny_deepseek_v3
     from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
     from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
 
-    writer = {"qwen3_next": write_tiny_qwen3_next, "granite": write_tiny_granitemoehybrid}[family]
+    writer = {
+        "qwen3_next": write_tiny_qwen3_next,
+        "granite": write_tiny_granitemoehybrid,
+        "deepseek_v3": write_tiny_deepseek_v3,
+    }[family]
     name = f"{family}-tiny" if quick else f"{family}-hybrid-random"
     path = Path(work) / "models" / f"{name}-{DTYPE}"
     if quick:
-        kwargs: dict[str, Any] = {"mamba_n_groups": 1} if family == "granite" else {}
+        kwargs: dict[str, Any] = dict(QUICK_KWARGS[family])
     else:
         kwargs = {**SHAPES[family], **STDS[family]}
     stamp = {"kind": family, "kwargs": kwargs, "dtype": DTYPE, "seed": seed, "format": 1}
@@ -141,80 +183,123 @@ def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> P
 
 def describe_hybrid_model(path: Path) -> dict[str, Any]:
     """Shape, layer pattern, total and active parameters (per token: everything but the experts
-    the router skips and, when untied, the embedding, which is only gathered), attention KV bytes
-    per token and state bytes per request, from config.json and the safetensors header."""
+    the router skips and, when untied, the embedding, which is only gathered), KV bytes per token
+    and state bytes per request, from config.json and the safetensors header."""
     from bench.model import _safetensors_sizes
 
     c = json.loads((path / "config.json").read_text())
     sizes = _safetensors_sizes(path / "model.safetensors")
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[c["dtype"]]
-    qwen = c["model_type"] == "qwen3_next"
-    experts = c["num_experts"] if qwen else c["num_local_experts"]
-    k = c["num_experts_per_tok"]
+    family = {"qwen3_next": _gated_delta, "granitemoehybrid": _mamba2, "deepseek_v3": _latent}
+    shape = family[c["model_type"]](c, itemsize)
     sparse = re.compile(r"\.mlp\.experts\.|\.block_sparse_moe\.(input|output)_linear\.")
     expert_bytes = sum(v for n, v in sizes.items() if sparse.search(n))
     other = sum(v for n, v in sizes.items() if not sparse.search(n))
     tied = c.get("tie_word_embeddings", False)
     active = other - (0 if tied else sizes["model.embed_tokens.weight"])
-    active += expert_bytes * k // experts
-    layer_types = c["layer_types"]
-    attention = [t for t in layer_types if t in ("full_attention", "attention")]
-    head_dim = c["head_dim"] if qwen else c["hidden_size"] // c["num_attention_heads"]
-    if qwen:
-        mixer = "Gated DeltaNet"
-        key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
-        value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
-        conv_dim, kernel = 2 * key_dim + value_dim, c["linear_conv_kernel_dim"]
-        state = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
-        mixer_shape = {
-            "key_heads": c["linear_num_key_heads"],
-            "value_heads": c["linear_num_value_heads"],
-            "key_head_dim": c["linear_key_head_dim"],
-            "value_head_dim": c["linear_value_head_dim"],
-        }
-        experts_inter = c["moe_intermediate_size"]
-        shared_inter = c["shared_expert_intermediate_size"]
-    else:
-        mixer = "Mamba-2"
-        inner = c["mamba_n_heads"] * c["mamba_d_head"]
-        conv_dim = inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]
-        kernel = c["mamba_d_conv"]
-        state = inner * c["mamba_d_state"]
-        mixer_shape = {
-            "heads": c["mamba_n_heads"],
-            "head_dim": c["mamba_d_head"],
-            "state": c["mamba_d_state"],
-            "groups": c["mamba_n_groups"],
-        }
-        experts_inter = c["intermediate_size"]
-        shared_inter = c["shared_intermediate_size"]
-    state_layers = len(layer_types) - len(attention)
+    active += expert_bytes * c["num_experts_per_tok"] // shape["num_experts"]
     return {
         "path": str(path),
         "name": path.name,
         "architecture": c["architectures"][0],
         "dtype": c["dtype"],
         "num_layers": c["num_hidden_layers"],
-        "layer_types": layer_types,
-        "mixer": mixer,
-        "state_layers": state_layers,
-        "attention_layers": len(attention),
         "hidden_size": c["hidden_size"],
         "num_heads": c["num_attention_heads"],
-        "num_kv_heads": c["num_key_value_heads"],
-        "head_dim": head_dim,
-        "mixer_shape": mixer_shape,
-        "num_experts": experts,
-        "experts_per_token": k,
-        "expert_intermediate_size": experts_inter,
-        "shared_intermediate_size": shared_inter,
+        "experts_per_token": c["num_experts_per_tok"],
         "vocab_size": c["vocab_size"],
         "tied_embeddings": tied,
         "num_parameters": sum(sizes.values()) // itemsize,
         "active_parameters_per_token": active // itemsize,
+        **shape,
+    }
+
+
+def _gated_delta(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    state = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
+    mixer = {
+        "key_heads": c["linear_num_key_heads"],
+        "value_heads": c["linear_num_value_heads"],
+        "key_head_dim": c["linear_key_head_dim"],
+        "value_head_dim": c["linear_value_head_dim"],
+    }
+    return _with_state(
+        c, itemsize, "Gated DeltaNet", mixer, c["head_dim"], state,
+        conv=(c["linear_conv_kernel_dim"], 2 * key_dim + value_dim),
+        experts=(c["num_experts"], c["moe_intermediate_size"],
+                 c["shared_expert_intermediate_size"]),
+    )  # fmt: skip
+
+
+def _mamba2(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    inner = c["mamba_n_heads"] * c["mamba_d_head"]
+    mixer = {
+        "heads": c["mamba_n_heads"],
+        "head_dim": c["mamba_d_head"],
+        "state": c["mamba_d_state"],
+        "groups": c["mamba_n_groups"],
+    }
+    return _with_state(
+        c, itemsize, "Mamba-2", mixer, c["hidden_size"] // c["num_attention_heads"],
+        inner * c["mamba_d_state"],
+        conv=(c["mamba_d_conv"], inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]),
+        experts=(c["num_local_experts"], c["intermediate_size"], c["shared_intermediate_size"]),
+    )  # fmt: skip
+
+
+def _with_state(c: dict[str, Any], itemsize: int, mixer: str, mixer_shape: dict[str, Any],
+                head_dim: int, state: int, conv: tuple[int, int],
+                experts: tuple[int, int, int]) -> dict[str, Any]:  # fmt: skip
+    """A hybrid's fields: its state layers (float32 state plus the convolution window) and
+    attention layers."""
+    layer_types = c["layer_types"]
+    attention = [t for t in layer_types if t in ("full_attention", "attention")]
+    state_layers = len(layer_types) - len(attention)
+    kernel, conv_dim = conv
+    return {
+        "layer_types": layer_types,
+        "mixer": mixer,
+        "mixer_shape": mixer_shape,
+        "state_layers": state_layers,
+        "attention_layers": len(attention),
+        "num_kv_heads": c["num_key_value_heads"],
+        "head_dim": head_dim,
+        "num_experts": experts[0],
+        "expert_intermediate_size": experts[1],
+        "shared_intermediate_size": experts[2],
         "kv_bytes_per_token": 2 * len(attention) * c["num_key_value_heads"] * head_dim * itemsize,
-        # float32 recurrent state plus the convolution window, per state layer
         "state_bytes_per_request": state_layers * (4 * state + (kernel - 1) * conv_dim * itemsize),
+    }
+
+
+def _latent(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    """DeepSeek-V3's fields: every layer MLA, caching one latent row per token."""
+    layers = c["num_hidden_layers"]
+    dense = c["first_k_dense_replace"]
+    row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    return {
+        "layer_types": ["mla"] * layers,
+        "mixer": "MLA",
+        "mixer_shape": {
+            "q_lora_rank": c["q_lora_rank"],
+            "kv_lora_rank": c["kv_lora_rank"],
+            "rope_dim": c["qk_rope_head_dim"],
+            "nope_dim": c["qk_nope_head_dim"],
+            "value_dim": c["v_head_dim"],
+            "dense_layers": dense,
+            "dense_intermediate_size": c["intermediate_size"],
+        },
+        "state_layers": 0,
+        "attention_layers": layers,
+        "num_kv_heads": 1,
+        "head_dim": row,
+        "num_experts": c["n_routed_experts"],
+        "expert_intermediate_size": c["moe_intermediate_size"],
+        "shared_intermediate_size": c["moe_intermediate_size"] * c["n_shared_experts"],
+        "kv_bytes_per_token": layers * row * itemsize,
+        "state_bytes_per_request": 0,
     }
 
 

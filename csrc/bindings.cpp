@@ -171,6 +171,23 @@ NB_MODULE(_C, m) {
 
   m.def("mlx_runtime_version", [] { return std::string(mx::version()); },
         "Version string of the libmlx this module is linked against.");
+  m.def(
+      "uncommitted_bytes",
+      [](const std::vector<int>& shape) {
+        // The allocator's buffer, never written here: the OS backs a page once it is first
+        // written (a fresh mmap on Linux, a Metal buffer's virtual memory on macOS).
+        size_t nbytes = 1;
+        for (int d : shape) {
+          if (d < 0) throw std::invalid_argument("uncommitted_bytes: negative dimension");
+          nbytes *= static_cast<size_t>(d);
+        }
+        return mx::array(mx::allocator::malloc(nbytes), mx::Shape(shape.begin(), shape.end()),
+                         mx::uint8);
+      },
+      "shape"_a,
+      "A uint8 array of that shape whose memory is allocated but not written, so its pages are "
+      "committed only as they are first written (a reused cached buffer may already be). Its "
+      "contents are undefined.");
   m.def("_abi_probe", [](const mx::array& a) { return a.ndim(); }, "a"_a,
         "Returns a.ndim; fails with TypeError when this module cannot see MLX's array type.");
 

@@ -112,7 +112,9 @@ def test_the_disk_tier_outlives_the_host_pool_and_never_serves_a_corrupt_file(tm
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x40
     path.write_bytes(bytes(data))
-    pool = KVPool(LAYOUT, HEADS, DIM, mx.bfloat16)
+    pool = KVPool(LAYOUT, HEADS, DIM, mx.bfloat16)  # its contents start undefined: zero them
+    for arrays in (pool.keys, pool.values):
+        arrays[:] = [mx.zeros_like(a) for a in arrays]
     transfer.pool = pool
     transfer.submit_load(3, TierSpec([ON_DISK] * 3, KEYS), _gpu([[3, 4], [6]]))
     _finish(transfer, {3})

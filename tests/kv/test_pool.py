@@ -94,3 +94,35 @@ def test_a_state_layer_needs_its_shapes_and_the_cache_config():
         kv_cache_specs(
             ["a"], [STATE], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32
         )
+
+
+@pytest.mark.skipif(not __import__("vllm_metal.ops").ops.native_available(), reason="needs _C")
+@pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
+def test_pool_pages_are_committed_only_as_they_are_written(latent):
+    """512 MiB of pool raise the resident set by what is written (the zeroed null block, then
+    one block), not by the pool's size; the null block reads zeros, a written block its rows."""
+    import psutil
+
+    from vllm_metal import ops
+
+    process = psutil.Process()
+    heads, dim = (1, 512) if latent else (8, 128)
+    before = process.memory_info().rss
+    # 2 layers x 8192 blocks x 16 tokens x 8 heads x 128 x 2 bytes, K and V: 512 MiB (the
+    # latent pool: 2 x 8192 x 16 x 512 x 2 bytes, 256 MiB).
+    pool = KVPool(KVLayout.single_group(2, 8192, 16), heads, dim, mx.float16, latent=latent)
+    allocated = process.memory_info().rss - before
+    assert pool.nbytes >= 256 * 2**20
+    assert allocated < 16 * 2**20, allocated / 2**20
+    assert not np.array(pool.keys[1][0].astype(mx.float32)).any()
+
+    rows = mx.ones((16, dim) if latent else (16, heads, dim), dtype=mx.float16)
+    slots = mx.arange(16 * 7, 16 * 8, dtype=mx.int64)
+    if latent:
+        pool.keys[0] = ops.mla_reshape_and_cache(rows, pool.keys[0], slots)
+    else:
+        pool.keys[0], pool.values[0] = ops.reshape_and_cache(
+            rows, rows, pool.keys[0], pool.values[0], slots
+        )
+    assert (np.array(pool.keys[0][7].astype(mx.float32)) == 1).all()
+    assert process.memory_info().rss - before < 24 * 2**20

@@ -7,6 +7,12 @@ array `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's `LBNHC` layout,
 and each layer knows its region (memory) and its group (block table). A hybrid model's state
 layers keep their pages in the same regions (`kv.state`); their groups count one block per
 request (block size `max_model_len`), so `block_size` here is the attention groups'.
+The arrays are allocated without being written, so the device commits a page only when a step
+first writes into it: an idle server holds little of its pool (`uncommitted`). Their contents
+start undefined; nothing reads a slot before it is written (the attention ops stop at each
+sequence's length, state layers of new requests read zeros) except block 0, vLLM's null block,
+which block tables name for blocks a sliding window has dropped: it is zeroed.
+
 A latent-attention (MLA) model's regions are one array each, `[num_blocks, block_size, head_dim]`
 (`kv.latent`): its row is both key and value, and vLLM's `MLAAttentionSpec` sizes no values.
 """
@@ -108,6 +114,19 @@ class KVLayout:
         )
 
 
+def uncommitted(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """An array of `shape` whose memory is reserved but not written, so its pages are committed
+    as they are first written; contents undefined. Zeros (committed at once) without the native
+    extension."""
+    from vllm_metal.ops._backend import loaded_native
+
+    native = loaded_native()
+    if native is None:
+        return mx.zeros(shape, dtype=dtype)
+    raw = native.uncommitted_bytes([*shape[:-1], shape[-1] * dtype.size])
+    return mx.view(raw, dtype)
+
+
 class KVPool:
     """K and V arrays per region, `[num_blocks, block_size, num_kv_heads, head_dim]`; with
     `latent`, one array per region in `keys`, `[num_blocks, block_size, head_dim]`, and no
@@ -132,8 +151,9 @@ class KVPool:
         else:
             shape = (layout.num_blocks, layout.block_size, num_kv_heads, head_dim)
         regions = range(layout.num_regions)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in regions]
-        self.values = [] if latent else [mx.zeros(shape, dtype=dtype) for _ in regions]
+        self.keys = [uncommitted(shape, dtype) for _ in regions]
+        self.values = [] if latent else [uncommitted(shape, dtype) for _ in regions]
+        self._zero_block(0)
         mx.eval(self.keys, self.values)
 
     @property
@@ -150,6 +170,24 @@ class KVPool:
 
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
+
+    def _zero_block(self, block: int) -> None:
+        """Zero one block in every region, in place (the rest stays uncommitted); a no-op
+        without the native extension, whose pools start as zeros."""
+        from vllm_metal.ops._backend import loaded_native
+
+        native = loaded_native()
+        if native is None:
+            return
+        slots = mx.arange(block * self.block_size, (block + 1) * self.block_size, dtype=mx.int64)
+        for i, keys in enumerate(self.keys):
+            rows = mx.zeros((self.block_size, *keys.shape[2:]), dtype=self.dtype)
+            if self.latent:
+                self.keys[i] = native.mla_reshape_and_cache(rows, keys, slots)
+            else:
+                self.keys[i], self.values[i] = native.reshape_and_cache(
+                    rows, rows, keys, self.values[i], slots
+                )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every region (copy-on-write of shared blocks)."""

@@ -98,6 +98,12 @@ def on_gpu() -> bool:
     return True
 
 
+def uncommitted_bytes(shape: list[int]) -> mx.array:
+    """A uint8 array of `shape` whose memory is allocated but not written: its pages are committed
+    as they are first written. Contents undefined."""
+    return _C.uncommitted_bytes(shape)
+
+
 def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
     # The Metal encoders bind buffers directly and cannot copy strided inputs themselves;
     # mx.contiguous is free for arrays that already are.

@@ -7,6 +7,9 @@ read only metadata, so they never wait for the device.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import mlx.core as mx
 
 from vllm_metal.ops._constants import BLOCK_SIZE_MULTIPLE, FLOAT_DTYPES
@@ -92,3 +95,17 @@ def pools(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
     same_dtype("value_cache", value_cache, "key_cache", key_cache)
     head_size("key_cache", pool[3])
     return pool  # type: ignore[return-value]
+
+
+def batch_tables(block_tables: object, seq_lens: object, cu_seqlens_q: object) -> None:
+    """The varlen batch of the attention ops: block tables, context lengths, query offsets."""
+    num_seqs = shape("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")[0]
+    if block_tables.dtype != mx.int32:
+        fail(f"block_tables must be int32, got {dtype_name(block_tables.dtype)}")
+    index("seq_lens", seq_lens, mx.int32, num_seqs, "[num_seqs]")
+    index("cu_seqlens_q", cu_seqlens_q, mx.int32, num_seqs + 1, "[num_seqs + 1]")
+
+
+def scale(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        fail(f"scale must be a finite number, got {value!r}")

@@ -128,14 +128,9 @@ def check_paged_attention(
             f"query num_heads ({q_shape[1]}) must be a multiple of key_cache num_kv_heads "
             f"({num_kv_heads})"
         )
-    num_seqs = v.shape("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")[0]
-    if block_tables.dtype != mx.int32:
-        v.fail(f"block_tables must be int32, got {v.dtype_name(block_tables.dtype)}")
-    v.index("seq_lens", seq_lens, mx.int32, num_seqs, "[num_seqs]")
-    v.index("cu_seqlens_q", cu_seqlens_q, mx.int32, num_seqs + 1, "[num_seqs + 1]")
+    v.batch_tables(block_tables, seq_lens, cu_seqlens_q)
 
-    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
-        v.fail(f"scale must be a finite number, got {scale!r}")
+    v.scale(scale)
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
         or not isinstance(sliding_window, Integral)

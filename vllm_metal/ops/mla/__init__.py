@@ -7,8 +7,7 @@ CPU and by metal_kernels/mla/ on the GPU.
 
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
+from numbers import Integral
 
 import mlx.core as mx
 
@@ -92,13 +91,8 @@ def check_mla_attention(
     v.same_dtype("latent_cache", latent_cache, "query", query)
     if latent_dim != q_shape[2]:
         v.fail(f"latent_cache latent_dim {latent_dim} differs from query latent_dim {q_shape[2]}")
-    num_seqs = v.shape("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")[0]
-    if block_tables.dtype != mx.int32:
-        v.fail(f"block_tables must be int32, got {v.dtype_name(block_tables.dtype)}")
-    v.index("seq_lens", seq_lens, mx.int32, num_seqs, "[num_seqs]")
-    v.index("cu_seqlens_q", cu_seqlens_q, mx.int32, num_seqs + 1, "[num_seqs + 1]")
-    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
-        v.fail(f"scale must be a finite number, got {scale!r}")
+    v.batch_tables(block_tables, seq_lens, cu_seqlens_q)
+    v.scale(scale)
     if (
         isinstance(value_dim, bool)
         or not isinstance(value_dim, Integral)

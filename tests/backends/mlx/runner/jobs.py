@@ -82,3 +82,18 @@ def greedy(max_tokens: int, **extra) -> dict:
 def tokens(batch: list[dict]) -> list[list[int]]:
     """First sample's token ids of every request in a job result."""
     return [r["outputs"][0]["token_ids"] for r in batch]
+
+
+def assert_logprobs_match_hf(model: str | Path, prompts: list[list[int]], batch: list[dict],
+                             tol: float = 1e-3) -> None:  # fmt: skip
+    """Each sampled token's logprob in `batch` (requests run with `logprobs=1`) is within `tol`
+    of transformers float32's for that token after the prompt and the tokens before it."""
+    from vllm_metal.testing.oracles import hf_logprobs
+
+    for prompt, result in zip(prompts, batch):
+        sample = result["outputs"][0]
+        ref = hf_logprobs(model, prompt + sample["token_ids"])
+        for step, token in enumerate(sample["token_ids"]):
+            got = sample["logprobs"][step][str(token)]
+            want = ref[len(prompt) - 1 + step, token]
+            assert abs(got - want) < tol, (model, step, token, got, want)

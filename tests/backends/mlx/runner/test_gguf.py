@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy, hf_logits, hf_logprobs
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
+from vllm_metal.testing.oracles import hf_greedy, hf_logits
 from vllm_metal.testing.tiny_gguf import write_tiny_gguf
 
 NEW_TOKENS = 24
@@ -45,12 +51,7 @@ def test_f16_file_matches_transformers_gguf_loading(tiny_model_dir, gguf_dir):
         engine={"tokenizer": str(src)},
     )
     assert tokens(batch) == hf_greedy(model, PROMPTS, NEW_TOKENS)
-    for prompt, result in zip(PROMPTS, batch):
-        sample = result["outputs"][0]
-        ref = hf_logprobs(model, prompt + sample["token_ids"])
-        for step, token in enumerate(sample["token_ids"]):
-            got = sample["logprobs"][step][str(token)]
-            assert abs(got - ref[len(prompt) - 1 + step, token]) < 1e-3, (step, token)
+    assert_logprobs_match_hf(model, PROMPTS, batch)
 
 
 @pytest.mark.full

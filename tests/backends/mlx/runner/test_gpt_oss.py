@@ -11,8 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy, hf_logits, hf_logprobs, load_hf_model
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
+from vllm_metal.testing.oracles import hf_greedy, hf_logits, load_hf_model
 from vllm_metal.testing.tiny_gpt_oss import (
     mxfp4_dequantize,
     tiny_gpt_oss_config,
@@ -283,12 +289,7 @@ def test_engine_greedy_and_logprobs_match_transformers(gpt_oss_dir):
     assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
     # Continuations are varied, so the comparison means something.
     assert all(len(set(t)) > NEW_TOKENS // 2 for t in tokens(mixed))
-    for prompt, result in zip(MIXED, mixed):
-        sample = result["outputs"][0]
-        ref = hf_logprobs(gpt_oss_dir, prompt + sample["token_ids"])
-        for step, token in enumerate(sample["token_ids"]):
-            got = sample["logprobs"][step][str(token)]
-            assert abs(got - ref[len(prompt) - 1 + step, token]) < 1e-3, (step, got)
+    assert_logprobs_match_hf(gpt_oss_dir, MIXED, mixed)
 
 
 @pytest.mark.slow
@@ -303,9 +304,4 @@ def test_engine_serves_the_mxfp4_checkpoint(mxfp4_dir):
     )
     _hf_float32(mxfp4_dir)
     assert tokens(batch) == hf_greedy(mxfp4_dir, MIXED, 16)
-    for prompt, result in zip(MIXED, batch):
-        sample = result["outputs"][0]
-        ref = hf_logprobs(mxfp4_dir, prompt + sample["token_ids"])
-        for step, token in enumerate(sample["token_ids"]):
-            got = sample["logprobs"][step][str(token)]
-            assert abs(got - ref[len(prompt) - 1 + step, token]) < 1e-3, (step, got)
+    assert_logprobs_match_hf(mxfp4_dir, MIXED, batch)

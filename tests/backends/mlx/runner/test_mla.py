@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
 
 NEW_TOKENS = 24
 BLOCK_SIZE = 16
@@ -47,18 +53,12 @@ def mla_run(tiny_deepseek_v3_dir):
 def test_mla_greedy_matches_transformers_through_chunks_and_preemption(
     tiny_deepseek_v3_dir, mla_run
 ):
-    from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+    from vllm_metal.testing.oracles import hf_greedy
 
     prompts, _, (batch, *_), metrics = mla_run
     assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
     assert tokens(batch) == hf_greedy(tiny_deepseek_v3_dir, prompts, NEW_TOKENS)
-    for prompt, result in zip(prompts, batch):
-        sample = result["outputs"][0]
-        ref = hf_logprobs(tiny_deepseek_v3_dir, prompt + sample["token_ids"])
-        for step, token in enumerate(sample["token_ids"]):
-            got = sample["logprobs"][step][str(token)]
-            want = ref[len(prompt) - 1 + step, token]
-            assert abs(got - want) < 1e-3, (step, got, want)
+    assert_logprobs_match_hf(tiny_deepseek_v3_dir, prompts, batch)
 
 
 @pytest.mark.slow

@@ -10,7 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
 from vllm_metal.testing.tiny_moe import MOE_ARCHS, tiny_moe_config, write_tiny_moe
 
 NEW_TOKENS = 24
@@ -136,7 +142,7 @@ def test_moe_greedy_matches_transformers(moe_model, arch):
     """Chunked prefill (16-token budget) of a mixed batch, then prefix-cache hits: greedy tokens
     equal transformers float32, logprobs within 1e-3. The checkpoints carry transformers 5's
     config keys, so the loader's mapping is on the path."""
-    from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+    from vllm_metal.testing.oracles import hf_greedy
 
     # Mixtral routes each token to 4 of its 8 experts: a full 16-token chunk is then 64 (token,
     # expert) pairs, where mlx-lm's SwitchGLU switches to its sorted path.
@@ -151,13 +157,7 @@ def test_moe_greedy_matches_transformers(moe_model, arch):
     assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
     assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
     assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
-    for prompt, result in zip(MIXED, mixed):
-        sample = result["outputs"][0]
-        ref = hf_logprobs(model, prompt + sample["token_ids"])
-        for step, token in enumerate(sample["token_ids"]):
-            got = sample["logprobs"][step][str(token)]
-            want = ref[len(prompt) - 1 + step, token]
-            assert abs(got - want) < 1e-3, (arch, step, got, want)
+    assert_logprobs_match_hf(model, MIXED, mixed)
 
 
 # Where mlx-lm keeps each family's router and stacked experts.
