@@ -132,8 +132,27 @@ SHAPES: dict[str, dict[str, Any]] = {
 QUICK_KWARGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {},
     "granite": {"mamba_n_groups": 1},
-    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    "deepseek_v3": {
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    },
 }
+# Families whose vLLM CPU peer is known to compute other tokens than transformers float32 (which
+# the plugin's tokens equal in the tests): their agreement is reported, not required.
+PEER_DEVIATES = {
+    "deepseek_v3": (
+        "vLLM's CPU backend does not reproduce transformers float32 on these random-weight MLA "
+        "models: on a 1-layer dense DeepSeek-V3 (latent 512 + 64, heads of 128) its first token "
+        "(prefill, `CPU_SDPA_MLA`) equals transformers' and its decode steps (`CPU_MLA`'s "
+        "`mla_decode_kvcache_cpu`) drift from the 2nd to 4th token on; the plugin's tokens and "
+        "logprobs equal transformers' (tests/backends/mlx/runner/test_mla.py). The agreement "
+        "below is reported, not required."
+    ),
+}
+# Idle memory of the MLA engines at these KV cache sizes (by --quick).
+IDLE_KV_BYTES = {False: (2**30, 4 * 2**30), True: (256 * 2**20, 2**30)}
 WEIGHT_STD = 0.02
 STDS = {
     "qwen3_next": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
@@ -331,7 +350,36 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
                         kv_cache_bytes=KV_CACHE_BYTES[args.quick])  # fmt: skip
     for w in result["workers"].values():
         w["kv"] = _kv_log(w["log"])
+    if family == "deepseek_v3":
+        print(f"[hybrid] {family}: idle memory", flush=True)
+        result["idle_memory"] = idle_memory(args, model, BACKENDS[family], logs)
     return result
+
+
+def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...],
+                logs: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Resident memory of each backend's engine, up and idle, at each of `IDLE_KV_BYTES`: one
+    engine at a time, started, asked nothing, shut down. A pool committed at allocation shows as
+    the difference between the sizes; one committed as it is written does not."""
+    from bench.decode_rounds import engine_args
+    from bench.pooling_worker import Worker, close_all
+
+    inputs = logs / "prompts.json"  # written by the rounds; nothing is generated here
+    rows = []
+    for kv_bytes in IDLE_KV_BYTES[args.quick]:
+        for be in backends:
+            engine = engine_args(model, DTYPE, kv_bytes, args.input_len + args.output_len + 16,
+                                 args.quick)  # fmt: skip
+            name = f"idle_{be}_{kv_bytes >> 20}mib"
+            worker = Worker(name, be, engine, inputs, logs / f"{name}.log", args.timeout,
+                            module="bench.hybrid")  # fmt: skip
+            try:
+                ready = worker.receive()
+            finally:
+                close_all([worker])
+            rows.append({"backend": be, "kv_cache_bytes": kv_bytes,
+                         "idle_rss_bytes": ready["idle_rss_bytes"]})  # fmt: skip
+    return rows
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, Path(args.out))
     status = 0
     for family, s in report["summary"].items():
-        if s.get("agreement_passed") is False:
+        if s.get("agreement_passed") is False and family not in PEER_DEVIATES:
             print(f"[hybrid] {family}: the backends' first greedy tokens differ", file=sys.stderr)
             status = 1
         if not s["concurrency_ok"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.hybrid import PEER_DEVIATES
 from bench.lora_report import _machine
 from bench.moe_report import BACKEND_NAMES, _f, _millions
 from bench.pooling_report import _threads
@@ -91,6 +92,27 @@ def _model_line(d: dict[str, Any]) -> str:
     )
 
 
+def _idle_memory_lines(rows: list[dict[str, Any]] | None) -> list[str]:
+    """Each backend's idle resident memory at two KV cache sizes, and what the larger adds."""
+    if not rows:
+        return []
+    sizes = sorted({r["kv_cache_bytes"] for r in rows})
+    by = {(r["backend"], r["kv_cache_bytes"]): r["idle_rss_bytes"] for r in rows}
+    head = " | ".join(f"idle, KV cache {b / 2**30:g} GiB" for b in sizes)
+    lines = [
+        "",
+        "Memory held by an idle engine (started, no request; one engine at a time):",
+        "",
+        f"| backend | {head} | added by {(sizes[-1] - sizes[0]) / 2**30:g} GiB more KV cache |",
+        "|---|" + "---:|" * (len(sizes) + 1),
+    ]
+    for be in dict.fromkeys(r["backend"] for r in rows):
+        cells = " | ".join(_gib(by[(be, b)]) for b in sizes)
+        added = by[(be, sizes[-1])] - by[(be, sizes[0])]
+        lines.append(f"| {BACKEND_NAMES[be]} | {cells} | {_gib(added)} |")
+    return lines
+
+
 def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int) -> list[str]:
     cases, backends = r["cases"], list(r["workers"])
     name = FAMILY_NAMES[family]
@@ -125,6 +147,8 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
     lines += ["", f"{big} streams against 1 (decode tok/s):", ""]
     lines += [f"- {BACKEND_NAMES[be]}: {v:.2f}x" for be, v in s[f"c{big}_vs_c1"].items()]
     a = r.get("agreement")
+    if family in PEER_DEVIATES:
+        lines += ["", PEER_DEVIATES[family]]
     if a:
         lines += [
             "",
@@ -169,6 +193,7 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
             f"{_f(kv.get('max_concurrency'), 2)}x | {_gib(w.get('idle_rss_bytes'))} | "
             f"{_threads(be, w)} |"
         )
+    lines += _idle_memory_lines(r.get("idle_memory"))
     ok = s["concurrency_ok"]
     lines += [
         "",
