@@ -106,8 +106,10 @@ def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, blo
         ),
         ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "qwen3_next"]),
         ({"runner": "pooling"}, ["runner='pooling'", "qwen3_next"]),
+        ({"mamba_ssm_cache_dtype": "float16"}, ["--mamba-ssm-cache-dtype float16"]),
+        ({"mamba_cache_dtype": "float16"}, ["--mamba-cache-dtype float16"]),
     ],
-    ids=["lora", "speculative", "kv_offload", "pooling"],
+    ids=["lora", "speculative", "kv_offload", "pooling", "ssm_dtype", "conv_dtype"],
 )
 def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwargs, names):
     with pytest.raises(ValueError) as info:

@@ -50,6 +50,7 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     cache = vllm_config.cache_config
     hf = model.hf_text_config.to_dict()
     shapes = state_shapes_of(hf.get("model_type", ""), hf)
+    _check_state_dtypes(cache, model.dtype)
     if cache.enable_prefix_caching:
         logger.info(
             "vllm-metal: prefix caching is off for the hybrid model %r: its state layers keep "
@@ -77,6 +78,22 @@ def align_block_size(vllm_config: VllmConfig) -> None:
         )
         cache.block_size = needed
     cache.mamba_page_size_padded = cache.block_size * token_bytes
+
+
+def _check_state_dtypes(cache: CacheConfig, model_dtype: Any) -> None:
+    """The recurrent state is kept in float32 and the conv window in the model dtype; other
+    requested dtypes are refused by their flag."""
+    if cache.mamba_ssm_cache_dtype not in ("auto", "float32"):
+        raise ValueError(
+            f"vllm-metal: --mamba-ssm-cache-dtype {cache.mamba_ssm_cache_dtype} is not supported: "
+            "state layers keep their recurrent state in float32; use 'auto' or 'float32'"
+        )
+    model_dtype_name = str(model_dtype).removeprefix("torch.")
+    if cache.mamba_cache_dtype not in ("auto", model_dtype_name):
+        raise ValueError(
+            f"vllm-metal: --mamba-cache-dtype {cache.mamba_cache_dtype} is not supported: the "
+            f"convolution window is kept in the model dtype ({model_dtype_name}); use 'auto'"
+        )
 
 
 _MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2"}
