@@ -37,6 +37,8 @@ def round_parser(prog: str, description: str | None, quick_help: str) -> argpars
     parsing)."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from bench.pooling_worker import add_worker_arguments
+
     root = Path(__file__).resolve().parents[1]
     p.add_argument("--out", default=str(root / "docs" / "benchmarks"))
     p.add_argument("--quick", action="store_true", help=quick_help)
@@ -49,10 +51,7 @@ def round_parser(prog: str, description: str | None, quick_help: str) -> argpars
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
     p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
-    # A worker: the same arguments as bench/pooling_worker.py.
-    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(p)
     return p
 
 
@@ -64,6 +63,11 @@ def fill_round_defaults(args: argparse.Namespace) -> None:
         args.c1_rounds = 1 if args.quick else 3
     if args.c16_rounds is None:
         args.c16_rounds = 1 if args.quick else 2
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """The engines' max_model_len: a prompt, its output and 16 tokens of room."""
+    return args.input_len + args.output_len + 16
 
 
 def engine_args(model: Path | str, dtype: str, kv_cache_bytes: int, max_model_len: int,
@@ -134,10 +138,10 @@ def run(
     num_prompts = sum(STREAMS) + sum(n * r for n, r in rounds.items())
     inputs = logs / "prompts.json"
     inputs.write_text(json.dumps(make_prompts(num_prompts, args.input_len, args.seed)))
-    max_model_len = args.input_len + args.output_len + 16
+    model_len = max_model_len(args)
     if kv_cache_bytes is None:
-        kv_cache_bytes = _kv_bytes(desc, max_model_len, big)
-    engine = engine_args(desc["path"], dtype, kv_cache_bytes, max_model_len, args.quick)
+        kv_cache_bytes = _kv_bytes(desc, model_len, big)
+    engine = engine_args(desc["path"], dtype, kv_cache_bytes, model_len, args.quick)
 
     print(f"[{tag}] starting {len(backends)} worker(s): {', '.join(backends)}", flush=True)
     started = time.perf_counter()

@@ -258,10 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    # A worker: the same arguments as bench/pooling_worker.py.
-    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    from bench.pooling_worker import add_worker_arguments
+
+    add_worker_arguments(p)
     args = p.parse_args(argv)
     if args.output_len is None:
         args.output_len = 8 if args.quick else 64

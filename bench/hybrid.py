@@ -362,15 +362,14 @@ def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...]
     """Resident memory of each backend's engine, up and idle, at each of `IDLE_KV_BYTES`: one
     engine at a time, started, asked nothing, shut down. A pool committed at allocation shows as
     the difference between the sizes; one committed as it is written does not."""
-    from bench.decode_rounds import engine_args
+    from bench.decode_rounds import engine_args, max_model_len
     from bench.pooling_worker import Worker, close_all
 
     inputs = logs / "prompts.json"  # written by the rounds; nothing is generated here
     rows = []
     for kv_bytes in IDLE_KV_BYTES[args.quick]:
         for be in backends:
-            engine = engine_args(model, DTYPE, kv_bytes, args.input_len + args.output_len + 16,
-                                 args.quick)  # fmt: skip
+            engine = engine_args(model, DTYPE, kv_bytes, max_model_len(args), args.quick)
             name = f"idle_{be}_{kv_bytes >> 20}mib"
             worker = Worker(name, be, engine, inputs, logs / f"{name}.log", args.timeout,
                             module="bench.hybrid")  # fmt: skip

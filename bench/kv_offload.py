@@ -291,10 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
     p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
-    # A worker: the same arguments as bench/pooling_worker.py.
-    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    from bench.pooling_worker import add_worker_arguments
+
+    add_worker_arguments(p)
     args = p.parse_args(argv)
     if args.reply_fd is not None:
         return worker(args)

@@ -25,6 +25,14 @@ from bench.processes import settle, tree_cpu_seconds
 from bench.run import ROOT
 
 
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The hidden options a benchmark module is started with as a worker (`Worker`): the same as
+    this module's own command line."""
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def worker(args: argparse.Namespace) -> int:
     """One `vllm.LLM`; commands (JSON lines) on stdin, one JSON reply line each on --reply-fd."""
     reply_file = os.fdopen(args.reply_fd, "w", buffering=1)

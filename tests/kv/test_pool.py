@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_metal import ops
 from vllm_metal.kv.pool import KV_CACHE_LAYOUT, KVLayout, KVPool
 from vllm_metal.kv.spec import kv_cache_specs
 from vllm_metal.models.layers import FULL_ATTENTION, STATE, LayerKind
@@ -96,14 +97,12 @@ def test_a_state_layer_needs_its_shapes_and_the_cache_config():
         )
 
 
-@pytest.mark.skipif(not __import__("vllm_metal.ops").ops.native_available(), reason="needs _C")
+@pytest.mark.skipif(not ops.native_available(), reason="needs _C")
 @pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
 def test_pool_pages_are_committed_only_as_they_are_written(latent):
     """512 MiB of pool raise the resident set by what is written (the zeroed null block, then
     one block), not by the pool's size; the null block reads zeros, a written block its rows."""
     import psutil
-
-    from vllm_metal import ops
 
     process = psutil.Process()
     heads, dim = (1, 512) if latent else (8, 128)

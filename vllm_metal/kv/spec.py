@@ -3,8 +3,8 @@
 Full-attention layers get `FullAttentionSpec`; sliding-window layers get `SlidingWindowSpec`, so
 vLLM's KV manager frees the blocks that fall out of the window instead of keeping the whole
 context; latent-attention (MLA) layers get an `MLAAttentionSpec` (one latent row per token, no
-separate values: `kv.latent`); state layers get a `MambaSpec` (`kv.state`). Layers of one kind form one KV-cache group
-on vLLM's side.
+separate values: `kv.latent`); state layers get a `MambaSpec` (`kv.state`). Layers of one kind
+form one KV-cache group on vLLM's side.
 """
 
 from __future__ import annotations

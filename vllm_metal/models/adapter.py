@@ -88,6 +88,15 @@ class ModelAdapter:
             )
         return self.decoder(None, caches, input_embeddings=input_embeds)
 
+    def decode_layers(self, h: mx.array, caches: list[Any]) -> mx.array:
+        """The decoder's layers over packed rows, then its final norm: the rest of mlx-lm's
+        decoder `__call__` once the embeddings are in, for families whose decoder takes no input
+        embeddings. Rows are single tokens, so no mask (state layers take their sequences from
+        their caches)."""
+        for layer, cache in zip(self.decoder.layers, caches):
+            h = layer(h, None, cache)
+        return self.decoder.norm(h)
+
     def logits(self, hidden: mx.array) -> mx.array:
         """The model's head on selected hidden rows: tied embeddings, softcapping and all."""
         # mlx-lm's `Model.__call__` is `head(self.model(inputs, cache))`; swapping the decoder

@@ -18,6 +18,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "ops/cache/cpu.h"
 #include "ops/cache/params.h"
 
 namespace vllm_metal {
@@ -41,6 +42,10 @@ class ReshapeAndCache : public mx::Primitive {
 // True when writing through `pool`'s strides touches each element's own memory (row-major order
 // with possible gaps, as for a contiguous pool or a slice of a larger one), so writes may alias it.
 bool pool_is_aliasable(const mx::array& pool);
+
+// The CPU driver's view of one write: rows `src` ([T, H, D], or [T, D] for a headless latent
+// cache) into the bound output pool `dst` at `slots`.
+cpu::CacheWriteArgs write_args(const mx::array& src, mx::array& dst, const int64_t* slots);
 
 // eval_cpu's binding of an output pool: the input pool's own buffer when it is aliasable, else a
 // fresh row-contiguous copy of it (enqueued on `encoder`).

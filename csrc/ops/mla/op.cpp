@@ -111,24 +111,7 @@ void MlaReshapeAndCache::eval_cpu(const std::vector<mx::array>& inputs, mx::arra
   bind_output_pool(inputs[1], out, encoder);
   if (latent.size() == 0) return;
 
-  const cpu::CacheWriteArgs w{
-      .src = latent.data<char>(),
-      .dst = out.data<char>(),
-      .slots = slots.data<int64_t>(),
-      .num_tokens = latent.shape(0),
-      .num_heads = 1,
-      .head_dim = latent.shape(1),
-      .block_size = out.shape(1),
-      .num_slots = static_cast<int64_t>(out.shape(0)) * out.shape(1),
-      .itemsize = static_cast<int64_t>(latent.itemsize()),
-      .src_stride_t = latent.strides(0),
-      .src_stride_h = 0,
-      .src_stride_d = latent.strides(1),
-      .dst_stride_b = out.strides(0),
-      .dst_stride_o = out.strides(1),
-      .dst_stride_h = 0,
-      .dst_stride_d = out.strides(2),
-  };
+  const cpu::CacheWriteArgs w = write_args(latent, out, slots.data<int64_t>());
   encoder.dispatch([w]() { cpu::write_cache(w); });
 }
 

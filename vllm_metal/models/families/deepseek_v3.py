@@ -29,11 +29,7 @@ class Adapter(ModelAdapter):
         patch_attention_class(DeepseekV3Attention, _paged_latent_attention, LatentLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        # DeepseekV3Model.__call__ with embeddings in; rows are single tokens, so no mask.
-        h = input_embeds
-        for layer, cache in zip(self.decoder.layers, caches):
-            h = layer(h, None, cache)
-        return self.decoder.norm(h)
+        return self.decode_layers(input_embeds, caches)  # DeepseekV3Model.__call__
 
 
 def _paged_latent_attention(

@@ -34,9 +34,5 @@ class Adapter(ModelAdapter):
         attention.patch_attention_class(module, _paged_attention_call)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        # GemmaModel.__call__ with embeddings in; rows are single tokens, so no mask.
-        decoder = self.decoder
-        h = input_embeds * (decoder.args.hidden_size**0.5)
-        for layer, cache in zip(decoder.layers, caches):
-            h = layer(h, None, cache)
-        return decoder.norm(h)
+        # GemmaModel.__call__, which scales the embeddings first.
+        return self.decode_layers(input_embeds * (self.decoder.args.hidden_size**0.5), caches)

@@ -27,13 +27,8 @@ class Adapter(ModelAdapter):
         patch_attention_class(GraniteMoeHybridMamba2Mixer, _packed_mamba2_mixer, StateLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        # GraniteMoeHybridModel.__call__ with embeddings in; rows are single tokens and the
-        # state layers take their sequences from their caches, so no masks.
-        decoder = self.decoder
-        h = input_embeds * decoder.embedding_multiplier
-        for layer, cache in zip(decoder.layers, caches):
-            h = layer(h, None, cache)
-        return decoder.norm(h)
+        # GraniteMoeHybridModel.__call__, which scales the embeddings first.
+        return self.decode_layers(input_embeds * self.decoder.embedding_multiplier, caches)
 
 
 def _packed_mamba2_mixer(

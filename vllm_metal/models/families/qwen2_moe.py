@@ -24,9 +24,4 @@ class Adapter(ModelAdapter):
         super().__init__(model, config)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        # Qwen2MoeModel.__call__ with embeddings in; rows are single tokens, so no mask.
-        decoder = self.decoder
-        h = input_embeds
-        for layer, cache in zip(decoder.layers, caches):
-            h = layer(h, None, cache)
-        return decoder.norm(h)
+        return self.decode_layers(input_embeds, caches)  # Qwen2MoeModel.__call__

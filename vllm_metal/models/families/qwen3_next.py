@@ -27,13 +27,7 @@ class Adapter(ModelAdapter):
         patch_attention_class(Qwen3NextGatedDeltaNet, _packed_gated_delta_net, StateLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        # Qwen3NextModel.__call__ with embeddings in; rows are single tokens and the state
-        # layers take their sequences from their caches, so no masks.
-        decoder = self.decoder
-        h = input_embeds
-        for layer, cache in zip(self.model.layers, caches):
-            h = layer(h, None, cache)
-        return decoder.norm(h)
+        return self.decode_layers(input_embeds, caches)  # Qwen3NextModel.__call__
 
 
 def _packed_gated_delta_net(

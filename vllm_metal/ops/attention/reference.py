@@ -12,16 +12,23 @@ import mlx.core as mx
 import numpy as np
 
 
+def gather_sequence_rows(pool: mx.array, block_table: mx.array, seq_len: int) -> mx.array:
+    """The first ``seq_len`` token rows of one sequence from a paged pool ``[num_blocks,
+    block_size, ...]``: ``[seq_len, ...]``."""
+    block_size = pool.shape[1]
+    num_used = math.ceil(seq_len / block_size)
+    rows = pool[block_table[:num_used]]
+    return rows.reshape(num_used * block_size, *pool.shape[2:])[:seq_len]
+
+
 def gather_sequence_kv(
     key_cache: mx.array, value_cache: mx.array, block_table: mx.array, seq_len: int
 ) -> tuple[mx.array, mx.array]:
     """The first ``seq_len`` keys and values of one sequence, ``[seq_len, H_kv, D]`` each."""
-    _, block_size, num_kv_heads, head_size = key_cache.shape
-    num_used = math.ceil(seq_len / block_size)
-    blocks = block_table[:num_used]
-    keys = key_cache[blocks].reshape(num_used * block_size, num_kv_heads, head_size)[:seq_len]
-    values = value_cache[blocks].reshape(num_used * block_size, num_kv_heads, head_size)[:seq_len]
-    return keys, values
+    return (
+        gather_sequence_rows(key_cache, block_table, seq_len),
+        gather_sequence_rows(value_cache, block_table, seq_len),
+    )
 
 
 def paged_attention(

@@ -19,16 +19,18 @@ def reshape_and_cache(
 ) -> tuple[mx.array, mx.array]:
     """vllm_metal.ops.reshape_and_cache on validated arguments, as a scatter into flattened pools.
     Returns new pool arrays; the inputs are left unchanged."""
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-    num_slots = num_blocks * block_size
+    return write_rows(key_cache, key, slot_mapping), write_rows(value_cache, value, slot_mapping)
+
+
+def write_rows(pool: mx.array, rows: mx.array, slot_mapping: mx.array) -> mx.array:
+    """``pool`` (``[num_blocks, block_size, ...]``) with token row ``t`` of ``rows`` written at
+    slot ``slot_mapping[t]``, negative or out-of-range slots skipped. A new array; the input is
+    left unchanged."""
+    num_slots = pool.shape[0] * pool.shape[1]
     slots = np.asarray(slot_mapping).astype(np.int64)
-    rows = np.nonzero((slots >= 0) & (slots < num_slots))[0]
-    if rows.size == 0:
-        return key_cache, value_cache
-    target = mx.array(slots[rows])
-    source = mx.array(rows)
-    flat_k = key_cache.reshape(num_slots, num_kv_heads, head_size)
-    flat_v = value_cache.reshape(num_slots, num_kv_heads, head_size)
-    flat_k[target] = key[source]
-    flat_v[target] = value[source]
-    return flat_k.reshape(key_cache.shape), flat_v.reshape(value_cache.shape)
+    valid = np.nonzero((slots >= 0) & (slots < num_slots))[0]
+    if valid.size == 0:
+        return pool
+    flat = pool.reshape(num_slots, *pool.shape[2:])
+    flat[mx.array(slots[valid])] = rows[mx.array(valid)]
+    return flat.reshape(pool.shape)

@@ -7,18 +7,11 @@ fallback when the extension is not built. Read the small index arrays on the hos
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 
-
-def gather_sequence_latent(latent_cache: mx.array, block_table: mx.array, seq_len: int) -> mx.array:
-    """The first ``seq_len`` latent rows of one sequence, ``[seq_len, D]``."""
-    _, block_size, latent_dim = latent_cache.shape
-    num_used = math.ceil(seq_len / block_size)
-    rows = latent_cache[block_table[:num_used]].reshape(num_used * block_size, latent_dim)
-    return rows[:seq_len]
+from vllm_metal.ops.attention.reference import gather_sequence_rows
+from vllm_metal.ops.cache.reference import write_rows
 
 
 def mla_attention(
@@ -42,7 +35,7 @@ def mla_attention(
         start, end = cu[s], cu[s + 1]
         if end <= start:
             continue
-        rows = gather_sequence_latent(latent_cache, block_tables[s], seq_len).astype(mx.float32)
+        rows = gather_sequence_rows(latent_cache, block_tables[s], seq_len).astype(mx.float32)
         q = query[start:end].astype(mx.float32)  # [n, H, D]
         logits = (q @ rows.T) * scale  # [n, H, seq_len]
         positions = mx.arange(seq_len - (end - start), seq_len)[:, None, None]
@@ -57,12 +50,4 @@ def mla_reshape_and_cache(
 ) -> mx.array:
     """vllm_metal.ops.mla_reshape_and_cache on validated arguments, as a scatter into the
     flattened cache. Returns a new cache array; the input is left unchanged."""
-    num_blocks, block_size, latent_dim = latent_cache.shape
-    num_slots = num_blocks * block_size
-    slots = np.asarray(slot_mapping).astype(np.int64)
-    rows = np.nonzero((slots >= 0) & (slots < num_slots))[0]
-    if rows.size == 0:
-        return latent_cache
-    flat = latent_cache.reshape(num_slots, latent_dim)
-    flat[mx.array(slots[rows])] = latent[mx.array(rows)]
-    return flat.reshape(latent_cache.shape)
+    return write_rows(latent_cache, latent, slot_mapping)
