@@ -17,6 +17,7 @@
 #endif
 #include "common/thread_pool.h"
 #include "constants.h"
+#include "dlpack_ops.h"
 #include "mlx/version.h"
 #include "ops/attention/cpu_isa.h"
 #include "ops/attention/op.h"
@@ -29,6 +30,9 @@
 #include "ops/mamba2/plan.h"
 #include "ops/mla/op.h"
 #include "ops/mla/plan.h"
+#include "ops/rope/dlpack.h"
+#include "ops/rope/op.h"
+#include "ops/rope/plan.h"
 #include "ops/short_conv/op.h"
 #include "ops/short_conv/plan.h"
 
@@ -75,6 +79,7 @@ nb::dict constants() {
   VM_NUMBER_(MAMBA2_MAX_STATE_DIM)
   VM_NUMBER_(MLA_HEADS)
   VM_NUMBER_(MLA_MAX_KEYS)
+  VM_NUMBER_(ROPE_MAX_THREADS)
   VM_NUMBER_(PARTITION_SIZE)
   VM_NUMBER_(PARTITION_ALIGN)
   VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
@@ -216,6 +221,18 @@ NB_MODULE(_C, m) {
         "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.mla_reshape_and_cache without argument checks. Returns latent_cache, "
         "which shares the pool's memory.");
+  m.def("rotary_embedding", &vm::rotary_embedding, "positions"_a, "query"_a, "key"_a,
+        "cos_sin_cache"_a, "is_neox"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "vllm_metal.ops.rotary_embedding without argument checks. Returns (query, key).");
+  m.def("rotary_embedding_into", &vm::rotary_embedding_into, "positions"_a, "query"_a,
+        "key"_a.none(), "cos_sin_cache"_a, "is_neox"_a,
+        "Rotates query [T, Hq, D] and key [T, Hkv, D] (or None) in place, as "
+        "vllm_metal.ops.rotary_embedding computes them: DLPack CPU tensors (torch, NumPy), any "
+        "token/head strides, read zero-copy; checks the arguments (ValueError naming one); "
+        "releases the GIL.");
+  // The CPU bodies of paged_attention and reshape_and_cache on DLPack tensors (the torch backend),
+  // checked here since no Python layer validates for them.
+  vm::add_dlpack_ops(m);
 
   // The Metal planners: plain shapes in, plain dicts out (no GPU needed).
   m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
@@ -279,6 +296,17 @@ NB_MODULE(_C, m) {
       "dtype"_a, "latent_dim"_a, "num_tokens"_a,
       "Kernel, threadgroup size and grid of one mla_reshape_and_cache call.");
   m.def(
+      "select_rotary_embedding_kernel",
+      [](const std::string& dtype, const std::string& cache_dtype,
+         const std::string& positions_dtype, int num_tokens, int num_heads, int head_size) {
+        return simple_launch(vm::select_rotary_embedding_kernel(
+            dtype, cache_dtype, positions_dtype, num_tokens, num_heads, head_size));
+      },
+      "dtype"_a, "cache_dtype"_a, "positions_dtype"_a, "num_tokens"_a, "num_heads"_a,
+      "head_size"_a,
+      "Kernel, threadgroup size and grid of one rotary_embedding call (num_heads: query and key "
+      "heads together; positions_dtype 'i32' or 'i64').");
+  m.def(
       "all_kernel_names",
       [] {
         std::vector<std::string> names = vm::cache_kernel_names();
@@ -287,6 +315,7 @@ NB_MODULE(_C, m) {
         for (auto& n : vm::short_conv_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::mamba2_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::mla_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::rope_kernel_names()) names.push_back(std::move(n));
         return names;
       },
       "Every Metal kernel name the host can request (the instances of constants.h).");

@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 5
+#define VM_OPS_ABI 6
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -86,6 +86,8 @@
 // latent tile), and the most latent rows one tile stages.
 #define VM_MLA_HEADS 8
 #define VM_MLA_MAX_KEYS 32
+// rotary_embedding: most threads per threadgroup (one thread per (token, head, element pair)).
+#define VM_ROPE_MAX_THREADS 256
 
 // ---- split-KV decode ---------------------------------------------------------------------------
 // Keys per partition (a multiple of every block divisor and of the alignment).
@@ -198,6 +200,7 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_MAMBA2(DT) "mamba2_scan_" #DT
 #define VM_KERNEL_NAME_MLA(DT, D, DV) "mla_attention_" #DT "_d" #D "_v" #DV
 #define VM_KERNEL_NAME_MLA_CACHE(DT) "mla_reshape_and_cache_" #DT
+#define VM_KERNEL_NAME_ROPE(DT, CDT, PT) "rotary_embedding_" #DT "_c" #CDT "_" #PT
 
 #define VM_WITH_DTYPE_(DT, T, NAME, BYTES, X) X(DT, T, BYTES)
 #define VM_WITH_HEAD_(D, X, DT, T, BYTES) X(DT, T, BYTES, D)
@@ -222,6 +225,15 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_MAMBA2_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 // X(tag, msl_type, bytes): mla_reshape_and_cache.
 #define VM_MLA_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
+// X(tag, msl_type, bytes, cache_tag, cache_msl_type, positions_tag, positions_msl_type):
+// rotary_embedding. Query/key of each float type, with a cos/sin cache of that type or float32,
+// positions int32 or int64.
+#define VM_ROPE_POSITIONS_(X, DT, T, BYTES, CDT, CT) \
+  X(DT, T, BYTES, CDT, CT, i32, int) X(DT, T, BYTES, CDT, CT, i64, long)
+#define VM_ROPE_HALF_(DT, T, NAME, BYTES, X) \
+  VM_ROPE_POSITIONS_(X, DT, T, BYTES, DT, T) VM_ROPE_POSITIONS_(X, DT, T, BYTES, f32, float)
+#define VM_ROPE_F32_(DT, T, NAME, BYTES, X) VM_ROPE_POSITIONS_(X, DT, T, BYTES, DT, T)
+#define VM_ROPE_INSTANCES(X) VM_HALF_DTYPES(VM_ROPE_HALF_, X) VM_DTYPE_F32_(VM_ROPE_F32_, X)
 // X(tag, msl_type, bytes, latent_dim, value_dim): mla_attention.
 #define VM_MLA_INSTANCES(X) VM_FLOAT_DTYPES(VM_MLA_SIZES_, X)
 // X(tag, msl_type, bytes, head_size, block_divisor): decode and gqa (the same set each).

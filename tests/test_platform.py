@@ -341,16 +341,6 @@ def test_speculative_decoding_is_served_with_async_scheduling_off(
     assert config.scheduler_config.async_scheduling is False
 
 
-def test_a_backend_this_build_lacks_is_refused_by_its_variable(
-    metal_config, clean_env: pytest.MonkeyPatch
-) -> None:
-    from vllm_metal.platform import MetalConfigError, check_config
-
-    clean_env.setenv("VLLM_METAL_BACKEND", "mps")
-    with pytest.raises(MetalConfigError, match="VLLM_METAL_BACKEND='mps'"):
-        check_config(metal_config)
-
-
 def test_every_capability_row_is_checked_for_every_backend(metal_config) -> None:
     from vllm_metal.backends import BACKENDS
     from vllm_metal.capabilities import CAPABILITIES, SUPPORTED

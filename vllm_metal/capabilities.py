@@ -161,6 +161,21 @@ def offload_setting(config: VllmConfig) -> str | None:
     return None
 
 
+def _mlx_quantized(config: VllmConfig) -> str | None:
+    """The quantization of an MLX-quantized checkpoint (mlx_lm.convert -q), if it is one."""
+    quant = getattr(_model_attr(config, "hf_config"), "quantization", None)
+    if isinstance(quant, dict) and "bits" in quant:
+        return f"model={_model_attr(config, 'model')!r} (MLX-quantized, {quant['bits']} bits)"
+    return None
+
+
+def _gguf_file(config: VllmConfig) -> str | None:
+    from vllm_metal.models.loaders import is_gguf
+
+    model = _model_attr(config, "model")
+    return f"model={model!r} (GGUF)" if is_gguf(model) else None
+
+
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "tensor_parallel",
@@ -313,6 +328,33 @@ CAPABILITIES: tuple[Capability, ...] = (
         _pooling_with(latent_attention_model),
     ),
     Capability(
+        "mixture_of_experts",
+        "mixture-of-experts models",
+        "serve a dense model, or use the MLX backend (VLLM_METAL_BACKEND=mlx)",
+        lambda c: (
+            bool(_model_attr(c, "is_moe", False))
+            and f"model={_model_attr(c, 'model')!r} ({_architecture(c)}, MoE)"
+        ),
+    ),
+    Capability(
+        "mlx_quantized",
+        "MLX-quantized checkpoints",
+        "serve the unquantized checkpoint, or use the MLX backend (VLLM_METAL_BACKEND=mlx)",
+        _mlx_quantized,
+    ),
+    Capability(
+        "gguf",
+        "GGUF checkpoints",
+        "serve a safetensors checkpoint, or use the MLX backend (VLLM_METAL_BACKEND=mlx)",
+        _gguf_file,
+    ),
+    Capability(
+        "sleep_mode",
+        "sleep mode",
+        "remove --enable-sleep-mode",
+        lambda c: bool(_model_attr(c, "enable_sleep_mode", False)) and "--enable-sleep-mode",
+    ),
+    Capability(
         "vllm_quantization",
         "vLLM quantization methods",
         "serve an MLX-quantized checkpoint (mlx_lm.convert -q) instead of --quantization",
@@ -373,13 +415,20 @@ SUPPORTED: dict[str, frozenset[str]] = {
             "vision_language",
             "hybrid",
             "mla",
+            "mixture_of_experts",
+            "mlx_quantized",
+            "gguf",
+            "sleep_mode",
         }
     ),
+    # vLLM's own dense text decoders on torch (`backends/torch/`).
+    "mps": frozenset(),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "mlx": ("ngram", "draft_model"),
+    "mps": (),
 }
 
 

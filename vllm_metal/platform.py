@@ -4,6 +4,7 @@ that decide at startup whether this plugin can serve what was asked, and the set
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import TYPE_CHECKING
 
@@ -26,26 +27,39 @@ WORKER_QUALNAME = "vllm_metal.worker.MetalWorker"
 
 
 def _tolerate_missing_torch_accelerator() -> None:
-    """vLLM's teardown calls torch.accelerator.empty_cache() on every non-CPU platform; torch
-    raises there when it has no accelerator (the MLX runner off-Mac), so make it a no-op then."""
+    """vLLM's teardown calls torch.accelerator.empty_cache() on every non-CPU platform (its V1
+    runner also synchronize()); torch raises there when it has no accelerator (either backend
+    off-Mac), so make them no-ops then."""
     accel = getattr(torch, "accelerator", None)
     if accel is None or accel.is_available():
         return
-    for name in ("empty_cache", "empty_host_cache"):
+    for name in ("empty_cache", "empty_host_cache", "synchronize"):
         if hasattr(accel, name):
             setattr(accel, name, lambda: None)
 
 
 _tolerate_missing_torch_accelerator()
 
+# The attention backend vLLM's layers use on the torch backend (`backends/torch/attention.py`).
+TORCH_ATTENTION_BACKEND = "vllm_metal.backends.torch.attention.MetalPagedAttentionBackend"
+
+
+def _torch_device_type() -> str:
+    """The torch device vLLM's tensors live on: the torch backend's (`mps` on a Mac); with the
+    MLX backend the host (`cpu`), since MLX owns the accelerator."""
+    if backend_name() == "mps":
+        from vllm_metal.backends.torch.device import device_type
+
+        return device_type()
+    return "cpu"
+
 
 class MetalPlatform(Platform):
     _enum = PlatformEnum.OOT
-    # vLLM builds torch devices from these names; its tensors (sampler, scheduler I/O) live on
-    # the host while MLX owns the accelerator.
-    device_name: str = "cpu"
-    device_type: str = "cpu"
-    dispatch_key: str = "CPU"
+    # vLLM builds torch devices from these names.
+    device_name: str = _torch_device_type()
+    device_type: str = _torch_device_type()
+    dispatch_key: str = _torch_device_type().upper()
     dist_backend: str = "gloo"
     device_control_env_var: str = "VLLM_METAL_VISIBLE_DEVICES"
     simple_compile_backend: str = "eager"
@@ -97,6 +111,10 @@ class MetalPlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if backend_name() == "mps":
+            # Importing it registers its name with vLLM's backend enum in this process.
+            importlib.import_module(TORCH_ATTENTION_BACKEND.rsplit(".", 1)[0])
+            return TORCH_ATTENTION_BACKEND
         # vLLM asks while it builds its config; the MLX runner runs no vLLM attention layer, so
         # this only has to name a backend that imports on this host.
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -123,7 +141,16 @@ class MetalPlatform(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        return True
+        # The torch backend runs eagerly: its attention layers call the backend directly
+        # rather than through vLLM's custom op (registered for one dispatch key).
+        return backend_name() != "mps"
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        if backend_name() == "mps":
+            from vllm_metal.backends.torch.model_runner import register_kernel_overrides
+
+            register_kernel_overrides()
 
     @classmethod
     def import_kernels(cls) -> None:
@@ -236,6 +263,9 @@ def apply_config(vllm_config: VllmConfig) -> None:
         cache.block_size = 16
 
     scheduler = vllm_config.scheduler_config
+    if backend_name() == "mps" and scheduler.async_scheduling:
+        logger.info("vllm-metal: the torch backend runs with async scheduling off")
+        scheduler.async_scheduling = False
     if vllm_config.speculative_config is not None and scheduler.async_scheduling:
         # The runner proposes drafts after sampling each step; the async scheduler would send
         # placeholders for drafts the runner has not made yet.

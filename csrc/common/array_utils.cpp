@@ -3,6 +3,7 @@
 #include "common/array_utils.h"
 
 #include <cstring>
+#include <stdexcept>
 
 #include "mlx/allocator.h"
 
@@ -60,11 +61,22 @@ mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
 
 mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
   if (x.flags().row_contiguous) return x;
-  const size_t n = x.ndim();
-  bool packed = n >= 2 && x.strides(n - 1) == 1 &&
-                (x.shape(n - 2) == 1 || x.strides(n - 2) == x.shape(n - 1));
-  for (size_t i = 0; packed && i + 2 < n; ++i) packed = x.strides(i) >= 0;
+  const bool packed = x.ndim() <= static_cast<size_t>(Strided::kMaxDims) && rows_packed(strided(x));
   return packed ? x : staged_copy(x, encoder);
+}
+
+Strided strided(const mx::array& x) {
+  if (x.ndim() > static_cast<size_t>(Strided::kMaxDims)) {
+    throw std::invalid_argument("strided: more axes than Strided::kMaxDims");
+  }
+  Strided v;
+  v.data = const_cast<void*>(x.data<void>());
+  v.ndim = static_cast<int>(x.ndim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = x.shape(i);
+    v.strides[i] = x.strides(i);
+  }
+  return v;
 }
 
 ElemType elem_type(mx::Dtype t) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/elem.h"
+#include "common/strided.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -21,10 +22,13 @@ void copy_strided(const char* src, const std::vector<int64_t>& shape,
 // enqueued on `encoder` (so it runs before anything dispatched later on the stream).
 mx::array row_contiguous(const mx::array& x, mx::cpu::CommandEncoder& encoder);
 
-// Like row_contiguous, but only requires the last two axes to be packed (stride 1, and the second
-// to last stepping over one whole row), so pools sliced out of a larger allocation are used in
-// place.
+// Like row_contiguous, but only requires the last two axes to be packed (rows_packed of
+// common/strided.h), so pools sliced out of a larger allocation are used in place.
 mx::array packed_rows(const mx::array& x, mx::cpu::CommandEncoder& encoder);
+
+// The framework-neutral view of an evaluated array (at most Strided::kMaxDims axes; throws
+// std::invalid_argument for more).
+Strided strided(const mx::array& x);
 
 // The CPU drivers' element type for an MLX float dtype (float16, bfloat16, else float32).
 ElemType elem_type(mx::Dtype t);

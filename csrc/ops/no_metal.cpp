@@ -8,6 +8,7 @@
 #include "ops/gated_delta/op.h"
 #include "ops/mamba2/op.h"
 #include "ops/mla/op.h"
+#include "ops/rope/op.h"
 #include "ops/short_conv/op.h"
 
 namespace vllm_metal {
@@ -48,6 +49,10 @@ void MlaAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 void MlaReshapeAndCache::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   no_metal("mla_reshape_and_cache");
+}
+
+void RotaryEmbedding::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  no_metal("rotary_embedding");
 }
 
 }  // namespace vllm_metal

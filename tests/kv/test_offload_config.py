@@ -133,7 +133,7 @@ def test_a_host_tier_too_small_for_one_request_is_refused_at_engine_start(env, m
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from vllm_metal.kv.pool import KV_CACHE_LAYOUT
+    from vllm_metal.kv import KV_CACHE_LAYOUT
     from vllm_metal.kv.spec import kv_cache_specs
     from vllm_metal.models.layers import FULL_ATTENTION
 

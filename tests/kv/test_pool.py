@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vllm_metal import ops
-from vllm_metal.kv.pool import KV_CACHE_LAYOUT, KVLayout, KVPool
+from vllm_metal.kv import KV_CACHE_LAYOUT
+from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.spec import kv_cache_specs
 from vllm_metal.models.layers import FULL_ATTENTION, STATE, LayerKind
 

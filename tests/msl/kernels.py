@@ -30,6 +30,7 @@ FAMILY_SOURCE = {
     "mamba2_scan": "mamba2/mamba2_scan.metal",
     "mla_attention": "mla/mla_attention.metal",
     "mla_reshape_and_cache": "mla/mla_reshape_and_cache.metal",
+    "rotary_embedding": "rope/rotary_embedding.metal",
 }
 
 _FIELD_TYPES = {"int": "<i4", "long_t": "<i8", "float": "<f4"}
@@ -63,6 +64,8 @@ MLA_BUF = _buffer_slots("mla", "MLA_BUF_")
 MLA_PARAMS = _struct("mla", "MlaAttentionParams")
 MLC_BUF = _buffer_slots("mla", "MLC_BUF_")
 MLC_PARAMS = _struct("mla", "MlaReshapeAndCacheParams")
+ROPE_BUF = _buffer_slots("rope", "ROPE_BUF_")
+ROPE_PARAMS = _struct("rope", "RotaryEmbeddingParams")
 
 
 @functools.cache
@@ -319,6 +322,68 @@ def mla_reshape_and_cache(
         ["latent_cache"],
     )
     return from_device(r["latent_cache"], dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# rotary_embedding (query and key read through their strides)
+# --------------------------------------------------------------------------------------------
+
+
+def _view_of(x: np.ndarray) -> tuple[np.ndarray, int, tuple[int, ...]]:
+    """The C-contiguous array a view `x` looks into (flattened), the view's first element's offset
+    in it and the view's strides, in elements."""
+    base = x
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    assert base.flags.c_contiguous and base.dtype == x.dtype == np.float32
+    start = x.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return base.reshape(-1), start // x.itemsize, tuple(s // x.itemsize for s in x.strides)
+
+
+def rotary_embedding(
+    positions: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    cos_sin_cache: np.ndarray,
+    is_neox: bool,
+    dtype: str,
+    cache_dtype: str | None = None,
+    kernel_dir: Path = KERNEL_DIR,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run the rotary_embedding instance the host plans; float32 in (representable in the
+    dtypes), float32 out. ``query`` and ``key`` may be views (e.g. of a fused QKV buffer): the
+    array they look into is bound at their offset and read through their strides. The outputs
+    start as NaN (elements the kernel leaves out show)."""
+    cache_dtype = cache_dtype or dtype
+    T, Hq, D = query.shape
+    Hkv = key.shape[1]
+    P, R = cos_sin_cache.shape
+    pos_tag = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}[positions.dtype]
+    launch = native().select_rotary_embedding_kernel(dtype, cache_dtype, pos_tag, T, Hq + Hkv, D)
+    p = np.zeros((), ROPE_PARAMS)
+    p["num_tokens"], p["num_q_heads"], p["num_kv_heads"], p["head_size"] = T, Hq, Hkv, D
+    p["rotary_dim"], p["max_position"], p["is_neox"] = R, P, int(is_neox)
+    q_base, q_off, q_strides = _view_of(query)
+    k_base, k_off, k_strides = _view_of(key)
+    p["q_stride_token"], p["q_stride_head"], p["q_stride_dim"] = q_strides
+    p["k_stride_token"], p["k_stride_head"], p["k_stride_dim"] = k_strides
+    bufs = {
+        "positions": positions,
+        "query": to_device(q_base, dtype),
+        "key": to_device(k_base, dtype),
+        "cos_sin_cache": to_device(cos_sin_cache, cache_dtype),
+        "query_out": to_device(np.full(query.shape, np.nan, np.float32), dtype),
+        "key_out": to_device(np.full(key.shape, np.nan, np.float32), dtype),
+    }
+    binds: dict[int, harness.BufferArg] = {i: n for n, i in ROPE_BUF.items() if n != "params"}
+    binds[ROPE_BUF["query"]] = ("query", q_off * bufs["query"].itemsize)
+    binds[ROPE_BUF["key"]] = ("key", k_off * bufs["key"].itemsize)
+    binds[ROPE_BUF["params"]] = np.frombuffer(p.tobytes(), np.uint8)
+    d = harness.Dispatch(launch["kernel"], tuple(launch["grid"]), (launch["threads"], 1, 1), binds)
+    r = harness.run(
+        program(FAMILY_SOURCE["rotary_embedding"], kernel_dir), bufs, [d], ["query_out", "key_out"]
+    )
+    return from_device(r["query_out"], dtype), from_device(r["key_out"], dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -281,6 +281,77 @@ MUTATIONS = [
         "",
         "causal_conv1d",
     ),
+    Mutation(
+        "rope-wrong-sign-of-sin",
+        "rope/rotary_embedding.metal",
+        r"o\[i1\] = T\(x1 \* c - x2 \* s\);",
+        "o[i1] = T(x1 * c + x2 * s);",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-neox-halves-swapped",
+        "rope/rotary_embedding.metal",
+        r"const int i1 = neox \? j : 2 \* j;\n  const int i2 = neox \? half \+ j : 2 \* j \+ 1;",
+        "const int i1 = neox ? half + j : 2 * j;\n  const int i2 = neox ? j : 2 * j + 1;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-neox-gptj-confused",
+        "rope/rotary_embedding.metal",
+        r"const bool neox = p\.is_neox != 0;",
+        "const bool neox = p.is_neox == 0;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-position-off-by-one",
+        "rope/rotary_embedding.metal",
+        r"const long raw = long\(positions\[t\]\);",
+        "const long raw = long(positions[t]) + 1;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-position-unclamped",
+        "rope/rotary_embedding.metal",
+        r"const long pos = raw < 0 \? 0 : \(raw >= long\(p\.max_position\) \? "
+        r"long\(p\.max_position - 1\) : raw\);",
+        "const long pos = raw;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-cos-sin-swapped",
+        "rope/rotary_embedding.metal",
+        r"const float c = float\(row\[j\]\);\n  const float s = float\(row\[half \+ j\]\);",
+        "const float c = float(row[half + j]);\n  const float s = float(row[j]);",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-cache-row-of-head-size",
+        "rope/rotary_embedding.metal",
+        r"cos_sin_cache \+ pos \* p\.rotary_dim;",
+        "cos_sin_cache + pos * p.head_size;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-pass-through-odd-element-wrong",
+        "rope/rotary_embedding.metal",
+        r"o\[e \+ 1\] = x\[\(e \+ 1\) \* sd\];",
+        "o[e + 1] = x[e * sd];",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-key-read-with-query-strides",
+        "rope/rotary_embedding.metal",
+        r"const long stride_head = is_query \? p\.q_stride_head : p\.k_stride_head;",
+        "const long stride_head = p.q_stride_head;",
+        "rotary_embedding",
+    ),
+    Mutation(
+        "rope-key-rows-by-query-heads",
+        "rope/rotary_embedding.metal",
+        r"\(long\(t\) \* heads \+ head\) \* p\.head_size",
+        "(long(t) * p.num_q_heads + head) * p.head_size",
+        "rotary_embedding",
+    ),
 ]
 
 

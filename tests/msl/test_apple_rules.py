@@ -124,6 +124,12 @@ def test_host_launches_stay_within_the_pipeline_limits() -> None:
     for (dt, *_), d in itertools.product(C.CONSTANTS["FLOAT_DTYPES"], (1, 64, 576, 1000)):
         launch = C.select_mla_reshape_and_cache_kernel(dt, d, 3)
         check(launch["kernel"], launch["threads"], (dt, d))
+    for (dt, *_), to_f32, pos, heads, d in itertools.product(
+        C.CONSTANTS["FLOAT_DTYPES"], (False, True), ("i32", "i64"), (1, 5, 40), (2, 67, 128, 512)
+    ):
+        cache = "f32" if to_f32 else dt
+        launch = C.select_rotary_embedding_kernel(dt, cache, pos, 3, heads, d)
+        check(launch["kernel"], launch["threads"], (dt, cache, pos, heads, d))
     assert planned > 2000
     assert set(launched) == {f.function for f in facts.values()}, "a kernel the grid never plans"
 

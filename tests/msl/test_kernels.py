@@ -638,3 +638,84 @@ def test_mla_reshape_and_cache(dtype: str) -> None:
     got = K.mla_reshape_and_cache(latent, cache, slots, dtype)
     want = ref.mla_reshape_and_cache(mx.array(latent), mx.array(cache), mx.array(slots))
     np.testing.assert_array_equal(got, np.array(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary_embedding (the reference of vllm_metal/ops/rope)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_cache(max_position: int, rotary_dim: int) -> np.ndarray:
+    """vLLM's cos/sin cache (base 10000): row p = cos(p f_i) then sin(p f_i)."""
+    inv_freq = 1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)
+    freqs = np.outer(np.arange(max_position), inv_freq)
+    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+
+
+def _rope_heads(
+    rng: np.random.Generator, layout: str, T: int, hq: int, hkv: int, d: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """query [T, Hq, D] and key [T, Hkv, D]: contiguous arrays; views of one fused QKV buffer
+    (same strides); or a token-major query whose heads are T rows apart and a key cut out of a
+    wider buffer (strides differing from the query's)."""
+
+    def buffer(*shape: int) -> np.ndarray:  # owns its memory: the views below look into it
+        return O.quantize(rng.standard_normal(shape), dtype).copy()
+
+    if layout == "fused":
+        qkv = buffer(T, hq + 2 * hkv, d)
+        return qkv[:, :hq], qkv[:, hq : hq + hkv]
+    if layout == "strided":
+        wide = buffer(T, hkv + 2, d + 4)
+        return np.swapaxes(buffer(hq, T, d), 0, 1), wide[:, 1 : 1 + hkv, 2 : 2 + d]
+    return buffer(T, hq, d), buffer(T, hkv, d)
+
+
+ROPE_CASES = [
+    # dtype, cache dtype, neox, T, Hq, Hkv, D, rotary_dim, positions dtype, layout
+    ("f32", "f32", True, 5, 4, 4, 64, 64, np.int64, "contiguous"),  # full rotary, MHA
+    ("f16", "f16", False, 4, 8, 2, 80, 32, np.int32, "contiguous"),  # GPT-J, partial, GQA 4
+    ("bf16", "f32", True, 3, 6, 1, 128, 64, np.int64, "fused"),  # float32 cache, 2 threadgroups
+    ("f16", "f32", False, 6, 3, 1, 67, 24, np.int32, "strided"),  # odd head size: odd tail
+    ("bf16", "bf16", True, 2, 5, 3, 96, 48, np.int32, "strided"),  # partial neox, strided
+    ("f32", "f32", False, 2, 12, 4, 128, 128, np.int64, "fused"),  # GPT-J full, 4 threadgroups
+]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,neox,T,hq,hkv,d,rot,pos_dtype,layout", ROPE_CASES)
+def test_rotary_embedding(
+    dtype: str,
+    cache_dtype: str,
+    neox: bool,
+    T: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    rot: int,
+    pos_dtype: type,
+    layout: str,
+) -> None:
+    import mlx.core as mx
+
+    from vllm_metal.ops.rope import reference as ref
+
+    mx_dtype = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+    rng = np.random.default_rng(d + rot + T)
+    max_position = 50
+    query, key = _rope_heads(rng, layout, T, hq, hkv, d, dtype)
+    cache = O.quantize(_rope_cache(max_position, rot), cache_dtype)
+    positions = rng.integers(0, max_position, T).astype(pos_dtype)
+    positions[0] = -3  # clamped to row 0
+    positions[-1] = max_position + 7  # clamped to the last row
+    got_q, got_k = K.rotary_embedding(positions, query, key, cache, neox, dtype, cache_dtype)
+    want_q, want_k = ref.rotary_embedding(
+        mx.array(positions),
+        mx.array(np.ascontiguousarray(query)).astype(mx_dtype[dtype]),
+        mx.array(np.ascontiguousarray(key)).astype(mx_dtype[dtype]),
+        mx.array(cache).astype(mx_dtype[cache_dtype]),
+        neox,
+    )
+    assert_close(got_q, np.array(want_q.astype(mx.float32)), dtype, "query")
+    assert_close(got_k, np.array(want_k.astype(mx.float32)), dtype, "key")
+    np.testing.assert_array_equal(got_q[..., rot:], query[..., rot:])  # passed through
+    np.testing.assert_array_equal(got_k[..., rot:], key[..., rot:])

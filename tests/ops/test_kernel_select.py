@@ -47,6 +47,10 @@ def test_kernel_names_cover_every_list_entry() -> None:
     for tag, *_ in C["HALF_DTYPES"]:
         for d in C["HEAD_SIZES"]:
             assert f"paged_attention_nax_{tag}_d{d}" in names
+    for tag, *_ in C["FLOAT_DTYPES"]:
+        for pos in ("i32", "i64"):
+            assert f"rotary_embedding_{tag}_c{tag}_{pos}" in names
+            assert f"rotary_embedding_{tag}_cf32_{pos}" in names
 
 
 def test_pure_decode_uses_gqa_kernel_and_env_switch_restores_per_head_kernel(

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from vllm_metal.backends.protocol import Backend
 
 # VLLM_METAL_BACKEND value -> "module:attribute" of its Backend.
-BACKENDS = {"mlx": "vllm_metal.backends.mlx.device:MLX_BACKEND"}
+BACKENDS = {
+    "mlx": "vllm_metal.backends.mlx.device:MLX_BACKEND",
+    "mps": "vllm_metal.backends.torch.device:TORCH_BACKEND",
+}
 
 
 class BackendUnavailableError(ValueError):

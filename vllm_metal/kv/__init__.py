@@ -6,3 +6,9 @@ groups that alias it); `paged_cache.py` is what one attention layer sees as its 
 step. State slots for recurrent layers (Mamba/GDN) and offload tiers (host pool, disk) belong
 here as their own modules.
 """
+
+# vLLM's name for the page layout both backends declare (`KVCacheLayout`): layer-compact, each
+# block one contiguous page holding its tokens' heads. The MLX pool keeps K and V in separate
+# arrays of `[blocks, tokens, heads, head_dim]`; the torch backend views each page as K rows then
+# V rows of that shape. The engine resolves one layout from what workers and backends declare.
+KV_CACHE_LAYOUT = "LBNHC"

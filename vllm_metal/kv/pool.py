@@ -30,9 +30,6 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-# vLLM's name for this layout (per layer: blocks, tokens, heads, head dim; K and V apart).
-KV_CACHE_LAYOUT = "LBNHC"
-
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -202,6 +202,16 @@ def mla_reshape_and_cache(
     return _C.mla_reshape_and_cache(latent, latent_cache, slot_mapping)
 
 
+def rotary_embedding(
+    positions: mx.array, query: mx.array, key: mx.array, cos_sin_cache: mx.array, is_neox: bool
+) -> tuple[mx.array, mx.array]:
+    if on_gpu():
+        # The kernel reads query and key through their strides (views of a fused QKV projection
+        # are used in place).
+        positions, cos_sin_cache = _contiguous(positions, cos_sin_cache)
+    return _C.rotary_embedding(positions, query, key, cos_sin_cache, bool(is_neox))
+
+
 def gpu_cores() -> int:
     return _C.gpu_cores()
 

@@ -268,6 +268,42 @@ void run(const AttentionArgs& a, RunItemFn kernel) {
 
 }  // namespace
 
+AttentionArgs attention_args(const Strided& query, const Strided& key_cache,
+                             const Strided& value_cache, const Strided& block_tables,
+                             const int32_t* seq_lens, const int32_t* cu_seqlens_q,
+                             const float* sinks, void* out, ElemType dtype, float scale,
+                             int32_t sliding_window, float softcap) {
+  return {
+      .query = query.data,
+      .key_cache = key_cache.data,
+      .value_cache = value_cache.data,
+      .block_tables = static_cast<const int32_t*>(block_tables.data),
+      .seq_lens = seq_lens,
+      .cu_seqlens_q = cu_seqlens_q,
+      .sinks = sinks,
+      .out = out,
+      .dtype = dtype,
+      .num_tokens = query.shape[0],
+      .num_seqs = block_tables.shape[0],
+      .num_q_heads = query.shape[1],
+      .num_kv_heads = key_cache.shape[2],
+      .head_dim = query.shape[2],
+      .num_blocks = key_cache.shape[0],
+      .block_size = key_cache.shape[1],
+      .max_blocks = block_tables.shape[1],
+      .q_stride_t = query.strides[0],
+      .q_stride_h = query.strides[1],
+      .q_stride_d = query.strides[2],
+      .kc_stride_b = key_cache.strides[0],
+      .kc_stride_o = key_cache.strides[1],
+      .vc_stride_b = value_cache.strides[0],
+      .vc_stride_o = value_cache.strides[1],
+      .scale = scale,
+      .sliding_window = sliding_window,
+      .softcap = softcap,
+  };
+}
+
 void paged_attention(const AttentionArgs& args, int isa) {
   if (args.num_tokens == 0) return;
   run(args, kernel_for(isa));

@@ -3,13 +3,14 @@
 // long key ranges across threads (merging their partial softmax states), and runs the inner kernel
 // build chosen for this CPU (cpu_isa.h) on the shared thread pool.
 //
-// Only plain data here (and common/elem.h, built for that): the ISA-specific kernel objects
-// include this header.
+// Only plain data here (and common/elem.h and common/strided.h, built for that): the ISA-specific
+// kernel objects include this header.
 #pragma once
 
 #include <cstdint>
 
-#include "common/elem.h"  // ElemType
+#include "common/elem.h"     // ElemType
+#include "common/strided.h"  // Strided
 
 namespace vllm_metal::cpu {
 
@@ -32,6 +33,16 @@ struct AttentionArgs {
   int32_t sliding_window;  // 0 = none
   float softcap;           // 0 = none
 };
+
+// The arguments for arrays described by their views: query [T, Hq, D] (any strides), the pools
+// [NB, BS, Hkv, D] (rows_packed: any block and slot strides), block_tables [S, max_blocks]
+// (contiguous); the other arrays are contiguous. Every caller (the MLX primitive, the DLPack entry
+// points) builds the driver's arguments here; the shapes must already be consistent.
+AttentionArgs attention_args(const Strided& query, const Strided& key_cache,
+                             const Strided& value_cache, const Strided& block_tables,
+                             const int32_t* seq_lens, const int32_t* cu_seqlens_q,
+                             const float* sinks, void* out, ElemType dtype, float scale,
+                             int32_t sliding_window, float softcap);
 
 // Computes `out` on the calling thread and the pool, with the kernel build `isa` (cpu_isa.h).
 // Index values are clamped, so any values are memory-safe; tokens outside every sequence get zeros.

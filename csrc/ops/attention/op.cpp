@@ -63,35 +63,11 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   if (has_sinks) sinks = cpu::row_contiguous(inputs[6], encoder);
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
-  const cpu::AttentionArgs a{
-      .query = query.data<void>(),
-      .key_cache = key_cache.data<void>(),
-      .value_cache = value_cache.data<void>(),
-      .block_tables = block_tables.data<int32_t>(),
-      .seq_lens = seq_lens.data<int32_t>(),
-      .cu_seqlens_q = cu_seqlens_q.data<int32_t>(),
-      .sinks = sinks ? sinks->data<float>() : nullptr,
-      .out = out.data<void>(),
-      .dtype = cpu::elem_type(query.dtype()),
-      .num_tokens = query.shape(0),
-      .num_seqs = block_tables.shape(0),
-      .num_q_heads = query.shape(1),
-      .num_kv_heads = key_cache.shape(2),
-      .head_dim = query.shape(2),
-      .num_blocks = key_cache.shape(0),
-      .block_size = key_cache.shape(1),
-      .max_blocks = block_tables.shape(1),
-      .q_stride_t = query.strides(0),
-      .q_stride_h = query.strides(1),
-      .q_stride_d = query.strides(2),
-      .kc_stride_b = key_cache.strides(0),
-      .kc_stride_o = key_cache.strides(1),
-      .vc_stride_b = value_cache.strides(0),
-      .vc_stride_o = value_cache.strides(1),
-      .scale = scale,
-      .sliding_window = sliding_window,
-      .softcap = softcap,
-  };
+  const cpu::AttentionArgs a = cpu::attention_args(
+      cpu::strided(query), cpu::strided(key_cache), cpu::strided(value_cache),
+      cpu::strided(block_tables), seq_lens.data<int32_t>(), cu_seqlens_q.data<int32_t>(),
+      sinks ? sinks->data<float>() : nullptr, out.data<void>(), cpu::elem_type(query.dtype()),
+      scale, sliding_window, softcap);
 
   encoder.set_input_array(query);
   encoder.set_output_array(out);

@@ -60,6 +60,30 @@ void write_pools(const CacheWriteArgs* const* pools, int num_pools) {
 
 }  // namespace
 
+CacheWriteArgs write_args(const Strided& src, const Strided& dst, const int64_t* slots,
+                          int64_t itemsize) {
+  const bool heads = src.ndim == 3;  // else one head and no head axis (a latent cache)
+  const int last_src = src.ndim - 1, last_dst = dst.ndim - 1;
+  return {
+      .src = static_cast<const char*>(src.data),
+      .dst = static_cast<char*>(dst.data),
+      .slots = slots,
+      .num_tokens = src.shape[0],
+      .num_heads = heads ? src.shape[1] : 1,
+      .head_dim = src.shape[last_src],
+      .block_size = dst.shape[1],
+      .num_slots = dst.shape[0] * dst.shape[1],
+      .itemsize = itemsize,
+      .src_stride_t = src.strides[0],
+      .src_stride_h = heads ? src.strides[1] : 0,
+      .src_stride_d = src.strides[last_src],
+      .dst_stride_b = dst.strides[0],
+      .dst_stride_o = dst.strides[1],
+      .dst_stride_h = heads ? dst.strides[2] : 0,
+      .dst_stride_d = dst.strides[last_dst],
+  };
+}
+
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value) {
   const CacheWriteArgs* pools[] = {&key, &value};
   write_pools(pools, 2);

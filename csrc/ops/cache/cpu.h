@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "common/strided.h"
+
 namespace vllm_metal::cpu {
 
 // Rows [T, H, D] (src) scattered into one pool [NB, BS, H, D] (dst) at slots[t].
@@ -15,6 +17,13 @@ struct CacheWriteArgs {
   int64_t src_stride_t, src_stride_h, src_stride_d;
   int64_t dst_stride_b, dst_stride_o, dst_stride_h, dst_stride_d;
 };
+
+// The write of rows `src` ([T, H, D], or [T, D] for a headless latent cache) into the pool `dst`
+// ([NB, BS, H, D], or [NB, BS, D]) at `slots`, any strides on both sides. Every caller (the MLX
+// primitives, the DLPack entry points) builds the driver's arguments here; the shapes must already
+// be consistent.
+CacheWriteArgs write_args(const Strided& src, const Strided& dst, const int64_t* slots,
+                          int64_t itemsize);
 
 // Writes the key rows and the value rows, on the calling thread or (large writes) the pool.
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value);

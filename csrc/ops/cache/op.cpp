@@ -13,27 +13,8 @@
 namespace vllm_metal {
 
 cpu::CacheWriteArgs write_args(const mx::array& src, mx::array& dst, const int64_t* slots) {
-  // Rows of [T, H, D] into [blocks, block_size, H, D], or of [T, D] into [blocks, block_size, D]
-  // (one head, no head axis: a latent cache).
-  const bool heads = src.ndim() == 3;
-  return {
-      .src = src.data<char>(),
-      .dst = dst.data<char>(),
-      .slots = slots,
-      .num_tokens = src.shape(0),
-      .num_heads = heads ? src.shape(1) : 1,
-      .head_dim = src.shape(-1),
-      .block_size = dst.shape(1),
-      .num_slots = static_cast<int64_t>(dst.shape(0)) * dst.shape(1),
-      .itemsize = static_cast<int64_t>(src.itemsize()),
-      .src_stride_t = src.strides(0),
-      .src_stride_h = heads ? src.strides(1) : 0,
-      .src_stride_d = src.strides(-1),
-      .dst_stride_b = dst.strides(0),
-      .dst_stride_o = dst.strides(1),
-      .dst_stride_h = heads ? dst.strides(2) : 0,
-      .dst_stride_d = dst.strides(-1),
-  };
+  return cpu::write_args(cpu::strided(src), cpu::strided(dst), slots,
+                         static_cast<int64_t>(src.itemsize()));
 }
 
 void bind_output_pool(const mx::array& pool, mx::array& out, mx::cpu::CommandEncoder& encoder) {

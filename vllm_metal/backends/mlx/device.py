@@ -78,7 +78,7 @@ class MLXBackend:
         return int(ops.BLOCK_SIZE_MULTIPLE)
 
     def kv_cache_layouts(self) -> list[str]:
-        from vllm_metal.kv.pool import KV_CACHE_LAYOUT
+        from vllm_metal.kv import KV_CACHE_LAYOUT
 
         return [KV_CACHE_LAYOUT]
 

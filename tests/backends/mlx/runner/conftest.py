@@ -1,23 +1,12 @@
-"""Fixtures of the runner tests: tiny checkpoints (written once per session) and a vLLM config
-with request states for the schedule-driven unit tests."""
+"""Fixtures of the MLX runner tests: a vLLM config with request states for the schedule-driven
+unit tests (the tiny family checkpoints are in tests/backends/conftest.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from tests.backends.mlx.runner.schedules import BS
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
-from vllm_metal.testing.tiny_models import write_tiny_model
-
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
-
-
-@pytest.fixture(scope="session")
-def family_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runner-models")
-    return {arch: write_tiny_model(root / arch, arch) for arch in FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -65,6 +66,17 @@ def run_engine_job(
         if with_metrics == "per_job":
             return out["results"], out["job_metrics"]
         return (out["results"], out["metrics"]) if with_metrics else out["results"]
+
+
+@functools.cache
+def _vllm_cpu_results(model: str, spec: str) -> str:
+    return json.dumps(run_engine_job(model, json.loads(spec), backend="cpu"))
+
+
+def vllm_cpu_job(model: str | Path, jobs: list[dict]) -> list[list[dict]]:
+    """`jobs` on vLLM's own CPU backend, run once per session for the same model and jobs (the
+    oracle several backends' tests compare with)."""
+    return json.loads(_vllm_cpu_results(str(model), json.dumps(jobs)))
 
 
 def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:

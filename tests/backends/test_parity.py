@@ -1,18 +1,37 @@
-"""Greedy tokens and logprobs of the MLX runner equal transformers float32 and vLLM's CPU
-backend."""
+"""Greedy tokens and logprobs of both backends' runners (MLX, and torch: VLLM_METAL_BACKEND=mps)
+equal transformers float32 and vLLM's CPU backend; sampling fields go through vLLM's sampler."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.backends.mlx.runner.conftest import FAMILIES
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
+from tests.backends.conftest import FAMILIES
+from tests.backends.mlx.runner.jobs import (
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+    vllm_cpu_job,
+)
 from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
+
+# Each backend's engine environment. The torch backend's runs that CI's time cannot hold are in
+# the `full` tier (families beyond Qwen3 and Gemma 3, the second seeded engine pair).
+BACKEND_ENV = {"mlx": {}, "mps": {"VLLM_METAL_BACKEND": "mps"}}
+TORCH_IN_CI = ("qwen3", "gemma3")
+
+
+def backend_arch_params() -> list:
+    params = [pytest.param("mlx", arch, id=f"mlx-{arch}") for arch in FAMILIES]
+    for arch in FAMILIES:
+        marks = () if arch in TORCH_IN_CI else (pytest.mark.full,)
+        params.append(pytest.param("mps", arch, id=f"mps-{arch}", marks=marks))
+    return params
 
 
 # Mixed lengths submitted together: single-token, shorter than a block, several blocks, longer
@@ -22,7 +41,7 @@ SHARED_PREFIX = random_prompts(2, [48])[0]
 PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
 
 
-def greedy_parity_round(model, logprobs: int | None = None) -> list[dict]:
+def greedy_parity_round(model, logprobs: int | None = None, backend: str = "mlx") -> list[dict]:
     """The mixed batch in 16-token chunks, then a prefix-cache round, on one engine: greedy tokens
     equal transformers float32 and the shared prefix is served from cached blocks. Returns the
     mixed batch's results."""
@@ -32,7 +51,7 @@ def greedy_parity_round(model, logprobs: int | None = None) -> list[dict]:
         {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
         {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
     ]
-    mixed, _, hits = run_engine_job(model, jobs, engine=engine)
+    mixed, _, hits = run_engine_job(model, jobs, engine=engine, env=BACKEND_ENV[backend])
 
     assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
     assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
@@ -41,10 +60,10 @@ def greedy_parity_round(model, logprobs: int | None = None) -> list[dict]:
     return mixed
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_greedy_and_logprobs_match_transformers(family_models, arch):
+@pytest.mark.parametrize(("backend", "arch"), backend_arch_params())
+def test_greedy_and_logprobs_match_transformers(family_models, backend, arch):
     model = family_models[arch]
-    mixed = greedy_parity_round(model, logprobs=1)
+    mixed = greedy_parity_round(model, logprobs=1, backend=backend)
 
     for prompt, result in zip(MIXED, mixed):
         sample = result["outputs"][0]
@@ -77,7 +96,8 @@ DETERMINISTIC_VARIANTS = [
 ]
 
 
-def test_same_tokens_as_vllm_cpu_backend(family_models):
+@pytest.mark.parametrize("backend", BACKEND_ENV)
+def test_same_tokens_as_vllm_cpu_backend(family_models, backend):
     """Penalties, biases and token constraints run through vLLM's own sampler: same tokens."""
     model = family_models["qwen3"]
     prompts = random_prompts(4, [7, 23])
@@ -87,8 +107,8 @@ def test_same_tokens_as_vllm_cpu_backend(family_models):
     ]
     for variant in DETERMINISTIC_VARIANTS:
         jobs.append({"prompts": prompts, "params": [greedy(16, **variant)]})
-    ours = run_engine_job(model, jobs)
-    theirs = run_engine_job(model, jobs, backend="cpu")
+    ours = run_engine_job(model, jobs, env=BACKEND_ENV[backend])
+    theirs = vllm_cpu_job(model, jobs)
     assert tokens(ours[0]) == tokens(theirs[0])
     assert tokens(ours[1]) == tokens(theirs[1])
     plain, variants = ours[1], ours[2:]
@@ -107,7 +127,8 @@ def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
     return np.exp(logprobs.astype(np.float64))
 
 
-def test_random_sampling_respects_truncation(family_models):
+@pytest.mark.parametrize("backend", BACKEND_ENV)
+def test_random_sampling_respects_truncation(family_models, backend):
     """top_k / top_p / min_p only ever draw tokens their rule admits (checked on HF logits)."""
     model = family_models["qwen3"]
     prompts = random_prompts(6, [9, 30])
@@ -119,7 +140,7 @@ def test_random_sampling_respects_truncation(family_models):
         {"n": 3, "seed": 4},
     ]
     jobs = [{"prompts": prompts, "params": [{**base, **v}]} for v in variants]
-    top_k, top_p, min_p, multi = run_engine_job(model, jobs)
+    top_k, top_p, min_p, multi = run_engine_job(model, jobs, env=BACKEND_ENV[backend])
     for prompt, res in zip(prompts, top_k):
         sample = res["outputs"][0]["token_ids"]
         probs = _probs(model, prompt, sample)
@@ -141,16 +162,18 @@ def test_random_sampling_respects_truncation(family_models):
         assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
 
 
-def test_seeded_sampling_is_reproducible(family_models):
+@pytest.mark.parametrize("backend", ["mlx", pytest.param("mps", marks=pytest.mark.full)])
+def test_seeded_sampling_is_reproducible(family_models, backend):
     model = family_models["llama"]
+    env = BACKEND_ENV[backend]
     prompts = random_prompts(5, [6, 19, 33])
     params = [
         {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
     ]
     other = [{**params[0], "seed": 4321}]
     jobs = [{"prompts": prompts, "params": params}, {"prompts": prompts, "params": other}]
-    first = run_engine_job(model, jobs)
-    second = run_engine_job(model, jobs)
+    first = run_engine_job(model, jobs, env=env)
+    second = run_engine_job(model, jobs, env=env)
     assert tokens(first[0]) == tokens(second[0])
     assert tokens(first[1]) == tokens(second[1])
     assert tokens(first[0]) != tokens(first[1])
