@@ -1,5 +1,6 @@
-"""Torch custom ops over this project's CPU paged-attention and KV-cache-write kernels: what the
-torch backend's attention (`attention.py`) calls on `cpu` tensors.
+"""Torch custom ops over this project's CPU paged-attention, KV-cache-write and rotary-embedding
+kernels: what the torch backend's attention (`attention.py`) and rotary layers (`rotary.py`) call
+on `cpu` tensors.
 
 ``torch.ops.vllm_metal.paged_attention`` and ``torch.ops.vllm_metal.reshape_and_cache`` run the
 C++ drivers that the MLX ops' CPU bodies run (csrc/ops/attention/cpu.h, csrc/ops/cache/cpu.h),
@@ -7,7 +8,9 @@ through ``_C.paged_attention_into`` and ``_C.reshape_and_cache_into`` (csrc/dlpa
 take the tensors through DLPack without copying them, check every shape, dtype, device and layout
 relation (ValueError naming the argument) and release the GIL while the kernel runs. The ops are
 registered with a schema and a fake implementation, so a tracer sees them as opaque calls that
-mutate ``out`` (attention) or the two pools (cache write).
+mutate ``out`` (attention) or the two pools (cache write). ``torch.ops.vllm_metal.rotary_embedding``
+rotates query and key rows in place (``_C.rotary_embedding_into``, csrc/ops/rope/), as
+vllm_metal.ops.rotary_embedding computes them.
 
 What they compute is vllm_metal.ops.paged_attention's and vllm_metal.ops.reshape_and_cache's
 contract, on tensors laid out as those take them: query ``[T, Hq, D]`` and key/value rows
@@ -88,6 +91,22 @@ def _reshape_and_cache_impl(
     )
 
 
+def _rotary_embedding_impl(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    _native().rotary_embedding_into(
+        _capsule(positions.contiguous()),
+        _capsule(query),
+        None if key is None else _capsule(key),
+        _capsule(cos_sin_cache.contiguous()),
+        is_neox,
+    )
+
+
 def _no_output(*args: object) -> None:
     """Fake implementation: the ops only mutate their arguments."""
 
@@ -97,10 +116,11 @@ _LIB = globals().get("_LIB") or torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
 def _register() -> None:
-    """Defines both ops with their CPU kernels, unless this process already has them."""
+    """Defines the ops with their CPU kernels, unless this process already has them."""
     for name, impl, mutates in (
         ("paged_attention", _paged_attention_impl, ["out"]),
         ("reshape_and_cache", _reshape_and_cache_impl, ["key_cache", "value_cache"]),
+        ("rotary_embedding", _rotary_embedding_impl, ["query", "key"]),
     ):
         if not hasattr(getattr(torch.ops, NAMESPACE), name):
             direct_register_custom_op(
@@ -158,3 +178,16 @@ def reshape_and_cache(
     """Writes row ``t`` of ``key``/``value`` into the pools at slot ``slot_mapping[t]``, in place;
     negative slots (padding) are skipped."""
     torch.ops.vllm_metal.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` (or None) in place at ``positions``:
+    the first ``rotary_dim`` (``cos_sin_cache``'s width: cos halves, then sin halves) elements of
+    each head, GPT-NeoX halves or GPT-J pairs (``is_neox``); the rest pass through."""
+    torch.ops.vllm_metal.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)

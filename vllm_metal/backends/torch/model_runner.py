@@ -94,6 +94,9 @@ class TorchModelRunner(GPUModelRunner):
     def load_model(self, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("vllm-metal (torch backend): load_format='dummy' is not supported")
+        from vllm_metal.backends.torch import rotary
+
+        rotary.register()  # before the model's layers are built
         logger.info("Loading %s with vLLM's model classes", self.model_config.model)
         self.model = get_model(vllm_config=self.vllm_config)
 
