@@ -20,18 +20,26 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
 
-# Each backend's engine environment. The torch backend's runs that CI's time cannot hold are in
-# the `full` tier (families beyond Gemma 3).
+# Each backend's engine environment, and the families whose parity run CI's time holds on it
+# (the others are in the `full` tier; Qwen3 on the torch backend: tests/backends/torch/).
 BACKEND_ENV = {"mlx": {}, "mps": {"VLLM_METAL_BACKEND": "mps"}}
-TORCH_IN_CI = ("gemma3",)  # Qwen3 on the torch backend: tests/backends/torch/test_runner.py
+IN_CI = {
+    "mlx": ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"),
+    "mps": ("gemma3",),
+}
 
 
 def backend_arch_params() -> list:
-    params = [pytest.param("mlx", arch, id=f"mlx-{arch}") for arch in FAMILIES]
-    for arch in FAMILIES:
-        marks = () if arch in TORCH_IN_CI else (pytest.mark.full,)
-        params.append(pytest.param("mps", arch, id=f"mps-{arch}", marks=marks))
-    return params
+    return [
+        pytest.param(
+            backend,
+            arch,
+            id=f"{backend}-{arch}",
+            marks=() if arch in IN_CI[backend] else (pytest.mark.full,),
+        )
+        for backend in BACKEND_ENV
+        for arch in FAMILIES
+    ]
 
 
 # Mixed lengths submitted together: single-token, shorter than a block, several blocks, longer

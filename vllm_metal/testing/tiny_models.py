@@ -48,6 +48,9 @@ class ArchSpec:
     config: dict[str, Any] = field(default_factory=dict)
     qkv_bias: bool = False  # Qwen2 projections carry biases
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
+    # OLMo 2: RMSNorm over the whole q and k projections, and norms on the attention and MLP
+    # outputs only (no input norms).
+    olmo2_norms: bool = False
     sandwich_norms: bool = False  # Gemma2/3: extra norms around attention and MLP outputs
     offset_norms: bool = False  # Gemma RMSNorm scales by (1 + weight): store weight near 0
     tied: bool = False  # lm_head shares the embedding matrix
@@ -137,6 +140,18 @@ ARCHS: dict[str, ArchSpec] = {
         post_norm_scale=8.0,
         final_norm_scale=4.0,
         qk_norm_scale=3.0,
+    ),
+    "olmo2": ArchSpec(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        {
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rope_theta": 500000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "rope_scaling": None,
+        },
+        olmo2_norms=True,
     ),
     # Gemma2: tanh soft-capping of attention logits (50) and final logits (30). Its sliding window
     # (4096) is wider than max_position_embeddings, so it never applies (mlx-lm ignores it anyway).
@@ -272,7 +287,8 @@ def _random_weights(
     }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        weights[p + "input_layernorm.weight"] = norm(hidden)
+        if not spec.olmo2_norms:
+            weights[p + "input_layernorm.weight"] = norm(hidden)
         weights[p + "self_attn.q_proj.weight"] = matrix(q_dim, hidden)
         weights[p + "self_attn.k_proj.weight"] = matrix(kv_dim, hidden)
         weights[p + "self_attn.v_proj.weight"] = matrix(kv_dim, hidden)
@@ -285,7 +301,12 @@ def _random_weights(
         if spec.qk_norm:
             weights[p + "self_attn.q_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
             weights[p + "self_attn.k_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
-        if spec.sandwich_norms:
+        if spec.olmo2_norms:
+            weights[p + "self_attn.q_norm.weight"] = norm(q_dim)
+            weights[p + "self_attn.k_norm.weight"] = norm(kv_dim)
+            weights[p + "post_attention_layernorm.weight"] = norm(hidden)
+            weights[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+        elif spec.sandwich_norms:
             # Gemma: post_attention_layernorm normalises the attention output, and the MLP input
             # gets its own pre_feedforward_layernorm.
             weights[p + "post_attention_layernorm.weight"] = norm(hidden, spec.post_norm_scale)

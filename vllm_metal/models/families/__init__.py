@@ -16,6 +16,7 @@ FAMILIES = {
     "granitemoehybrid": "granitemoehybrid",
     "idefics3": "idefics3",
     "mistral": "mistral",
+    "olmo2": "olmo2",
     "qwen2_moe": "qwen2_moe",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_next": "qwen3_next",
