@@ -8,7 +8,10 @@ again: one warm-up round of each size, then `--c1-rounds` rounds of 1 request an
 rounds of 16 requests at once, every request its own prompt. Decode tok/s = streams / median TPOT
 (vLLM's per-request metrics: first to last token over the tokens between them, so prefill is left
 out); output tok/s (tokens / wall time of a round, prefill included) beside it. With two backends,
-their greedy tokens of the first 16-stream round are compared (:func:`agreement`).
+their greedy tokens of the first 16-stream round are compared (:func:`agreement`). A benchmark may
+choose other stream counts than 1 and 16 (`round_parser(streams=...)`; its many-stream rounds are
+then `--c<N>-rounds`) and run its backends one after another (one `run` per backend,
+`keep_tokens=True` for the tokens to compare).
 
 The caller names the model (a description with its `path`, and `kv_bytes_per_token` unless it gives
 the KV cache size), the backends, and the module the workers run as (`python -m MODULE --engine ...
@@ -31,10 +34,12 @@ from typing import Any
 STREAMS = (1, 16)
 
 
-def round_parser(prog: str, description: str | None, quick_help: str) -> argparse.ArgumentParser:
+def round_parser(prog: str, description: str | None, quick_help: str,
+                 streams: Sequence[int] = STREAMS) -> argparse.ArgumentParser:  # fmt: skip
     """The command line of a decode-round benchmark: output, rounds, lengths, and the hidden
     options its machine stage and workers are started with (`fill_round_defaults` after
-    parsing)."""
+    parsing). `streams`: the round sizes, 1 and N (`args.streams`; N's rounds are
+    `--c<N>-rounds`)."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     from bench.pooling_worker import add_worker_arguments
@@ -46,12 +51,14 @@ def round_parser(prog: str, description: str | None, quick_help: str) -> argpars
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
     p.add_argument("--c1-rounds", type=int, default=None, help="single-stream rounds: 3 (1)")
-    p.add_argument("--c16-rounds", type=int, default=None, help="16-stream rounds: 2 (1)")
+    big = max(streams)
+    p.add_argument(f"--c{big}-rounds", type=int, default=None, help=f"{big}-stream rounds: 2 (1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
     p.add_argument("--machine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     add_worker_arguments(p)
+    p.set_defaults(streams=tuple(streams))
     return p
 
 
@@ -61,8 +68,9 @@ def fill_round_defaults(args: argparse.Namespace) -> None:
         args.output_len = 8 if args.quick else 64
     if args.c1_rounds is None:
         args.c1_rounds = 1 if args.quick else 3
-    if args.c16_rounds is None:
-        args.c16_rounds = 1 if args.quick else 2
+    many = f"c{max(args.streams)}_rounds"
+    if getattr(args, many) is None:
+        setattr(args, many, 1 if args.quick else 2)
 
 
 def max_model_len(args: argparse.Namespace) -> int:
@@ -119,29 +127,33 @@ def run(
     module: str,
     dtype: str,
     kv_cache_bytes: int | None = None,
+    keep_tokens: bool = False,
 ) -> dict[str, Any]:
     """Start one worker per backend on the model `desc` describes, run the rounds, return the
     model, engine arguments, workers, cases and (with two backends) the agreement.
 
-    `args`: input_len, output_len, c1_rounds, c16_rounds, seed, timeout, quick (`enforce_eager`).
-    `kv_cache_bytes`: default room for 16 full sequences at `desc["kv_bytes_per_token"]`.
-    Workers are named `<tag>_<backend>` and log to `logs/<tag>_<backend>.log`.
+    `args`: streams (`round_parser`'s), input_len, output_len, c1_rounds, c<N>_rounds, seed,
+    timeout, quick (`enforce_eager`). `kv_cache_bytes`: default room for N full sequences at
+    `desc["kv_bytes_per_token"]`. `keep_tokens`: also return each backend's greedy tokens of the
+    first N-stream round (`token_ids`). Workers are named `<tag>_<backend>` and log to
+    `logs/<tag>_<backend>.log`.
     """
     from bench.pooling_worker import Worker, close_all
     from bench.run import _kv_bytes, blas_log_lines
     from bench.single_stream import make_prompts
 
     backends = tuple(backends)
-    big = max(STREAMS)
-    rounds = {1: args.c1_rounds, big: args.c16_rounds}
+    streams = tuple(args.streams)
+    big = max(streams)
+    rounds = {1: args.c1_rounds, big: getattr(args, f"c{big}_rounds")}
     # Warm-up: one round of each size; then the measured rounds. Every request its own prompt.
-    num_prompts = sum(STREAMS) + sum(n * r for n, r in rounds.items())
+    num_prompts = sum(streams) + sum(n * r for n, r in rounds.items())
     inputs = logs / "prompts.json"
     inputs.write_text(json.dumps(make_prompts(num_prompts, args.input_len, args.seed)))
     model_len = max_model_len(args)
     if kv_cache_bytes is None:
         kv_cache_bytes = _kv_bytes(desc, model_len, big)
-    engine = engine_args(desc["path"], dtype, kv_cache_bytes, model_len, args.quick)
+    engine = engine_args(desc["path"], dtype, kv_cache_bytes, model_len, args.quick, big)
 
     print(f"[{tag}] starting {len(backends)} worker(s): {', '.join(backends)}", flush=True)
     started = time.perf_counter()
@@ -162,11 +174,11 @@ def run(
                 out[be]["busy_after_s"] = workers[be].settle()
             return out
 
-        for n in STREAMS:
+        for n in streams:
             for be, r in round_robin(n, 0, 4).items():
                 ready[be].setdefault("warmup_s", []).append(round(r["seconds"], 3))
-        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in backends} for n in STREAMS}
-        for n in STREAMS:
+        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in backends} for n in streams}
+        for n in streams:
             print(f"[{tag}] {rounds[n]} round(s) of {n} stream(s) per backend", flush=True)
             for k in range(rounds[n]):
                 for be, r in round_robin(n, k, args.output_len).items():
@@ -175,7 +187,7 @@ def run(
         close_all(list(workers.values()))
 
     out_cases: dict[str, dict[str, Any]] = {}
-    for n in STREAMS:
+    for n in streams:
         for be in backends:
             rs = calls[n][be]
             tpots = [t for r in rs for t in r["tpot_ms"]]
@@ -203,7 +215,7 @@ def run(
         bound = re.search(r"core ids=\[([^\]]*)\]", text)
         worker_info[be] = {**ready[be], "log": str(w.log), "cpu_blas_logged": blas_log_lines(text),
                            "omp_bound_cores": bound.group(1) if bound else None}  # fmt: skip
-    return {
+    result = {
         "model": desc,
         "engine": engine,
         "workers": worker_info,
@@ -211,3 +223,6 @@ def run(
         "cases": out_cases,
         "agreement": check,
     }
+    if keep_tokens:
+        result["token_ids"] = {be: calls[big][be][0]["token_ids"] for be in backends}
+    return result

@@ -6,7 +6,7 @@ from typing import Any
 
 from bench.hybrid import PEER_DEVIATES
 from bench.lora_report import _machine
-from bench.moe_report import BACKEND_NAMES, _f, _millions
+from bench.moe_report import BACKEND_NAMES, _f, _millions, cases_table
 from bench.pooling_report import _threads
 from bench.publish import publish, regenerate
 
@@ -29,6 +29,26 @@ NO_CPU_PEER = (
 
 def _gib(n: int | None) -> str:
     return "—" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+# The columns of `worker_cells`.
+WORKER_COLUMNS = (
+    "platform | engine start s | warm-up rounds s | KV cache tokens | max concurrency (logged) | "
+    "resident memory when idle"
+)
+
+
+def worker_cells(w: dict[str, Any]) -> str:
+    """A decode-round worker's `WORKER_COLUMNS` as markdown cells: platform, engine start,
+    warm-up rounds, the KV cache size and maximum concurrency it logged (`kv`), idle memory."""
+    warm = ", ".join(_f(x, 2) for x in w.get("warmup_s", []))
+    kv = w.get("kv", {})
+    tokens = kv.get("kv_cache_tokens")
+    return (
+        f"{w.get('platform', '—')} | {_f(w['engine_start_s'])} | {warm} | "
+        f"{'—' if tokens is None else f'{tokens:,}'} | {_f(kv.get('max_concurrency'), 2)}x | "
+        f"{_gib(w.get('idle_rss_bytes'))}"
+    )
 
 
 def _mib(n: int) -> str:
@@ -161,38 +181,14 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
                 f"Passed (every first token equal): {'yes' if a['passed'] else 'NO'}."
             ),
         ]
+    lines += ["", *cases_table(cases)]
     lines += [
         "",
-        (
-            "| case | rounds | median TPOT ms | decode tok/s | output tok/s | median TTFT ms | "
-            "busy after a round, s | round s |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for case, c in cases.items():
-        lines.append(
-            f"| {case} | {c['rounds']} | {c['median_tpot_ms']:.1f} | {c['decode_tok_s']:.1f} | "
-            f"{c['output_tok_s']:.1f} | {c['median_ttft_ms']:.0f} | "
-            f"{_f(c.get('busy_after_call_s'), 2)} | {', '.join(_f(x, 2) for x in c['round_s'])} |"
-        )
-    lines += [
-        "",
-        (
-            "| backend | platform | engine start s | warm-up rounds s | KV cache tokens | "
-            "max concurrency (logged) | resident memory when idle | threads |"
-        ),
+        f"| backend | {WORKER_COLUMNS} | threads |",
         "|---|---|---:|---|---:|---:|---:|---|",
     ]
     for be, w in r["workers"].items():
-        warm = ", ".join(_f(x, 2) for x in w.get("warmup_s", []))
-        kv = w.get("kv", {})
-        tokens = kv.get("kv_cache_tokens")
-        lines.append(
-            f"| {BACKEND_NAMES[be]} | {w.get('platform', '—')} | {_f(w['engine_start_s'])} | "
-            f"{warm} | {'—' if tokens is None else f'{tokens:,}'} | "
-            f"{_f(kv.get('max_concurrency'), 2)}x | {_gib(w.get('idle_rss_bytes'))} | "
-            f"{_threads(be, w)} |"
-        )
+        lines.append(f"| {BACKEND_NAMES[be]} | {worker_cells(w)} | {_threads(be, w)} |")
     lines += _idle_memory_lines(r.get("idle_memory"))
     ok = s["concurrency_ok"]
     lines += [

@@ -30,13 +30,21 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tied: bool
+    weight_std: float = 0.02  # of every matrix; norms are ones
 
 
 SHAPES: dict[str, ModelShape] = {
     # Qwen/Qwen3-0.6B's config.json: 28 layers, GQA 16/8, head_dim 128, tied 151936-row embedding.
+    # The usual 0.02 init keeps activations finite through 28 layers in bf16; greedy decoding then
+    # repeats one token for several steps at a time (transformers float32).
     "0.6b": ModelShape("qwen3-0.6b-random", 28, 1024, 3072, 16, 8, 128, 151936, True),
+    # 8 layers of Qwen3-0.6B's width with head_dim 64 (vLLM's CPU backend takes 64, not 16 or 32)
+    # and an untied 32,000-row vocabulary: 166 M parameters. With N(0, 0.1) weights greedy
+    # continuations are diverse (20+ distinct tokens in 24) and the top two logits rarely within
+    # 0.01, so engines' tokens can be compared.
+    "0.17b": ModelShape("qwen3-0.17b-random", 8, 1024, 3072, 16, 8, 64, 32000, False, 0.1),
     # The test suite's tiny Qwen3 (a few MB): for checking the harness, not for speed claims.
-    "tiny": ModelShape("qwen3-tiny-random", 2, 256, 512, 4, 2, 64, 768, False),
+    "tiny": ModelShape("qwen3-tiny-random", 2, 256, 512, 4, 2, 64, 768, False, 0.3),
 }
 
 _STAMP = "bench_model.json"  # what was written, so a cached checkpoint is reused only if it matches
@@ -50,7 +58,7 @@ def write_model(out_dir: Path, size: str, dtype: str = "bfloat16", seed: int = 0
     if (path / _STAMP).is_file() and json.loads((path / _STAMP).read_text()) == stamp:
         return path
     # The tiny writer supplies the tokenizer files, generation config and chat template.
-    write_tiny_model(path, "qwen3", dtype=dtype, seed=seed)
+    write_tiny_model(path, "qwen3", dtype=dtype, seed=seed, weight_std=shape.weight_std)
     if size != "tiny":
         _write_shape(path, shape, dtype, seed)
     (path / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
@@ -80,9 +88,8 @@ def _write_shape(path: Path, shape: ModelShape, dtype: str, seed: int) -> None:
     torch_dtype = getattr(torch, dtype)
 
     def matrix(rows: int, cols: int) -> torch.Tensor:
-        # The usual 0.02 init keeps activations finite through 28 layers in bf16.
         a = rng.standard_normal((rows, cols), dtype=np.float32)
-        a *= 0.02
+        a *= shape.weight_std
         return torch.from_numpy(a).to(torch_dtype)
 
     def ones(n: int) -> torch.Tensor:

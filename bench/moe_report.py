@@ -20,6 +20,24 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.0f}" if n >= 1e7 else f"{n / 1e6:.2f}"
 
 
+def cases_table(cases: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown lines of a table of `bench.decode_rounds.run`'s cases, one row each."""
+    lines = [
+        (
+            "| case | rounds | median TPOT ms | decode tok/s | output tok/s | median TTFT ms | "
+            "busy after a round, s | round s |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, c in cases.items():
+        lines.append(
+            f"| {name} | {c['rounds']} | {c['median_tpot_ms']:.1f} | {c['decode_tok_s']:.1f} | "
+            f"{c['output_tok_s']:.1f} | {c['median_ttft_ms']:.0f} | "
+            f"{_f(c.get('busy_after_call_s'), 2)} | {', '.join(_f(x, 2) for x in c['round_s'])} |"
+        )
+    return lines
+
+
 def _model_line(d: dict[str, Any]) -> str:
     return (
         f"`{d['name']}` ({d['architecture']}, {d['num_layers']} layers, hidden {d['hidden_size']}, "
@@ -88,19 +106,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "## Cases",
         "",
-        (
-            "| case | rounds | median TPOT ms | decode tok/s | output tok/s | median TTFT ms | "
-            "busy after a round, s | round s |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, c in cases.items():
-        lines.append(
-            f"| {name} | {c['rounds']} | {c['median_tpot_ms']:.1f} | {c['decode_tok_s']:.1f} | "
-            f"{c['output_tok_s']:.1f} | {c['median_ttft_ms']:.0f} | "
-            f"{_f(c.get('busy_after_call_s'), 2)} | {', '.join(_f(x, 2) for x in c['round_s'])} |"
-        )
-    lines += [
+        *cases_table(cases),
         "",
         "## Workers",
         "",

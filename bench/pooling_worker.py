@@ -24,6 +24,16 @@ from typing import Any
 from bench.processes import settle, tree_cpu_seconds
 from bench.run import ROOT
 
+# A worker's environment by backend name, beside bench.run's `_env()`: vLLM's own CPU backend
+# (the plugin ignored), the plugin's torch backend, or its MLX backend (the default, pinned so that
+# a VLLM_METAL_BACKEND in the caller's shell does not change what "plugin" measures).
+BACKEND_ENV = {
+    "cpu": {"VLLM_TARGET_DEVICE": "cpu"},
+    "torch": {"VLLM_METAL_BACKEND": "mps"},
+    "mlx": {"VLLM_METAL_BACKEND": "mlx"},
+    "plugin": {"VLLM_METAL_BACKEND": "mlx"},
+}
+
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """The hidden options a benchmark module is started with as a worker (`Worker`): the same as
@@ -85,9 +95,7 @@ class Worker:
         from bench.run import _env
 
         self.name, self.backend, self.log, self.timeout = name, backend, log, timeout
-        env = _env()
-        if backend == "cpu":
-            env["VLLM_TARGET_DEVICE"] = "cpu"
+        env = {**_env(), **BACKEND_ENV.get(backend, {})}
         env["PYTHONUNBUFFERED"] = "1"
         read_fd, write_fd = os.pipe()
         cmd = [sys.executable, "-m", module, "--engine", json.dumps(engine),

@@ -146,3 +146,98 @@ def test_summary_compares_the_plugin_with_vllm_cpu_at_32() -> None:
     text = "\n".join(_targets_section(summary))
     assert "| output tok/s at 32 concurrent, plugin / vLLM CPU | ≥ 1.0x | 0.80x | missed |" in text
     assert "1.25x short of the goal" in text
+
+
+def test_torch_backend_bench_command_line_and_report(tmp_path: Path) -> None:
+    """bench.torch_backend's structure without engines (its `--quick` run, three engines one
+    after another, takes about two minutes: tests/bench/test_torch_backend_bench.py, `full`)."""
+    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
+    from bench import torch_backend as tb
+    from bench.pooling_worker import BACKEND_ENV
+    from bench.torch_backend_report import write_report
+
+    args = tb.parse_args(["--quick"])
+    assert args.streams == tb.STREAMS == (1, 32)
+    assert (args.input_len, args.output_len, args.c1_rounds, args.c32_rounds) == (16, 8, 1, 1)
+    assert args.model_size == "tiny"
+    full = tb.parse_args([])
+    assert (full.input_len, full.output_len, full.model_size) == (128, 64, "0.17b")
+    assert tb.parse_args(["--c32-rounds", "5"]).c32_rounds == 5
+    assert BACKEND_ENV["torch"] == {"VLLM_METAL_BACKEND": "mps"}
+    assert BACKEND_ENV["cpu"] == {"VLLM_TARGET_DEVICE": "cpu"}
+    assert BACKEND_ENV["mlx"] == {"VLLM_METAL_BACKEND": "mlx"}
+
+    # A hand-made run: torch and vLLM CPU measured, MLX failed at start.
+    def case(n: int, tpot: float) -> dict:
+        return {"streams": n, "rounds": 1, "median_tpot_ms": tpot, "decode_tok_s": n * 1e3 / tpot,
+                "output_tok_s": 1.0, "median_ttft_ms": 5.0, "round_s": [0.5]}  # fmt: skip
+
+    worker = {"engine_start_s": 1.0, "platform": "P", "warmup_s": [0.1, 0.2],
+              "kv": {"kv_cache_tokens": 4096, "max_concurrency": 40.0}}  # fmt: skip
+    report = {
+        "settings": {
+            "quick": True,
+            "model_size": "tiny",
+            "weight_std": 0.3,
+            "dtype": "float32",
+            "input_len": 16,
+            "output_len": 8,
+            "streams": [1, 32],
+            "c1_rounds": 1,
+            "c32_rounds": 1,
+            "order": list(tb.BACKENDS),
+            "command": "python -m bench.torch_backend",
+            "total_seconds": 9.0,
+        },
+        "model": {
+            "name": "m",
+            "architecture": "Qwen3ForCausalLM",
+            "num_layers": 2,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 768,
+            "tied_embeddings": False,
+            "num_parameters": 10**6,
+            "dtype": "float32",
+        },
+        "engine": {
+            "max_num_seqs": 32,
+            "kv_cache_memory_bytes": 2**26,
+            "enforce_eager": True,
+            "max_model_len": 40,
+        },
+        "engines": {
+            "torch": {"status": "ok"},
+            "cpu": {"status": "ok"},
+            "mlx": {
+                "status": "error",
+                "error": "RuntimeError: boom",
+                "log": "x.log",
+                "log_tail": "Traceback ...",
+            },
+        },
+        "engines_ok": ["torch", "cpu"],
+        "workers": {"torch": worker, "cpu": worker},
+        "cases": {
+            "c1_torch": case(1, 20.0),
+            "c32_torch": case(32, 40.0),
+            "c1_cpu": case(1, 10.0),
+            "c32_cpu": case(32, 50.0),
+        },
+        "agreement": tb.compare({"torch": [[1, 2], [3, 4]], "cpu": [[1, 2], [3, 5]]}),
+    }
+    report["summary"] = s = tb.summarize(report)
+    assert s["ratios"] == {"c1_torch_vs_cpu": 0.5, "c1_mlx_vs_torch": None,
+                           "c32_torch_vs_cpu": 1.25, "c32_mlx_vs_torch": None}  # fmt: skip
+    assert s["c32_vs_c1"] == {"torch": 16.0, "cpu": 6.4}
+    assert s["failed"] == ["mlx"] and s["concurrency_ok"]
+    a = report["agreement"]
+    assert a["all_identical"] == 1 and a["pairs"]["torch_vs_cpu"]["common_prefix_tokens"] == [2, 1]
+    write_report(report, tmp_path)
+    text = (tmp_path / "torch-backend.md").read_text()
+    assert "| 32 | 800.0 | 640.0 | failed | 1.25x | — |" in text
+    assert "**1/2 identical**" in text and "## MLX (plugin): failed" in text
+    assert (tmp_path / "torch-backend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,16 +7,12 @@ any speed.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.lora import TARGETS, cases
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import report_text, run_quick
 
 # Two minutes of engine runs for a harness check: outside CI's time budget.
 pytestmark = [pytest.mark.slow, pytest.mark.full]
@@ -24,15 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
     pytest.importorskip("peft", reason="the benchmark's adapters are written by PEFT")
-    out = tmp_path_factory.mktemp("lora-out")
-    work = tmp_path_factory.mktemp("lora-work")
-    cmd = [sys.executable, "-m", "bench.lora", "--quick",
-           "--out", str(out), "--work-dir", str(work)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "lora.json").read_text())
+    return run_quick(tmp_path_factory, "lora", timeout=300)
 
 
 def test_every_engine_case_has_positive_figures(report: tuple[Path, dict]) -> None:
@@ -71,8 +60,7 @@ def test_op_cases_and_ratios(report: tuple[Path, dict]) -> None:
 
 def test_report_files_are_written(report: tuple[Path, dict]) -> None:
     out, _ = report
-    text = (out / "lora.md").read_text()
-    for heading in ("## Targets", "## Ratios (same run)", "## Engine cases", "## One projection"):
-        assert heading in text
+    text = report_text(
+        out, "lora", ("## Targets", "## Ratios (same run)", "## Engine cases", "## One projection")
+    )
     assert "lora_step_time_vs_base" in text and "Measured on" in text
-    assert (out / "lora.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,30 +8,19 @@ checked here, not any speed; the agreement check must pass (both backends embed 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.pooling import BACKENDS, BATCHES, MODELS, cases
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import report_text, run_quick
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
-    out = tmp_path_factory.mktemp("pooling-out")
-    work = tmp_path_factory.mktemp("pooling-work")
-    cmd = [sys.executable, "-m", "bench.pooling", "--quick",
-           "--out", str(out), "--work-dir", str(work)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "pooling.json").read_text())
+    return run_quick(tmp_path_factory, "pooling")
 
 
 def test_every_case_has_positive_throughput(report: tuple[Path, dict]) -> None:
@@ -65,8 +54,9 @@ def test_backends_agree(report: tuple[Path, dict]) -> None:
 
 def test_report_files_are_written(report: tuple[Path, dict]) -> None:
     out, _ = report
-    text = (out / "pooling.md").read_text()
-    for heading in ("## Plugin / vLLM CPU (same run)", "## Agreement", "## Cases", "## Workers"):
-        assert heading in text
+    text = report_text(
+        out,
+        "pooling",
+        ("## Plugin / vLLM CPU (same run)", "## Agreement", "## Cases", "## Workers"),
+    )
     assert "Measured on" in text and "Quick run" in text
-    assert (out / "pooling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,30 +9,19 @@ image the same greedy tokens, to the token limit.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.vision import BACKENDS, CONCURRENCY, QUICK_CASE, cases
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.quick import report_text, run_quick
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
-    out = tmp_path_factory.mktemp("vision-out")
-    work = tmp_path_factory.mktemp("vision-work")
-    cmd = [sys.executable, "-m", "bench.vision", "--quick",
-           "--out", str(out), "--work-dir", str(work)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "vision.json").read_text())
+    return run_quick(tmp_path_factory, "vision")
 
 
 def test_every_case_has_ttft_and_decode_rates(report: tuple[Path, dict]) -> None:
@@ -74,8 +63,7 @@ def test_backends_agree(report: tuple[Path, dict]) -> None:
 
 def test_report_files_are_written(report: tuple[Path, dict]) -> None:
     out, _ = report
-    text = (out / "vision.md").read_text()
-    for heading in ("## Plugin / vLLM CPU (same run)", "## Agreement", "## Cases", "## Servers"):
-        assert heading in text
+    text = report_text(
+        out, "vision", ("## Plugin / vLLM CPU (same run)", "## Agreement", "## Cases", "## Servers")
+    )
     assert "Measured on" in text and "Quick run" in text and "CPU figures" in text
-    assert (out / "vision.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
