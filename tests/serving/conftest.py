@@ -2,6 +2,13 @@
 
 One server slot per session: asking for another server stops the running one first, so at most one
 engine runs at a time. The main server (tiny Qwen3, every feature flag) is shared by all modules.
+
+Backends: `serving_backend` (session scope, "mlx" and "mps") parametrizes the main server and the
+per-family servers, so every test that uses them runs on both (the "mps" variants are marked `full`:
+outside CI). Servers of what only the MLX backend serves (LoRA, pooling, GPT-OSS, speech, vision, KV
+offloading) use their own fixtures and start with VLLM_METAL_BACKEND=mlx whatever the environment
+says. Tests are ordered by backend, then shared-server before own-server tests, so each server starts
+once per backend.
 """
 
 from __future__ import annotations
@@ -50,13 +57,24 @@ MAIN_SERVER_ARGS = (
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Tests that need their own server (one per model family) run after everything that shares the
-    # main server, so the main server starts once. Correctness does not depend on this order.
-    def own_server(item: pytest.Item) -> bool:
-        return "serving" in item.path.parts and item.get_closest_marker("own_server") is not None
+# The backends a served test runs on (VLLM_METAL_BACKEND); the torch backend's variants only with
+# --run-full.
+BACKENDS = ["mlx", "mps"]
 
-    items.sort(key=own_server)
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by session-scoped parameters
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # All tests of one backend run together, and within a backend the tests that need their own
+    # server (one per model family) run after everything that shares the main server, so each
+    # server starts once per backend. Correctness does not depend on this order.
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        if "serving" not in item.path.parts:
+            return (0, False)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        backend = BACKENDS.index(params.get("serving_backend", "mlx"))
+        return (backend, item.get_closest_marker("own_server") is not None)
+
+    items.sort(key=order)
 
 
 def free_port() -> int:
@@ -169,7 +187,8 @@ def start_server(
         *(["--api-key", api_key] if api_key and "--api-key" not in extra_args else []),
         *extra_args,
     ]
-    env = {**os.environ, **(env or {})}
+    # MLX unless the caller names a backend: servers of what only MLX serves stay on MLX.
+    env = {**os.environ, "VLLM_METAL_BACKEND": "mlx", **(env or {})}
     env.pop("VLLM_TARGET_DEVICE", None)  # that would select vLLM's own CPU platform
     env.update(HF_HUB_OFFLINE="1", PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the process until it exits
@@ -240,7 +259,8 @@ class ServerSlot:
             return self.server
         self.close()
         self.starts += 1
-        log_path = self.log_dir / f"server-{self.starts:02d}-{served_name}.log"
+        backend = (env or {}).get("VLLM_METAL_BACKEND", "mlx")
+        log_path = self.log_dir / f"server-{self.starts:02d}-{served_name}-{backend}.log"
         self.server = start_server(
             model_dir,
             log_path,
@@ -268,20 +288,39 @@ def server_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSlot
         slot.close()
 
 
+@pytest.fixture(
+    scope="session", params=["mlx", pytest.param("mps", marks=pytest.mark.full)], ids=BACKENDS
+)
+def serving_backend(request: pytest.FixtureRequest) -> str:
+    """The backend (VLLM_METAL_BACKEND) of the main and per-family servers: "mlx", or "mps" (the
+    torch backend; its variants are marked `full`). Session scope makes pytest group the tests by
+    backend. A test can pin one with `@pytest.mark.parametrize("serving_backend", ["mps"],
+    indirect=True)`."""
+    return request.param
+
+
+def backend_env(backend: str) -> dict[str, str]:
+    return {"VLLM_METAL_BACKEND": backend}
+
+
 @pytest.fixture
-def vllm_server(server_slot: ServerSlot, tiny_model_dir: Callable[..., Path]) -> Server:
-    """The main server: tiny Qwen3 with API key, auto tool choice (hermes) and qwen3 reasoning.
+def vllm_server(
+    server_slot: ServerSlot, tiny_model_dir: Callable[..., Path], serving_backend: str
+) -> Server:
+    """The main server: tiny Qwen3 with API key, auto tool choice (hermes) and qwen3 reasoning, on
+    the `serving_backend`.
 
     Started on first use and kept for the session (function scope only so the slot can hand the
     engine to a per-family server in between; it is not restarted while tests keep using it).
     """
     model_dir = tiny_model_dir("qwen3")
     return server_slot.get(
-        ("main", str(model_dir)),
+        ("main", serving_backend, str(model_dir)),
         model_dir,
         served_name=SERVED_NAME,
         api_key=API_KEY,
         extra_args=MAIN_SERVER_ARGS,
+        env=backend_env(serving_backend),
     )
 
 

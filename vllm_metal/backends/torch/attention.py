@@ -6,7 +6,8 @@ engine resolved from what backends declare (`supported_kv_cache_layouts`); this 
 ``[2, block_size, kv_heads, head_size]``, the pool shape the kernels take (`page_views`).
 Per step the builder keeps vLLM's common metadata (query offsets, context lengths, block table,
 slot mapping); the layer writes its new K/V rows at their slots (`do_kv_cache_update`) and then
-attends through `kernels.paged_attention` (the C++ CPU driver on the `cpu` device).
+attends through `kernels.paged_attention` (the C++ CPU driver on the `cpu` device, plain torch ops
+on `mps`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """Torch custom ops over this project's CPU paged-attention, KV-cache-write and rotary-embedding
-kernels: what the torch backend's attention (`attention.py`) and rotary layers (`rotary.py`) call
-on `cpu` tensors.
+kernels: what the torch backend's attention (`attention.py`) and rotary layers (`rotary.py`) call.
+On `cpu` tensors they run the native drivers below; on `mps` tensors (a Mac), until the Metal
+kernels take torch tensors, the same contracts in plain torch ops (`torch_ops.py`, the ops'
+kernels for the "MPS" dispatch key).
 
-``torch.ops.vllm_metal.paged_attention`` and ``torch.ops.vllm_metal.reshape_and_cache`` run the
-C++ drivers that the MLX ops' CPU bodies run (csrc/ops/attention/cpu.h, csrc/ops/cache/cpu.h),
-through ``_C.paged_attention_into`` and ``_C.reshape_and_cache_into`` (csrc/dlpack_ops.cpp). Those
-take the tensors through DLPack without copying them, check every shape, dtype, device and layout
-relation (ValueError naming the argument) and release the GIL while the kernel runs. The ops are
-registered with a schema and a fake implementation, so a tracer sees them as opaque calls that
-mutate ``out`` (attention) or the two pools (cache write). ``torch.ops.vllm_metal.rotary_embedding``
-rotates query and key rows in place (``_C.rotary_embedding_into``, csrc/ops/rope/), as
-vllm_metal.ops.rotary_embedding computes them.
+On `cpu`, ``torch.ops.vllm_metal.paged_attention`` and ``torch.ops.vllm_metal.reshape_and_cache``
+run the C++ drivers that the MLX ops' CPU bodies run (csrc/ops/attention/cpu.h,
+csrc/ops/cache/cpu.h), through ``_C.paged_attention_into`` and ``_C.reshape_and_cache_into``
+(csrc/dlpack_ops.cpp). Those take the tensors through DLPack without copying them, check every
+shape, dtype, device and layout relation (ValueError naming the argument) and release the GIL
+while the kernel runs. ``torch.ops.vllm_metal.rotary_embedding`` rotates query and key rows in
+place (``_C.rotary_embedding_into``, csrc/ops/rope/), as vllm_metal.ops.rotary_embedding computes
+them. The ops are registered with a schema and a fake implementation, so a tracer sees them as
+opaque calls that mutate ``out`` (attention), the two pools (cache write) or query and key (rope).
 
 What they compute is vllm_metal.ops.paged_attention's and vllm_metal.ops.reshape_and_cache's
 contract, on tensors laid out as those take them: query ``[T, Hq, D]`` and key/value rows
@@ -25,6 +27,8 @@ from types import ModuleType
 import torch
 from torch.utils.dlpack import to_dlpack
 from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_metal.backends.torch import torch_ops
 
 NAMESPACE = "vllm_metal"
 
@@ -116,11 +120,18 @@ _LIB = globals().get("_LIB") or torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
 def _register() -> None:
-    """Defines the ops with their CPU kernels, unless this process already has them."""
-    for name, impl, mutates in (
-        ("paged_attention", _paged_attention_impl, ["out"]),
-        ("reshape_and_cache", _reshape_and_cache_impl, ["key_cache", "value_cache"]),
-        ("rotary_embedding", _rotary_embedding_impl, ["query", "key"]),
+    """Defines the ops with their CPU kernels (the C++ drivers) and their MPS kernels (plain
+    torch, `torch_ops`), unless this process already has them: the dispatcher picks by the
+    tensors' device."""
+    for name, impl, mutates, torch_impl in (
+        ("paged_attention", _paged_attention_impl, ["out"], torch_ops.paged_attention),
+        (
+            "reshape_and_cache",
+            _reshape_and_cache_impl,
+            ["key_cache", "value_cache"],
+            torch_ops.reshape_and_cache,
+        ),
+        ("rotary_embedding", _rotary_embedding_impl, ["query", "key"], torch_ops.rotary_embedding),
     ):
         if not hasattr(getattr(torch.ops, NAMESPACE), name):
             direct_register_custom_op(
@@ -131,6 +142,8 @@ def _register() -> None:
                 target_lib=_LIB,
                 dispatch_key="CPU",
             )
+            # A second kernel of the op just defined (no schema: `impl` only adds a kernel).
+            _LIB.impl(name, torch_impl, dispatch_key="MPS")
 
 
 _register()

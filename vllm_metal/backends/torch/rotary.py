@@ -1,6 +1,6 @@
 """vLLM's rotary embedding layer on the torch backend: query and key rotated in place by the fused
-`rotary_embedding` kernel (csrc/ops/rope/) instead of vLLM's torch-native gather, split, multiply
-and concatenate.
+`rotary_embedding` op instead of vLLM's torch-native gather, split, multiply and concatenate (the
+op's C++ kernel, csrc/ops/rope/, on `cpu`; its plain-torch body, torch_ops.py, on `mps`).
 
 vLLM builds its plain `RotaryEmbedding` (the default RoPE of Llama, Qwen, Gemma, OLMo ...) through
 `CustomOp`; registering `MetalRotaryEmbedding` out of tree makes vLLM instantiate it instead, and
@@ -23,8 +23,6 @@ class MetalRotaryEmbedding(RotaryEmbedding):
         query: torch.Tensor,
         key: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if query.device.type != "cpu":
-            return self.forward_native(positions, query, key)
         cos_sin_cache = self._match_cos_sin_cache_dtype(query)
         tokens = positions.numel()
         kernels.rotary_embedding(

@@ -63,7 +63,9 @@ SCHEMA = {
 }
 
 
-def test_grammar_bitmask_constrains_random_model(tiny_model_dir):
+# Structured outputs run vLLM's grammar bitmask on either backend's logits.
+@pytest.mark.parametrize("env", [{}, {"VLLM_METAL_BACKEND": "mps"}], ids=["mlx", "mps"])
+def test_grammar_bitmask_constrains_random_model(tiny_model_dir, env):
     import jsonschema
 
     model = tiny_model_dir("qwen3")
@@ -108,6 +110,7 @@ def test_grammar_bitmask_constrains_random_model(tiny_model_dir):
         engine={
             "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
         },
+        env=env,
     )
     for r in as_json:
         assert r["outputs"][0]["finish_reason"] == "stop", r["outputs"][0]
