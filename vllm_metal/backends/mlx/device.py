@@ -6,6 +6,7 @@ import gc
 from typing import TYPE_CHECKING
 
 from vllm_metal import envs
+from vllm_metal.backends.kernel_facts import PagedKernelFacts
 from vllm_metal.capabilities import MetalConfigError
 from vllm_metal.host import physical_memory_bytes
 
@@ -50,7 +51,7 @@ def dense_on_this_device() -> bool:
     return device_kind() == "cpu"
 
 
-class MLXBackend:
+class MLXBackend(PagedKernelFacts):
     name = "mlx"
 
     def init_device(self) -> str:
@@ -66,21 +67,6 @@ class MLXBackend:
 
     def device_description(self) -> str:
         return f"MLX {device_kind()}"
-
-    def head_sizes(self) -> tuple[int, ...]:
-        from vllm_metal import ops
-
-        return tuple(ops.HEAD_SIZES)
-
-    def block_size_multiple(self) -> int:
-        from vllm_metal import ops
-
-        return int(ops.BLOCK_SIZE_MULTIPLE)
-
-    def kv_cache_layouts(self) -> list[str]:
-        from vllm_metal.kv import KV_CACHE_LAYOUT
-
-        return [KV_CACHE_LAYOUT]
 
     def total_memory_bytes(self) -> int:
         """Unified memory Metal may use on a Mac, physical RAM elsewhere."""

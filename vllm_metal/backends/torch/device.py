@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_metal.backends.kernel_facts import PagedKernelFacts
 from vllm_metal.host import physical_memory_bytes
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def resident_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-class TorchBackend:
+class TorchBackend(PagedKernelFacts):
     name = "mps"
 
     def init_device(self) -> str:
@@ -42,21 +43,6 @@ class TorchBackend:
 
     def torch_device(self) -> torch.device:
         return torch.device(device_type())
-
-    def head_sizes(self) -> tuple[int, ...]:
-        from vllm_metal import ops
-
-        return tuple(ops.HEAD_SIZES)
-
-    def block_size_multiple(self) -> int:
-        from vllm_metal import ops
-
-        return int(ops.BLOCK_SIZE_MULTIPLE)
-
-    def kv_cache_layouts(self) -> list[str]:
-        from vllm_metal.kv import KV_CACHE_LAYOUT
-
-        return [KV_CACHE_LAYOUT]
 
     def total_memory_bytes(self) -> int:
         """Metal's recommended working set on a Mac, physical RAM elsewhere."""
