@@ -33,6 +33,7 @@
 #include "ops/rope/dlpack.h"
 #include "ops/rope/op.h"
 #include "ops/rope/plan.h"
+#include "ops/short_conv/dlpack.h"
 #include "ops/short_conv/op.h"
 #include "ops/short_conv/plan.h"
 
@@ -230,6 +231,14 @@ NB_MODULE(_C, m) {
         "vllm_metal.ops.rotary_embedding computes them: DLPack CPU tensors (torch, NumPy), any "
         "token/head strides, read zero-copy; checks the arguments (ValueError naming one); "
         "releases the GIL.");
+  m.def("causal_conv1d_into", &vm::causal_conv1d_into, "x"_a, "weight"_a, "bias"_a.none(),
+        "conv_state"_a, "state_indices"_a, "has_state"_a.none(), "cu_seqlens"_a, "out"_a,
+        "silu"_a,
+        "The causal depthwise convolution of each sequence of x [T, C] (cu_seqlens) continued "
+        "from its window conv_state[state_indices[s]] (zeros where has_state is false), written "
+        "into out, the new windows stored back in place (SiLU when silu): DLPack CPU tensors "
+        "(torch, NumPy) read zero-copy; checks the arguments (ValueError naming one); releases "
+        "the GIL.");
   // The CPU bodies of paged_attention and reshape_and_cache on DLPack tensors (the torch backend),
   // checked here since no Python layer validates for them.
   vm::add_dlpack_ops(m);

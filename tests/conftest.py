@@ -138,6 +138,15 @@ def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random LFM2 short-convolution hybrid checkpoint (`vllm_metal.testing.tiny_lfm2`),
+    once per session."""
+    from vllm_metal.testing.tiny_lfm2 import write_tiny_lfm2
+
+    return write_tiny_lfm2(tmp_path_factory.mktemp("tiny-lfm2") / "lfm2")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random DeepSeek-V3 (MLA) checkpoint (`vllm_metal.testing.tiny_deepseek_v3`), once
     per session."""

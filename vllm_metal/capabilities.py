@@ -86,6 +86,27 @@ def hybrid_model(config: VllmConfig) -> str | None:
     return None
 
 
+# model_type of the short-convolution hybrids (gated short convolutions between attention layers)
+# the torch backend serves through vLLM's own model class (`backends/torch/short_conv.py`).
+SHORT_CONV_MODEL_TYPES = ("lfm2",)
+
+
+def short_conv_model(config: VllmConfig) -> str | None:
+    """ "model=... (lfm2)" when the config serves a short-convolution hybrid (LFM2), else None."""
+    model_type = getattr(_model_attr(config, "hf_text_config"), "model_type", None)
+    if (
+        _model_attr(config, "is_hybrid", False)
+        and not _model_attr(config, "is_multimodal_model", False)
+        and model_type in SHORT_CONV_MODEL_TYPES
+    ):
+        return f"model={_model_attr(config, 'model')!r} ({model_type})"
+    return None
+
+
+def _any_hybrid(config: VllmConfig) -> str | None:
+    return hybrid_model(config) or short_conv_model(config)
+
+
 def latent_attention_model(config: VllmConfig) -> str | None:
     """ "model=... (deepseek_v3)" when the config serves a multi-head latent attention (MLA) model
     the MLX runner runs (`models.layers.LATENT_ATTENTION_MODEL_TYPES`), else None."""
@@ -104,7 +125,7 @@ def _other_latent_attention(config: VllmConfig) -> str | None:
 
 
 def _other_hybrid(config: VllmConfig) -> str | None:
-    if _model_attr(config, "is_hybrid", False) and not hybrid_model(config):
+    if _model_attr(config, "is_hybrid", False) and not _any_hybrid(config):
         return f"model={_model_attr(config, 'model')!r} ({_architecture(config)}, hybrid)"
     return None
 
@@ -284,9 +305,16 @@ CAPABILITIES: tuple[Capability, ...] = (
         hybrid_model,
     ),
     Capability(
+        "short_conv_hybrid",
+        "short-convolution hybrid models (LFM2)",
+        "use the torch backend (VLLM_METAL_BACKEND=mps), or serve a model with attention layers "
+        "only",
+        short_conv_model,
+    ),
+    Capability(
         "hybrid_other",
-        "hybrid models other than Qwen3-Next and Granite 4.0-H (other Mamba layouts, short "
-        "convolutions, linear attention of other kinds)",
+        "hybrid models other than Qwen3-Next, Granite 4.0-H and LFM2 (other Mamba layouts, "
+        "other short convolutions, linear attention of other kinds)",
         "serve one of those hybrids or a model with attention layers only",
         _other_hybrid,
     ),
@@ -294,13 +322,13 @@ CAPABILITIES: tuple[Capability, ...] = (
         "hybrid_extras",
         "LoRA adapters, speculative decoding and KV offloading on hybrid models",
         "remove that setting",
-        _extras_with(hybrid_model),
+        _extras_with(_any_hybrid),
     ),
     Capability(
         "hybrid_pooling",
         "pooling (embeddings, classification, scoring) with hybrid models",
         "serve it with --runner generate",
-        _pooling_with(hybrid_model),
+        _pooling_with(_any_hybrid),
     ),
     Capability(
         "mla",
@@ -421,8 +449,9 @@ SUPPORTED: dict[str, frozenset[str]] = {
             "sleep_mode",
         }
     ),
-    # vLLM's own dense text decoders on torch (`backends/torch/`).
-    "mps": frozenset(),
+    # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
+    # layers (`backends/torch/short_conv.py`).
+    "mps": frozenset({"short_conv_hybrid"}),
 }
 
 # Backend name -> the `--speculative-config` methods it runs.

@@ -184,9 +184,15 @@ class MetalPlatform(Platform):
         check_config(vllm_config)
         apply_config(vllm_config)
         if vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
-            from vllm_metal.kv import state
+            if backend_name() == "mps":
+                # vLLM's runner keeps the state pages; vLLM sizes the blocks for them.
+                from vllm_metal.backends.torch import short_conv
 
-            state.align_block_size(vllm_config)
+                short_conv.configure(vllm_config)
+            else:
+                from vllm_metal.kv import state
+
+                state.align_block_size(vllm_config)
         from vllm_metal.kv.offload import config as kv_offload
 
         kv_offload.configure(vllm_config)

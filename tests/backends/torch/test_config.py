@@ -85,3 +85,34 @@ def test_the_device_is_cpu_off_the_mac():
     assert backend.device_description() == "torch cpu"
     assert backend.torch_device() == torch.device("cpu")
     assert backend.kv_cache_layouts() == ["LBNHC"]
+
+
+def test_lfm2_keeps_one_window_per_request(torch_env, tiny_lfm2_dir):
+    """Short-convolution hybrids are served here; vLLM's "align" mode (a window per cached block)
+    would copy states with Triton kernels, so prefix caching is turned off instead."""
+    config = _engine_config(tiny_lfm2_dir, enable_prefix_caching=True)
+    cache = config.cache_config
+    assert config.model_config.is_hybrid
+    assert cache.enable_prefix_caching is False
+    assert cache.mamba_cache_mode == "none"
+    assert cache.mamba_block_size == config.model_config.max_model_len
+
+
+def test_lfm2_window_dtypes_other_than_the_model_dtype_are_refused(torch_env, tiny_lfm2_dir):
+    with pytest.raises(ValueError, match=r"--mamba-cache-dtype float16 .*model dtype \(float32\)"):
+        _engine_config(tiny_lfm2_dir, dtype="float32", mamba_cache_dtype="float16")
+
+
+def test_lfm2_is_refused_on_the_mlx_backend_by_name(torch_env, tiny_lfm2_dir):
+    torch_env.setenv("VLLM_METAL_BACKEND", "mlx")
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_lfm2_dir)
+    message = str(info.value)
+    assert "vllm-metal (mlx backend): short-convolution hybrid models (LFM2)" in message
+    assert f"model='{tiny_lfm2_dir}' (lfm2)" in message
+    assert "VLLM_METAL_BACKEND=mps" in message
+
+
+def test_other_hybrids_stay_refused_here(torch_env, tiny_qwen3_next_dir):
+    with pytest.raises(ValueError, match=r"vllm-metal \(mps backend\): hybrid models with Gated"):
+        _engine_config(tiny_qwen3_next_dir)

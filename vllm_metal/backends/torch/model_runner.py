@@ -11,7 +11,9 @@ replaced here:
 - host/device buffer pairs: on the `cpu` device one tensor serves as both;
 - device synchronisation and the device-to-host copy of sampled ids: plain calls;
 - block zeroing (a Triton kernel): not needed, the kernels read no slot past a context length;
-- the slot-mapping Triton kernel: `compute_slot_mapping`, registered through the platform.
+- the slot-mapping Triton kernel: `compute_slot_mapping`, registered through the platform;
+- vLLM's layers that would launch Triton/CUDA kernels: built as this backend's subclasses
+  (`rotary.py`, `short_conv.py`).
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ class TorchModelRunner(GPUModelRunner):
     def load_model(self, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("vllm-metal (torch backend): load_format='dummy' is not supported")
-        from vllm_metal.backends.torch import rotary
+        from vllm_metal.backends.torch import rotary, short_conv
 
         rotary.register()  # before the model's layers are built
+        short_conv.register()
         logger.info("Loading %s with vLLM's model classes", self.model_config.model)
         self.model = get_model(vllm_config=self.vllm_config)
 
