@@ -1,4 +1,4 @@
-"""The torch backend's causal convolution (`short_conv.causal_conv1d`: the C++ CPU driver through
+"""The torch backend's causal convolution (`kernels.causal_conv1d`: the C++ CPU driver through
 DLPack, and its torch-ops path for other devices) against an independent per-sequence
 `torch.nn.functional.conv1d`, on windows laid out as vLLM lays out state pages: strided views of
 one buffer per block page, the windows of fresh requests poisoned with NaN (a read of them shows
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_metal.backends.torch import short_conv
+from vllm_metal.backends.torch import kernels, torch_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol): float32 differs only by summation order; half types by one output rounding.
@@ -21,7 +21,7 @@ LEAD, TAIL = 6, 10
 LENS = [1, 1, 0, 5, 70, 2, 33]
 INDICES = [7, 0, 3, 5, 8, 2, 6]
 HAS_STATE = [True, True, False, True, False, True, False]
-PATHS = {"native": short_conv.causal_conv1d, "torch": short_conv.causal_conv1d_torch}
+PATHS = {"native": kernels.causal_conv1d, "torch": torch_ops.causal_conv1d}
 
 
 def window_pool(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +104,7 @@ def test_windows_stored_dim_first_take_the_torch_path():
     want, want_windows = reference(x, weight, None, windows, INDICES, HAS_STATE, LENS, silu=False)
     out = torch.empty(tokens, CHANNELS)
     cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
-    short_conv.causal_conv1d(x, weight, None, windows, torch.tensor(INDICES, dtype=torch.int32),
+    kernels.causal_conv1d(x, weight, None, windows, torch.tensor(INDICES, dtype=torch.int32),
                              torch.tensor(HAS_STATE), cu, out)  # fmt: skip
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(windows, want_windows)
@@ -123,7 +123,7 @@ def test_decode_steps_continue_a_chunked_prefill():
         out = torch.empty(n, CHANNELS)
         has_state = torch.tensor([start > 0])
         cu = torch.tensor([0, n], dtype=torch.int32)
-        short_conv.causal_conv1d(x[start : start + n], weight, None, windows, index, has_state,
+        kernels.causal_conv1d(x[start : start + n], weight, None, windows, index, has_state,
                                  cu, out)  # fmt: skip
         outs.append(out)
         start += n
@@ -182,7 +182,7 @@ def test_the_native_entry_refuses_aliased_output():
 def test_the_op_runs_the_torch_body_for_mps_tensors():
     """No Mac here: the kernel registered for the "MPS" dispatch key is called by redispatch on
     `cpu` tensors, and equals the native one."""
-    name = f"{short_conv.NAMESPACE}::{short_conv.OP_NAME}"
+    name = f"{kernels.NAMESPACE}::causal_conv1d"
     for key in ("CPU", "MPS"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), key
     g = torch.Generator().manual_seed(6)

@@ -1,5 +1,6 @@
-"""Torch custom ops over this project's CPU paged-attention, KV-cache-write and rotary-embedding
-kernels: what the torch backend's attention (`attention.py`) and rotary layers (`rotary.py`) call.
+"""Torch custom ops over this project's CPU paged-attention, KV-cache-write, rotary-embedding and
+causal-convolution kernels: what the torch backend's attention (`attention.py`), rotary layers
+(`rotary.py`) and short convolutions (`short_conv.py`) call.
 On `cpu` tensors they run the native drivers below; on `mps` tensors (a Mac), until the Metal
 kernels take torch tensors, the same contracts in plain torch ops (`torch_ops.py`, the ops'
 kernels for the "MPS" dispatch key).
@@ -11,8 +12,11 @@ csrc/ops/cache/cpu.h), through ``_C.paged_attention_into`` and ``_C.reshape_and_
 shape, dtype, device and layout relation (ValueError naming the argument) and release the GIL
 while the kernel runs. ``torch.ops.vllm_metal.rotary_embedding`` rotates query and key rows in
 place (``_C.rotary_embedding_into``, csrc/ops/rope/), as vllm_metal.ops.rotary_embedding computes
-them. The ops are registered with a schema and a fake implementation, so a tracer sees them as
-opaque calls that mutate ``out`` (attention), the two pools (cache write) or query and key (rope).
+them. ``torch.ops.vllm_metal.causal_conv1d`` convolves packed sequences from their windows and
+updates the windows in place (``_C.causal_conv1d_into``, csrc/ops/short_conv/). The ops are
+registered with a schema and a fake implementation, so a tracer sees them as opaque calls that
+mutate ``out`` (attention, convolution), the two pools (cache write), query and key (rope) or the
+windows (convolution).
 
 What they compute is vllm_metal.ops.paged_attention's and vllm_metal.ops.reshape_and_cache's
 contract, on tensors laid out as those take them: query ``[T, Hq, D]`` and key/value rows
@@ -111,6 +115,30 @@ def _rotary_embedding_impl(
     )
 
 
+def _causal_conv1d_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    silu: bool,
+) -> None:
+    _native().causal_conv1d_into(
+        _capsule(x),
+        _capsule(weight),
+        None if bias is None else _capsule(bias),
+        _capsule(conv_state),
+        _capsule(state_indices),
+        None if has_state is None else _capsule(has_state),
+        _capsule(cu_seqlens),
+        _capsule(out),
+        silu,
+    )
+
+
 def _no_output(*args: object) -> None:
     """Fake implementation: the ops only mutate their arguments."""
 
@@ -132,6 +160,7 @@ def _register() -> None:
             torch_ops.reshape_and_cache,
         ),
         ("rotary_embedding", _rotary_embedding_impl, ["query", "key"], torch_ops.rotary_embedding),
+        ("causal_conv1d", _causal_conv1d_impl, ["conv_state", "out"], torch_ops.causal_conv1d),
     ):
         if not hasattr(getattr(torch.ops, NAMESPACE), name):
             direct_register_custom_op(
@@ -204,3 +233,49 @@ def rotary_embedding(
     the first ``rotary_dim`` (``cos_sin_cache``'s width: cos halves, then sin halves) elements of
     each head, GPT-NeoX halves or GPT-J pairs (``is_neox``); the rest pass through."""
     torch.ops.vllm_metal.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    silu: bool = False,
+) -> None:
+    """The causal depthwise convolution of each sequence of ``x`` continued from its window, the
+    windows updated in place.
+
+    ``x`` ``[T, C]`` packs ``S`` sequences by ``cu_seqlens`` (``[S+1]`` int32); ``weight``
+    ``[C, K]``; ``bias`` ``[C]`` or None; ``conv_state`` ``[N, K-1, C]`` a pool of windows (any
+    stride between them); sequence ``s`` continues from window ``state_indices[s]`` (``[S]``
+    int32, distinct) or from zeros where ``has_state[s]`` (``[S]`` bool, None: all) is false. With
+    ``u`` that window followed by the sequence's tokens,
+    ``out[t, c] = act(bias[c] + sum_j weight[c, j] * u[t + j, c])`` (float32 sums; ``act`` SiLU
+    when ``silu``, else the identity), written into ``out`` ``[T, C]``; afterwards the window
+    holds the last ``K-1`` entries of ``u``. All of one dtype.
+
+    ``torch.ops.vllm_metal.causal_conv1d`` runs the C++ CPU driver on `cpu` tensors and
+    `torch_ops.causal_conv1d` on `mps` ones; windows whose rows are not contiguous (vLLM's "DS" conv
+    state layout) take `torch_ops.causal_conv1d` on `cpu` too.
+    """
+    args = (
+        x.contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        conv_state,
+        state_indices.to(torch.int32).contiguous(),
+        None if has_state is None else has_state.contiguous(),
+        cu_seqlens.to(torch.int32).contiguous(),
+        out,
+        silu,
+    )
+    rows_contiguous = conv_state.stride(-1) == 1 and conv_state.stride(-2) == conv_state.shape[-1]
+    if x.device.type == "cpu" and not rows_contiguous:
+        torch_ops.causal_conv1d(*args)
+    else:
+        torch.ops.vllm_metal.causal_conv1d(*args)

@@ -1,8 +1,7 @@
 """vLLM's short-convolution layer (`ShortConv`, LFM2's conv layers) on the torch backend: the gated
-causal convolution through the torch op ``vllm_metal::causal_conv1d``, each request's window read
-from and written back to vLLM's state pages in place. On `cpu` the op runs this project's C++
-causal_conv1d driver (csrc/ops/short_conv/, through ``_C.causal_conv1d_into``, zero-copy, checked,
-GIL released); on `mps` the same contract in torch ops (`causal_conv1d_torch`).
+causal convolution through the torch op ``vllm_metal::causal_conv1d`` (`kernels.causal_conv1d`:
+the C++ driver of csrc/ops/short_conv/ on `cpu`, torch ops on `mps`), each request's window read
+from and written back to vLLM's state pages in place.
 
 vLLM's `ShortConv` runs its Triton/CUDA kernels on every platform that is not its CPU platform,
 which an out-of-tree platform is not. Registering `MetalShortConv` out of tree
@@ -20,16 +19,12 @@ block, copies states with Triton kernels this backend does not have), with a log
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.dlpack import to_dlpack
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
-from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.short_conv_attn import (
     ShortConvAttentionBackend,
     ShortConvAttentionMetadata,
@@ -37,156 +32,12 @@ from vllm.v1.attention.backends.short_conv_attn import (
 )
 
 from vllm_metal._logging import init_logger
+from vllm_metal.backends.torch import kernels
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
-
-NAMESPACE = "vllm_metal"
-OP_NAME = "causal_conv1d"
-
-
-@functools.cache
-def _native() -> ModuleType:
-    """The extension, loaded (and checked against this package's ops ABI) on first use."""
-    try:
-        from vllm_metal.ops import _native
-    except ImportError as exc:
-        raise RuntimeError(
-            f"the torch backend's short convolution needs the native extension vllm_metal._C: {exc}"
-        ) from exc
-    return _native._C
-
-
-def _causal_conv1d_impl(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    silu: bool,
-) -> None:
-    _native().causal_conv1d_into(
-        to_dlpack(x),
-        to_dlpack(weight),
-        None if bias is None else to_dlpack(bias),
-        to_dlpack(conv_state),
-        to_dlpack(state_indices),
-        None if has_state is None else to_dlpack(has_state),
-        to_dlpack(cu_seqlens),
-        to_dlpack(out),
-        silu,
-    )
-
-
-def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    silu: bool = False,
-) -> None:
-    """The causal depthwise convolution of each sequence of ``x`` continued from its window, the
-    windows updated in place.
-
-    ``x`` ``[T, C]`` packs ``S`` sequences by ``cu_seqlens`` (``[S+1]`` int32); ``weight``
-    ``[C, K]``; ``bias`` ``[C]`` or None; ``conv_state`` ``[N, K-1, C]`` a pool of windows (any
-    stride between them); sequence ``s`` continues from window ``state_indices[s]`` (``[S]``
-    int32, distinct) or from zeros where ``has_state[s]`` (``[S]`` bool, None: all) is false. With
-    ``u`` that window followed by the sequence's tokens,
-    ``out[t, c] = act(bias[c] + sum_j weight[c, j] * u[t + j, c])`` (float32 sums; ``act`` SiLU
-    when ``silu``, else the identity), written into ``out`` ``[T, C]``; afterwards the window
-    holds the last ``K-1`` entries of ``u``. All of one dtype.
-
-    ``torch.ops.vllm_metal.causal_conv1d`` runs the C++ CPU driver on `cpu` tensors and
-    `causal_conv1d_torch` on `mps` ones; windows whose rows are not contiguous (vLLM's "DS" conv
-    state layout) take `causal_conv1d_torch` on `cpu` too.
-    """
-    args = (
-        x.contiguous(),
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        conv_state,
-        state_indices.to(torch.int32).contiguous(),
-        None if has_state is None else has_state.contiguous(),
-        cu_seqlens.to(torch.int32).contiguous(),
-        out,
-        silu,
-    )
-    rows_contiguous = conv_state.stride(-1) == 1 and conv_state.stride(-2) == conv_state.shape[-1]
-    if x.device.type == "cpu" and not rows_contiguous:
-        causal_conv1d_torch(*args)
-    else:
-        torch.ops.vllm_metal.causal_conv1d(*args)
-
-
-def causal_conv1d_torch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    silu: bool = False,
-) -> None:
-    """`causal_conv1d` in torch ops (any device, any layout): every sequence's window and tokens
-    laid side by side in one buffer, each output row gathering its ``K`` inputs from it."""
-    num_seqs = state_indices.shape[0]
-    channels, width = weight.shape
-    keep = width - 1
-    indices = state_indices.to(torch.long)
-    windows = conv_state[indices].to(x.dtype)  # [S, K-1, C]
-    if has_state is not None:
-        windows = torch.where(has_state.view(-1, 1, 1), windows, torch.zeros_like(windows))
-    buffer = torch.cat([windows.reshape(num_seqs * keep, channels), x])
-    cu = cu_seqlens.to(torch.long)
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lens)
-    local = torch.arange(x.shape[0], device=x.device) - cu[:-1][seq]
-
-    def rows(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Buffer row of entry ``u`` of sequence ``s``'s window-then-tokens."""
-        return torch.where(u < keep, s * keep + u, num_seqs * keep + cu[:-1][s] + u - keep)
-
-    taps = rows(seq[:, None], local[:, None] + torch.arange(width, device=x.device))  # [T, K]
-    y = (buffer[taps].float() * weight.float().t()[None]).sum(dim=1)
-    if bias is not None:
-        y = y + bias.float()
-    if silu:
-        y = torch.nn.functional.silu(y)
-    out.copy_(y.to(out.dtype))
-    tail = lens[:, None] + torch.arange(keep, device=x.device)  # the last K-1 entries of each u
-    every = torch.arange(num_seqs, device=x.device)[:, None]
-    conv_state[indices] = buffer[rows(every, tail)].to(conv_state.dtype)
-
-
-def _no_output(*args: object) -> None:
-    """Fake implementation: the op only mutates `out` and `conv_state`."""
-
-
-# Operators live as long as their library object; a re-executed module keeps the first one.
-_LIB = globals().get("_LIB") or torch.library.Library(NAMESPACE, "FRAGMENT")
-if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
-    direct_register_custom_op(
-        OP_NAME,
-        _causal_conv1d_impl,
-        mutates_args=["conv_state", "out"],
-        fake_impl=_no_output,
-        target_lib=_LIB,
-        dispatch_key="CPU",
-    )
-    _LIB.impl(OP_NAME, causal_conv1d_torch, dispatch_key="MPS")
 
 
 class MetalShortConvMetadataBuilder(ShortConvAttentionMetadataBuilder):
@@ -224,7 +75,7 @@ class MetalShortConv(ShortConv):
         conv_state = self.kv_cache[0]  # [blocks, K - 1, C] (vLLM's default "SD" layout)
         if is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)
-        causal_conv1d(
+        kernels.causal_conv1d(
             bx, weight, self.conv.bias, conv_state, indices, has_state, cu_seqlens, conv_out
         )
         output[:num_tokens], _ = self.out_proj(c[:num_tokens] * conv_out)

@@ -263,3 +263,45 @@ def rotary_embedding(
         o1, o2 = a * cos - b * sin, b * cos + a * sin
         x1.copy_(o1)
         x2.copy_(o2)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    silu: bool = False,
+) -> None:
+    """`kernels.causal_conv1d` in torch ops (any device, any layout): every sequence's window and tokens
+    laid side by side in one buffer, each output row gathering its ``K`` inputs from it."""
+    num_seqs = state_indices.shape[0]
+    channels, width = weight.shape
+    keep = width - 1
+    indices = state_indices.to(torch.long)
+    windows = conv_state[indices].to(x.dtype)  # [S, K-1, C]
+    if has_state is not None:
+        windows = torch.where(has_state.view(-1, 1, 1), windows, torch.zeros_like(windows))
+    buffer = torch.cat([windows.reshape(num_seqs * keep, channels), x])
+    cu = cu_seqlens.to(torch.long)
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=x.device), lens)
+    local = torch.arange(x.shape[0], device=x.device) - cu[:-1][seq]
+
+    def rows(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Buffer row of entry ``u`` of sequence ``s``'s window-then-tokens."""
+        return torch.where(u < keep, s * keep + u, num_seqs * keep + cu[:-1][s] + u - keep)
+
+    taps = rows(seq[:, None], local[:, None] + torch.arange(width, device=x.device))  # [T, K]
+    y = (buffer[taps].float() * weight.float().t()[None]).sum(dim=1)
+    if bias is not None:
+        y = y + bias.float()
+    if silu:
+        y = torch.nn.functional.silu(y)
+    out.copy_(y.to(out.dtype))
+    tail = lens[:, None] + torch.arange(keep, device=x.device)  # the last K-1 entries of each u
+    every = torch.arange(num_seqs, device=x.device)[:, None]
+    conv_state[indices] = buffer[rows(every, tail)].to(conv_state.dtype)
