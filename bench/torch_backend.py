@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -143,6 +144,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def cpu_bind() -> str:
+    """Every core this process may run on, as `VLLM_CPU_OMP_THREADS_BIND` takes them.
+
+    Left at `auto`, vLLM's CPU worker binds its OpenMP threads to all cores but one (the front
+    end's), which is a single core on a 2-core machine, while the torch backend's threads use
+    every core: the comparison would measure the binding, not the engines.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line with every default filled in (a worker's is left as given)."""
     args = parser().parse_args(argv)
@@ -178,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_model(work / "models", args.model_size, DTYPE, args.seed)
     desc = {"name": path.name, **describe_model(path)}
 
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind()
     engines = {be: run_engine(args, desc, be, logs) for be in BACKENDS}
     ok = [be for be, e in engines.items() if e["status"] == "ok"]
     big = max(STREAMS)
@@ -194,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             f"c{big}_rounds": getattr(args, f"c{big}_rounds"),
             "seed": args.seed,
             "order": list(BACKENDS),
+            "vllm_cpu_omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
             "command": " ".join(
                 ["python -m bench.torch_backend", *(argv if argv is not None else sys.argv[1:])]
             ),

@@ -355,6 +355,12 @@ NB_MODULE(_C, m) {
         "Threads the CPU bodies use.");
   m.def("set_num_threads", [](int n) { vm::cpu::ThreadPool::instance().set_num_threads(n); },
         "n"_a, "Sets the threads the CPU bodies use (n <= 0: the CPUs this process may use).");
+  m.def("use_host_openmp",
+        [](bool on) { return vm::cpu::ThreadPool::instance().use_host_openmp(on); }, "on"_a,
+        "Runs the CPU bodies on the team of the GNU OpenMP runtime this process already loaded "
+        "(torch's) instead of the extension's threads; returns whether they now do.");
+  m.def("host_openmp", [] { return vm::cpu::ThreadPool::instance().host_openmp(); },
+        "Whether the CPU bodies run on the process's OpenMP team (use_host_openmp).");
   m.def("cpu_isa", [] { return std::string(vm::cpu::isa_name(vm::cpu::active_isa())); },
         "The build of the CPU attention kernel in use: generic, avx2 or avx512.");
   m.def("set_cpu_isa", &vm::cpu::set_isa, "name"_a,

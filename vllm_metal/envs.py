@@ -127,9 +127,9 @@ ENV_VARS: dict[str, EnvVar] = {
     "VLLM_METAL_BACKEND": EnvVar(
         _choice("VLLM_METAL_BACKEND", "mlx", ("mlx", "mps")),
         "mlx",
-        "Compute backend: `mlx` (mlx-lm models on MLX, the default). `mps` names the torch "
-        "backend (vLLM's own model classes), which this build does not include yet: choosing it "
-        "is refused at startup.",
+        "Compute backend: `mlx` (mlx-lm models on MLX, the default) or `mps`, the torch backend: "
+        "vLLM's own model classes on torch's `mps` device on a Mac, `cpu` elsewhere "
+        "([torch-backend.md](torch-backend.md)). What each serves: [models.md](models.md).",
     ),
     "VLLM_METAL_DEVICE": EnvVar(
         _choice("VLLM_METAL_DEVICE", "auto", ("auto", "gpu", "cpu")),

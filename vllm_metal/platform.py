@@ -154,9 +154,14 @@ class MetalPlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # vLLM's own compiled ops are not used by the MLX runner; the native extension is
-        # loaded by vllm_metal.ops when first needed.
-        return None
+        # The MLX runner and the torch backend on `mps` use none of vLLM's compiled ops (the
+        # native extension is loaded by vllm_metal.ops when first needed). The torch backend on
+        # the cpu device takes vLLM's CPU GEMMs (backends/torch/cpu_gemm.py), so it loads
+        # vLLM's CPU kernels the way vLLM's CPU platform does.
+        if cls.device_type == "cpu" and backend_name() == "mps":
+            from vllm.platforms.cpu import CpuPlatform
+
+            CpuPlatform.import_kernels()
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

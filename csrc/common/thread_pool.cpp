@@ -2,7 +2,11 @@
 
 #include "common/thread_pool.h"
 
+#include <algorithm>
+#include <exception>
+
 #if defined(__linux__)
+#include <dlfcn.h>
 #include <sched.h>
 #endif
 
@@ -84,12 +88,75 @@ void ThreadPool::worker_loop(int thread_id) {
   }
 }
 
+bool ThreadPool::use_host_openmp(bool on) {
+  std::lock_guard<std::mutex> call(call_mutex_);
+  omp_parallel_ = nullptr;
+  omp_thread_num_ = nullptr;
+#if defined(__linux__)
+  if (on) {
+    // The ABI libgomp gives `#pragma omp parallel` (GCC >= 4.9); looked up, not linked, so the
+    // extension adds no OpenMP runtime of its own and uses the one torch or MKL loaded.
+    using Parallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+    using ThreadNum = int (*)();
+    auto parallel = reinterpret_cast<Parallel>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    auto thread_num = reinterpret_cast<ThreadNum>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
+    if (parallel != nullptr && thread_num != nullptr) {
+      omp_parallel_ = parallel;
+      omp_thread_num_ = thread_num;
+    }
+  }
+#else
+  (void)on;
+#endif
+  return omp_parallel_ != nullptr;
+}
+
+namespace {
+
+struct OpenMPJob {
+  const std::function<void(int64_t, int)>* fn;
+  int64_t n;
+  int (*thread_num)();
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+};
+
+// Each thread of the OpenMP team takes indices until none are left. An exception must not
+// unwind through libgomp: the first one is kept and rethrown by the caller.
+void openmp_body(void* data) {
+  auto* job = static_cast<OpenMPJob*>(data);
+  const int tid = job->thread_num();
+  try {
+    for (;;) {
+      const int64_t i = job->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job->n || job->failed.load(std::memory_order_relaxed)) break;
+      (*job->fn)(i, tid);
+    }
+  } catch (...) {
+    if (!job->failed.exchange(true)) job->error = std::current_exception();
+  }
+}
+
+}  // namespace
+
+void ThreadPool::parallel_for_openmp(int64_t n, const std::function<void(int64_t, int)>& fn,
+                                     int threads) {
+  OpenMPJob job{&fn, n, omp_thread_num_};
+  omp_parallel_(openmp_body, &job, static_cast<unsigned>(threads), 0);
+  if (job.error) std::rethrow_exception(job.error);
+}
+
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn,
                               int max_threads) {
   if (n <= 0) return;
   std::lock_guard<std::mutex> call(call_mutex_);
   if (num_threads_ == 1 || n == 1 || max_threads <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  if (omp_parallel_ != nullptr) {
+    parallel_for_openmp(n, fn, std::min(num_threads_, max_threads));
     return;
   }
   {

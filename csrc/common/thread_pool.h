@@ -36,12 +36,21 @@ class ThreadPool {
   // CPUs in this process's affinity mask (at least 1).
   static int default_num_threads();
 
+  // With `on`, parallel_for runs on the team of the GNU OpenMP runtime already loaded in this
+  // process (torch's and oneDNN's, MKL's) instead of this pool's threads. Between two OpenMP
+  // regions that team's threads spin on the cores for a while; a second set of threads would
+  // compete with them for the same cores. Returns whether the calls now go to OpenMP (False when
+  // no GNU OpenMP runtime is loaded; the pool's threads are then kept).
+  bool use_host_openmp(bool on);
+  bool host_openmp() const { return omp_parallel_ != nullptr; }
+
  private:
   explicit ThreadPool(int n);
   void start(int n);
   void stop();
   void worker_loop(int thread_id);
   void run_share(int thread_id);
+  void parallel_for_openmp(int64_t n, const std::function<void(int64_t, int)>& fn, int threads);
 
   std::mutex call_mutex_;  // serialises parallel_for and resizing
   std::mutex mutex_;
@@ -57,6 +66,10 @@ class ThreadPool {
   int64_t job_size_ = 0;
   int job_threads_ = 1;
   std::atomic<int64_t> next_{0};
+
+  // libgomp's entry points (GOMP_parallel, omp_get_thread_num) when use_host_openmp is on.
+  void (*omp_parallel_)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  int (*omp_thread_num_)() = nullptr;
 };
 
 // Calls body(i, scratch) for every i in [0, n): on the calling thread alone when the call is small

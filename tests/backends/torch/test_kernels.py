@@ -8,6 +8,7 @@ are strided slices of a fused QKV tensor.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -194,6 +195,27 @@ def test_paged_attention_through_torch_ops() -> None:
     direct = torch.empty(batch.query.shape, dtype=torch.float32)
     kernels._native().paged_attention_into(direct, *batch.torch_args(), scale, 0, 0.0, None)
     np.testing.assert_allclose(direct.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="torch on macOS uses LLVM's OpenMP")
+def test_kernels_share_torchs_openmp_team() -> None:
+    """The ops run on the OpenMP team torch's matmuls use, with torch's thread count, and compute
+    what the extension's own thread pool computes, bit for bit (same work partition)."""
+    native = kernels._native()
+    assert native.host_openmp()
+    assert native.num_threads() == torch.get_num_threads()
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch(
+        gen, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16
+    )
+    on_openmp = run_op(batch, scale=0.125)
+    try:
+        assert native.use_host_openmp(False) is False and not native.host_openmp()
+        on_pool = run_op(batch, scale=0.125)
+    finally:
+        assert native.use_host_openmp(True)
+    assert torch.equal(on_openmp, on_pool)
+    check_attention(batch)
 
 
 def test_ops_have_fake_implementations() -> None:

@@ -32,7 +32,10 @@ import torch
 from torch.utils.dlpack import to_dlpack
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_metal._logging import init_logger
 from vllm_metal.backends.torch import torch_ops
+
+logger = init_logger(__name__)
 
 NAMESPACE = "vllm_metal"
 
@@ -51,7 +54,18 @@ def _native() -> ModuleType:
         raise RuntimeError(
             f"the torch backend's kernels need the native extension vllm_metal._C: {exc}"
         ) from exc
-    return _native._C
+    native = _native._C
+    # These ops run between torch's matmuls, whose OpenMP threads keep spinning on the cores for
+    # a while after each one: the kernels take torch's thread count and run on that same team
+    # rather than on the extension's own threads, which would compete with them.
+    native.set_num_threads(torch.get_num_threads())
+    on_openmp = native.use_host_openmp(True)
+    logger.info(
+        "torch backend kernels: %d thread(s), %s",
+        native.num_threads(),
+        "on torch's OpenMP team" if on_openmp else "on the extension's thread pool",
+    )
+    return native
 
 
 def _paged_attention_impl(

@@ -102,6 +102,10 @@ class TorchModelRunner(GPUModelRunner):
         short_conv.register()
         logger.info("Loading %s with vLLM's model classes", self.model_config.model)
         self.model = get_model(vllm_config=self.vllm_config)
+        if self.device.type == "cpu":
+            from vllm_metal.backends.torch.cpu_gemm import pack_linear_layers
+
+            pack_linear_layers(self.model)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
