@@ -23,8 +23,8 @@ from vllm_metal._logging import init_logger
 logger = init_logger(__name__)
 
 
-class _PackedLinearMethod(UnquantizedLinearMethod):
-    """A linear layer whose product goes through the packed weight in `layer.cpu_linear`."""
+class _PackedProduct:
+    """The layer's product goes through the packed weight in `layer.cpu_linear`."""
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -32,16 +32,13 @@ class _PackedLinearMethod(UnquantizedLinearMethod):
         return layer.cpu_linear(x, layer.weight, bias)
 
 
-class _PackedEmbeddingMethod(UnquantizedEmbeddingMethod):
-    """An embedding whose logits product (the LM head) goes through `layer.cpu_linear`.
+class _PackedLinearMethod(_PackedProduct, UnquantizedLinearMethod):
+    """A linear layer multiplied through its packed weight."""
 
-    The lookup keeps the loaded table: a tied LM head is the embedding itself.
-    """
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return layer.cpu_linear(x, layer.weight, bias)
+class _PackedEmbeddingMethod(_PackedProduct, UnquantizedEmbeddingMethod):
+    """An LM head whose logits product goes through its packed weight; the lookup keeps the
+    loaded table (a tied LM head is the embedding itself)."""
 
 
 def _packable(module: torch.nn.Module) -> bool:
