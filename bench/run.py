@@ -1,380 +1,164 @@
-"""One command for every benchmark table and plot in docs/benchmarks/.
+"""Run benchmark suites: one, several, or every one in `--quick` mode.
 
-`python -m bench.run --out docs/benchmarks` writes results.json, results.md and PNG plots: mlx-lm,
-the plugin (vllm.LLM and `vllm serve`), vLLM's CPU backend, kernels, startup and the roofline.
+    python -m bench.run --list                          # the suites, one line each
+    python -m bench.run --out docs/benchmarks           # the main run (same as `main --out ...`)
+    python -m bench.run SUITE [SUITE ARGS...]           # one suite, e.g. `moe --quick --out DIR`
+    python -m bench.run --quick --all --out DIR         # every suite, --quick, each in a process
+    python -m bench.run report DIR                      # every report in DIR again from its JSON
+
+A suite is a module of `bench.suites` with `main(argv) -> int`; its results go to `--out` as
+`<stem>.json`, `<stem>.md` and `<stem>.png` (docs/benchmarks/README.md). With `--all`, a suite
+that fails is recorded and the run goes on; the summary at the end names it and the exit status
+is non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import math
-import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from bench.machine import describe_machine, measure_bandwidth, measure_matmul_scaling
-from bench.model import SHAPES, describe_model, write_model
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# Every stage section results.json has, in run order; a stage not run says so in its entry.
-# Beside them: "settings", "model" and "summary" (targets and roofline fractions).
-SECTIONS = (
-    "machine",
-    "bandwidth",
-    "mlx_lm",
-    "plugin_offline",
-    "serve_plugin",
-    "serve_cpu",
-    "startup",
-    "kernels",
-    "profile",
-)
-
-# Defaults per model size. With MLX's CPU float32 matmuls on MKL a decode step of the 0.6B model
-# takes ~0.15 s at batch 1 and ~0.5 s at batch 32 on the 2-core reference machine (mlx-lm in bf16,
-# on MLX's own loops, ~0.5 s per token). 128 output tokens make every serve level a decode-bound
-# run of 128 steps (a 32-token prompt is under 10% of the 32-concurrent run); the whole run stays
-# near 17 minutes there, most of it mlx-lm in bf16 and the kernel micro-benchmark.
-PRESETS: dict[str, dict[str, Any]] = {
-    "0.6b": {"input_len": 32, "output_len": 128, "num_prompts": 3},
-    "tiny": {"input_len": 32, "output_len": 32, "num_prompts": 3},
-}
-CONCURRENCY = (1, 4, 16, 32)
-TARGETS = {
-    "single_stream_vs_mlx_lm": 1.0,  # plugin decode tok/s / mlx-lm decode tok/s (faster variant)
-    "aggregate_32_vs_single": 12.0,  # serve output tok/s at 32 concurrent / at 1
-    "plugin_32_vs_cpu_32": 1.0,  # plugin serve output tok/s at 32 / vLLM CPU's at 32
-    "tiny_startup_s": 10.0,  # `vllm serve` tiny model: launch to first served token
-}
-# The line the plugin logs in every process whose MLX matmuls it set up (vllm_metal/backends/mlx/
-# blas.py); each stage records the ones its processes printed.
-_BLAS_LINE = re.compile(r"CPU BLAS for MLX: (.*)$")
+from bench.harness.stages import ROOT, process_env
 
 
-def _python_stage(module: str, argv: list[str], timeout: float, log: Path) -> dict[str, Any]:
-    """Run ``python -m module argv... --json OUT`` in a fresh process and return its JSON."""
-    out = log.with_suffix(".json")
-    cmd = [sys.executable, "-m", module, *argv, "--json", str(out)]
-    with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            env=_env(),
-            check=False,
-        )
-    if proc.returncode != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise RuntimeError(f"{module} exited with {proc.returncode}; log {log}:\n{tail}")
-    data = json.loads(out.read_text())
-    blas_lines = blas_log_lines(log.read_text(encoding="utf-8", errors="replace"))
-    if blas_lines:
-        data["cpu_blas_logged"] = blas_lines
-    return data
-
-
-def blas_log_lines(text: str) -> list[str]:
-    """The distinct `CPU BLAS for MLX: ...` reports in a log, in order."""
-    found: list[str] = []
-    for line in text.splitlines():
-        m = _BLAS_LINE.search(line)
-        if m and m.group(1).strip() not in found:
-            found.append(m.group(1).strip())
-    return found
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("VLLM_TARGET_DEVICE", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
-
-
-def _kv_bytes(model: dict[str, Any], max_model_len: int, num_seqs: int) -> int:
-    """A KV cache holding ``num_seqs`` full sequences with room to spare (at least 64 MiB)."""
-    tokens = num_seqs * (math.ceil(max_model_len / 16) + 1) * 16
-    return max(64 * 2**20, int(1.5 * tokens * model["kv_bytes_per_token"]))
-
-
-class Bench:
-    def __init__(self, args: argparse.Namespace, argv: list[str]):
-        self.args = args
-        self.argv = argv
-        self.out = Path(args.out)
-        self.work = Path(args.work_dir)
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.results: dict[str, Any] = {
-            "settings": {},
-            "model": {},
-            **{name: {"status": "not run"} for name in SECTIONS},
-            "summary": {},
-        }
-        self.model_path: Path | None = None
-        self.model: dict[str, Any] = {}
-
-    # ---------------------------------------------------------------- plumbing
-
-    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        if name not in self.args.stages:
-            self.results[name] = {"status": "skipped", "reason": "not in --stages"}
-            return
-        print(f"== {name}", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            data = fn()
-            entry = {"status": "ok", **data}
-        except Exception as exc:  # noqa: BLE001 - one failed stage must not lose the others
-            entry = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-            traceback.print_exc()
-        entry["stage_seconds"] = round(time.perf_counter() - start, 2)
-        self.results[name] = entry
-        print(
-            f"   {entry['status']} in {entry['stage_seconds']:.0f} s", file=sys.stderr, flush=True
-        )
-        self.save()
-
-    def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    what: str
+    stems: tuple[str, ...]  # what it writes into --out: <stem>.json (and .md, .png)
+    quick_args: tuple[str, ...] = ()  # beside --quick --out --work-dir, in `--quick --all`
 
     @property
-    def max_model_len(self) -> int:
-        return self.args.input_len + self.args.output_len + 16
+    def module(self) -> str:
+        return f"bench.suites.{self.name}"
 
-    def _common(self) -> list[str]:
-        return [
-            "--model", str(self.model_path),
-            "--dtype", self.args.dtype,
-            "--input-len", str(self.args.input_len),
-            "--output-len", str(self.args.output_len),
-            "--max-model-len", str(self.max_model_len),
-        ]  # fmt: skip
 
-    # ------------------------------------------------------------------ stages
+SUITES = (
+    Suite("main", "single stream and `vllm serve`: mlx-lm, the plugin, vLLM CPU, start-up",
+          ("results",), ("--stages", "machine,bandwidth,mlx_lm,plugin_offline,serve_plugin,startup")),
+    Suite("attention", "paged-attention decode kernel against pure-MLX baselines",
+          ("attention_decode",)),
+    Suite("profile", "where a decode step's time goes (pyinstrument, in-process engine)",
+          ("profile",)),
+    Suite("moe", "mixture-of-experts decode, plugin against vLLM CPU", ("moe",)),
+    Suite("hybrid", "Qwen3-Next, Granite 4.0-H and DeepSeek-V3 decode", ("hybrid",)),
+    Suite("gguf", "GGUF and MLX-quantized checkpoints against dense", ("gguf",)),
+    Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
+    Suite("pooling", "embedding throughput, plugin against vLLM CPU", ("pooling",)),
+    Suite("speech", "Whisper speech-to-text through `vllm serve`", ("speech",)),
+    Suite("vision", "one-image chat completions through `vllm serve`", ("vision",)),
+    Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
+    Suite("kv_offload", "KV offload tiers: host and disk against recomputing", ("kv_offload",)),
+    Suite("torch_backend", "the torch backend against vLLM CPU and MLX", ("torch-backend",)),
+    Suite("sliding_window_blocks", "KV blocks a sliding-window model holds",
+          ("sliding_window_blocks",)),
+    Suite("blas_matmul", "MLX float32 matmul under each CPU BLAS", ("blas_matmul",)),
+)  # fmt: skip
+BY_NAME = {s.name: s for s in SUITES}
 
-    def machine(self) -> dict[str, Any]:
-        info = describe_machine()
-        if self.args.model:
-            self.model_path = Path(self.args.model)
-        else:
-            self.model_path = write_model(
-                self.work / "models", self.args.model_size, self.args.dtype
-            )
-        self.model = describe_model(self.model_path)
-        settings = {
-            k: getattr(self.args, k)
-            for k in ("model_size", "dtype", "input_len", "output_len", "num_prompts", "quick")
-        }
-        settings["concurrency"] = list(self.args.concurrency)
-        settings["stages"] = list(self.args.stages)
-        settings["command"] = " ".join(["python -m bench.run", *self.argv])
-        self.results["settings"] = settings
-        self.results["model"] = self.model
-        return info
 
-    def bandwidth(self) -> dict[str, Any]:
-        size = 64 * 2**20 if self.args.quick else 1024 * 2**20
-        bw = measure_bandwidth(size, repeats=2 if self.args.quick else 5)
-        dtypes = dict.fromkeys([self.args.dtype, "float32"])
-        matmul = {
-            d: measure_matmul_scaling(d, rows=(1, max(self.args.concurrency))) for d in dtypes
-        }
-        return {"gbps": bw, "buffer_bytes": size, "matmul": matmul}
+def list_suites() -> str:
+    width = max(len(s.name) for s in SUITES)
+    return "\n".join(f"{s.name:<{width}}  {s.what}" for s in SUITES)
 
-    def mlx_lm(self) -> dict[str, Any]:
-        argv = ["--engine", "mlx-lm", *self._common(), "--num-prompts", str(self.args.num_prompts)]
-        if "cpu" in str(self.results["machine"].get("mlx_device", "")).lower():
-            # The plugin computes in float32 on MLX's CPU device: measure mlx-lm that way too.
-            argv.append("--also-float32")
-        return _python_stage(
-            "bench.single_stream", argv, self.args.timeout, self.work / "mlx_lm.log"
-        )
 
-    def plugin_offline(self) -> dict[str, Any]:
-        argv = [
-            "--engine", "vllm", *self._common(),
-            "--num-prompts", str(self.args.num_prompts),
-            "--max-num-seqs", "1",
-            "--kv-cache-memory-bytes", str(_kv_bytes(self.model, self.max_model_len, 1)),
-        ]  # fmt: skip
-        return _python_stage(
-            "bench.single_stream", argv, self.args.timeout, self.work / "plugin_offline.log"
-        )
-
-    def _serve(self, backend: str, startup_only: bool = False, model: Path | None = None) -> dict:
-        seqs = max(self.args.concurrency)
-        argv = [
-            *self._common(),
-            "--backend", backend,
-            "--concurrency", *map(str, self.args.concurrency),
-            "--max-num-seqs", str(seqs),
-            "--kv-cache-memory-bytes", str(_kv_bytes(self.model, self.max_model_len, seqs)),
-            "--work-dir", str(self.work / f"serve-{backend}"),
-        ]  # fmt: skip
-        if model is not None:
-            argv[argv.index("--model") + 1] = str(model)
-        if startup_only:
-            argv.append("--startup-only")
-        name = f"serve_{backend}{'_startup' if startup_only else ''}"
-        data = _python_stage(
-            "bench.serving", argv, self.args.timeout * 4, self.work / f"{name}.log"
-        )
-        server_log = self.work / f"serve-{backend}" / f"server-{backend}.log"
-        if server_log.is_file():
-            lines = blas_log_lines(server_log.read_text(encoding="utf-8", errors="replace"))
-            if lines:
-                data["cpu_blas_logged"] = lines
-        return data
-
-    def startup(self) -> dict[str, Any]:
-        """Launch-to-first-token of `vllm serve` on the tiny model (and the benchmark model)."""
-        out: dict[str, Any] = {}
-        for backend in ("plugin", "cpu"):
-            serve = self.results.get(f"serve_{backend}", {})
-            if serve.get("status") == "ok":
-                out[f"{backend}_bench_model"] = serve["startup"]
-        if self.args.model_size == "tiny" and not self.args.model and "plugin_bench_model" in out:
-            out["plugin_tiny"] = out["plugin_bench_model"]
-        else:
-            tiny = write_model(self.work / "models", "tiny", self.args.dtype)
-            out["plugin_tiny"] = self._serve("plugin", startup_only=True, model=tiny)["startup"]
-        return out
-
-    def kernels(self) -> dict[str, Any]:
-        script = ROOT / "bench" / "attention_bench.py"
-        if not script.is_file():
-            raise FileNotFoundError(f"{script} (the attention micro-benchmark) is missing")
-        out_dir = self.out if self.args.kernels_out is None else Path(self.args.kernels_out)
-        cmd = [sys.executable, str(script), "--out-dir", str(out_dir)]
-        if self.args.quick:
-            cmd.append("--quick")
-        log = self.work / "kernels.log"
+def run_all_quick(out: Path, work: Path, names: list[str], timeout: float) -> int:
+    """Every suite in `names` with --quick, each in a process of its own, one after another;
+    `quick-all.json` in `out` records each one's status, seconds and log."""
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    record: dict[str, dict] = {}
+    started = time.perf_counter()
+    for name in names:
+        suite = BY_NAME[name]
+        cmd = [sys.executable, "-m", suite.module, "--quick", "--out", str(out),
+               "--work-dir", str(work / name), *suite.quick_args]  # fmt: skip
+        log = work / f"{name}.log"
+        print(f"== {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         with open(log, "w", encoding="utf-8") as f:
-            proc = subprocess.run(
-                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=self.args.timeout * 4,
-                env=_env(), check=False,
-            )  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(f"attention_bench exited with {proc.returncode}; see {log}")
-        data = json.loads((out_dir / "attention_decode.json").read_text())
-        return {"attention_decode": data, "files": [f"attention_decode.{s}" for s in ("md", "png")]}
-
-    def profile(self) -> dict[str, Any]:
-        """The decode step profiled at batch 1 and 32: on the tiny model, where the work around
-        the forward shows, and on the benchmark model, where the forward dominates."""
-        tiny = write_model(self.work / "models", "tiny", self.args.dtype)
-        targets = [("tiny", tiny, 32, 32 if self.args.quick else 64)]
-        if not self.args.quick and self.model_path is not None and self.model_path != tiny:
-            targets.append(("bench_model", self.model_path, self.args.input_len, 16))
-        out: dict[str, Any] = {"models": []}
-        for name, path, input_len, output_len in targets:
-            model = describe_model(path)
-            max_len = input_len + output_len + 16
-            argv = [
-                "--model", str(path),
-                "--dtype", self.args.dtype,
-                "--input-len", str(input_len),
-                "--output-len", str(output_len),
-                "--batch-sizes", "1", "32",
-                "--kv-cache-memory-bytes", str(_kv_bytes(model, max_len, 32)),
-                "--text-dir", str(self.work / f"profile-{name}"),
-            ]  # fmt: skip
-            data = _python_stage(
-                "bench.profile_step", argv, self.args.timeout, self.work / f"profile-{name}.log"
-            )
-            out["models"].append({"name": name, "model_name": path.name, **data})
-        return out
-
-    # --------------------------------------------------------------------- run
-
-    def run(self) -> dict[str, Any]:
-        started = time.perf_counter()
-        # The machine stage also writes the model: every later stage needs it.
-        if "machine" not in self.args.stages:
-            self.args.stages.append("machine")
-        self.stage("machine", self.machine)
-        if self.results["machine"]["status"] != "ok":
-            raise SystemExit("could not describe the machine or write the model; see above")
-        self.stage("bandwidth", self.bandwidth)
-        self.stage("mlx_lm", self.mlx_lm)
-        self.stage("plugin_offline", self.plugin_offline)
-        self.stage("serve_plugin", lambda: self._serve("plugin"))
-        self.stage("serve_cpu", lambda: self._serve("cpu"))
-        self.stage("startup", self.startup)
-        self.stage("kernels", self.kernels)
-        self.stage("profile", self.profile)
-        self.results["settings"]["total_seconds"] = round(time.perf_counter() - started, 1)
-        from bench.report import summarize, write_report
-
-        self.results["summary"] = summarize(self.results, TARGETS)
-        self.save()
-        write_report(self.results, self.out)
-        return self.results
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    env=process_env(), timeout=timeout, check=False).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                rc = None
+        missing = [s for s in suite.stems if not (out / f"{s}.json").is_file()]
+        ok = rc == 0 and not missing
+        record[name] = {
+            "status": "ok" if ok else "error",
+            "returncode": rc,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "missing": missing,
+            "log": str(log),
+        }
+        print(f"   {record[name]['status']} in {record[name]['seconds']:.0f} s", file=sys.stderr,
+              flush=True)  # fmt: skip
+        total = round(time.perf_counter() - started, 1)
+        (out / "quick-all.json").write_text(
+            json.dumps({"total_seconds": total, "suites": record}, indent=2) + "\n"
+        )
+    failed = [n for n, r in record.items() if r["status"] != "ok"]
+    print(f"{len(names) - len(failed)}/{len(names)} suites ok in {total:.0f} s", file=sys.stderr)
+    for name in failed:
+        r = record[name]
+        why = "timed out" if r["returncode"] is None else f"exit {r['returncode']}"
+        extra = f", missing {', '.join(r['missing'])}" if r["missing"] else ""
+        print(f"FAILED {name}: {why}{extra}; log {r['log']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="results directory")
-    p.add_argument(
-        "--quick", action="store_true", help="tiny model, short runs: checks the harness"
-    )
-    p.add_argument(
-        "--model-size",
-        choices=sorted(SHAPES),
-        default=None,
-        help="random checkpoint to write (default 0.6b; tiny with --quick)",
-    )
-    p.add_argument("--model", default=None, help="benchmark this checkpoint directory instead")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--input-len", type=int, default=None)
-    p.add_argument("--output-len", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=None, help="single-stream requests")
-    p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    p.add_argument(
-        "--stages",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of: {', '.join(SECTIONS)}",
-    )
-    p.add_argument(
-        "--work-dir",
-        default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"),
-        help="checkpoints (reused between runs) and raw logs",
-    )
-    p.add_argument("--kernels-out", default=None, help="where attention_bench writes (def. --out)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per stage process")
-    args = p.parse_args(argv)  # fmt: skip
-    if args.model_size is None:
-        args.model_size = "tiny" if args.quick else "0.6b"
-    for key, value in PRESETS[args.model_size].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = set(args.stages) - set(SECTIONS)
-    if unknown:
-        p.error(f"unknown stages {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    return args
+def regenerate_reports(folder: Path) -> int:
+    """Every report in `folder` written again from its JSON (`report DIR`)."""
+    done = 0
+    for suite in SUITES:
+        for stem in suite.stems:
+            if (folder / f"{stem}.json").is_file():
+                try:
+                    module = importlib.import_module(f"{suite.module}_report")
+                except ModuleNotFoundError:
+                    module = importlib.import_module(suite.module)
+                if hasattr(module, "regenerate_report"):
+                    module.regenerate_report(folder)
+                    print(f"{suite.name}: {stem}.md", file=sys.stderr)
+                    done += 1
+    return 0 if done else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    results = Bench(parse_args(argv), argv).run()
-    failed = [k for k, v in results.items() if v.get("status") == "error"]
-    if failed:
-        print(f"stages with errors: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "report":
+        return regenerate_reports(Path(argv[1] if len(argv) > 1 else ROOT / "docs/benchmarks"))
+    if argv and argv[0] in BY_NAME:
+        return importlib.import_module(BY_NAME[argv[0]].module).main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--list", action="store_true", help="list the suites")
+    p.add_argument("--all", action="store_true", help="every suite (with --quick)")
+    p.add_argument("--suites", default=None, help="with --all: a comma-separated subset")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per suite with --all")
+    known, rest = p.parse_known_args(argv)
+    if known.list:
+        print(list_suites())
+        return 0
+    if known.all:
+        q = argparse.ArgumentParser(prog="python -m bench.run --all")
+        q.add_argument("--quick", action="store_true", required=True)
+        q.add_argument("--out", required=True)
+        q.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-quick"))
+        args = q.parse_args(rest)
+        names = [s.name for s in SUITES] if known.suites is None else known.suites.split(",")
+        unknown = set(names) - set(BY_NAME)
+        if unknown:
+            p.error(f"unknown suites {sorted(unknown)}; --list names them")
+        return run_all_quick(Path(args.out), Path(args.work_dir), names, known.timeout)
+    # No suite named: the main run, as documented (`python -m bench.run --out docs/benchmarks`).
+    return importlib.import_module(BY_NAME["main"].module).main(rest)
 
 
 if __name__ == "__main__":

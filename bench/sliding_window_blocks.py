@@ -1,75 +1,7 @@
-"""KV blocks a sliding-window model holds for one long request, with vLLM's hybrid KV manager
-(sliding-window layers in their own group, blocks outside the window freed) and without it
-(every layer keeps blocks for the whole context), side by side on one tiny Gemma 3.
+"""`python -m bench.sliding_window_blocks`, kept for tests/kv/test_sliding_window_blocks.py: the
+suite is `python -m bench.run sliding_window_blocks` (bench/suites/sliding_window_blocks.py)."""
 
-Run: python -m bench.sliding_window_blocks [--prompt-len 448] [--window 32]
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import tempfile
-from pathlib import Path
-
-KV_BYTES = 32 * 2**20
-
-
-def blocks_held(
-    model: Path, prompt_len: int, hybrid: bool, chunk: int, max_tokens: int = 8
-) -> dict:
-    """KV memory one request holds at its peak and while it decodes (bytes of used blocks)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler lives in this process
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        max_model_len=prompt_len + max_tokens + 16,
-        kv_cache_memory_bytes=KV_BYTES,
-        enable_prefix_caching=False,
-        max_num_batched_tokens=chunk,
-        disable_hybrid_kv_cache_manager=not hybrid,
-        seed=0,
-    )
-    engine = llm.llm_engine
-    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    total = pool.num_gpu_blocks - 1  # the null block is never handed out
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine.add_request("r", {"prompt_token_ids": list(range(20, 20 + prompt_len))}, params)
-    used, tokens = [], []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens = list(out.outputs[0].token_ids)
-        if engine.has_unfinished_requests():
-            used.append(total - pool.get_num_free_blocks())
-    groups = len(engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
-    block_bytes = KV_BYTES // pool.num_gpu_blocks
-    del llm
-    return {
-        "hybrid_kv_manager": hybrid,
-        "kv_cache_groups": groups,
-        "peak_kib": max(used) * block_bytes // 1024,
-        "decode_kib": used[-1] * block_bytes // 1024,
-        "tokens": tokens,
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-len", type=int, default=448)
-    parser.add_argument("--window", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=64, help="max_num_batched_tokens")
-    args = parser.parse_args()
-    from vllm_metal.testing.tiny_models import write_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = write_tiny_model(Path(tmp) / "gemma3", "gemma3", sliding_window=args.window)
-        rows = [blocks_held(model, args.prompt_len, hybrid, args.chunk) for hybrid in (True, False)]
-    print("RESULT " + json.dumps(rows))
-
+from bench.suites.sliding_window_blocks import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -14,21 +14,17 @@ once per backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
+
+from bench.harness import servers
 
 API_KEY = "sk-vllm-metal-test"
 SERVED_NAME = "tiny-qwen3"
@@ -77,161 +73,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=order)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def log_tail(path: Path, lines: int = 60) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "(no server log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-@dataclass
-class Server:
-    """A running `vllm serve`: where it listens, its key, its model and its log."""
-
-    base_url: str  # http://127.0.0.1:PORT (no /v1)
-    api_key: str | None
-    model: str  # the served model name
-    model_dir: Path
-    log_path: Path
-    max_model_len: int
-    process: subprocess.Popen = field(repr=False)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-    def post(self, path: str, body: Any, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("timeout", 120)
-        return requests.post(self.url(path), json=body, headers=self.headers, **kwargs)
-
-    def get(self, path: str, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("timeout", 30)
-        return requests.get(self.url(path), headers=self.headers, **kwargs)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def tail(self, lines: int = 60) -> str:
-        return log_tail(self.log_path, lines)
-
-    def context(self) -> str:
-        """Text to append to assertion messages: the end of the server's log."""
-        state = "running" if self.alive() else f"exited with {self.process.returncode}"
-        return f"\n--- server {state}; last lines of {self.log_path} ---\n{self.tail()}"
-
-    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
-        """Prometheus samples of /metrics as (name, labels, value)."""
-        samples = []
-        for line in self.get("/metrics").text.splitlines():
-            m = _SAMPLE.match(line)
-            if m:
-                labels = dict(_LABEL.findall(m["labels"] or ""))
-                samples.append((m["name"], labels, float(m["value"])))
-        return samples
-
-    def gauge(self, name: str, **labels: str) -> float:
-        """Sum of the samples of metric `name` whose labels include `labels`, at this moment."""
-        return sum(
-            value
-            for sample_name, sample_labels, value in self.metrics()
-            if sample_name == name and labels.items() <= sample_labels.items()
-        )
-
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def start_server(
-    model_dir: Path,
-    log_path: Path,
-    *,
-    served_name: str,
-    api_key: str | None,
-    extra_args: Sequence[str] = (),
-    max_model_len: int = MAX_MODEL_LEN,
-    env: dict[str, str] | None = None,
-) -> Server:
-    """Launch `vllm serve` with the plugin in its own process group and wait for /health."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model_dir),
-        "--served-model-name",
-        served_name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(max_model_len),
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        "--seed",
-        "0",
-        *(["--api-key", api_key] if api_key and "--api-key" not in extra_args else []),
-        *extra_args,
-    ]
-    # MLX unless the caller names a backend: servers of what only MLX serves stay on MLX.
-    env = {**os.environ, "VLLM_METAL_BACKEND": "mlx", **(env or {})}
-    env.pop("VLLM_TARGET_DEVICE", None)  # that would select vLLM's own CPU platform
-    env.update(HF_HUB_OFFLINE="1", PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
-    log = open(log_path, "wb")  # noqa: SIM115 - owned by the process until it exits
-    log.write(("$ " + " ".join(cmd) + "\n").encode())
-    log.flush()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    log.close()
-    server = Server(
-        f"http://127.0.0.1:{port}", api_key, served_name, model_dir, log_path, max_model_len, proc
-    )
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited during startup{server.context()}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(server.url("/health"), timeout=2).status_code == 200:
-                return server
-        time.sleep(0.5)
-    stop_server(server)
-    raise RuntimeError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S:.0f} s{server.context()}")
-
-
-def stop_server(server: Server, timeout: float = 30.0) -> None:
-    """SIGTERM the server's process group (API server and engine core), SIGKILL what remains."""
-    proc = server.process
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    # The engine core may outlive the API server for a moment; clear the whole group.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
+# The server helpers are the benchmark harness's (one launcher for tests and benchmarks); these
+# names stay importable from here.
+Server = servers.Server
+free_port = servers.free_port
+log_tail = servers.log_tail
+stop_server = servers.stop_server
+start_server = functools.partial(
+    servers.start_server,
+    max_model_len=MAX_MODEL_LEN,
+    kv_cache_bytes=KV_CACHE_BYTES,
+    timeout=STARTUP_TIMEOUT_S,
+)
 
 
 class ServerSlot:

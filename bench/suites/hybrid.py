@@ -1,0 +1,222 @@
+"""Decode throughput of hybrid and latent-attention models: Qwen3-Next (Gated DeltaNet),
+Granite 4.0-H (Mamba-2) and DeepSeek-V3 (multi-head latent attention), one run; and the memory an
+idle engine holds.
+
+Three random-weight checkpoints written locally with the tests' writers at larger shapes
+(`write_hybrid_model`), all 8 layers of hidden 1024 in their families' layer patterns, an
+untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, as released) 32,000-row vocabulary, the layers
+followed by MoE blocks of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert of 512:
+
+- Qwen3-Next (`Qwen3NextForCausalLM`): 3 Gated DeltaNet layers then 1 gated full attention,
+  twice; the linear layers have 8 key and 16 value heads of 128 (a 1 MiB float32 recurrent state
+  per layer and request), the attention 8 query / 2 KV heads of 128.
+- Granite 4.0-H (`GraniteMoeHybridForCausalLM`): 3 Mamba-2 layers then 1 attention layer, twice;
+  Mamba-2 with 32 heads of 64 (intermediate 2048), state 128, one group of B/C, the attention 16
+  query / 4 KV heads of 64. One group because vLLM's gated RMSNorm (`Mixer2RMSNormGated`)
+  normalises each group's slice while transformers and mlx-lm (the plugin's model code)
+  normalise the whole intermediate: with more groups the two backends compute different models
+  and the agreement check would mean nothing. The released Granite 4.0-H models have one group.
+- DeepSeek-V3 (`DeepseekV3ForCausalLM`): MLA with DeepSeek-V3's own head shapes (16 heads; query
+  LoRA rank 384; latent 512 plus a rotary part of 64, so 576 values cached per token and layer;
+  nope and value head dims 128), the first layer dense (intermediate 2048), the other 7 MoE with
+  sigmoid routing.
+
+Weights are drawn from N(0, 0.02) (the embedding of the tied Granite from N(0, 0.01), as its
+muP multiplier scales it by 12), so 8 layers' activations stay tame. The tokenizer is the
+project's tiny BPE tokenizer padded to the vocabulary (`bench.harness.checkpoints.pad_tokenizer`).
+
+Each (family, backend) is one `vllm.LLM` (greedy, EOS ignored, float32, the same engine
+arguments, prefix caching off as the plugin has it for hybrids anyway) in a worker process of its
+own; each worker reports its resident memory (its process and the engine core's) once the engine
+is up and idle, with the KV cache allocated; the rounds are `bench.harness.decode_rounds`' (as the moe suite's): one warm-up round of each size,
+then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
+and 64 output tokens; decode tok/s = streams / median TPOT. Granite runs the plugin and vLLM's own
+CPU backend (`VLLM_TARGET_DEVICE=cpu`) side by side, the same rounds in turn, and compares their
+greedy tokens of one 16-stream round; so does DeepSeek-V3 (vLLM's CPU MLA kernel is built for
+576-value rows only, which these shapes have). Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
+serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_core`, asserts
+bfloat16 inputs, so the engine dies on its first step with "CPU GDN attention requires BF16"), and
+a bfloat16 vLLM against the plugin's float32 would measure two different computations (other
+matmul kernels, other precision, no meaningful agreement check), so there is no like-for-like peer.
+The KV cache is 1 GiB per engine (`kv_cache_memory_bytes`), far more than 16 requests of 112
+tokens need with their state pages; every worker's log line "Maximum concurrency for N tokens per
+request" is recorded and must be at least 16, so no request is preempted.
+
+    python -m bench.run hybrid --out docs/benchmarks             # ~12 min on 2 cores
+    python -m bench.run hybrid --quick --out /tmp/hybrid-quick   # tiny models, ~3 min: the harness
+
+`--quick`: the tests' tiny checkpoints (hidden 128; Granite with one group, as above; DeepSeek-V3
+with the 512 + 64 latent vLLM's CPU kernel needs),
+8 output tokens, one round per case, `enforce_eager` on every engine (vLLM's CPU backend then
+skips its torch.compile warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.decode_rounds import STREAMS, fill_round_defaults, round_parser
+from bench.harness.stages import command_line
+from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybrid_model
+
+# Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
+# starts engines (the workers are `bench.harness.workers`).
+
+FAMILIES = ("qwen3_next", "granite", "deepseek_v3")
+# vLLM's CPU backend cannot start Qwen3-Next here (module docstring): the plugin runs alone.
+BACKENDS = {
+    "qwen3_next": ("plugin",),
+    "granite": ("plugin", "cpu"),
+    "deepseek_v3": ("plugin", "cpu"),
+}
+KV_CACHE_BYTES = {False: 2**30, True: 256 * 2**20}  # by --quick
+# Families whose vLLM CPU peer is known to compute other tokens than transformers float32 (which
+# the plugin's tokens equal in the tests): their agreement is reported, not required.
+PEER_DEVIATES = {
+    "deepseek_v3": (
+        "vLLM's CPU backend does not always reproduce transformers float32 on random-weight MLA "
+        "models: on the tests' tiny DeepSeek-V3 shapes with weights from N(0, 0.3) (the `--quick` "
+        "model), and on a 1-layer dense one with DeepSeek's own head shapes, its first token "
+        "(prefill, `CPU_SDPA_MLA`) equals transformers' but its decode steps (`CPU_MLA`, "
+        "`mla_decode_kvcache_cpu`) drift within a few tokens, while the plugin's tokens and "
+        "logprobs equal transformers' (tests/backends/mlx/runner/test_mla.py). So the agreement "
+        "below is reported, not required."
+    ),
+}
+# Idle memory of the MLA engines at these KV cache sizes (by --quick).
+IDLE_KV_BYTES = {False: (2**30, 4 * 2**30), True: (256 * 2**20, 2**30)}
+
+
+def cases() -> list[dict[str, Any]]:
+    return [{"name": f"{f}_c{n}_{be}", "family": f, "streams": n, "backend": be}
+            for f in FAMILIES for n in STREAMS for be in BACKENDS[f]]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the whole run
+
+
+def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, Any]:
+    from bench.harness.decode_rounds import kv_log
+    from bench.harness.decode_rounds import run as run_rounds
+
+    print(f"[hybrid] {family}: checkpoint", flush=True)
+    model = write_hybrid_model(Path(args.work_dir), family, args.quick, args.seed)
+    logs.mkdir(parents=True, exist_ok=True)
+    result = run_rounds(args, describe_hybrid_model(model), logs, backends=BACKENDS[family],
+                        tag=f"hybrid_{family}", dtype=DTYPE,
+                        kv_cache_bytes=KV_CACHE_BYTES[args.quick])  # fmt: skip
+    for w in result["workers"].values():
+        w["kv"] = kv_log(w["log"])
+    if family == "deepseek_v3":
+        print(f"[hybrid] {family}: idle memory", flush=True)
+        result["idle_memory"] = idle_memory(args, model, BACKENDS[family], logs)
+    return result
+
+
+def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...],
+                logs: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Resident memory of each backend's engine, up and idle, at each of `IDLE_KV_BYTES`: one
+    engine at a time, started, asked nothing, shut down. A pool committed at allocation shows as
+    the difference between the sizes; one committed as it is written does not."""
+    from bench.harness.decode_rounds import engine_args, max_model_len
+    from bench.harness.workers import Worker, close_all
+
+    inputs = logs / "prompts.json"  # written by the rounds; nothing is generated here
+    rows = []
+    for kv_bytes in IDLE_KV_BYTES[args.quick]:
+        for be in backends:
+            engine = engine_args(model, DTYPE, kv_bytes, max_model_len(args), args.quick)
+            name = f"idle_{be}_{kv_bytes >> 20}mib"
+            worker = Worker(name, be, engine, inputs, logs / f"{name}.log", args.timeout)  # fmt: skip
+            try:
+                ready = worker.receive()
+            finally:
+                close_all([worker])
+            rows.append({"backend": be, "kv_cache_bytes": kv_bytes,
+                         "idle_rss_bytes": ready["idle_rss_bytes"]})  # fmt: skip
+    return rows
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    big = max(STREAMS)
+    out: dict[str, Any] = {}
+    for family, r in report["families"].items():
+        cs, backends = r["cases"], BACKENDS[family]
+        s: dict[str, Any] = {
+            f"c{big}_vs_c1": {be: round(cs[f"c{big}_{be}"]["decode_tok_s"]
+                                        / cs[f"c1_{be}"]["decode_tok_s"], 2)
+                              for be in backends},
+            "concurrency_ok": all((w["kv"]["max_concurrency"] or 0) >= big
+                                  for w in r["workers"].values()),
+        }  # fmt: skip
+        if "cpu" in backends:
+            s["ratios"] = {f"c{n}_plugin_vs_cpu": round(cs[f"c{n}_plugin"]["decode_tok_s"]
+                                                        / cs[f"c{n}_cpu"]["decode_tok_s"], 3)
+                           for n in STREAMS}  # fmt: skip
+            s["agreement_passed"] = r["agreement"]["passed"]
+        out[family] = s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = round_parser("hybrid", __doc__, "tiny hybrids: checks the harness")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset")
+    args = p.parse_args(argv)
+    fill_round_defaults(args)
+    families = [f for f in args.families.split(",") if f]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
+
+    from bench.harness.stages import describe_machine_apart
+
+    started = time.perf_counter()
+    work = Path(args.work_dir)
+    logs = work / ("hybrid-quick" if args.quick else "hybrid")
+    logs.mkdir(parents=True, exist_ok=True)
+    print("[hybrid] machine", flush=True)
+    machine = describe_machine_apart(logs)
+    results = {}
+    for family in families:
+        fam_started = time.perf_counter()
+        results[family] = run_family(args, family, logs / family)
+        results[family]["seconds"] = round(time.perf_counter() - fam_started, 1)
+    report: dict[str, Any] = {
+        "settings": {
+            "quick": args.quick,
+            "dtype": DTYPE,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "streams": list(STREAMS),
+            "c1_rounds": args.c1_rounds,
+            "c16_rounds": args.c16_rounds,
+            "seed": args.seed,
+            "backends": {f: list(BACKENDS[f]) for f in families},
+            "command": command_line("hybrid", argv),
+            "total_seconds": round(time.perf_counter() - started, 1),
+        },
+        "machine": machine,
+        "families": results,
+    }
+    report["summary"] = summarize(report)
+    from bench.suites.hybrid_report import write_report
+
+    write_report(report, Path(args.out))
+    status = 0
+    for family, s in report["summary"].items():
+        if s.get("agreement_passed") is False and family not in PEER_DEVIATES:
+            print(f"[hybrid] {family}: the backends' first greedy tokens differ", file=sys.stderr)
+            status = 1
+        if not s["concurrency_ok"]:
+            print(f"[hybrid] {family}: an engine holds fewer than {max(STREAMS)} requests",
+                  file=sys.stderr)  # fmt: skip
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

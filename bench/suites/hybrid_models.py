@@ -1,0 +1,237 @@
+"""The hybrid suite's checkpoints: Qwen3-Next, Granite 4.0-H and DeepSeek-V3 at a benchmark
+size with random weights (the tests' tiny ones with --quick), and their descriptions (parameters,
+state and KV bytes per request)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device; vLLM's CPU backend too
+VOCAB = 32000
+MOE = {"num_experts": 8, "top_k": 2}
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_next": {
+        "num_layers": 8,
+        "full_attention_interval": 4,
+        "hidden_size": 1024,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        **MOE,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": VOCAB,
+    },
+    "granite": {
+        "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
+        "hidden_size": 1024,
+        "num_heads": 16,
+        "num_kv_heads": 4,  # attention head size: hidden / heads = 64
+        "attention_multiplier": 1 / 64,  # Granite's 1 / head_dim
+        "mamba_n_heads": 32,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        **MOE,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 512,
+        "vocab_size": VOCAB,
+    },
+    "deepseek_v3": {
+        "num_layers": 8,
+        "first_k_dense_replace": 1,
+        "hidden_size": 1024,
+        "num_heads": 16,
+        "q_lora_rank": 384,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": MOE["num_experts"],
+        "top_k": MOE["top_k"],
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 2048,
+        "vocab_size": VOCAB,
+    },
+}
+# vLLM's CPU MLA kernel takes 576-value latent rows only.
+QUICK_KWARGS: dict[str, dict[str, Any]] = {
+    "qwen3_next": {},
+    "granite": {"mamba_n_groups": 1},
+    "deepseek_v3": {
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    },
+}
+WEIGHT_STD = 0.02
+STDS = {
+    "qwen3_next": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
+    "granite": {"weight_std": WEIGHT_STD, "embed_std": WEIGHT_STD / 2},
+    "deepseek_v3": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
+}
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
+    """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
+    with one group)."""
+    from vllm_metal.testing.tiny_deepseek_v3 import write_tiny_deepseek_v3
+    from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+    from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
+
+    writer = {
+        "qwen3_next": write_tiny_qwen3_next,
+        "granite": write_tiny_granitemoehybrid,
+        "deepseek_v3": write_tiny_deepseek_v3,
+    }[family]
+    name = f"{family}-tiny" if quick else f"{family}-hybrid-random"
+    path = Path(work) / "models" / f"{name}-{DTYPE}"
+    if quick:
+        kwargs: dict[str, Any] = dict(QUICK_KWARGS[family])
+    else:
+        kwargs = {**SHAPES[family], **STDS[family]}
+    stamp = {"kind": family, "kwargs": kwargs, "dtype": DTYPE, "seed": seed, "format": 1}
+    stamp_file = path / "bench_model.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return path
+    writer(path, dtype=DTYPE, seed=seed, **kwargs)
+    if not quick:
+        from bench.harness.checkpoints import pad_tokenizer
+
+        pad_tokenizer(path / "tokenizer.json", kwargs["vocab_size"])
+    stamp_file.write_text(json.dumps(stamp, indent=2) + "\n")
+    return path
+
+
+def describe_hybrid_model(path: Path) -> dict[str, Any]:
+    """Shape, layer pattern, total and active parameters (per token: everything but the experts
+    the router skips and, when untied, the embedding, which is only gathered), KV bytes per token
+    and state bytes per request, from config.json and the safetensors header."""
+    from bench.harness.checkpoints import safetensors_sizes
+
+    c = json.loads((path / "config.json").read_text())
+    sizes = safetensors_sizes(path / "model.safetensors")
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[c["dtype"]]
+    family = {"qwen3_next": _gated_delta, "granitemoehybrid": _mamba2, "deepseek_v3": _latent}
+    shape = family[c["model_type"]](c, itemsize)
+    sparse = re.compile(r"\.mlp\.experts\.|\.block_sparse_moe\.(input|output)_linear\.")
+    expert_bytes = sum(v for n, v in sizes.items() if sparse.search(n))
+    other = sum(v for n, v in sizes.items() if not sparse.search(n))
+    tied = c.get("tie_word_embeddings", False)
+    active = other - (0 if tied else sizes["model.embed_tokens.weight"])
+    active += expert_bytes * c["num_experts_per_tok"] // shape["num_experts"]
+    return {
+        "path": str(path),
+        "name": path.name,
+        "architecture": c["architectures"][0],
+        "dtype": c["dtype"],
+        "num_layers": c["num_hidden_layers"],
+        "hidden_size": c["hidden_size"],
+        "num_heads": c["num_attention_heads"],
+        "experts_per_token": c["num_experts_per_tok"],
+        "vocab_size": c["vocab_size"],
+        "tied_embeddings": tied,
+        "num_parameters": sum(sizes.values()) // itemsize,
+        "active_parameters_per_token": active // itemsize,
+        **shape,
+    }
+
+
+def _gated_delta(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    state = c["linear_num_value_heads"] * c["linear_value_head_dim"] * c["linear_key_head_dim"]
+    mixer = {
+        "key_heads": c["linear_num_key_heads"],
+        "value_heads": c["linear_num_value_heads"],
+        "key_head_dim": c["linear_key_head_dim"],
+        "value_head_dim": c["linear_value_head_dim"],
+    }
+    return _with_state(
+        c, itemsize, "Gated DeltaNet", mixer, c["head_dim"], state,
+        conv=(c["linear_conv_kernel_dim"], 2 * key_dim + value_dim),
+        experts=(c["num_experts"], c["moe_intermediate_size"],
+                 c["shared_expert_intermediate_size"]),
+    )  # fmt: skip
+
+
+def _mamba2(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    inner = c["mamba_n_heads"] * c["mamba_d_head"]
+    mixer = {
+        "heads": c["mamba_n_heads"],
+        "head_dim": c["mamba_d_head"],
+        "state": c["mamba_d_state"],
+        "groups": c["mamba_n_groups"],
+    }
+    return _with_state(
+        c, itemsize, "Mamba-2", mixer, c["hidden_size"] // c["num_attention_heads"],
+        inner * c["mamba_d_state"],
+        conv=(c["mamba_d_conv"], inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]),
+        experts=(c["num_local_experts"], c["intermediate_size"], c["shared_intermediate_size"]),
+    )  # fmt: skip
+
+
+def _with_state(c: dict[str, Any], itemsize: int, mixer: str, mixer_shape: dict[str, Any],
+                head_dim: int, state: int, conv: tuple[int, int],
+                experts: tuple[int, int, int]) -> dict[str, Any]:  # fmt: skip
+    """A hybrid's fields: its state layers (float32 state plus the convolution window) and
+    attention layers."""
+    layer_types = c["layer_types"]
+    attention = [t for t in layer_types if t in ("full_attention", "attention")]
+    state_layers = len(layer_types) - len(attention)
+    kernel, conv_dim = conv
+    return {
+        "layer_types": layer_types,
+        "mixer": mixer,
+        "mixer_shape": mixer_shape,
+        "state_layers": state_layers,
+        "attention_layers": len(attention),
+        "num_kv_heads": c["num_key_value_heads"],
+        "head_dim": head_dim,
+        "num_experts": experts[0],
+        "expert_intermediate_size": experts[1],
+        "shared_intermediate_size": experts[2],
+        "kv_bytes_per_token": 2 * len(attention) * c["num_key_value_heads"] * head_dim * itemsize,
+        "state_bytes_per_request": state_layers * (4 * state + (kernel - 1) * conv_dim * itemsize),
+    }
+
+
+def _latent(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    """DeepSeek-V3's fields: every layer MLA, caching one latent row per token."""
+    layers = c["num_hidden_layers"]
+    dense = c["first_k_dense_replace"]
+    row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    return {
+        "layer_types": ["mla"] * layers,
+        "mixer": "MLA",
+        "mixer_shape": {
+            "q_lora_rank": c["q_lora_rank"],
+            "kv_lora_rank": c["kv_lora_rank"],
+            "rope_dim": c["qk_rope_head_dim"],
+            "nope_dim": c["qk_nope_head_dim"],
+            "value_dim": c["v_head_dim"],
+            "dense_layers": dense,
+            "dense_intermediate_size": c["intermediate_size"],
+        },
+        "state_layers": 0,
+        "attention_layers": layers,
+        "num_kv_heads": 1,
+        "head_dim": row,
+        "num_experts": c["n_routed_experts"],
+        "expert_intermediate_size": c["moe_intermediate_size"],
+        "shared_intermediate_size": c["moe_intermediate_size"] * c["n_shared_experts"],
+        "kv_bytes_per_token": layers * row * itemsize,
+        "state_bytes_per_request": 0,
+    }

@@ -1,0 +1,281 @@
+"""`hybrid.md` and `hybrid.png` from the results of `python -m bench.run hybrid`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.harness.report.format import (
+    BACKEND_NAMES,
+    WORKER_COLUMNS,
+    cases_table,
+    gib,
+    machine_line,
+    millions,
+    num,
+    quick_note,
+    threads_cell,
+    worker_cells,
+)
+from bench.harness.report.publish import publish, regenerate
+from bench.suites.hybrid import PEER_DEVIATES
+
+QUICK_NOTE = quick_note("the tiny models")
+FAMILY_NAMES = {
+    "qwen3_next": "Qwen3-Next",
+    "granite": "Granite 4.0-H",
+    "deepseek_v3": "DeepSeek-V3",
+}
+NO_CPU_PEER = (
+    "vLLM's CPU backend is not run for Qwen3-Next: its Gated DeltaNet CPU kernel "
+    "(`cpu_gdn_attention_core`) asserts bfloat16 inputs, so its engine dies on the first step of a "
+    'float32 model ("CPU GDN attention requires BF16"). It does run the model in bfloat16, but '
+    "that is another computation than the plugin's float32 (other matmul kernels and precision, "
+    "no meaningful agreement check), so the plugin runs alone here."
+)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _pattern(types: list[str]) -> str:
+    short = {
+        "linear_attention": "L",
+        "full_attention": "A",
+        "mamba": "M",
+        "attention": "A",
+        "mla": "A",
+    }
+    return "".join(short.get(t, "?") for t in types)
+
+
+def _latent_model_line(d: dict[str, Any]) -> str:
+    m = d["mixer_shape"]
+    return (
+        f"`{d['name']}` ({d['architecture']}, {d['num_layers']} MLA layers of {d['num_heads']} "
+        f"heads: query LoRA rank {m['q_lora_rank']}, latent {m['kv_lora_rank']} + rotary "
+        f"{m['rope_dim']}, nope / value head dims {m['nope_dim']} / {m['value_dim']}; hidden "
+        f"{d['hidden_size']}; {m['dense_layers']} dense layer (intermediate "
+        f"{m['dense_intermediate_size']}), then per layer {d['num_experts']} experts of "
+        f"intermediate {d['expert_intermediate_size']}, top-{d['experts_per_token']}, and a shared "
+        f"expert of {d['shared_intermediate_size']}; vocabulary {d['vocab_size']:,}; "
+        f"{millions(d['num_parameters'])} M parameters, "
+        f"{millions(d['active_parameters_per_token'])} M active per token; latent KV "
+        f"{d['kv_bytes_per_token'] / 1024:g} KiB per token; {d['dtype']})"
+    )
+
+
+def _model_line(d: dict[str, Any]) -> str:
+    m = d["mixer_shape"]
+    if d["mixer"] == "MLA":
+        return _latent_model_line(d)
+    if d["mixer"] == "Gated DeltaNet":
+        mixer = (
+            f"{d['state_layers']} Gated DeltaNet layers ({m['key_heads']} key heads of "
+            f"{m['key_head_dim']}, {m['value_heads']} value heads of {m['value_head_dim']})"
+        )
+    else:
+        mixer = (
+            f"{d['state_layers']} Mamba-2 layers ({m['heads']} heads of {m['head_dim']}, state "
+            f"{m['state']}, {m['groups']} group{'s' if m['groups'] != 1 else ''})"
+        )
+    return (
+        f"`{d['name']}` ({d['architecture']}, {d['num_layers']} layers "
+        f"`{_pattern(d['layer_types'])}`: {mixer} and {d['attention_layers']} attention "
+        f"layer{'s' if d['attention_layers'] != 1 else ''} "
+        f"({d['num_heads']} query / "
+        f"{d['num_kv_heads']} KV heads of {d['head_dim']}); hidden {d['hidden_size']}; per layer "
+        f"{d['num_experts']} experts of intermediate {d['expert_intermediate_size']}, top-"
+        f"{d['experts_per_token']}, and a shared expert of {d['shared_intermediate_size']}; "
+        f"vocabulary {d['vocab_size']:,}{' (tied)' if d['tied_embeddings'] else ''}; "
+        f"{millions(d['num_parameters'])} M parameters, "
+        f"{millions(d['active_parameters_per_token'])} M active per token; state "
+        f"{_mib(d['state_bytes_per_request'])} per request, attention KV "
+        f"{d['kv_bytes_per_token'] / 1024:g} KiB per token; {d['dtype']})"
+    )
+
+
+def _idle_memory_lines(rows: list[dict[str, Any]] | None) -> list[str]:
+    """Each backend's idle resident memory at two KV cache sizes, and what the larger adds."""
+    if not rows:
+        return []
+    sizes = sorted({r["kv_cache_bytes"] for r in rows})
+    by = {(r["backend"], r["kv_cache_bytes"]): r["idle_rss_bytes"] for r in rows}
+    head = " | ".join(f"idle, KV cache {b / 2**30:g} GiB" for b in sizes)
+    lines = [
+        "",
+        "Memory held by an idle engine (started, no request; one engine at a time):",
+        "",
+        f"| backend | {head} | added by {(sizes[-1] - sizes[0]) / 2**30:g} GiB more KV cache |",
+        "|---|" + "---:|" * (len(sizes) + 1),
+    ]
+    for be in dict.fromkeys(r["backend"] for r in rows):
+        cells = " | ".join(gib(by[(be, b)]) for b in sizes)
+        added = by[(be, sizes[-1])] - by[(be, sizes[0])]
+        lines.append(f"| {BACKEND_NAMES[be]} | {cells} | {gib(added)} |")
+    return lines
+
+
+def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int) -> list[str]:
+    cases, backends = r["cases"], list(r["workers"])
+    name = FAMILY_NAMES[family]
+    lines = [f"## {name}", "", f"Model: {_model_line(r['model'])}, random weights.", ""]
+    if "cpu" in backends:
+        lines += [
+            "Plugin / vLLM CPU, side by side in the same run:",
+            "",
+            (
+                "| streams | plugin decode tok/s | vLLM CPU decode tok/s | plugin / vLLM CPU | "
+                "plugin TPOT ms | vLLM CPU TPOT ms |"
+            ),
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n in sorted({c["streams"] for c in cases.values()}):
+            p, c = cases[f"c{n}_plugin"], cases[f"c{n}_cpu"]
+            lines.append(
+                f"| {n} | {num(p['decode_tok_s'])} | {num(c['decode_tok_s'])} | "
+                f"{num(s['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x | {num(p['median_tpot_ms'])} | "
+                f"{num(c['median_tpot_ms'])} |"
+            )
+    else:
+        lines += [
+            NO_CPU_PEER,
+            "",
+            "| streams | plugin decode tok/s | plugin TPOT ms |",
+            "|---:|---:|---:|",
+        ]
+        for n in sorted({c["streams"] for c in cases.values()}):
+            p = cases[f"c{n}_plugin"]
+            lines.append(f"| {n} | {num(p['decode_tok_s'])} | {num(p['median_tpot_ms'])} |")
+    lines += ["", f"{big} streams against 1 (decode tok/s):", ""]
+    lines += [f"- {BACKEND_NAMES[be]}: {v:.2f}x" for be, v in s[f"c{big}_vs_c1"].items()]
+    a = r.get("agreement")
+    if family in PEER_DEVIATES:
+        lines += ["", PEER_DEVIATES[family]]
+    if a:
+        lines += [
+            "",
+            (
+                f"Agreement (one {big}-stream round, plugin vs vLLM CPU): {a['identical']} of "
+                f"{a['requests']} greedy continuations identical, first token equal in "
+                f"{a['first_token_equal']}; tokens in common from the start: "
+                f"{', '.join(str(x) for x in a['common_prefix_tokens'])}; "
+                f"{a['distinct_continuations']} distinct continuations on the plugin. "
+                f"Passed (every first token equal): {'yes' if a['passed'] else 'NO'}."
+            ),
+        ]
+    lines += ["", *cases_table(cases)]
+    lines += [
+        "",
+        f"| backend | {WORKER_COLUMNS} | threads |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]
+    for be, w in r["workers"].items():
+        lines.append(f"| {BACKEND_NAMES[be]} | {worker_cells(w)} | {threads_cell(be, w)} |")
+    lines += _idle_memory_lines(r.get("idle_memory"))
+    ok = s["concurrency_ok"]
+    lines += [
+        "",
+        (
+            f"Every engine holds {big} requests of {r['engine']['max_model_len']} tokens at once "
+            f"(vLLM's logged maximum concurrency ≥ {big}), so none was preempted."
+            if ok
+            else f"**An engine holds fewer than {big} requests at once: rounds may have "
+            "preempted.**"
+        ),
+    ]
+    return lines
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    st, summary, fams = report["settings"], report["summary"], report["families"]
+    big = max(st["streams"])
+    lines = [
+        "# Hybrid and latent-attention decode: Qwen3-Next, Granite 4.0-H, DeepSeek-V3",
+        "",
+        (
+            f"Generated by `python -m bench.run hybrid{' --quick' if st.get('quick') else ''}` in "
+            f"{st['total_seconds']:.0f} s. Raw figures: `hybrid.json`."
+        ),
+        "",
+        machine_line(report.get("machine") or {}),
+        "",
+        *([QUICK_NOTE, ""] if st.get("quick") else []),
+        (
+            f"Greedy decoding, EOS ignored, {st['input_len']}-token prompts and {st['output_len']} "
+            f"output tokens, {st['dtype']}, the same engine arguments on every engine (prefix "
+            f"caching off, `kv_cache_memory_bytes` "
+            f"{next(iter(fams.values()))['engine']['kv_cache_memory_bytes'] / 2**20:.0f} MiB). "
+            f"1 stream: {st['c1_rounds']} round(s) of one request; {big} streams: "
+            f"{st['c16_rounds']} round(s) of {big} requests at once, after one warm-up round of "
+            "each size. Decode tok/s = streams / median TPOT (prefill excluded); output tok/s = "
+            "tokens / wall time of a round (prefill included). Where two backends run, their "
+            "workers run side by side and get each round in turn (the first backend alternating); "
+            "a round starts once the previous round's worker is idle again. Random weights "
+            "(N(0, 0.02)): these figures are about the machinery, not any released checkpoint's "
+            "quality. MLX here runs on the CPU: nothing in this report is an Apple GPU figure."
+        ),
+        "",
+        (
+            "Resident memory when idle: the worker's process and its engine core's, once the "
+            "engine is up (weights loaded, warm-up done, KV cache allocated) and before any "
+            "request. vLLM's CPU backend writes its whole KV cache at allocation; the plugin "
+            "reserves its pool and the OS commits a page when a step first writes it "
+            "(`kv.pool.uncommitted`), so an idle plugin holds little of it."
+        ),
+        "",
+        "| family | streams | plugin decode tok/s | vLLM CPU decode tok/s | plugin / vLLM CPU |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for family, r in fams.items():
+        for n in st["streams"]:
+            p = r["cases"][f"c{n}_plugin"]
+            c = r["cases"].get(f"c{n}_cpu")
+            ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+            lines.append(
+                f"| {FAMILY_NAMES[family]} | {n} | {num(p['decode_tok_s'])} | "
+                f"{num(c['decode_tok_s']) if c else 'not run'} | "
+                f"{num(ratio, 2) + 'x' if ratio is not None else '—'} |"
+            )
+    for family, r in fams.items():
+        lines += ["", *_family_section(family, r, summary[family], big)]
+    lines += ["", "![Hybrid decode throughput](hybrid.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict[str, Any], plt: Any) -> Any:
+    fams, summary = report["families"], report["summary"]
+    streams = report["settings"]["streams"]
+    panels = [(f, n) for f in fams for n in streams]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels), 4.2), squeeze=False)
+    colors = {"plugin": "tab:blue", "cpu": "tab:gray"}
+    for ax, (family, n) in zip(axes[0], panels):
+        cases = fams[family]["cases"]
+        backends = [be for be in BACKEND_NAMES if f"c{n}_{be}" in cases]
+        values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in backends]
+        bars = ax.bar([BACKEND_NAMES[be] for be in backends], values,
+                      color=[colors[be] for be in backends])  # fmt: skip
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
+        label = "1 stream" if n == 1 else f"{n} streams"
+        ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+        sub = f"plugin / CPU {num(ratio, 2)}x" if ratio is not None else "no vLLM CPU peer"
+        ax.set_title(f"{FAMILY_NAMES[family]}, {label}\n{sub}", fontsize=9)
+        ax.set_ylim(0, max(values) * 1.18)
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][0].set_ylabel("decode tok/s (streams / TPOT)")
+    title = "Hybrid and MLA decode (MLX on CPU), plugin vs vLLM CPU"
+    if report["settings"].get("quick"):
+        title += " (quick run: tiny models)"
+    fig.suptitle(title)
+    return fig
+
+
+def write_report(report: dict[str, Any], out: Any) -> list[Any]:
+    return publish(report, out, "hybrid", _markdown, _plot)
+
+
+def regenerate_report(folder: Path) -> None:
+    """The markdown and plot again from the JSON in `folder`."""
+    regenerate(folder, "hybrid", _markdown, _plot)

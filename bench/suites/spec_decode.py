@@ -1,0 +1,343 @@
+"""Speculative decoding: TPOT and throughput with and without `--speculative-config`, one run.
+
+Every case is one `vllm.LLM` in a fresh process, on the benchmark checkpoint (`bench/harness/checkpoints.py`),
+with the same prompts and output length:
+
+- single stream, greedy (the *repetitive* workload: the random model's greedy continuation falls
+  into a short cycle within a few tokens, so, as in a code edit, most of what comes next is
+  already in the context), plain / n-gram / draft model;
+- single stream, sampled at temperature 1 (the *non-repetitive* workload: the random model's
+  distribution is close to uniform, so drafts are almost never right), plain / n-gram / draft
+  model, and the two speculative ones again with the back-off off (what it saves);
+- 8 and 32 concurrent requests, greedy, plain / n-gram.
+
+The target is the benchmark checkpoint made *draftable* (`bench.harness.checkpoints.write_draftable`): the
+layers between the second and the last add nothing and the last adds a scaled-down part, so its
+first two layers (the draft: those layers with the embeddings, norm and head) predict most of its
+tokens, as a trained draft would; the target still runs every layer at full size, so its decode
+cost is the benchmark checkpoint's. Each case records the median TPOT, output tok/s and vLLM's
+spec-decode counters. Ratios are taken between cases of the same run.
+
+    python -m bench.run spec_decode --out docs/benchmarks            # ~15 min on 2 cores
+    python -m bench.run spec_decode --quick --out /tmp/spec-quick    # tiny model, checks the harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.checkpoints import write_draftable, write_layer_subset, write_model
+from bench.harness.report.format import num
+from bench.harness.report.publish import publish, regenerate, targets_table
+from bench.harness.single_stream import make_prompts
+from bench.harness.stages import python_stage, suite_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+DRAFT_TOKENS = 3
+DRAFT_LAYERS = 2
+# Scale of the draftable target's last layer: its 2-layer draft then agrees on ~70% of greedy
+# tokens (0.2 gives ~80%, 0.5 ~30%, measured with mlx-lm on the 0.6B checkpoint).
+LAST_LAYER_SCALE = 0.3
+GREEDY = {"temperature": 0.0}
+SAMPLED = {"temperature": 1.0, "seed": 0}
+TARGETS = {
+    "ngram_repetitive_tpot_speedup": 1.5,  # plain TPOT / n-gram TPOT, greedy single stream
+    "ngram_non_repetitive_tpot_speedup": 0.95,  # the same, sampled
+}
+
+
+def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
+    draft_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
+    out = []
+    for workload, params in (("repetitive", GREEDY), ("non_repetitive", SAMPLED)):
+        out += [
+            {"name": f"plain_{workload}", "spec": None, "params": params, "concurrency": 1},
+            {"name": f"ngram_{workload}", "spec": NGRAM, "params": params, "concurrency": 1},
+            {"name": f"draft_{workload}", "spec": draft_cfg, "params": params, "concurrency": 1},
+        ]
+    out += [
+        # Speculative decoding runs with async scheduling off: what that alone costs.
+        {"name": "plain_non_repetitive_sync", "spec": None, "params": SAMPLED, "concurrency": 1,
+         "engine": {"async_scheduling": False}},
+        {"name": "ngram_non_repetitive_no_backoff", "spec": NGRAM, "params": SAMPLED,
+         "concurrency": 1, "backoff": False},
+        {"name": "draft_non_repetitive_no_backoff", "spec": draft_cfg, "params": SAMPLED,
+         "concurrency": 1, "backoff": False},
+    ]  # fmt: skip
+    for n in concurrency:
+        out += [
+            {"name": f"plain_c{n}", "spec": None, "params": GREEDY, "concurrency": n},
+            {"name": f"ngram_c{n}", "spec": NGRAM, "params": GREEDY, "concurrency": n},
+        ]
+    return out
+
+
+# ------------------------------------------------------------------ one case (in its own process)
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            value = getattr(metric, "value", None)
+            found[metric.name.removeprefix("vllm:spec_decode_")] = (
+                value if value is not None else getattr(metric, "values", None)
+            )
+    return found
+
+
+def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    n = case["concurrency"]
+    engine: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": args.input_len + args.output_len + 16,
+        "max_num_seqs": max(1, n),
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "seed": 0,
+        "disable_log_stats": False,
+    }
+    if case["spec"] is not None:
+        engine["speculative_config"] = case["spec"]
+    engine.update(case.get("engine", {}))
+    started = time.perf_counter()
+    llm = LLM(**engine)
+    engine_start_s = time.perf_counter() - started
+
+    def params(i: int) -> Any:
+        p = dict(case["params"])
+        if "seed" in p:
+            p["seed"] += i
+        return SamplingParams(max_tokens=args.output_len, ignore_eos=True, **p)
+
+    prompts = make_prompts(args.num_prompts * max(1, n) + 1, args.input_len, args.seed)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+    before = _spec_counters(llm)
+
+    tpots, rates = [], []
+    for r in range(args.num_prompts):
+        batch = prompts[1 + r * n : 1 + (r + 1) * n]
+        start = time.perf_counter()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            [params(r * n + i) for i in range(len(batch))],
+            use_tqdm=False,
+        )
+        wall = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+        for o in outs:
+            m, k = o.metrics, len(o.outputs[0].token_ids)
+            tpots.append((m.last_token_ts - m.first_token_ts) / max(1, k - 1) * 1e3)
+    after = _spec_counters(llm)
+    counters = {
+        k: (
+            [a - b for a, b in zip(v, before.get(k) or [0] * len(v))]
+            if isinstance(v, list)
+            else v - (before.get(k) or 0)
+        )
+        for k, v in after.items()
+    }
+    drafts, drafted = counters.get("num_drafts", 0), counters.get("num_draft_tokens", 0)
+    accepted = counters.get("num_accepted_tokens", 0)
+    return {
+        **case,
+        "engine_start_s": round(engine_start_s, 1),
+        "median_tpot_ms": statistics.median(tpots),
+        "output_tok_s": statistics.median(rates),
+        "spec_counters": counters,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+# ------------------------------------------------------------------------------- the whole run
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def ratio(num: str, den: str, key: str, invert: bool = False) -> float | None:
+        a, b = results.get(num, {}).get(key), results.get(den, {}).get(key)
+        if not a or not b:
+            return None
+        return round(b / a if invert else a / b, 3)
+
+    speedups = {}
+    for workload in ("repetitive", "non_repetitive"):
+        for method in ("ngram", "draft"):
+            speedups[f"{method}_{workload}_tpot_speedup"] = ratio(
+                f"{method}_{workload}", f"plain_{workload}", "median_tpot_ms", invert=True
+            )
+        for method in ("ngram", "draft"):
+            name = f"{method}_{workload}_no_backoff"
+            if name in results:
+                speedups[f"{name}_tpot_speedup"] = ratio(
+                    name, f"plain_{workload}", "median_tpot_ms", invert=True
+                )
+    for name in results:
+        if name.startswith("ngram_c"):
+            n = name.removeprefix("ngram_c")
+            speedups[f"ngram_c{n}_throughput_speedup"] = ratio(name, f"plain_c{n}", "output_tok_s")
+    targets = {
+        key: {"goal": goal, "measured": speedups.get(key),
+              "met": speedups.get(key) is not None and speedups[key] >= goal}
+        for key, goal in TARGETS.items()
+    }  # fmt: skip
+    return {"speedups": speedups, "targets": targets}
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    cases = report["cases"]
+    summary = report["summary"]
+    lines = [
+        "# Speculative decoding",
+        "",
+        (
+            f"Generated by `python -m bench.run spec_decode` in {s['total_seconds']:.0f} s. Raw "
+            "figures: `spec_decode.json`. How to read them: `README.md` (*Speculative decoding*)."
+        ),
+        "",
+        (
+            f"Model `{Path(s['model']).name}` ({s['dtype']}), draft `{Path(s['draft']).name}`. "
+            f"Prompts {s['input_len']} tokens, outputs {s['output_len']} tokens (EOS ignored), "
+            f"{s['num_prompts']} rounds per case. n-gram: {s['ngram']['num_speculative_tokens']}"
+            f" tokens, lookup {s['ngram']['prompt_lookup_min']}-{s['ngram']['prompt_lookup_max']};"
+            f" draft model: {s['draft_tokens']} tokens."
+        ),
+        "",
+        *targets_table(summary["targets"], "≥"),
+    ]
+    lines += [
+        "",
+        "## Cases",
+        "",
+        (
+            "| case | concurrency | back-off | TPOT ms | output tok/s | acceptance "
+            "| mean accepted length | drafts |"
+        ),
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in cases.items():
+        spec = c.get("spec_counters") or {}
+        lines.append(
+            f"| {name} | {c['concurrency']} | {'on' if c.get('backoff', True) else 'off'} | "
+            f"{num(c.get('median_tpot_ms'))} | {num(c.get('output_tok_s'), 2)} | "
+            f"{num(c.get('acceptance_rate'), 2)} | {num(c.get('mean_acceptance_length'), 2)} | "
+            f"{spec.get('num_drafts', 0) if c.get('spec') else '—'} |"
+        )
+    lines += ["", "## Ratios (same run)", "", "| ratio | value |", "|---|---:|"]
+    for key, value in summary["speedups"].items():
+        lines.append(f"| {key} | {num(value, 2)}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict[str, Any], plt: Any) -> Any:
+
+    speedups = {k: v for k, v in report["summary"]["speedups"].items() if v is not None}
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(speedups) + 1.2))
+    names = list(speedups)
+    values = [speedups[n] for n in names]
+    colors = ["tab:green" if v >= 1.0 else "tab:red" for v in values]
+    ax.barh(names, values, color=colors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speculative / plain (TPOT speedup, or output tok/s ratio)")
+    ax.invert_yaxis()
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.2f}x", va="center")
+    return fig
+
+
+def write_report(report: dict[str, Any], out: Path) -> list[Path]:
+    return publish(report, out, "spec_decode", _markdown, _plot)
+
+
+def regenerate_report(folder: Path) -> None:
+    """The markdown and plot again from the JSON in `folder`."""
+    regenerate(folder, "spec_decode", _markdown, _plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = suite_parser("spec_decode", __doc__, "tiny model: checks the harness")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
+    p.add_argument("--num-prompts", type=int, default=2, help="rounds per case")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in-process
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.output_len is None:
+        args.output_len = 8 if args.quick else 64
+
+    if args.case is not None:  # a child process: run one case
+        result = run_case(json.loads(args.case), args)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        return 0
+
+    import os
+
+    work = Path(args.work_dir) / "models"
+    source = write_model(work, "tiny" if args.quick else "0.6b", args.dtype)
+    model = write_draftable(source, work / f"{source.name}-draftable", DRAFT_LAYERS,
+                            LAST_LAYER_SCALE)  # fmt: skip
+    draft = write_layer_subset(model, work / f"{model.name}-first{DRAFT_LAYERS}", DRAFT_LAYERS)
+    logs = Path(args.work_dir) / "spec_decode"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    common = [
+        "--model", str(model), "--dtype", args.dtype, "--input-len", str(args.input_len),
+        "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+        "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
+    ]  # fmt: skip
+    for case in cases(str(draft), args.concurrency):
+        print(f"[spec_decode] {case['name']}", flush=True)
+        backoff = case.pop("backoff", True)
+        os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
+        results[case["name"]] = python_stage(
+            "bench.suites.spec_decode",
+            [*common, "--case", json.dumps(case)],
+            args.timeout,
+            logs / f"{case['name']}.log",
+        )
+        results[case["name"]]["backoff"] = backoff
+    os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
+    report = {
+        "settings": {
+            "model": str(model),
+            "draft": str(draft),
+            "dtype": args.dtype,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "concurrency": args.concurrency,
+            "ngram": NGRAM,
+            "draft_tokens": DRAFT_TOKENS,
+            "total_seconds": round(time.perf_counter() - started, 1),
+        },
+        "cases": results,
+        "summary": summarize(results),
+    }
+    write_report(report, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Proves the benchmark harness's pieces that need no engine: stage records, the server helpers'
+parsing, report cells, the suite list, and the main run's and torch_backend suite's summaries
+and reports from hand-made results."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.harness import servers
+from bench.harness.decode_rounds import agreement
+from bench.harness.report.format import cases_table, machine_line, num, quick_note
+from bench.harness.report.publish import publish, targets_table
+from bench.harness.stages import StageLog, blas_log_lines, kv_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_stage_log_records_ok_error_and_skipped(tmp_path: Path) -> None:
+    log = StageLog(tmp_path / "r.json", ("a", "b", "c"), ["a", "b"])
+    log.run("a", lambda: {"x": 1})
+    log.run("b", lambda: 1 / 0)
+    log.run("c", lambda: {"never": True})
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["a"]["status"] == "ok" and saved["a"]["x"] == 1
+    assert saved["b"]["status"] == "error" and "ZeroDivisionError" in saved["b"]["error"]
+    assert saved["c"] == {"status": "skipped", "reason": "not in --stages"}
+    assert log.failed() == ["b"]
+
+
+def test_blas_lines_and_kv_bytes() -> None:
+    text = "x CPU BLAS for MLX: mkl, 2 threads\ny\nz CPU BLAS for MLX: mkl, 2 threads\n"
+    assert blas_log_lines(text) == ["mkl, 2 threads"]
+    assert kv_bytes({"kv_bytes_per_token": 1}, 100, 1) == 64 * 2**20  # the floor
+    big = kv_bytes({"kv_bytes_per_token": 2**16}, 1024, 32)
+    assert big == int(1.5 * 32 * (64 + 1) * 16 * 2**16)
+
+
+def test_free_port_is_bindable_and_log_tail_reads_the_end(tmp_path: Path) -> None:
+    port = servers.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(f"line {i}" for i in range(100)))
+    assert servers.log_tail(log, 2) == "line 98\nline 99"
+    assert servers.log_tail(tmp_path / "missing.log") == "(no server log)"
+
+
+def test_prometheus_samples_are_parsed_with_their_labels() -> None:
+    text = (
+        "# HELP vllm:x counter\n"
+        'vllm:prompt_tokens_cached_by_source_total{model_name="m",source="host"} 288.0\n'
+        "vllm:num_preemptions_total 3\n"
+    )
+    assert servers.parse_metrics(text) == [
+        ("vllm:prompt_tokens_cached_by_source_total", {"model_name": "m", "source": "host"}, 288.0),
+        ("vllm:num_preemptions_total", {}, 3.0),
+    ]
+
+
+def test_agreement_counts_common_prefixes() -> None:
+    a = agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 5, 6]])
+    assert a["identical"] == 1 and a["common_prefix_tokens"] == [2, 3] and a["passed"]
+    assert not agreement([[1]], [[2]])["passed"]
+
+
+def test_report_cells_and_publish(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
+    assert num(None) == "—" and num(1.234, 2) == "1.23"
+    assert "harness" in quick_note("the tiny model")
+    line = machine_line({"cpu": "C", "machine": "x86_64", "logical_cores": 2, "ram_bytes": 2**31,
+                         "git": {"commit": "abcdef123", "dirty": True}})  # fmt: skip
+    assert line.startswith("Measured on C") and "abcdef1 (dirty tree)" in line
+    case = {"rounds": 1, "median_tpot_ms": 10.0, "decode_tok_s": 100.0, "output_tok_s": 90.0,
+            "median_ttft_ms": 5.0, "round_s": [0.5]}  # fmt: skip
+    assert cases_table({"c1_plugin": case})[-1].startswith("| c1_plugin | 1 | 10.0 | 100.0 |")
+    rows = targets_table({"t": {"goal": 1.0, "measured": 0.5, "met": False}}, "≥")
+    assert rows[-1] == "| t | ≥ 1.0x | 0.50x | missed |"
+
+    def plot(report: dict, plt: object) -> object:
+        fig, ax = plt.subplots()  # type: ignore[attr-defined]
+        ax.plot([1, 2], [report["v"], report["v"]])
+        return fig
+
+    written = publish({"v": 1}, tmp_path, "x", lambda r: f"# {r['v']}\n", plot)
+    assert json.loads((tmp_path / "x.json").read_text()) == {"v": 1}
+    assert (tmp_path / "x.md").read_text() == "# 1\n"
+    assert [p.name for p in written] == ["x.md", "x.png"]
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_suite_list_names_every_suite_module() -> None:
+    from bench.run import SUITES
+
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--list"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    names = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert names == [s.name for s in SUITES]
+    for suite in SUITES:
+        assert (ROOT / "bench" / "suites" / f"{suite.name}.py").is_file(), suite.name
+
+
+def test_summary_compares_the_plugin_with_vllm_cpu_at_32() -> None:
+    """The targets computed from hand-made serve runs (no processes)."""
+    from bench.suites.main import TARGETS
+    from bench.suites.main_summary import summarize, targets_section
+
+    def runs(tok_s: dict[int, float], tpot: float) -> dict:
+        return {"status": "ok", "runs": [
+            {"concurrency": c, "output_throughput": v, "mean_tpot_ms": tpot * c / v,
+             "mean_ttft_ms": 100.0} for c, v in tok_s.items()]}  # fmt: skip
+
+    results = {
+        "machine": {"status": "ok", "mlx_device": "Device(cpu, 0)"},
+        "model": {"dtype": "bfloat16", "weight_bytes_per_token": 10**9},
+        "bandwidth": {"status": "ok", "gbps": {"roofline": 20.0}},
+        "serve_plugin": runs({1: 5.0, 32: 80.0}, 200.0),
+        "serve_cpu": runs({1: 10.0, 32: 100.0}, 100.0),
+    }
+    summary = summarize(results, TARGETS)
+    vs = summary["targets"]["plugin_32_vs_cpu_32"]
+    assert vs["value"] == pytest.approx(0.8) and vs["met"] is False and vs["concurrency"] == 32
+    agg = summary["targets"]["aggregate_32_vs_single"]
+    assert agg["value"] == pytest.approx(16.0) and agg["met"] is True
+    assert summary["plugin_compute_dtype"] == "float32"
+    assert summary["roofline_compute_tok_s"] == pytest.approx(summary["roofline_tok_s"] / 2)
+    text = "\n".join(targets_section(summary))
+    assert "| output tok/s at 32 concurrent, plugin / vLLM CPU | ≥ 1.0x | 0.80x | missed |" in text
+    assert "1.25x short of the goal" in text
+
+
+def test_torch_backend_bench_command_line_and_report(tmp_path: Path) -> None:
+    """The torch_backend suite's command line and report without engines (its `--quick` run is
+    in tests/bench/test_suites.py)."""
+    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
+    from bench.harness.stages import BACKEND_ENV
+    from bench.suites import torch_backend as tb
+
+    args = tb.parse_args(["--quick"])
+    assert args.streams == tb.STREAMS == (1, 32)
+    assert (args.input_len, args.output_len, args.c1_rounds, args.c32_rounds) == (16, 8, 1, 1)
+    assert args.model_size == "tiny"
+    full = tb.parse_args([])
+    assert (full.input_len, full.output_len, full.model_size) == (128, 64, "0.17b")
+    assert tb.parse_args(["--c32-rounds", "5"]).c32_rounds == 5
+    assert BACKEND_ENV["torch"] == {"VLLM_METAL_BACKEND": "mps"}
+    assert BACKEND_ENV["cpu"] == {"VLLM_TARGET_DEVICE": "cpu"}
+    assert BACKEND_ENV["mlx"] == {"VLLM_METAL_BACKEND": "mlx"}
+
+    # A hand-made run: torch and vLLM CPU measured, MLX failed at start.
+    def case(n: int, tpot: float) -> dict:
+        return {"streams": n, "rounds": 1, "median_tpot_ms": tpot, "decode_tok_s": n * 1e3 / tpot,
+                "output_tok_s": 1.0, "median_ttft_ms": 5.0, "round_s": [0.5]}  # fmt: skip
+
+    worker = {"engine_start_s": 1.0, "platform": "P", "warmup_s": [0.1, 0.2],
+              "kv": {"kv_cache_tokens": 4096, "max_concurrency": 40.0}}  # fmt: skip
+    report = {
+        "settings": {
+            "quick": True,
+            "model_size": "tiny",
+            "weight_std": 0.3,
+            "dtype": "float32",
+            "input_len": 16,
+            "output_len": 8,
+            "streams": [1, 32],
+            "c1_rounds": 1,
+            "c32_rounds": 1,
+            "order": list(tb.BACKENDS),
+            "command": "python -m bench.torch_backend",
+            "total_seconds": 9.0,
+        },
+        "model": {
+            "name": "m",
+            "architecture": "Qwen3ForCausalLM",
+            "num_layers": 2,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "vocab_size": 768,
+            "tied_embeddings": False,
+            "num_parameters": 10**6,
+            "dtype": "float32",
+        },
+        "engine": {
+            "max_num_seqs": 32,
+            "kv_cache_memory_bytes": 2**26,
+            "enforce_eager": True,
+            "max_model_len": 40,
+        },
+        "engines": {
+            "torch": {"status": "ok"},
+            "cpu": {"status": "ok"},
+            "mlx": {
+                "status": "error",
+                "error": "RuntimeError: boom",
+                "log": "x.log",
+                "log_tail": "Traceback ...",
+            },
+        },
+        "engines_ok": ["torch", "cpu"],
+        "workers": {"torch": worker, "cpu": worker},
+        "cases": {
+            "c1_torch": case(1, 20.0),
+            "c32_torch": case(32, 40.0),
+            "c1_cpu": case(1, 10.0),
+            "c32_cpu": case(32, 50.0),
+        },
+        "agreement": tb.compare({"torch": [[1, 2], [3, 4]], "cpu": [[1, 2], [3, 5]]}),
+    }
+    report["summary"] = s = tb.summarize(report)
+    assert s["ratios"] == {"c1_torch_vs_cpu": 0.5, "c1_mlx_vs_torch": None,
+                           "c32_torch_vs_cpu": 1.25, "c32_mlx_vs_torch": None}  # fmt: skip
+    assert s["c32_vs_c1"] == {"torch": 16.0, "cpu": 6.4}
+    assert s["failed"] == ["mlx"] and s["concurrency_ok"]
+    a = report["agreement"]
+    assert a["all_identical"] == 1 and a["pairs"]["torch_vs_cpu"]["common_prefix_tokens"] == [2, 1]
+    tb.write_report(report, tmp_path)
+    text = (tmp_path / "torch-backend.md").read_text()
+    assert "| 32 | 800.0 | 640.0 | failed | 1.25x | — |" in text
+    assert "**1/2 identical**" in text and "## MLX (plugin): failed" in text
+    assert (tmp_path / "torch-backend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
