@@ -54,6 +54,10 @@ TARGETS = {
 }
 
 
+# `--quick` runs one case of each kind (each case is an engine start of its own).
+QUICK_CASES = ("plain_repetitive", "ngram_repetitive", "draft_repetitive")
+
+
 def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
     draft_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
     out = []
@@ -307,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
     ]  # fmt: skip
-    for case in cases(str(draft), args.concurrency):
+    chosen = cases(str(draft), args.concurrency)
+    if args.quick:  # one engine of each kind: plain, n-gram, draft model
+        chosen = [c for c in chosen if c["name"] in QUICK_CASES]
+    for case in chosen:
         print(f"[spec_decode] {case['name']}", flush=True)
         backoff = case.pop("backoff", True)
         os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
