@@ -41,21 +41,22 @@ class Suite:
 
 SUITES = (
     Suite("main", "single stream and `vllm serve`: mlx-lm, the plugin, vLLM CPU, start-up",
-          ("results",), ("--stages", "machine,bandwidth,mlx_lm,plugin_offline,serve_plugin,startup")),
-    Suite("attention", "paged-attention decode kernel against pure-MLX baselines",
-          ("attention_decode",)),
-    Suite("profile", "where a decode step's time goes (pyinstrument, in-process engine)",
-          ("profile",)),
+          ("results",), ("--stages", "machine,bandwidth,mlx_lm,plugin_offline,serve_plugin,startup",
+                         "--input-len", "16", "--output-len", "8", "--num-prompts", "1")),
+    Suite("speech", "Whisper speech-to-text through `vllm serve`", ("speech",)),
+    Suite("vision", "one-image chat completions through `vllm serve`", ("vision",)),
     Suite("moe", "mixture-of-experts decode, plugin against vLLM CPU", ("moe",)),
     Suite("hybrid", "Qwen3-Next, Granite 4.0-H and DeepSeek-V3 decode", ("hybrid",)),
     Suite("gguf", "GGUF and MLX-quantized checkpoints against dense", ("gguf",)),
-    Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
-    Suite("pooling", "embedding throughput, plugin against vLLM CPU", ("pooling",)),
-    Suite("speech", "Whisper speech-to-text through `vllm serve`", ("speech",)),
-    Suite("vision", "one-image chat completions through `vllm serve`", ("vision",)),
-    Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
-    Suite("kv_offload", "KV offload tiers: host and disk against recomputing", ("kv_offload",)),
     Suite("torch_backend", "the torch backend against vLLM CPU and MLX", ("torch-backend",)),
+    Suite("pooling", "embedding throughput, plugin against vLLM CPU", ("pooling",)),
+    Suite("kv_offload", "KV offload tiers: host and disk against recomputing", ("kv_offload",)),
+    Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
+    Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
+    Suite("profile", "where a decode step's time goes (pyinstrument, in-process engine)",
+          ("profile",)),
+    Suite("attention", "paged-attention decode kernel against pure-MLX baselines",
+          ("attention_decode",)),
     Suite("sliding_window_blocks", "KV blocks a sliding-window model holds",
           ("sliding_window_blocks",)),
     Suite("blas_matmul", "MLX float32 matmul under each CPU BLAS", ("blas_matmul",)),
@@ -69,17 +70,18 @@ def list_suites() -> str:
 
 
 def run_all_quick(out: Path, work: Path, names: list[str], timeout: float) -> int:
-    """Every suite in `names` with --quick, each in a process of its own, one after another;
-    `quick-all.json` in `out` records each one's status, seconds and log."""
+    """Every suite in `names` with --quick, each in a process of its own, one after another, all
+    on one work folder (checkpoints written once); `quick-all.json` in `out` records each one's
+    status, seconds and log."""
     out.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
     record: dict[str, dict] = {}
     started = time.perf_counter()
     for name in names:
         suite = BY_NAME[name]
         cmd = [sys.executable, "-m", suite.module, "--quick", "--out", str(out),
-               "--work-dir", str(work / name), *suite.quick_args]  # fmt: skip
-        log = work / f"{name}.log"
+               "--work-dir", str(work), *suite.quick_args]  # fmt: skip
+        log = work / "logs" / f"{name}.log"
         print(f"== {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         with open(log, "w", encoding="utf-8") as f:

@@ -31,7 +31,7 @@ def quick(
     cmd = [sys.executable, "-m", "bench.run", "--quick", "--all",
            "--out", str(out), "--work-dir", str(work)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
-    print(proc.stderr[-3000:])
+    print(f"bench.run --quick --all into {out}:\n{proc.stderr[-3000:]}")
     record = json.loads((out / "quick-all.json").read_text())
     return out, record, proc
 
@@ -171,10 +171,12 @@ def test_main_run_report_and_plots_are_written(quick: tuple) -> None:
 
 def test_attention_kernel_cells_agree_with_the_reference(quick: tuple) -> None:
     data = results(quick, "attention", "attention_decode")
-    assert data["cells"]
+    checked = [cell for cell in data["cells"] if "max_abs_diff" in cell]
+    assert checked, "no cell was checked against the baselines"
     for cell in data["cells"]:
-        assert cell["native_ms"] > 0 and cell["speedup"] > 0, cell
-        assert cell["max_abs_diff"] < 1e-3, cell
+        assert cell["native_ms"] > 0, cell
+    for cell in checked:
+        assert cell["speedup"] > 0 and cell["max_abs_diff"] < 1e-3, cell
     report_text(quick, "attention_decode", ())
 
 
