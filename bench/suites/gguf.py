@@ -47,7 +47,6 @@ from bench.harness.stages import command_line, suite_parser
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ("gguf_q4_0", "mlx_q4_g32", "mlx_q4_g64", "dense")
 DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device
 

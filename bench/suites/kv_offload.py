@@ -43,7 +43,6 @@ from bench.harness.workers import add_worker_arguments, reply_pipe
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (each worker is this module with --reply-fd).
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPE = "float32"
 BLOCK = 16
 CASES = ("recomputed", "host", "disk")

@@ -36,7 +36,6 @@ from bench.harness.checkpoints import write_model
 from bench.harness.single_stream import make_prompts
 from bench.harness.stages import python_stage, suite_parser
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK = 16
 ALPHA = 16
 ADAPTER_SEEDS = (1, 2)  # one adapter per seed; --max-loras is their number

@@ -45,7 +45,6 @@ from bench.harness.workers import Worker, close_all
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
 
-ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("decoder", "encoder")
 BACKENDS = ("plugin", "cpu")
 BATCHES = (1, 32)

@@ -38,7 +38,6 @@ from bench.harness.report.publish import publish, regenerate, targets_table
 from bench.harness.single_stream import make_prompts
 from bench.harness.stages import python_stage, suite_parser
 
-ROOT = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 DRAFT_TOKENS = 3

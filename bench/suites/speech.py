@@ -61,7 +61,6 @@ from bench.suites.speech_servers import (
 # run in processes of their own, and this one only sends requests (and must stay idle between
 # them).
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("plugin", "cpu")
 # whisper-tiny's shapes (its vocabulary aside: the tiny Whisper tokenizer's 2,113 tokens).
 SHAPE = {"d_model": 384, "num_layers": 4, "num_heads": 6, "ffn_dim": 1536}

@@ -83,7 +83,6 @@ from bench.suites.vision_servers import (
 # Nothing here imports the plugin, MLX or torch at module level: the servers run in processes of
 # their own, and this one only sends requests (and must stay idle between them).
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("plugin", "cpu")
 FULL_CASE = {"image_size": 512, "max_tokens": 64}
 QUICK_CASE = {"image_size": 64, "max_tokens": 16}

@@ -19,6 +19,7 @@ from bench.harness.report.publish import publish, targets_table
 from bench.harness.stages import StageLog, blas_log_lines, kv_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_stage_log_records_ok_error_and_skipped(tmp_path: Path) -> None:
@@ -226,3 +227,28 @@ def test_torch_backend_bench_command_line_and_report(tmp_path: Path) -> None:
     assert "| 32 | 800.0 | 640.0 | failed | 1.25x | — |" in text
     assert "**1/2 identical**" in text and "## MLX (plugin): failed" in text
     assert (tmp_path / "torch-backend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_regenerates_every_committed_report(tmp_path: Path) -> None:
+    """`bench.run report DIR` writes every report in docs/benchmarks again from its JSON: the
+    same markdown (but for the command named in the first lines) and a PNG for each."""
+    pytest.importorskip("matplotlib", reason="the reports' plots need matplotlib")
+    import shutil
+
+    docs = ROOT / "docs" / "benchmarks"
+    folder = tmp_path / "benchmarks"
+    shutil.copytree(docs, folder, ignore=shutil.ignore_patterns("*.md", "*.png"))
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "report", str(folder)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stems = [p.stem for p in docs.glob("*.json")]
+    assert len(stems) >= 12
+    for stem in stems:
+        committed = (docs / f"{stem}.md").read_text().splitlines()
+        written = (folder / f"{stem}.md").read_text().splitlines()
+        assert len(written) == len(committed), stem
+        differ = [i for i, (a, b) in enumerate(zip(written, committed)) if a != b]
+        # Only the generating command may read differently (`bench.X` -> `bench.run X`).
+        assert all("bench" in committed[i] and i < 10 for i in differ), (stem, differ)
+    for png in docs.glob("*.png"):
+        assert (folder / png.name).read_bytes()[:8] == PNG, png.name
