@@ -349,7 +349,8 @@ def test_kv_offload_tiers(quick: tuple) -> None:
     assert data["problems"] == []
     assert set(data["cases"]) == set(CASES)
     for name, case in data["cases"].items():
-        assert case["median_ttft_s"] > 0 and case["engine_start_s"] > 0, name
+        assert case["median_ttft_s"] > 0, name
+        assert case["engine_start_s"] and all(s > 0 for s in case["engine_start_s"]), name
     report_text(quick, "kv_offload", ())
 
 
