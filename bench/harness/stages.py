@@ -54,14 +54,23 @@ def process_env(backend: str | None = None) -> dict[str, str]:
 
 def suite_parser(name: str, description: str | None, quick_help: str) -> argparse.ArgumentParser:
     """A suite's command line with the options every suite has: `--out` (the results folder),
-    `--quick` (`quick_help` says what it runs) and `--work-dir` (checkpoints, logs)."""
+    `--quick` (`quick_help` says what it runs), `--peers` (with `--quick`, also the engines that
+    exist only to compare; see `runs_peers`) and `--work-dir` (checkpoints, logs)."""
     p = argparse.ArgumentParser(prog=f"python -m bench.run {name}", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="results folder")
     p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--peers", action="store_true",
+                   help="run the peers (vLLM CPU, mlx-lm, other engines) under --quick too")  # fmt: skip
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"),
                    help="checkpoints (reused between runs) and logs")  # fmt: skip
     return p
+
+
+def runs_peers(args: argparse.Namespace) -> bool:
+    """Whether the engines that exist only to compare run: always in a full run; under `--quick`
+    only with `--peers` (a quick run checks the suite's own path with one engine)."""
+    return bool(getattr(args, "peers", False) or not args.quick)
 
 
 def command_line(name: str, argv: list[str] | None) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.harness.report.format import (
     BACKEND_NAMES,
+    NOT_MEASURED,
     WORKER_COLUMNS,
     cases_table,
     gib,
@@ -26,6 +27,7 @@ FAMILY_NAMES = {
     "granite": "Granite 4.0-H",
     "deepseek_v3": "DeepSeek-V3",
 }
+NOT_MEASURED_PEER = "vLLM CPU: not measured (`--quick` without `--peers` runs the plugin alone)."
 NO_CPU_PEER = (
     "vLLM's CPU backend is not run for Qwen3-Next: its Gated DeltaNet CPU kernel "
     "(`cpu_gdn_attention_core`) asserts bfloat16 inputs, so its engine dies on the first step of a "
@@ -112,8 +114,9 @@ def _idle_memory_lines(rows: list[dict[str, Any]] | None) -> list[str]:
     ]
     for be in dict.fromkeys(r["backend"] for r in rows):
         cells = " | ".join(gib(by[(be, b)]) for b in sizes)
-        added = by[(be, sizes[-1])] - by[(be, sizes[0])]
-        lines.append(f"| {BACKEND_NAMES[be]} | {cells} | {gib(added)} |")
+        # One size only (`--quick` without `--peers`): nothing to subtract.
+        added = gib(by[(be, sizes[-1])] - by[(be, sizes[0])]) if len(sizes) > 1 else NOT_MEASURED
+        lines.append(f"| {BACKEND_NAMES[be]} | {cells} | {added} |")
     return lines
 
 
@@ -139,8 +142,9 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
                 f"{num(c['median_tpot_ms'])} |"
             )
     else:
+        peer = "ratios" in s  # the family has a vLLM CPU peer, not run here
         lines += [
-            NO_CPU_PEER,
+            NOT_MEASURED_PEER if peer else NO_CPU_PEER,
             "",
             "| streams | plugin decode tok/s | plugin TPOT ms |",
             "|---:|---:|---:|",
@@ -233,10 +237,11 @@ def _markdown(report: dict[str, Any]) -> str:
             p = r["cases"][f"c{n}_plugin"]
             c = r["cases"].get(f"c{n}_cpu")
             ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+            missing = NOT_MEASURED if "ratios" in summary[family] else "not run"
             lines.append(
                 f"| {FAMILY_NAMES[family]} | {n} | {num(p['decode_tok_s'])} | "
-                f"{num(c['decode_tok_s']) if c else 'not run'} | "
-                f"{num(ratio, 2) + 'x' if ratio is not None else '—'} |"
+                f"{num(c['decode_tok_s']) if c else missing} | "
+                f"{num(ratio, 2) + 'x' if ratio is not None else missing if c is None else '—'} |"
             )
     for family, r in fams.items():
         lines += ["", *_family_section(family, r, summary[family], big)]
@@ -260,7 +265,9 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
         label = "1 stream" if n == 1 else f"{n} streams"
         ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
-        sub = f"plugin / CPU {num(ratio, 2)}x" if ratio is not None else "no vLLM CPU peer"
+        has_peer = "ratios" in summary[family]
+        sub = (f"plugin / CPU {num(ratio, 2)}x" if ratio is not None
+               else "vLLM CPU not measured" if has_peer else "no vLLM CPU peer")  # fmt: skip
         ax.set_title(f"{FAMILY_NAMES[family]}, {label}\n{sub}", fontsize=9)
         ax.set_ylim(0, max(values) * 1.18)
         ax.tick_params(axis="x", labelsize=8)

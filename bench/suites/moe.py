@@ -38,6 +38,7 @@ from typing import Any
 from bench.harness.decode_rounds import STREAMS, fill_round_defaults, round_parser
 from bench.harness.report.format import (
     BACKEND_NAMES,
+    NOT_MEASURED,
     cases_table,
     machine_line,
     millions,
@@ -46,7 +47,7 @@ from bench.harness.report.format import (
     threads_cell,
 )
 from bench.harness.report.publish import publish, regenerate
-from bench.harness.stages import command_line
+from bench.harness.stages import command_line, runs_peers
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
@@ -139,21 +140,26 @@ def describe_moe_model(path: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
-    """Both backends side by side on the checkpoint (`bench.decode_rounds.run`)."""
+    """Both backends side by side on the checkpoint (`bench.decode_rounds.run`); the plugin's
+    alone under `--quick` without `--peers`."""
     from bench.harness.decode_rounds import run as run_rounds
 
-    return run_rounds(args, describe_moe_model(model), logs, backends=BACKENDS, tag="moe", dtype=DTYPE)  # fmt: skip
+    backends = BACKENDS if runs_peers(args) else ("plugin",)
+    return run_rounds(args, describe_moe_model(model), logs, backends=backends, tag="moe", dtype=DTYPE)  # fmt: skip
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     cs, big = report["cases"], max(STREAMS)
+    backends = [be for be in BACKENDS if f"c1_{be}" in cs]
+    # None where vLLM CPU was not measured (`--quick` without `--peers`).
     ratios = {f"c{n}_plugin_vs_cpu": round(cs[f"c{n}_plugin"]["decode_tok_s"]
                                            / cs[f"c{n}_cpu"]["decode_tok_s"], 3)
-              for n in STREAMS}  # fmt: skip
+              if f"c{n}_cpu" in cs else None for n in STREAMS}  # fmt: skip
     batching = {be: round(cs[f"c{big}_{be}"]["decode_tok_s"] / cs[f"c1_{be}"]["decode_tok_s"], 2)
-                for be in BACKENDS}  # fmt: skip
+                for be in backends}  # fmt: skip
+    a = report["agreement"]
     return {"ratios": ratios, f"c{big}_vs_c1": batching,
-            "agreement_passed": report["agreement"]["passed"]}  # fmt: skip
+            "agreement_passed": None if a is None else a["passed"]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- report
@@ -208,25 +214,28 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for n in s["streams"]:
-        p, c = cases[f"c{n}_plugin"], cases[f"c{n}_cpu"]
+        p, c = cases[f"c{n}_plugin"], cases.get(f"c{n}_cpu")
+        cpu = (NOT_MEASURED, NOT_MEASURED, NOT_MEASURED) if c is None else (
+            num(c["decode_tok_s"]), f"{num(summary['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x",
+            num(c["median_tpot_ms"]))  # fmt: skip
         lines.append(
-            f"| {n} | {num(p['decode_tok_s'])} | {num(c['decode_tok_s'])} | "
-            f"{num(summary['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x | {num(p['median_tpot_ms'])} | "
-            f"{num(c['median_tpot_ms'])} |"
+            f"| {n} | {num(p['decode_tok_s'])} | {cpu[0]} | {cpu[1]} | "
+            f"{num(p['median_tpot_ms'])} | {cpu[2]} |"
         )
     lines += ["", f"{big} streams against 1 (decode tok/s):", ""]
     lines += [f"- {BACKEND_NAMES[be]}: {v:.2f}x" for be, v in summary[f"c{big}_vs_c1"].items()]
-    lines += [
-        "",
-        f"## Agreement (one {big}-stream round, plugin vs vLLM CPU)",
-        "",
-        (
+    lines += ["", f"## Agreement (one {big}-stream round, plugin vs vLLM CPU)", ""]
+    if a is None:
+        lines.append("Not measured: vLLM CPU did not run (`--quick` without `--peers`).")
+    else:
+        lines.append(
             f"{a['identical']} of {a['requests']} greedy continuations identical, first token "
             f"equal in {a['first_token_equal']}; tokens in common from the start: "
             f"{', '.join(str(x) for x in a['common_prefix_tokens'])}; "
             f"{a['distinct_continuations']} distinct continuations on the plugin. "
             f"Passed (every first token equal): {'yes' if a['passed'] else 'NO'}."
-        ),
+        )
+    lines += [
         "",
         "## Cases",
         "",
@@ -252,8 +261,10 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
     streams = report["settings"]["streams"]
     fig, axes = plt.subplots(1, len(streams), figsize=(3.4 * len(streams), 4.2))
     for ax, n in zip(axes, streams):
-        values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in BACKEND_NAMES]
-        bars = ax.bar(list(BACKEND_NAMES.values()), values, color=["tab:blue", "tab:gray"])
+        ran = [be for be in BACKEND_NAMES if f"c{n}_{be}" in cases]
+        values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in ran]
+        colors = {"plugin": "tab:blue", "cpu": "tab:gray"}
+        bars = ax.bar([BACKEND_NAMES[be] for be in ran], values, color=[colors[be] for be in ran])
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
         ratio = ratios.get(f"c{n}_plugin_vs_cpu")
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["summary"] = summarize(report)
     write_report(report, Path(args.out))
-    if not report["agreement"]["passed"]:
+    if report["agreement"] is not None and not report["agreement"]["passed"]:
         print("[moe] the backends' first greedy tokens differ; see the report", file=sys.stderr)
         return 1
     return 0

@@ -22,6 +22,10 @@ def quick_note(what: str) -> str:
     return f"*Quick run on {what}: it checks the harness; its figures are no speed claim.*"
 
 
+# A figure of a peer that a `--quick` run without `--peers` did not run.
+NOT_MEASURED = "not measured"
+
+
 def num(x: Any, nd: int = 1) -> str:
     """`x` with `nd` decimals, or a dash for None."""
     return "—" if x is None else f"{x:.{nd}f}"
