@@ -24,7 +24,9 @@ figures are known to measure the same work.
 
 `--quick`: the tiny decoder of `bench/harness/checkpoints.py`, the tiny `bert-embed` encoder of
 `tiny_encoders`, 3 batch-1 calls and 1 batch-32 call per case, and `enforce_eager` on both
-backends (vLLM's CPU backend then skips its torch.compile warm-up, most of its start-up there).
+backends (vLLM's CPU backend then skips its torch.compile warm-up, most of its start-up there);
+without `--peers` only the decoder on the plugin (one engine: every path of the suite but the
+encoder's checkpoint and the agreement), with `--peers` both models on both backends.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stages import command_line, suite_parser
+from bench.harness.stages import command_line, runs_peers, suite_parser
 from bench.harness.workers import Worker, close_all
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
@@ -93,14 +95,15 @@ def write_encoder(out_dir: Path, quick: bool, seed: int = 0) -> Path:
     return path
 
 
-def write_checkpoints(work: Path, quick: bool) -> dict[str, Path]:
+def write_checkpoints(work: Path, quick: bool, kinds: list[str]) -> dict[str, Path]:
     from bench.harness.checkpoints import write_model
 
     models = work / "models"
-    return {
-        "decoder": write_model(models, "tiny" if quick else "0.6b", DTYPE),
-        "encoder": write_encoder(models, quick),
+    write = {
+        "decoder": lambda: write_model(models, "tiny" if quick else "0.6b", DTYPE),
+        "encoder": lambda: write_encoder(models, quick),
     }
+    return {kind: write[kind]() for kind in kinds}
 
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
@@ -198,7 +201,9 @@ def _cosines(a_path: Path, b_path: Path) -> dict[str, Any]:
 
 
 def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    """Both backends' workers for one model, their calls alternated; the cases and the check."""
+    """Both backends' workers for one model, their calls alternated; the cases and the check
+    (the plugin's alone and no check under `--quick` without `--peers`)."""
+    backends = BACKENDS if runs_peers(args) else ("plugin",)
     b1_calls, b32_calls = args.b1_calls, args.b32_calls
     big = max(BATCHES)
     warm = [1, big]
@@ -216,10 +221,10 @@ def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> di
         kv = 64 << 20  # an encoder-only model has no KV cache; the argument must still be there
     engine = engine_args(path, kv, max_model_len, eager=args.quick)
 
-    print(f"[pooling] {kind}: starting both workers", flush=True)
+    print(f"[pooling] {kind}: starting {', '.join(backends)}", flush=True)
     started = time.perf_counter()
     workers = {be: Worker(f"{kind}_{be}", be, engine, inputs, logs / f"{kind}_{be}.log",
-                          args.timeout) for be in BACKENDS}  # fmt: skip
+                          args.timeout) for be in backends}  # fmt: skip
     try:
         ready = {be: w.receive() for be, w in workers.items()}
         both_ready_s = time.perf_counter() - started
@@ -234,7 +239,7 @@ def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> di
             """Call k: the same n inputs on both backends, the first backend alternating; each
             call starts once the previous one's worker is idle."""
             start = take(n)
-            order = BACKENDS if k % 2 == 0 else BACKENDS[::-1]
+            order = backends if k % 2 == 0 else backends[::-1]
             out = {}
             for be in order:
                 out[be] = workers[be].call(op="embed", start=start, n=n, save=(save or {}).get(be))
@@ -244,13 +249,13 @@ def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> di
         for n in warm:
             for be, r in round_robin(n, 0).items():
                 ready[be].setdefault("warmup_s", []).append(round(r["seconds"], 3))
-        calls: dict[int, dict[str, list[dict]]] = {b: {be: [] for be in BACKENDS} for b in BATCHES}
+        calls: dict[int, dict[str, list[dict]]] = {b: {be: [] for be in backends} for b in BATCHES}
         print(f"[pooling] {kind}: {b1_calls} batch-1 calls per backend", flush=True)
         for k in range(b1_calls):
             for be, r in round_robin(1, k).items():
                 calls[1][be].append(r)
         print(f"[pooling] {kind}: {b32_calls} batch-{big} calls per backend", flush=True)
-        saved = {be: str(logs / f"{kind}_{be}_embeddings.npy") for be in BACKENDS}
+        saved = {be: str(logs / f"{kind}_{be}_embeddings.npy") for be in backends}
         for k in range(b32_calls):
             for be, r in round_robin(big, k, saved if k == 0 else None).items():
                 calls[big][be].append(r)
@@ -260,7 +265,7 @@ def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> di
 
     out_cases: dict[str, dict[str, Any]] = {}
     for b in BATCHES:
-        for be in BACKENDS:
+        for be in backends:
             rs = calls[b][be]
             secs = [r["seconds"] for r in rs]
             tokens = [t for r in rs for t in r["tokens"]]
@@ -284,10 +289,12 @@ def run_model(kind: str, path: Path, args: argparse.Namespace, logs: Path) -> di
                 "embedding_dim": rs[0]["dim"],
             }
     token_lists = {be: [t for b in BATCHES for r in calls[b][be] for t in r["tokens"]]
-                   for be in BACKENDS}  # fmt: skip
-    check = _cosines(Path(saved["plugin"]), Path(saved["cpu"]))
-    check["same_token_counts"] = token_lists["plugin"] == token_lists["cpu"]
-    check["passed"] = check["passed"] and check["same_token_counts"]
+                   for be in backends}  # fmt: skip
+    check = None  # vLLM CPU not measured
+    if "cpu" in backends:
+        check = _cosines(Path(saved["plugin"]), Path(saved["cpu"]))
+        check["same_token_counts"] = token_lists["plugin"] == token_lists["cpu"]
+        check["passed"] = check["passed"] and check["same_token_counts"]
     worker_info = {}
     for be, w in workers.items():
         text = w.log.read_text(encoding="utf-8", errors="replace")
@@ -324,7 +331,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             one, big = cs.get(f"{m}_b1_{be}"), cs.get(f"{m}_b{max(BATCHES)}_{be}")
             if one and big:
                 batching[f"{m}_{be}"] = round(big["inputs_per_s"] / one["inputs_per_s"], 2)
-    checks = {m: report["models"][m]["agreement"]["passed"] for m in report["models"]}
+    checks = {m: a["passed"] for m in report["models"]
+              if (a := report["models"][m]["agreement"]) is not None}  # fmt: skip
     return {"ratios": ratios, "batch32_vs_batch1": batching, "agreement_passed": checks}
 
 
@@ -332,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     p = suite_parser("pooling", __doc__, "tiny models: checks the harness")
     p.add_argument("--b1-calls", type=int, default=None, help="batch-1 calls per case: 12 (3)")
     p.add_argument("--b32-calls", type=int, default=None, help="batch-32 calls per case: 2 (1)")
+    p.add_argument("--models", default=None,
+                   help="comma-separated subset of decoder,encoder: both (decoder with --quick, "
+                   "no --peers)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker reply")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -340,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         args.b1_calls = 3 if args.quick else 12
     if args.b32_calls is None:
         args.b32_calls = 1 if args.quick else 2
+    if args.models is None:
+        args.models = ",".join(MODELS) if runs_peers(args) else "decoder"
+    kinds = [m for m in args.models.split(",") if m]
+    if set(kinds) - set(MODELS):
+        p.error(f"unknown models {sorted(set(kinds) - set(MODELS))}; choose from {MODELS}")
 
     from bench.harness.stages import describe_machine_apart
 
@@ -349,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print("[pooling] machine", flush=True)
     machine = describe_machine_apart(logs)
-    paths = write_checkpoints(work, args.quick)
-    models = {kind: run_model(kind, paths[kind], args, logs) for kind in MODELS}
+    paths = write_checkpoints(work, args.quick, kinds)
+    models = {kind: run_model(kind, paths[kind], args, logs) for kind in kinds}
     report: dict[str, Any] = {
         "settings": {
             "quick": args.quick,

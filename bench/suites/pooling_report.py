@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import BACKEND_NAMES, machine_line, num, quick_note, threads_cell
+from bench.harness.report.format import (
+    BACKEND_NAMES,
+    NOT_MEASURED,
+    machine_line,
+    num,
+    quick_note,
+    threads_cell,
+)
 from bench.harness.report.publish import publish, regenerate
 
 QUICK_NOTE = quick_note("the tiny models")
@@ -54,13 +61,13 @@ def _markdown(report: dict[str, Any]) -> str:
         "| model | batch | plugin inputs/s | vLLM CPU inputs/s | plugin / vLLM CPU |",
         "|---|---:|---:|---:|---:|",
     ]
-    for key, ratio in summary["ratios"].items():
-        model, b = key.split("_")[0], int(key.split("_")[1][1:])
-        p, c = cases[f"{model}_b{b}_plugin"], cases[f"{model}_b{b}_cpu"]
-        lines.append(
-            f"| {model} | {b} | {num(p['inputs_per_s'], 2)} | {num(c['inputs_per_s'], 2)} | "
-            f"{num(ratio, 2)}x |"
-        )
+    for model in report["models"]:
+        for b in s["batches"]:
+            p, c = cases[f"{model}_b{b}_plugin"], cases.get(f"{model}_b{b}_cpu")
+            ratio = summary["ratios"].get(f"{model}_b{b}_plugin_vs_cpu")
+            cpu = (NOT_MEASURED, NOT_MEASURED) if c is None else (
+                num(c["inputs_per_s"], 2), f"{num(ratio, 2)}x")  # fmt: skip
+            lines.append(f"| {model} | {b} | {num(p['inputs_per_s'], 2)} | {cpu[0]} | {cpu[1]} |")
     lines += [
         "",
         "## Agreement (one batch-32 call, plugin vs vLLM CPU)",
@@ -73,6 +80,9 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     for kind, m in report["models"].items():
         a = m["agreement"]
+        if a is None:  # vLLM CPU did not run (--quick without --peers)
+            lines.append(f"| {kind} |" + f" {NOT_MEASURED} |" * 7)
+            continue
         lines.append(
             f"| {kind} | {a['inputs']} | {a['min_cosine']:.6f} | {a['mean_cosine']:.6f} | "
             f"{a['max_abs_diff']:.2e} | {'yes' if a['same_token_counts'] else 'NO'} | "
@@ -124,14 +134,18 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
     cases, ratios = report["cases"], report["summary"]["ratios"]
     batches = report["settings"]["batches"]
     groups = [(m, b) for m in report["models"] for b in batches]
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4.2))
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4.2), squeeze=False)
+    axes = axes[0]
+    colors = {"plugin": "tab:blue", "cpu": "tab:gray"}
     for ax, (m, b) in zip(axes, groups):
-        values = [cases[f"{m}_b{b}_{be}"]["inputs_per_s"] for be in BACKEND_NAMES]
-        bars = ax.bar(list(BACKEND_NAMES.values()), values, color=["tab:blue", "tab:gray"])
+        ran = [be for be in BACKEND_NAMES if f"{m}_b{b}_{be}" in cases]
+        values = [cases[f"{m}_b{b}_{be}"]["inputs_per_s"] for be in ran]
+        bars = ax.bar([BACKEND_NAMES[be] for be in ran], values, color=[colors[be] for be in ran])
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom")
         ratio = ratios.get(f"{m}_b{b}_plugin_vs_cpu")
-        ax.set_title(f"{m}, batch {b}\nplugin / CPU {num(ratio, 2)}x", fontsize=10)
+        sub = f"plugin / CPU {num(ratio, 2)}x" if ratio is not None else "vLLM CPU not measured"
+        ax.set_title(f"{m}, batch {b}\n{sub}", fontsize=10)
         ax.set_ylim(0, max(values) * 1.18)
         ax.tick_params(axis="x", labelsize=9)
     axes[0].set_ylabel("inputs/s (LLM.embed, ~128 tokens each)")
