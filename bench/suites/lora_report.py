@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import machine_line, num, quick_note
+from bench.harness.report.format import NOT_MEASURED, machine_line, num, quick_note
 from bench.harness.report.publish import publish, regenerate, targets_table
 
 QUICK_NOTE = quick_note("the tiny model")
@@ -44,9 +44,9 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     lines += ["", "## Ratios (same run)", "", "| ratio | value |", "|---|---:|"]
     for key, value in summary["ratios"].items():
-        lines.append(f"| {key} | {num(value, 2)}x |")
+        lines.append(f"| {key} | {NOT_MEASURED if value is None else num(value, 2) + 'x'} |")
     for key, ok in summary["checks"].items():
-        lines.append(f"| {key} | {'yes' if ok else 'NO'} |")
+        lines.append(f"| {key} | {NOT_MEASURED if ok is None else 'yes' if ok else 'NO'} |")
     lines += [
         "",
         "## Engine cases",

@@ -40,9 +40,11 @@ def targets_table(targets: dict[str, dict[str, Any]], relation: str) -> list[str
     "≥" or "≤"), met or missed."""
     lines = ["## Targets", "", "| target | goal | measured | status |", "|---|---:|---:|---|"]
     for key, t in targets.items():
-        measured = "—" if t["measured"] is None else f"{t['measured']:.2f}"
+        if t["measured"] is None:  # a case it needs did not run (`--quick` without `--peers`)
+            lines.append(f"| {key} | {relation} {t['goal']}x | not measured | — |")
+            continue
         status = "met" if t["met"] else "missed"
-        lines.append(f"| {key} | {relation} {t['goal']}x | {measured}x | {status} |")
+        lines.append(f"| {key} | {relation} {t['goal']}x | {t['measured']:.2f}x | {status} |")
     return lines
 
 
