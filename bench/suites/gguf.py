@@ -28,7 +28,9 @@ Everything here runs on MLX's CPU device; no figure says anything about Apple GP
     python -m bench.run gguf --out docs/benchmarks           # ~13 min on 2 cores
     python -m bench.run gguf --quick --out /tmp/gguf-quick   # tiny model, checks the harness
 
-`--quick`: the tests' tiny Qwen3, 8 output tokens, one round per case, `enforce_eager`.
+`--quick`: the tests' tiny Qwen3, 8 output tokens, one round per case, `enforce_eager`, and only
+the GGUF case (its engine and its layers; the others are there to compare with it, so its ratios
+are not measured); `--quick --peers` runs all four.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stages import command_line, suite_parser
+from bench.harness.stages import command_line, runs_peers, suite_parser
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
@@ -54,8 +56,9 @@ DTYPE = "float32"  # the plugin computes in float32 on MLX's CPU device
 # ------------------------------------------------------------------------------ checkpoints
 
 
-def write_checkpoints(work: Path, quick: bool, seed: int = 0) -> dict[str, Path]:
-    """The source checkpoint and its three quantized forms (reused when already written)."""
+def write_checkpoints(work: Path, quick: bool, seed: int = 0,
+                      cases: tuple[str, ...] = CASES) -> dict[str, Path]:  # fmt: skip
+    """The source checkpoint and the quantized forms of `cases` (reused when already written)."""
     from bench.harness.checkpoints import write_model
     from vllm_metal.testing.tiny_gguf import write_tiny_gguf
     from vllm_metal.testing.tiny_models import quantize_tiny_model
@@ -65,6 +68,8 @@ def write_checkpoints(work: Path, quick: bool, seed: int = 0) -> dict[str, Path]
     stamp = json.loads((src / "bench_model.json").read_text())
     paths = {"dense": src}
     for case, group in (("mlx_q4_g32", 32), ("mlx_q4_g64", 64)):
+        if case not in cases:
+            continue
         dst = src.with_name(f"{src.name}-{case}")
         if not _fresh(dst / "bench_model.json", stamp):
             quantize_tiny_model(src, dst, bits=4, group_size=group)
@@ -111,7 +116,8 @@ def engine_args(case: str, path: Path, src: Path, kv_bytes: int, max_model_len: 
     return args
 
 
-def run_engines(args: argparse.Namespace, paths: dict[str, Path], logs: Path) -> dict[str, Any]:
+def run_engines(args: argparse.Namespace, paths: dict[str, Path], logs: Path,
+                cases: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
     from bench.harness.checkpoints import describe_model
     from bench.harness.single_stream import make_prompts
     from bench.harness.stages import blas_log_lines, kv_bytes
@@ -127,13 +133,13 @@ def run_engines(args: argparse.Namespace, paths: dict[str, Path], logs: Path) ->
         case: Worker(f"gguf_{case}", "plugin",
                      engine_args(case, paths[case], src, kv, max_model_len, args.quick),
                      inputs, logs / f"engine_{case}.log", args.timeout)
-        for case in CASES
+        for case in cases
     }  # fmt: skip
-    calls: dict[str, list[dict]] = {case: [] for case in CASES}
+    calls: dict[str, list[dict]] = {case: [] for case in cases}
     try:
         ready = {case: w.receive() for case, w in workers.items()}
         for k in range(1 + args.rounds):  # round 0 warms up
-            order = CASES[k % len(CASES) :] + CASES[: k % len(CASES)]
+            order = cases[k % len(cases) :] + cases[: k % len(cases)]
             for case in order:
                 r = workers[case].call(op="generate", start=k, n=1,
                                        max_tokens=4 if k == 0 else args.output_len)  # fmt: skip
@@ -146,7 +152,7 @@ def run_engines(args: argparse.Namespace, paths: dict[str, Path], logs: Path) ->
     finally:
         close_all(list(workers.values()))
     out = {}
-    for case in CASES:
+    for case in cases:
         rs = calls[case]
         counts = [c for r in rs for c in r["tokens"]]
         assert counts == [args.output_len] * len(counts), (case, counts)
@@ -217,11 +223,12 @@ def layers_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_layers(args: argparse.Namespace, paths: dict[str, Path], logs: Path) -> dict[str, Any]:
+def run_layers(args: argparse.Namespace, paths: dict[str, Path], logs: Path,
+               cases: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
     from bench.harness.stages import python_stage
 
     out = {}
-    for case in CASES:
+    for case in cases:
         print(f"[gguf] quantized layers: {case}", flush=True)
         argv = ["--layers", "--model", str(paths[case]), "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--seed", str(args.seed)]  # fmt: skip
@@ -235,10 +242,12 @@ def run_layers(args: argparse.Namespace, paths: dict[str, Path], logs: Path) -> 
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    def ratios(section: str) -> dict[str, float]:
+    def ratios(section: str) -> dict[str, float | None]:
+        """Each case against MLX g64; None where g64 did not run (`--quick` without `--peers`)."""
         cs = report[section]
-        ref = cs["mlx_q4_g64"]["decode_tok_s"]
-        return {case: round(cs[case]["decode_tok_s"] / ref, 3) for case in CASES}
+        ref = cs["mlx_q4_g64"]["decode_tok_s"] if "mlx_q4_g64" in cs else None
+        return {case: None if ref is None else round(cs[case]["decode_tok_s"] / ref, 3)
+                for case in cs}  # fmt: skip
 
     return {"engine_vs_mlx_q4_g64": ratios("engine"), "layers_vs_mlx_q4_g64": ratios("layers")}
 
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine_apart(logs)
     print("[gguf] checkpoints", flush=True)
     t0 = time.perf_counter()
-    paths = write_checkpoints(work, args.quick, args.seed)
+    cases = CASES if runs_peers(args) else ("gguf_q4_0",)
+    paths = write_checkpoints(work, args.quick, args.seed, cases)
     checkpoints_s = time.perf_counter() - t0
     from bench.harness.checkpoints import describe_model
 
@@ -289,11 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "model": describe_model(paths["dense"]),
         "checkpoints": {
-            case: {"path": str(paths[case]), "bytes": _bytes_on_disk(paths[case])} for case in CASES
+            case: {"path": str(paths[case]), "bytes": _bytes_on_disk(paths[case])} for case in cases
         },
         "checkpoints_s": round(checkpoints_s, 1),
-        "engine": run_engines(args, paths, logs),
-        "layers": run_layers(args, paths, logs),
+        "engine": run_engines(args, paths, logs, cases),
+        "layers": run_layers(args, paths, logs, cases),
     }
     report["settings"]["total_seconds"] = round(time.perf_counter() - started, 1)
     report["summary"] = summarize(report)

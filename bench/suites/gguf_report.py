@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import machine_line, num, quick_note
+from bench.harness.report.format import NOT_MEASURED, machine_line, num, quick_note
 from bench.harness.report.publish import publish, regenerate
 
 QUICK_NOTE = quick_note("the tiny model")
@@ -29,6 +29,10 @@ def _checkpoints(seconds: float) -> str:
 
 def _range(values: list[float]) -> str:
     return f"{min(values):.0f}–{max(values):.0f}" if values else "—"
+
+
+def _vs(x: float | None) -> str:
+    return NOT_MEASURED if x is None else f"{x:.2f}x"
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -78,12 +82,15 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case, name in NAMES.items():
-        e = engine[case]
+        e = engine.get(case)
+        if e is None:  # --quick without --peers: the GGUF case alone
+            lines.append(f"| {name} |" + f" {NOT_MEASURED} |" * 7)
+            continue
         lines.append(
             f"| {name} | {_mib(files[case]['bytes'])} | {num(e['engine_start_s'])} | "
             f"{num(e.get('model_load_s'), 2)} | "
             f"{num(e['decode_tok_s'], 2)} | {num(e['median_tpot_ms'])} | "
-            f"{_range(e.get('tpot_ms', []))} | {summary['engine_vs_mlx_q4_g64'][case]:.2f}x |"
+            f"{_range(e.get('tpot_ms', []))} | {_vs(summary['engine_vs_mlx_q4_g64'][case])} |"
         )
     gguf_log = engine["gguf_q4_0"].get("load_log") or []
     if gguf_log:
@@ -105,11 +112,14 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for case, name in NAMES.items():
-        r = layers[case]
+        r = layers.get(case)
+        if r is None:
+            lines.append(f"| {name} |" + f" {NOT_MEASURED} |" * 5)
+            continue
         lines.append(
             f"| {name} | {r['quantized_layers']} | {_mib(r['weight_bytes'])} | "
             f"{num(r['load_s'], 2)} | {num(r['decode_tok_s'], 2)} | "
-            f"{summary['layers_vs_mlx_q4_g64'][case]:.2f}x |"
+            f"{_vs(summary['layers_vs_mlx_q4_g64'][case])} |"
         )
     lines += ["", "![GGUF Q4_0 against MLX 4-bit](gguf.png)"]
     return "\n".join(lines) + "\n"
@@ -117,13 +127,15 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
-    labels = [NAMES[c].replace(" (", "\n(") for c in NAMES]
-    colors = ["tab:orange", "tab:blue", "tab:cyan", "tab:gray"]
+    ran = [c for c in NAMES if c in report["engine"]]
+    labels = [NAMES[c].replace(" (", "\n(") for c in ran]
+    palette = dict(zip(NAMES, ["tab:orange", "tab:blue", "tab:cyan", "tab:gray"]))
+    colors = [palette[c] for c in ran]
     for ax, section, title in (
         (axes[0], "engine", "through the engine\n(served dense float32 on the CPU)"),
         (axes[1], "layers", "quantized layers kept\n(stock mlx-lm decode)"),
     ):
-        values = [report[section][c]["decode_tok_s"] for c in NAMES]
+        values = [report[section][c]["decode_tok_s"] for c in ran]
         bars = ax.bar(range(len(values)), values, color=colors)
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom")
