@@ -20,7 +20,10 @@ hit counters) and P's first token must be the same everywhere, or the run fails.
     python -m bench.run kv_offload --out docs/benchmarks                # ~8 min on 2 cores
     python -m bench.run kv_offload --quick --out /tmp/kv-offload-quick  # tiny model, checks the harness
 
-`--quick`: the tests' tiny Llama, 512-token prompts, 2 re-sends per case.
+`--quick`: the tests' tiny Llama, 512-token prompts, 2 re-sends per case; without `--peers` the
+recomputed case (the baseline) is left out and the tiers take two engines: one with both tiers
+serves P, Q1, Q2 and the re-sent P from the host tier while writing the disk tier, and one restart
+reads P from disk.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stages import command_line, suite_parser
+from bench.harness.stages import command_line, runs_peers, suite_parser
 from bench.harness.workers import add_worker_arguments, reply_pipe
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
@@ -213,7 +216,6 @@ def run(args: argparse.Namespace, model: Path, work: Path, logs: Path) -> dict[s
                  "env": {**base["env"], "VLLM_METAL_SSD_CACHE_DIR": str(disk_dir)}},
     }  # fmt: skip
     cold: dict[str, dict] = {}
-    resent: dict[str, list[dict]] = {c: [] for c in CASES}
     starts: dict[str, list[float]] = {c: [] for c in CASES}
     drops: list[dict[str, Any]] = []
     info: dict[str, Any] = {}  # the engines' ready messages (the same pool in each)
@@ -224,28 +226,37 @@ def run(args: argparse.Namespace, model: Path, work: Path, logs: Path) -> dict[s
         info.update(ready)
         return replies
 
+    peers = runs_peers(args)
+    cases = CASES if peers else ("host", "disk")
+    resent: dict[str, list[dict]] = {c: [] for c in cases}
     try:
-        for case in ("recomputed", "host"):  # W, P, then (Q1, Q2, P) x repeats
-            rs = run_one(case, case, ["W", "P", *["Q1", "Q2", "P"] * args.repeats])
-            cold[case], resent[case] = rs[1], rs[4::3]
-        cold["disk"] = run_one("disk", "disk_write", ["W", "P", "Q1", "Q2"])[1]
+        if peers:
+            for case in ("recomputed", "host"):  # W, P, then (Q1, Q2, P) x repeats
+                rs = run_one(case, case, ["W", "P", *["Q1", "Q2", "P"] * args.repeats])
+                cold[case], resent[case] = rs[1], rs[4::3]
+            cold["disk"] = run_one("disk", "disk_write", ["W", "P", "Q1", "Q2"])[1]
+        else:  # one engine with both tiers: the host tier's figures while the disk is written
+            rs = run_one("disk", "host_disk_write", ["W", "P", *["Q1", "Q2", "P"] * args.repeats])
+            cold["host"] = cold["disk"] = rs[1]
+            resent["host"] = rs[4::3]
+            starts["host"] = starts["disk"][:]
         files = sorted(disk_dir.rglob("*.kvb"))
         disk_bytes = sum(f.stat().st_size for f in files)
-        for k in range(args.repeats):
+        for k in range(args.repeats if peers else 1):
             drops.append(drop_page_cache(files))
             resent["disk"].append(run_one("disk", f"disk_read{k}", ["W", "P"])[1])
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
 
     full = n // BLOCK * BLOCK  # every full block (vLLM recomputes the last token's logits)
-    problems = [p for c in CASES for r in resent[c] for p in check(c, r, full)]
+    problems = [p for c in cases for r in resent[c] for p in check(c, r, full)]
     if len(files) != 3 * full // BLOCK:  # P, Q1 and Q2 written through
         problems.append(f"disk: {len(files)} block files, want {3 * full // BLOCK}")
-    first = {c: sorted({r["token_ids"][0] for r in [cold[c], *resent[c]]}) for c in CASES}
+    first = {c: sorted({r["token_ids"][0] for r in [cold[c], *resent[c]]}) for c in cases}
     if len({t for ts in first.values() for t in ts}) != 1:
         problems.append(f"P's first token differs between requests: {first}")
     out: dict[str, Any] = {}
-    for c in CASES:
+    for c in cases:
         rs = resent[c]
         out[c] = {
             "cold_ttft_s": cold[c]["ttft_s"],
@@ -263,8 +274,9 @@ def run(args: argparse.Namespace, model: Path, work: Path, logs: Path) -> dict[s
             "first_tokens": first[c],
             "engine_start_s": starts[c],
         }
-    for c in CASES:
-        out[c]["vs_recomputed"] = out[c]["median_ttft_s"] / out["recomputed"]["median_ttft_s"]
+    for c in cases:  # None where the baseline did not run (`--quick` without `--peers`)
+        rec = out.get("recomputed", {}).get("median_ttft_s")
+        out[c]["vs_recomputed"] = None if rec is None else out[c]["median_ttft_s"] / rec
     return {
         "model": desc,
         "engine": engines,

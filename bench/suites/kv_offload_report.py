@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import machine_line, quick_note
+from bench.harness.report.format import NOT_MEASURED, machine_line, quick_note
 from bench.harness.report.publish import publish, regenerate
 
 QUICK_NOTE = quick_note("the tiny model")
@@ -127,22 +127,32 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for c, name in CASE_NAMES.items():
-        r = cases[c]
+        r = cases.get(c)
+        if r is None:  # the baseline, left out by --quick without --peers
+            lines.append(f"| {name} |" + f" {NOT_MEASURED} |" * 7)
+            continue
         cached = sorted(set(r["num_cached_tokens"]))
+        vs = NOT_MEASURED if r["vs_recomputed"] is None else f"{r['vs_recomputed']:.3f}x"
         lines.append(
-            f"| {name} | {r['median_ttft_s']:.3f} | {r['vs_recomputed']:.3f}x | "
+            f"| {name} | {r['median_ttft_s']:.3f} | {vs} | "
             f"{', '.join(map(str, cached))} of {n} | {_f(r.get('median_wait_s'))} | "
             f"{_f(r.get('median_compute_s'))} | "
             f"{', '.join(f'{t:.3f}' for t in r['resent_ttft_s'])} | {r['cold_ttft_s']:.2f} |"
         )
-    rec = cases["recomputed"]["median_ttft_s"]
+    rec = cases.get("recomputed", {}).get("median_ttft_s")
     first = {t for r in cases.values() for t in r["first_tokens"]}
+    versus = (
+        f"Recomputing the prompt takes {rec / cases['host']['median_ttft_s']:.1f}x as long as "
+        f"loading it from the host tier and {rec / cases['disk']['median_ttft_s']:.1f}x as "
+        "long as loading it from disk."
+        if rec is not None
+        else "Recomputing the prompt: not measured (`--quick` without `--peers`; the host tier's "
+        "figures come from the engine that also wrote the disk tier)."
+    )
     lines += [
         "",
         (
-            f"Recomputing the prompt takes {rec / cases['host']['median_ttft_s']:.1f}x as long as "
-            f"loading it from the host tier and {rec / cases['disk']['median_ttft_s']:.1f}x as "
-            "long as loading it from disk. *Waiting for the load* is the engine core's time from "
+            f"{versus} *Waiting for the load* is the engine core's time from "
             "queueing the request to scheduling its forward (vLLM schedules a request whose KV is "
             "being loaded only once the load is in; without tiers it is ~0), *forward* from "
             "there to the first token (medians; vLLM's per-request timestamps). "
@@ -186,15 +196,16 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     cases = report["cases"]
-    labels = ["cold P\n(first request)", *[CASE_NAMES[c].replace(" (", "\n(") for c in CASE_NAMES]]
-    values = [cases["recomputed"]["cold_ttft_s"], *[cases[c]["median_ttft_s"] for c in CASE_NAMES]]
+    ran = [c for c in CASE_NAMES if c in cases]
+    labels = ["cold P\n(first request)", *[CASE_NAMES[c].replace(" (", "\n(") for c in ran]]
+    values = [cases[ran[0]]["cold_ttft_s"], *[cases[c]["median_ttft_s"] for c in ran]]
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
-    colors = ["tab:gray", "tab:red", "tab:blue", "tab:green"]
-    bars = ax.bar(labels, values, color=colors)
-    rec = cases["recomputed"]["median_ttft_s"]
+    palette = dict(zip(CASE_NAMES, ["tab:red", "tab:blue", "tab:green"]))
+    bars = ax.bar(labels, values, color=["tab:gray", *[palette[c] for c in ran]])
+    rec = cases.get("recomputed", {}).get("median_ttft_s")
     for i, (bar, v) in enumerate(zip(bars, values)):
         text = f"{v:.2f} s" if v >= 1 else f"{v:.3f} s"
-        if i >= 2:  # the tiers
+        if rec is not None and i >= 2:  # the tiers
             text += f"\n{rec / v:.1f}x faster"
         ax.text(bar.get_x() + bar.get_width() / 2, v, text, ha="center", va="bottom")
     ax.set_ylim(0, max(values) * 1.15)
