@@ -20,6 +20,10 @@ spec-decode counters. Ratios are taken between cases of the same run.
 
     python -m bench.run spec_decode --out docs/benchmarks            # ~15 min on 2 cores
     python -m bench.run spec_decode --quick --out /tmp/spec-quick    # tiny model, checks the harness
+
+`--quick`: the tiny model, 8 output tokens, one round, and the n-gram case of the repetitive
+workload alone (its speedups over plain decoding are then not measured); `--quick --peers` adds the
+plain and draft-model cases of that workload.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.checkpoints import write_draftable, write_layer_subset, write_model
-from bench.harness.report.format import num
+from bench.harness.report.format import NOT_MEASURED, num
 from bench.harness.report.publish import publish, regenerate, targets_table
 from bench.harness.single_stream import make_prompts
-from bench.harness.stages import python_stage, suite_parser
+from bench.harness.stages import python_stage, runs_peers, suite_parser
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
@@ -53,7 +57,8 @@ TARGETS = {
 }
 
 
-# `--quick` runs one case of each kind (each case is an engine start of its own).
+# `--quick --peers` runs one case of each kind (each case is an engine start of its own),
+# `--quick` the n-gram one.
 QUICK_CASES = ("plain_repetitive", "ngram_repetitive", "draft_repetitive")
 
 
@@ -243,7 +248,7 @@ def _markdown(report: dict[str, Any]) -> str:
         )
     lines += ["", "## Ratios (same run)", "", "| ratio | value |", "|---|---:|"]
     for key, value in summary["speedups"].items():
-        lines.append(f"| {key} | {num(value, 2)}x |")
+        lines.append(f"| {key} | {NOT_MEASURED if value is None else num(value, 2) + 'x'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=None, help="default 64 (8 with --quick)")
-    p.add_argument("--num-prompts", type=int, default=2, help="rounds per case")
+    p.add_argument("--num-prompts", type=int, default=None, help="rounds per case: 2 (1 quick)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
@@ -288,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.output_len is None:
         args.output_len = 8 if args.quick else 64
+    if args.num_prompts is None:
+        args.num_prompts = 1 if args.quick and not runs_peers(args) else 2
 
     if args.case is not None:  # a child process: run one case
         result = run_case(json.loads(args.case), args)
@@ -311,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
     ]  # fmt: skip
     chosen = cases(str(draft), args.concurrency)
-    if args.quick:  # one engine of each kind: plain, n-gram, draft model
-        chosen = [c for c in chosen if c["name"] in QUICK_CASES]
+    if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone
+        quick = QUICK_CASES if runs_peers(args) else ("ngram_repetitive",)
+        chosen = [c for c in chosen if c["name"] in quick]
     for case in chosen:
         print(f"[spec_decode] {case['name']}", flush=True)
         backoff = case.pop("backoff", True)
