@@ -8,6 +8,7 @@ from typing import Any
 from bench.harness.report.format import (
     BACKEND_NAMES,
     CPU_NOTE,
+    NOT_MEASURED,
     machine_line,
     num,
     per_backend,
@@ -30,6 +31,10 @@ def _model_line(d: dict[str, Any]) -> str:
     )
 
 
+def _same(x: bool | None) -> str:
+    return NOT_MEASURED + " (vLLM CPU did not run)" if x is None else yes(x)
+
+
 def _agreement_lines(a: dict[str, Any], max_tokens: int) -> list[str]:
     ref = a["reference"]
     stop = "stopping at <|endoftext|>" if ref["stopped_at_eos"] else "no <|endoftext|> among them"
@@ -37,7 +42,7 @@ def _agreement_lines(a: dict[str, Any], max_tokens: int) -> list[str]:
         (
             f"Requests answered: {per_backend(a['requests'])} (warm-up rounds included). "
             f"Distinct texts: {per_backend(a['distinct_texts'])}. Same text on both backends: "
-            f"**{yes(a['identical_across_backends'])}**; equal to transformers' float32 greedy "
+            f"**{_same(a['identical_across_backends'])}**; equal to transformers' float32 greedy "
             "transcription of the clip (trailing incomplete UTF-8 aside): "
             f"{per_backend(a['matches_reference'], yes)}."
         ),
@@ -51,7 +56,7 @@ def _agreement_lines(a: dict[str, Any], max_tokens: int) -> list[str]:
             f"that are no complete UTF-8 character). Passed: {yes(a['passed'])}."
         ),
     ]
-    if not a["identical_across_backends"]:
+    if a["identical_across_backends"] is False:
         lines += ["", f"First difference at character {a['first_difference_at_char']}:", ""]
         for be, texts in (a.get("texts_if_different") or {}).items():
             lines += [f"- {BACKEND_NAMES[be]}: " + "; ".join(f"`{t!r}`" for t in texts)]
@@ -109,11 +114,12 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for n in s["concurrency"]:
-        p, c = cases[f"c{n}_plugin"], cases[f"c{n}_cpu"]
+        p, c = cases[f"c{n}_plugin"], cases.get(f"c{n}_cpu")
+        cpu = (NOT_MEASURED,) * 3 if c is None else (
+            f"{c['rtf']:.3f}", f"{num(summary['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x",
+            f"{c['audio_s_per_s']:.2f}")  # fmt: skip
         lines.append(
-            f"| {n} | {p['rtf']:.3f} | {c['rtf']:.3f} | "
-            f"{num(summary['ratios'][f'c{n}_plugin_vs_cpu'], 2)}x | {p['audio_s_per_s']:.2f} | "
-            f"{c['audio_s_per_s']:.2f} |"
+            f"| {n} | {p['rtf']:.3f} | {cpu[0]} | {cpu[1]} | {p['audio_s_per_s']:.2f} | {cpu[2]} |"
         )
     lines += ["", f"{big} concurrent against 1 (audio seconds transcribed per second):", ""]
     lines += [f"- {BACKEND_NAMES[be]}: {v:.2f}x" for be, v in summary[f"c{big}_vs_c1"].items()]
@@ -165,11 +171,12 @@ def _markdown(report: dict[str, Any]) -> str:
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     cases, ratios = report["cases"], report["summary"]["ratios"]
     levels = report["settings"]["concurrency"]
-    colors = ["tab:blue", "tab:gray"]
+    ran = [be for be in BACKEND_NAMES if f"c1_{be}" in cases]
+    colors = ["tab:blue", "tab:gray"][: len(ran)]
     fig, axes = plt.subplots(1, len(levels) + 1, figsize=(3.4 * (len(levels) + 1), 4.2))
     for ax, n in zip(axes, levels):
-        values = [cases[f"c{n}_{be}"]["rtf"] for be in BACKEND_NAMES]
-        bars = ax.bar(list(BACKEND_NAMES.values()), values, color=colors)
+        values = [cases[f"c{n}_{be}"]["rtf"] for be in ran]
+        bars = ax.bar([BACKEND_NAMES[be] for be in ran], values, color=colors)
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom")
         label = "1 request" if n == 1 else f"{n} concurrent requests"
@@ -179,7 +186,7 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
         ax.set_ylabel("RTF (wall time / audio time, lower is better)", fontsize=9)
     ax = axes[-1]
     width = 0.38
-    for i, be in enumerate(BACKEND_NAMES):
+    for i, be in enumerate(ran):
         values = [cases[f"c{n}_{be}"]["audio_s_per_s"] for n in levels]
         xs = [k + (i - 0.5) * width for k in range(len(levels))]
         bars = ax.bar(xs, values, width, label=BACKEND_NAMES[be], color=colors[i])
