@@ -51,7 +51,9 @@ first difference).
 `--quick`: the tests' tiny Idefics3 (`write_tiny_idefics3` defaults: 32x32 tiles, 2-layer towers),
 64x64 images (4 tiles and a global view, 20 image embeddings), 16 tokens, one round per case, and
 `--enforce-eager` on both servers (vLLM's CPU backend then skips its torch.compile warm-up, most of
-its start-up).
+its start-up); without `--peers` the plugin's server alone (its answers still checked for full
+length and for depending on the image), with `--peers` vLLM CPU's beside it and the token-by-token
+comparison.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.servers import round_robin, server_info, stop_all, wait_all_healthy
-from bench.harness.stages import command_line, suite_parser
+from bench.harness.stages import command_line, runs_peers, suite_parser
 from bench.suites.vision_model import describe_model, write_vision_model
 from bench.suites.vision_servers import (
     CONCURRENCY,
@@ -107,14 +109,15 @@ def agreement(answers: dict[str, list[Answer]], counted: dict[str, list[float]],
               max_tokens: int) -> dict[str, Any]:  # fmt: skip
     """Whether every image's greedy tokens are the same on both backends, and every request
     decoded `max_tokens` tokens (streamed ids, the usage's count and the server's counter, per
-    request of each round)."""
+    request of each round); `identical_across_backends` is None where vLLM CPU did not run."""
     by_image = {be: {a.image_seed: a for a in ans} for be, ans in answers.items()}
     seeds = sorted(by_image["plugin"])
-    if sorted(by_image["cpu"]) != seeds:
+    compared = "cpu" in by_image
+    if compared and sorted(by_image["cpu"]) != seeds:
         raise RuntimeError("the backends were sent different images")
     first = None
     differing = []
-    for seed in seeds:
+    for seed in seeds if compared else ():
         p, c = by_image["plugin"][seed], by_image["cpu"][seed]
         at = _first_difference(p.token_ids, c.token_ids)
         if at is not None:
@@ -137,7 +140,7 @@ def agreement(answers: dict[str, list[Answer]], counted: dict[str, list[float]],
     return {
         "images": len(seeds),
         "requests": {be: len(ans) for be, ans in answers.items()},
-        "identical_across_backends": not differing,
+        "identical_across_backends": not differing if compared else None,
         "images_differing": differing,
         "first_difference": first,
         "tokens_per_request": {
@@ -199,8 +202,9 @@ def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
     urls = {s: image_data_url(s, size) for ss in plan.values() for s in ss}
     print(f"[vision] {len(urls)} images of {size[0]}x{size[1]}", flush=True)
 
-    print("[vision] starting both servers", flush=True)
-    servers = {be: launch(model, be, args.quick, logs / f"server-{be}.log") for be in BACKENDS}
+    run_backends = BACKENDS if runs_peers(args) else ("plugin",)
+    print(f"[vision] starting {', '.join(run_backends)}", flush=True)
+    servers = {be: launch(model, be, args.quick, logs / f"server-{be}.log") for be in run_backends}
     try:
         ready, both_ready_s = wait_all_healthy(servers, args.startup_timeout)
         backends = {be: Backend(be, s, args.timeout) for be, s in servers.items()}
@@ -209,15 +213,15 @@ def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
             images = [(s, urls[s]) for s in plan[n, k]]
             return round_robin(servers, k, lambda be: backends[be].round(images, max_tokens))
 
-        answers: dict[str, list[Answer]] = {be: [] for be in BACKENDS}
+        answers: dict[str, list[Answer]] = {be: [] for be in run_backends}
         # Tokens the server counted (vllm:generation_tokens_total) per request, every round.
-        counted: dict[str, list[float]] = {be: [] for be in BACKENDS}
+        counted: dict[str, list[float]] = {be: [] for be in run_backends}
         for n in CONCURRENCY:
             for be, r in rounds_of(n, -1).items():
                 ready[be].setdefault("warmup_s", []).append(round(r["wall_s"], 3))
                 answers[be].extend(r["answers"])
                 counted[be].append(r["generated_tokens"] / n)
-        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in BACKENDS}
+        calls: dict[int, dict[str, list[dict]]] = {n: {be: [] for be in run_backends}
                                                   for n in CONCURRENCY}  # fmt: skip
         for n in CONCURRENCY:
             print(f"[vision] {rounds[n]} round(s) of {n} concurrent per backend", flush=True)
@@ -232,7 +236,8 @@ def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
     finally:
         stop_all(servers)
 
-    out_cases = {f"c{n}_{be}": _case(n, be, calls[n][be]) for n in CONCURRENCY for be in BACKENDS}
+    out_cases = {f"c{n}_{be}": _case(n, be, calls[n][be])
+                 for n in CONCURRENCY for be in run_backends}  # fmt: skip
     return {
         "model": describe_model(model),
         "workload": {
@@ -253,15 +258,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     cs = report["cases"]
     big = max(CONCURRENCY)
 
-    def ratio(key: str, n: int) -> float | None:
+    ran = [be for be in BACKENDS if f"c1_{be}" in cs]
+
+    def ratio(key: str, n: int) -> float | None:  # None where vLLM CPU did not run
+        if f"c{n}_cpu" not in cs:
+            return None
         p, c = cs[f"c{n}_plugin"][key], cs[f"c{n}_cpu"][key]
         return None if p is None or not c else round(p / c, 3)
 
     # plugin / vLLM CPU: TTFT below 1 and decode tok/s above 1 mean the plugin is faster.
     return {
-        "ttft_ms": {be: round(cs[f"c1_{be}"]["median_ttft_ms"], 1) for be in BACKENDS},
+        "ttft_ms": {be: round(cs[f"c1_{be}"]["median_ttft_ms"], 1) for be in ran},
         "decode_tok_s": {
-            f"c{n}": {be: cs[f"c{n}_{be}"]["median_decode_tok_s"] for be in BACKENDS}
+            f"c{n}": {be: cs[f"c{n}_{be}"]["median_decode_tok_s"] for be in ran}
             for n in CONCURRENCY
         },
         "ratios": {

@@ -8,6 +8,7 @@ from typing import Any
 from bench.harness.report.format import (
     BACKEND_NAMES,
     CPU_NOTE,
+    NOT_MEASURED,
     bars,
     machine_line,
     num,
@@ -38,12 +39,23 @@ def _model_line(d: dict[str, Any]) -> str:
     )
 
 
+def _same(x: bool | None) -> str:
+    return NOT_MEASURED + " (vLLM CPU did not run)" if x is None else yes(x)
+
+
+def _cell(case: dict[str, Any] | None, key: str, fmt: str) -> str:
+    """A figure of `case`, "not measured" where the case did not run, a dash where it is None."""
+    if case is None:
+        return NOT_MEASURED
+    return "—" if case[key] is None else format(case[key], fmt)
+
+
 def _agreement_lines(a: dict[str, Any], max_tokens: int) -> list[str]:
     lines = [
         (
             f"Requests answered: {per_backend(a['requests'])} (warm-up rounds included), "
             f"{a['images']} images, each sent to both backends. Same greedy token ids on both "
-            f"backends for every image: **{yes(a['identical_across_backends'])}**. Distinct "
+            f"backends for every image: **{_same(a['identical_across_backends'])}**. Distinct "
             f"answers among the images: {a['distinct_answers']} (the answer depends on the "
             "image)."
         ),
@@ -115,7 +127,11 @@ def _markdown(report: dict[str, Any]) -> str:
     w, a, ratios = report["workload"], report["agreement"], summary["ratios"]
     big = max(s["concurrency"])
     size, tok = w["image_size"], w["max_tokens"]
-    p1, c1, pb, cb = (cases[f"c{n}_{be}"] for n in (1, big) for be in ("plugin", "cpu"))
+    p1, c1, pb, cb = (cases.get(f"c{n}_{be}") for n in (1, big) for be in ("plugin", "cpu"))
+
+    def vs(x: float | None) -> str:
+        return NOT_MEASURED if c1 is None else ratio(x)
+
     lines = [
         "# Images through `vllm serve`: the plugin against vLLM's CPU backend",
         "",
@@ -166,27 +182,27 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
         (
             f"| TTFT, 1 image, 1 concurrent (median ms; lower is better) | "
-            f"{p1['median_ttft_ms']:.0f} | {c1['median_ttft_ms']:.0f} | "
-            f"{ratio(ratios['ttft_plugin_vs_cpu'])} |"
+            f"{p1['median_ttft_ms']:.0f} | {_cell(c1, 'median_ttft_ms', '.0f')} | "
+            f"{vs(ratios['ttft_plugin_vs_cpu'])} |"
         ),
         (
             f"| decode tok/s per request, 1 concurrent (median) | "
-            f"{num(p1['median_decode_tok_s'])} | {num(c1['median_decode_tok_s'])} | "
-            f"{ratio(ratios['decode_c1_plugin_vs_cpu'])} |"
+            f"{num(p1['median_decode_tok_s'])} | {_cell(c1, 'median_decode_tok_s', '.1f')} | "
+            f"{vs(ratios['decode_c1_plugin_vs_cpu'])} |"
         ),
         (
             f"| decode tok/s per request, {big} concurrent (median) | "
-            f"{num(pb['median_decode_tok_s'])} | {num(cb['median_decode_tok_s'])} | "
-            f"{ratio(ratios[f'decode_c{big}_plugin_vs_cpu'])} |"
+            f"{num(pb['median_decode_tok_s'])} | {_cell(cb, 'median_decode_tok_s', '.1f')} | "
+            f"{vs(ratios[f'decode_c{big}_plugin_vs_cpu'])} |"
         ),
         (
             f"| TTFT, {big} images at once (median ms) | {pb['median_ttft_ms']:.0f} | "
-            f"{cb['median_ttft_ms']:.0f} | {ratio(ratios[f'ttft_c{big}_plugin_vs_cpu'])} |"
+            f"{_cell(cb, 'median_ttft_ms', '.0f')} | {vs(ratios[f'ttft_c{big}_plugin_vs_cpu'])} |"
         ),
         (
             f"| output tok/s of a {big}-request round (all tokens / round wall time) | "
-            f"{pb['output_tok_s']:.1f} | {cb['output_tok_s']:.1f} | "
-            f"{ratio(ratios[f'output_c{big}_plugin_vs_cpu'])} |"
+            f"{pb['output_tok_s']:.1f} | {_cell(cb, 'output_tok_s', '.1f')} | "
+            f"{vs(ratios[f'output_c{big}_plugin_vs_cpu'])} |"
         ),
         "",
         (
@@ -249,16 +265,17 @@ def _markdown(report: dict[str, Any]) -> str:
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     cases, ratios = report["cases"], report["summary"]["ratios"]
     levels = report["settings"]["concurrency"]
-    colors = ["tab:blue", "tab:gray"]
-    names = list(BACKEND_NAMES.values())
+    ran = [be for be in BACKEND_NAMES if f"c1_{be}" in cases]
+    colors = ["tab:blue", "tab:gray"][: len(ran)]
+    names = [BACKEND_NAMES[be] for be in ran]
     fig, axes = plt.subplots(1, 1 + len(levels), figsize=(3.4 * (1 + len(levels)), 4.2))
     ax = axes[0]
-    bars(ax, names, [cases[f"c1_{be}"]["median_ttft_ms"] for be in BACKEND_NAMES], colors, ".0f")
+    bars(ax, names, [cases[f"c1_{be}"]["median_ttft_ms"] for be in ran], colors, ".0f")
     ax.set_ylabel("ms (lower is better)", fontsize=9)
     ax.set_title(f"TTFT, 1 image\nplugin / CPU {ratio(ratios['ttft_plugin_vs_cpu'])}",
                  fontsize=10)  # fmt: skip
     for ax, n in zip(axes[1:], levels):
-        values = [cases[f"c{n}_{be}"]["median_decode_tok_s"] or 0.0 for be in BACKEND_NAMES]
+        values = [cases[f"c{n}_{be}"]["median_decode_tok_s"] or 0.0 for be in ran]
         bars(ax, names, values, colors, ".1f")
         ax.set_ylabel("decode tok/s per request (higher is better)", fontsize=9)
         label = "1 request" if n == 1 else f"{n} concurrent requests"
