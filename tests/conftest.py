@@ -14,6 +14,7 @@ import pytest
 # The plugin sets up MLX's CPU BLAS when it is imported, which must come before mlx.core: in-process
 # MLX tests then run on the same BLAS as the engines.
 import vllm_metal  # noqa: F401
+from tests.scheduling import make_scheduler, order_units
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,13 +25,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests/serving's ordering within the serving suite
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order_units(items)
     if config.getoption("--run-full"):
         return
     skip = pytest.mark.skip(reason="marked `full`: run with --run-full")
     for item in items:
         if "full" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, called under `pytest -n N`
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return make_scheduler(config, log)
 
 
 @pytest.fixture(scope="session")

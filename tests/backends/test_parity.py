@@ -1,14 +1,24 @@
 """Greedy tokens and logprobs of both backends' runners (MLX, and torch: VLLM_METAL_BACKEND=mps)
-equal transformers float32 and vLLM's CPU backend; sampling fields go through vLLM's sampler."""
+equal transformers float32; sampling fields go through vLLM's sampler (and give vLLM's CPU
+backend's tokens: `full` tier).
+
+Cost per family: one engine (the family matrix below), about 20 s of one CI worker.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
+import jsonschema
 import numpy as np
 import pytest
 
 from tests.backends.conftest import FAMILIES
 from tests.backends.mlx.runner.jobs import (
     greedy,
+    kv_block_bytes,
     random_prompts,
     run_engine_job,
     tokens,
@@ -27,6 +37,9 @@ IN_CI = {
     "mlx": ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"),
     "mps": ("gemma3",),
 }
+# The MLX matrix runs these families with async scheduling (step N+1 scheduled while step N
+# computes) and the others without, so both pipelines meet chunks, prefix hits and preemption.
+ASYNC_FAMILIES = ("qwen2", "mistral", "gemma3")
 
 
 def backend_arch_params() -> list:
@@ -47,31 +60,81 @@ def backend_arch_params() -> list:
 MIXED = random_prompts(1, [1, 5, 17, 40, 75])
 SHARED_PREFIX = random_prompts(2, [48])[0]
 PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
+# Five 96-token sequences need 30 blocks of 16 tokens; the pool has 20 (16 hold one request of
+# max_model_len 256).
+POOL_BLOCKS = 20
+PREEMPTED = random_prompts(7, [48] * 5)
 
 
-def greedy_parity_round(model, logprobs: int | None = None, backend: str = "mlx") -> list[dict]:
-    """The mixed batch in 16-token chunks, then a prefix-cache round, on one engine: greedy tokens
-    equal transformers float32 and the shared prefix is served from cached blocks. Returns the
-    mixed batch's results."""
-    engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
+PROMPT_LOGPROB_PROMPTS = random_prompts(8, [5, 37])
+
+
+def greedy_parity_round(
+    model, logprobs: int | None = None, backend: str = "mlx", engine: dict | None = None
+) -> list[dict]:
+    """The family matrix on one engine with 16-token prefill chunks: the mixed batch, a
+    prefix-cache round, a batch too large for the pool (vLLM preempts and recomputes), and prompt
+    logprobs across chunks. Greedy tokens equal transformers float32, the shared prefix is served
+    from cached blocks, and prompt logprobs (each prompt token and the top 2) equal
+    transformers'. Returns the mixed batch's results."""
+    engine = {
+        "max_num_batched_tokens": 16,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": POOL_BLOCKS * kv_block_bytes(model),
+        "max_model_len": 256,
+        "disable_log_stats": False,
+        **(engine or {}),
+    }
     jobs = [
         {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=logprobs)]},
         {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
         {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
+        {"prompts": PREEMPTED, "params": [greedy(48)]},
+        {"prompts": PROMPT_LOGPROB_PROMPTS, "params": [greedy(2, prompt_logprobs=2)]},
     ]
-    mixed, _, hits = run_engine_job(model, jobs, engine=engine, env=BACKEND_ENV[backend])
+    (mixed, _, hits, preempted, prompt_lp), metrics = run_engine_job(
+        model, jobs, engine=engine, env=BACKEND_ENV[backend], with_metrics=True
+    )
 
+    if not every_layer_slides(model):  # a 32-token window holds 3 blocks: nothing to preempt
+        assert metrics.get("vllm:num_preemptions", 0) > 0, metrics
+    assert tokens(preempted) == hf_greedy(model, PREEMPTED, 48)
     assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
     assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
     # The prefix-sharing prompts were served from cached blocks (3 full blocks of 16).
     assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
+    for prompt, result in zip(PROMPT_LOGPROB_PROMPTS, prompt_lp):
+        assert_prompt_logprobs_match_hf(model, prompt, result["prompt_logprobs"])
     return mixed
+
+
+def every_layer_slides(model) -> bool:
+    """Whether every attention layer keeps a sliding window (the tiny Mistral)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    layer_types = config.get("layer_types")
+    if layer_types:
+        return all(t == "sliding_attention" for t in layer_types)
+    return bool(config.get("sliding_window"))
+
+
+def assert_prompt_logprobs_match_hf(model, prompt: list[int], plp: list) -> None:
+    """Prompt logprobs with top 2: the first entry is None, then the prompt token and the two
+    likeliest, each within 1e-3 of transformers float32."""
+    assert plp[0] is None and len(plp) == len(prompt)
+    ref = hf_logprobs(model, prompt)
+    for pos in range(1, len(prompt)):
+        entry = plp[pos]
+        assert str(prompt[pos]) in entry and len(entry) >= 2
+        assert abs(entry[str(prompt[pos])] - ref[pos - 1, prompt[pos]]) < 1e-3
+        for t in np.argsort(-ref[pos - 1])[:2]:
+            assert abs(entry[str(int(t))] - ref[pos - 1, t]) < 1e-3
 
 
 @pytest.mark.parametrize(("backend", "arch"), backend_arch_params())
 def test_greedy_and_logprobs_match_transformers(family_models, backend, arch):
     model = family_models[arch]
-    mixed = greedy_parity_round(model, logprobs=1, backend=backend)
+    engine = {"async_scheduling": arch in ASYNC_FAMILIES} if backend == "mlx" else {}
+    mixed = greedy_parity_round(model, logprobs=1, backend=backend, engine=engine)
 
     for prompt, result in zip(MIXED, mixed):
         sample = result["outputs"][0]
@@ -84,8 +147,9 @@ def test_greedy_and_logprobs_match_transformers(family_models, backend, arch):
 
 
 def test_head_size_without_a_metal_kernel(tiny_model_dir):
-    """Head size 32 (no Metal kernel) takes the generic path: still token-identical, through a
-    mixed batch, chunked prefill and a prefix-cache round."""
+    """Head size 32 (no Metal kernel) takes the generic path: still token-identical, through the
+    family matrix (mixed batch, chunked prefill, preemption, prefix-cache round, prompt
+    logprobs)."""
     from vllm_metal import ops
 
     model = tiny_model_dir("llama", head_dim=32, hidden_size=128, num_heads=4, num_kv_heads=2)
@@ -102,31 +166,97 @@ DETERMINISTIC_VARIANTS = [
     {"bad_words": ["the", "and"]},
     {"min_tokens": 10, "stop_token_ids": [2, 4], "ignore_eos": False},
 ]
+DETERMINISTIC_PROMPTS = random_prompts(4, [7, 23])
+DETERMINISTIC_JOBS = [
+    {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
+    {"prompts": DETERMINISTIC_PROMPTS, "params": [greedy(16)]},
+    *(
+        {"prompts": DETERMINISTIC_PROMPTS, "params": [greedy(16, **v)]}
+        for v in DETERMINISTIC_VARIANTS
+    ),
+]
+TRUNCATION_PROMPTS = random_prompts(6, [9, 30])
+TRUNCATION_VARIANTS = [
+    {"top_k": 3, "seed": 1},
+    {"top_p": 0.5, "seed": 2},
+    {"min_p": 0.3, "seed": 3},
+    {"n": 3, "seed": 4},
+]
+TRUNCATION_BASE = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+REGEX = "[a-c]{3}-[0-9]{2}"
+GRAMMAR_JOBS = [
+    {"prompts": ["Person:"] * 2, "params": [
+        {"max_tokens": 200, "temperature": 0.8, "seed": 3, "structured_outputs": {"json": SCHEMA}}
+    ]},
+    {"prompts": ["Pick:"], "params": [
+        {"max_tokens": 8, "temperature": 1.0, "seed": 5,
+         "structured_outputs": {"choice": ["red", "blue"]}}
+    ]},
+    {"prompts": ["Code:"], "params": [
+        {"max_tokens": 12, "temperature": 1.0, "seed": 6, "structured_outputs": {"regex": REGEX}}
+    ]},
+]  # fmt: skip
+SEEDED_PROMPTS = random_prompts(5, [6, 19, 33])
+SEEDED = {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("backend", BACKEND_ENV)
-def test_same_tokens_as_vllm_cpu_backend(family_models, backend):
-    """Penalties, biases and token constraints run through vLLM's own sampler: same tokens."""
+@pytest.fixture(scope="module", params=list(BACKEND_ENV))
+def sampling_run(request, family_models) -> dict[str, list]:
+    """Every sampling check of this module on one Qwen3 engine per backend, in this order: the
+    deterministic processors, the truncation rules, grammar-constrained requests (vLLM's bitmask
+    on either backend's logits), and seeded requests three times (another seed between, then in
+    reverse order)."""
     model = family_models["qwen3"]
-    prompts = random_prompts(4, [7, 23])
-    jobs = [
-        {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]},
-        {"prompts": prompts, "params": [greedy(16)]},
-    ]
-    for variant in DETERMINISTIC_VARIANTS:
-        jobs.append({"prompts": prompts, "params": [greedy(16, **variant)]})
-    ours = run_engine_job(model, jobs, env=BACKEND_ENV[backend])
-    theirs = vllm_cpu_job(model, jobs)
-    assert tokens(ours[0]) == tokens(theirs[0])
-    assert tokens(ours[1]) == tokens(theirs[1])
-    plain, variants = ours[1], ours[2:]
-    for variant, a, b in zip(DETERMINISTIC_VARIANTS, variants, theirs[2:]):
-        assert tokens(a) == tokens(b), variant
+    groups = {
+        "deterministic": DETERMINISTIC_JOBS,
+        "truncation": [{"prompts": TRUNCATION_PROMPTS, "params": [{**TRUNCATION_BASE, **v}]}
+                       for v in TRUNCATION_VARIANTS],
+        "grammar": GRAMMAR_JOBS,
+        "seeded": [
+            {"prompts": SEEDED_PROMPTS, "params": [SEEDED]},
+            {"prompts": SEEDED_PROMPTS, "params": [{**SEEDED, "seed": 4321}]},
+            {"prompts": SEEDED_PROMPTS[::-1], "params": [SEEDED]},
+        ],
+    }  # fmt: skip
+    engine = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+    results = run_engine_job(
+        model, [j for jobs in groups.values() for j in jobs], engine=engine,
+        env=BACKEND_ENV[request.param],
+    )  # fmt: skip
+    out, start = {"model": model}, 0
+    for name, jobs in groups.items():
+        out[name], start = results[start : start + len(jobs)], start + len(jobs)
+    return out
+
+
+def test_sampling_fields_change_greedy_tokens_as_their_rule_says(sampling_run):
+    """Penalties, biases and token constraints run through vLLM's own sampler on our logits."""
+    plain, variants = sampling_run["deterministic"][1], sampling_run["deterministic"][2:]
     # The variants that must change greedy output on these prompts did.
     for i in (1, 2, 3):
         assert tokens(variants[i]) != tokens(plain), DETERMINISTIC_VARIANTS[i]
     assert all(t == [100] * 16 for t in tokens(variants[2]))
     assert all(set(t) <= set(range(100, 160)) for t in tokens(variants[3]))
+    assert not any({2, 4} & set(t[:10]) for t in tokens(variants[5]))  # min_tokens holds stops
+
+
+@pytest.mark.full
+def test_same_tokens_as_vllm_cpu_backend(sampling_run):
+    """The deterministic processors give vLLM's CPU backend's very tokens (the peer vouches for
+    the oracle, so this comparison lives in the `full` tier)."""
+    theirs = vllm_cpu_job(sampling_run["model"], DETERMINISTIC_JOBS)
+    for variant, ours, peer in zip([{}, {}, *DETERMINISTIC_VARIANTS],
+                                   sampling_run["deterministic"], theirs):  # fmt: skip
+        assert tokens(ours) == tokens(peer), variant
 
 
 def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
@@ -135,32 +265,22 @@ def _probs(model, prompt: list[int], sample: list[int]) -> np.ndarray:
     return np.exp(logprobs.astype(np.float64))
 
 
-@pytest.mark.parametrize("backend", BACKEND_ENV)
-def test_random_sampling_respects_truncation(family_models, backend):
+def test_random_sampling_respects_truncation(sampling_run):
     """top_k / top_p / min_p only ever draw tokens their rule admits (checked on HF logits)."""
-    model = family_models["qwen3"]
-    prompts = random_prompts(6, [9, 30])
-    base = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
-    variants = [
-        {"top_k": 3, "seed": 1},
-        {"top_p": 0.5, "seed": 2},
-        {"min_p": 0.3, "seed": 3},
-        {"n": 3, "seed": 4},
-    ]
-    jobs = [{"prompts": prompts, "params": [{**base, **v}]} for v in variants]
-    top_k, top_p, min_p, multi = run_engine_job(model, jobs, env=BACKEND_ENV[backend])
-    for prompt, res in zip(prompts, top_k):
+    model = sampling_run["model"]
+    top_k, top_p, min_p, multi = sampling_run["truncation"]
+    for prompt, res in zip(TRUNCATION_PROMPTS, top_k):
         sample = res["outputs"][0]["token_ids"]
         probs = _probs(model, prompt, sample)
         for step, tok in enumerate(sample):
             assert (probs[step] > probs[step, tok]).sum() < 3
-    for prompt, res in zip(prompts, top_p):
+    for prompt, res in zip(TRUNCATION_PROMPTS, top_p):
         sample = res["outputs"][0]["token_ids"]
         probs = _probs(model, prompt, sample)
         for step, tok in enumerate(sample):
             above = probs[step][probs[step] > probs[step, tok] + 1e-6].sum()
             assert above < 0.5 + 1e-4
-    for prompt, res in zip(prompts, min_p):
+    for prompt, res in zip(TRUNCATION_PROMPTS, min_p):
         sample = res["outputs"][0]["token_ids"]
         probs = _probs(model, prompt, sample)
         for step, tok in enumerate(sample):
@@ -170,38 +290,20 @@ def test_random_sampling_respects_truncation(family_models, backend):
         assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
 
 
-@pytest.mark.parametrize("backend", BACKEND_ENV)
-def test_seeded_sampling_is_reproducible(family_models, backend):
-    """A seeded request draws the same tokens whatever runs beside it: again later in the same
-    engine, in another order; another seed draws others."""
-    model = family_models["llama"]
-    prompts = random_prompts(5, [6, 19, 33])
-    params = [
-        {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
-    ]
-    other = [{**params[0], "seed": 4321}]
-    jobs = [
-        {"prompts": prompts, "params": params},
-        {"prompts": prompts, "params": other},
-        {"prompts": prompts[::-1], "params": params},
-    ]
-    first, second, again = run_engine_job(model, jobs, env=BACKEND_ENV[backend])
+def test_seeded_sampling_is_reproducible(sampling_run):
+    """A seeded request draws the same tokens whatever ran before or runs beside it: again later
+    in the same engine (after every other sampling job of this module), in another order; another
+    seed draws others."""
+    first, second, again = sampling_run["seeded"]
     assert tokens(again)[::-1] == tokens(first)
     assert tokens(first) != tokens(second)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_sync_and_async_scheduling_give_the_same_tokens(family_models, async_scheduling):
-    """Async scheduling (step N+1 scheduled while step N computes) changes nothing in the output,
-    including with chunked prefill, prefix hits and preemption from a small KV pool."""
-    model = family_models["qwen2"]
-    engine = {
-        "async_scheduling": async_scheduling,
-        "max_num_batched_tokens": 16,
-        "enable_prefix_caching": True,
-        "kv_cache_memory_bytes": 24 * 32 * 2**10,  # 24 blocks: preemption
-        "max_model_len": 256,
-    }
-    prompts = MIXED + PREFIX_HITS
-    (batch,) = run_engine_job(model, [{"prompts": prompts, "params": [greedy(40)]}], engine=engine)
-    assert tokens(batch) == hf_greedy(model, prompts, 40)
+def test_grammar_bitmask_constrains_random_model(sampling_run):
+    """JSON schema, choice and regex outputs of a random model obey their grammar."""
+    as_json, choice, regex = sampling_run["grammar"]
+    for r in as_json:
+        assert r["outputs"][0]["finish_reason"] == "stop", r["outputs"][0]
+        jsonschema.validate(json.loads(r["outputs"][0]["text"]), SCHEMA)
+    assert choice[0]["outputs"][0]["text"] in ("red", "blue")
+    assert re.fullmatch(REGEX, regex[0]["outputs"][0]["text"])

@@ -64,8 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # server (one per model family) run after everything that shares the main server, so each
     # server starts once per backend. Correctness does not depend on this order.
     def order(item: pytest.Item) -> tuple[int, bool]:
-        if "serving" not in item.path.parts:
-            return (0, False)
+        if "serving" not in item.path.parts:  # after the serving suite, in their own order
+            return (len(BACKENDS), False)
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend = BACKENDS.index(params.get("serving_backend", "mlx"))
         return (backend, item.get_closest_marker("own_server") is not None)
@@ -132,13 +132,25 @@ class ServerSlot:
         self.key = None
 
 
+_SLOTS: list[ServerSlot] = []
+
+
 @pytest.fixture(scope="session")
 def server_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerSlot]:
     slot = ServerSlot(tmp_path_factory.mktemp("vllm-serve-logs"))
+    _SLOTS.append(slot)
     try:
         yield slot
     finally:
         slot.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # The serving tests run together (the ordering above, one xdist worker): after the last of
+    # them the server stops instead of idling beside the rest of the session.
+    if "serving" in item.path.parts and (nextitem is None or "serving" not in nextitem.path.parts):
+        for slot in _SLOTS:
+            slot.close()
 
 
 @pytest.fixture(

@@ -23,6 +23,7 @@ PARSER_ARGS = (
     "--reasoning-parser",
     "openai_gptoss",
 )
+PINNED_DATE = {"VLLM_SYSTEM_START_DATE": "2026-01-01"}  # the harmony system message's date
 TOOLS = [
     {
         "type": "function",
@@ -62,6 +63,7 @@ def gpt_oss_server(server_slot, harmony_model):
         served_name="tiny-gpt-oss",
         api_key=None,
         extra_args=PARSER_ARGS,
+        env=PINNED_DATE,  # the tool-call test below reuses this server
     )
 
 
@@ -115,15 +117,13 @@ TOOL_CALL_ANSWER = (
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
     '<|message|>{"city": "Paris"}<|call|>'
 )
-PINNED_DATE = {"VLLM_SYSTEM_START_DATE": "2026-01-01"}  # the harmony system message's date
 
 
-@pytest.mark.full
 def test_harmony_chat_separates_reasoning_and_a_parsed_tool_call(
     server_slot, harmony_model, tmp_path
 ):
     """A random model never calls a tool: the tiny checkpoint is taught the answer above for the
-    prompt vLLM renders (read back from a first server), then served."""
+    prompt vLLM renders (read back from the module's first server), then served."""
     from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
 
     from vllm_metal.testing.oracles import hf_greedy
@@ -139,7 +139,7 @@ def test_harmony_chat_separates_reasoning_and_a_parsed_tool_call(
 
     def serve_and_chat(model):
         server = server_slot.get(
-            ("gpt_oss_pinned", str(model)),
+            ("gpt_oss", str(model)),
             model,
             served_name="tiny-gpt-oss",
             api_key=None,

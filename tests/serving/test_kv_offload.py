@@ -13,7 +13,7 @@ import pytest
 
 from tests.serving.conftest import start_server, stop_server
 
-pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server, pytest.mark.full]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
 # Tiny llama: 32 KiB per KV block; 40 blocks hold two 300-token prompts but not three.
 ARGS = (

@@ -79,6 +79,16 @@ def vllm_cpu_job(model: str | Path, jobs: list[dict]) -> list[list[dict]]:
     return json.loads(_vllm_cpu_results(str(model), json.dumps(jobs)))
 
 
+def kv_block_bytes(model: str | Path, dtype_bytes: int = 4) -> int:
+    """Bytes of one 16-token KV block over every layer of a tiny checkpoint (K and V): what
+    `kv_cache_memory_bytes` pays per block, to size a pool that forces preemption."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 16 * dtype_bytes
+
+
 def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     """Deterministic prompts of ordinary (non-special) token ids of the tiny tokenizer."""
     import numpy as np

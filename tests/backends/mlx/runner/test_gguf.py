@@ -68,7 +68,7 @@ def test_q8_0_file_in_its_own_dtype(tiny_model_dir, gguf_dir):
     assert max(gaps) < 0.05, gaps
 
 
-@pytest.mark.full
+@pytest.mark.slow
 def test_q4_0_file_with_config_and_tokenizer_from_elsewhere(
     tiny_model_dir, tiny_quantized_dir, gguf_dir, tmp_path
 ):

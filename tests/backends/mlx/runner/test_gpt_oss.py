@@ -2,8 +2,8 @@
 window (32 in the tiny model, so prompts outrun it), the MoE runs mlx-lm's batched experts, dense
 and MXFP4 checkpoints load, and the engine's greedy tokens equal transformers float32.
 
-The unit tests run the MLX model in-process (no engine); the engine tests are marked `slow`
-(one engine job) and `full` (the MXFP4 checkpoint through the engine).
+The unit tests run the MLX model in-process (no engine); the engine test is marked `slow` (one
+engine job on the MXFP4 checkpoint; the dense layout's in the `full` tier).
 """
 
 from __future__ import annotations
@@ -273,35 +273,26 @@ def test_vllm_accepts_the_mxfp4_checkpoint_in_float32(mxfp4_dir):
 
 
 @pytest.mark.slow
-def test_engine_greedy_and_logprobs_match_transformers(gpt_oss_dir):
+@pytest.mark.parametrize("checkpoint", ["mxfp4", pytest.param("dense", marks=pytest.mark.full)])
+def test_engine_greedy_and_logprobs_match_transformers(request, checkpoint):
     """One engine: a mixed batch longer than the window in 16-token chunks, then prefix-cache hits;
-    greedy tokens identical to transformers float32, logprobs within 1e-3."""
+    greedy tokens identical to transformers float32, logprobs within 1e-3. CI runs the published
+    MXFP4 layout (transformers' dequantized model, cast to float32, is the reference); the bf16
+    expert layout runs in the `full` tier."""
+    model = request.getfixturevalue(f"{'mxfp4' if checkpoint == 'mxfp4' else 'gpt_oss'}_dir")
+    if checkpoint == "mxfp4":
+        _hf_float32(model)
     engine = {"max_num_batched_tokens": 16, "enable_prefix_caching": True}
     jobs = [
         {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         {"prompts": [SHARED_PREFIX + [5]], "params": [greedy(4)]},
         {"prompts": PREFIX_HITS, "params": [greedy(NEW_TOKENS)]},
     ]
-    mixed, _, hits = run_engine_job(gpt_oss_dir, jobs, engine=engine)
+    mixed, _, hits = run_engine_job(model, jobs, engine=engine)
 
-    assert tokens(mixed) == hf_greedy(gpt_oss_dir, MIXED, NEW_TOKENS)
-    assert tokens(hits) == hf_greedy(gpt_oss_dir, PREFIX_HITS, NEW_TOKENS)
+    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
+    assert tokens(hits) == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
     assert all(r["num_cached_tokens"] >= 32 for r in hits), [r["num_cached_tokens"] for r in hits]
     # Continuations are varied, so the comparison means something.
     assert all(len(set(t)) > NEW_TOKENS // 2 for t in tokens(mixed))
-    assert_logprobs_match_hf(gpt_oss_dir, MIXED, mixed)
-
-
-@pytest.mark.slow
-@pytest.mark.full
-def test_engine_serves_the_mxfp4_checkpoint(mxfp4_dir):
-    """The published MXFP4 layout through the engine in float32: greedy tokens identical to
-    transformers' dequantized model, logprobs within 1e-3."""
-    (batch,) = run_engine_job(
-        mxfp4_dir,
-        [{"prompts": MIXED, "params": [greedy(16, logprobs=1)]}],
-        engine={"max_num_batched_tokens": 16},
-    )
-    _hf_float32(mxfp4_dir)
-    assert tokens(batch) == hf_greedy(mxfp4_dir, MIXED, 16)
-    assert_logprobs_match_hf(mxfp4_dir, MIXED, batch)
+    assert_logprobs_match_hf(model, MIXED, mixed)
