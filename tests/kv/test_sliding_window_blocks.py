@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_long_request_holds_fewer_blocks_with_the_window_freed():
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.sliding_window_blocks", "--prompt-len", "448"],
+        [sys.executable, "-m", "bench.run", "sliding_window_blocks", "--prompt-len", "448"],
         cwd=ROOT,
         capture_output=True,
         text=True,
