@@ -4,6 +4,7 @@
     python -m bench.run --out docs/benchmarks           # the main run (same as `main --out ...`)
     python -m bench.run SUITE [SUITE ARGS...]           # one suite, e.g. `moe --quick --out DIR`
     python -m bench.run --quick --all --out DIR         # every suite, --quick, each in a process
+    python -m bench.run --quick --peers --all --out DIR # the same with every suite's peers
     python -m bench.run report DIR                      # every report in DIR again from its JSON
 
 A suite is a module of `bench.suites` with `main(argv) -> int`; its results go to `--out` as
@@ -32,7 +33,6 @@ class Suite:
     name: str
     what: str
     stems: tuple[str, ...]  # what it writes into --out: <stem>.json (and .md, .png)
-    quick_args: tuple[str, ...] = ()  # beside --quick --out --work-dir, in `--quick --all`
 
     @property
     def module(self) -> str:
@@ -41,8 +41,7 @@ class Suite:
 
 SUITES = (
     Suite("main", "single stream and `vllm serve`: mlx-lm, the plugin, vLLM CPU, start-up",
-          ("results",), ("--stages", "machine,bandwidth,mlx_lm,plugin_offline,serve_plugin,startup",
-                         "--input-len", "16", "--output-len", "8", "--num-prompts", "1")),
+          ("results",)),
     Suite("speech", "Whisper speech-to-text through `vllm serve`", ("speech",)),
     Suite("vision", "one-image chat completions through `vllm serve`", ("vision",)),
     Suite("moe", "mixture-of-experts decode, plugin against vLLM CPU", ("moe",)),
@@ -69,10 +68,11 @@ def list_suites() -> str:
     return "\n".join(f"{s.name:<{width}}  {s.what}" for s in SUITES)
 
 
-def run_all_quick(out: Path, work: Path, names: list[str], timeout: float) -> int:
-    """Every suite in `names` with --quick, each in a process of its own, one after another, all
-    on one work folder (checkpoints written once); `quick-all.json` in `out` records each one's
-    status, seconds and log."""
+def run_all_quick(out: Path, work: Path, names: list[str], timeout: float,
+                  peers: bool = False) -> int:  # fmt: skip
+    """Every suite in `names` with --quick (and --peers), each in a process of its own, one after
+    another, all on one work folder (checkpoints written once); `quick-all.json` in `out` records
+    each one's status, seconds and log."""
     out.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     record: dict[str, dict] = {}
@@ -80,7 +80,7 @@ def run_all_quick(out: Path, work: Path, names: list[str], timeout: float) -> in
     for name in names:
         suite = BY_NAME[name]
         cmd = [sys.executable, "-m", suite.module, "--quick", "--out", str(out),
-               "--work-dir", str(work), *suite.quick_args]  # fmt: skip
+               "--work-dir", str(work), *(["--peers"] if peers else [])]  # fmt: skip
         log = work / "logs" / f"{name}.log"
         print(f"== {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if known.all:
         q = argparse.ArgumentParser(prog="python -m bench.run --all")
         q.add_argument("--quick", action="store_true", required=True)
+        q.add_argument("--peers", action="store_true", help="each suite with --peers too")
         q.add_argument("--out", required=True)
         q.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-quick"))
         args = q.parse_args(rest)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(names) - set(BY_NAME)
         if unknown:
             p.error(f"unknown suites {sorted(unknown)}; --list names them")
-        return run_all_quick(Path(args.out), Path(args.work_dir), names, known.timeout)
+        return run_all_quick(Path(args.out), Path(args.work_dir), names, known.timeout, args.peers)
     # No suite named: the main run, as documented (`python -m bench.run --out docs/benchmarks`).
     return importlib.import_module(BY_NAME["main"].module).main(rest)
 

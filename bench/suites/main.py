@@ -5,10 +5,13 @@ results.json, results.md and PNG plots: mlx-lm, the plugin (vllm.LLM and `vllm s
 backend, kernels, startup and the roofline. Each stage runs in a process of its own
 (`bench.harness.stages`).
 
-`--quick` runs the tiny model at concurrency 1 and 4 and leaves out the `serve_cpu` stage: vLLM's
-CPU server is driven by the same code as the plugin's (`bench.harness.serve_load`, run by the
-`serve_plugin` stage), and the vision and speech suites' quick runs start vLLM CPU servers through
-the same launcher (`bench.harness.servers`).
+`--quick` runs the tiny model (16 + 8 tokens, one single-stream prompt) at concurrency 1 and 4,
+the plugin only: the machine, bandwidth, `plugin_offline`, `serve_plugin` and `startup` stages
+(the start-up figure is `serve_plugin`'s, on the same tiny model); `--quick --peers` adds mlx-lm
+and vLLM CPU's server (`serve_cpu`). The kernels and profile stages are suites of their own
+(`attention`, `profile`), each with its own quick run. The quick run takes ~45 s on 2 cores, not
+~25: it starts two plugin engines, `vllm.LLM` and `vllm serve` (~20 s each), both of which the
+suite is about.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ SECTIONS = (
 PRESETS: dict[str, dict[str, Any]] = {
     "0.6b": {"input_len": 32, "output_len": 128, "num_prompts": 3},
     "tiny": {"input_len": 32, "output_len": 32, "num_prompts": 3},
+    "quick": {"input_len": 16, "output_len": 8, "num_prompts": 1},
 }
+# The stages of `--quick`: the plugin's own; with `--peers` also the engines it is compared with.
+QUICK_STAGES = ("machine", "bandwidth", "plugin_offline", "serve_plugin", "startup")
+QUICK_PEERS = ("mlx_lm", "serve_cpu")
 CONCURRENCY = (1, 4, 16, 32)
 QUICK_CONCURRENCY = (1, 4)
 TARGETS = {
@@ -241,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="tiny model, short runs: checks the harness"
     )
+    p.add_argument("--peers", action="store_true",
+                   help="with --quick: also mlx-lm and vLLM CPU's server")  # fmt: skip
     p.add_argument(
         "--model-size",
         choices=sorted(SHAPES),
@@ -264,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stages",
         default=None,
         help=f"comma-separated subset of: {', '.join(SECTIONS)} (default all; "
-        "all but serve_cpu with --quick)",
+        f"{','.join(QUICK_STAGES)} with --quick, and {','.join(QUICK_PEERS)} with --peers)",
     )
     p.add_argument(
         "--work-dir",
@@ -278,13 +287,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)  # fmt: skip
     if args.model_size is None:
         args.model_size = "tiny" if args.quick else "0.6b"
-    for key, value in PRESETS[args.model_size].items():
+    preset = "quick" if args.quick and args.model_size == "tiny" else args.model_size
+    for key, value in PRESETS[preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.concurrency is None:
         args.concurrency = list(QUICK_CONCURRENCY if args.quick else CONCURRENCY)
     if args.stages is None:
-        args.stages = ",".join(s for s in SECTIONS if not (args.quick and s == "serve_cpu"))
+        quick = QUICK_STAGES + (QUICK_PEERS if args.peers else ())
+        args.stages = ",".join(s for s in SECTIONS if not args.quick or s in quick)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(args.stages) - set(SECTIONS)
     if unknown:
