@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one round, the machine's cores only, short timings"
     )
+    # Every candidate BLAS is the subject here (none is only a reference): the same run.
+    parser.add_argument("--peers", action="store_true", help="the same run: no peers here")
     parser.add_argument("--out", type=Path, default=None, help="write blas_matmul.json here")
     parser.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, default=1024)

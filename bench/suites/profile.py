@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=64 * 2**20)
     p.add_argument("--text-dir", default=None, help="also write pyinstrument's text trees here")
     p.add_argument("--quick", action="store_true", help="shorter runs, smaller batch")
+    p.add_argument("--peers", action="store_true", help="the same run: one engine, no peers")
     p.add_argument("--out", default=None, help="write profile.json here")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "vllm-metal-bench"))
     p.add_argument("--json", default=None, help="write the result here (a stage of the main run)")

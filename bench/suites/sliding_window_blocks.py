@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=64, help="max_num_batched_tokens")
     parser.add_argument("--quick", action="store_true", help="the same run (the model is tiny)")
+    parser.add_argument("--peers", action="store_true", help="no peers here: the same run")
     parser.add_argument("--out", type=Path, default=None, help="write sliding_window_blocks.json")
     parser.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
