@@ -237,11 +237,13 @@ def _markdown(report: dict[str, Any]) -> str:
             p = r["cases"][f"c{n}_plugin"]
             c = r["cases"].get(f"c{n}_cpu")
             ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
-            missing = NOT_MEASURED if "ratios" in summary[family] else "not run"
+            peer = "ratios" in summary[family]  # a vLLM CPU peer, measured or not
+            missing = NOT_MEASURED if peer else "not run"
+            no_ratio = NOT_MEASURED if peer and c is None else "—"
             lines.append(
                 f"| {FAMILY_NAMES[family]} | {n} | {num(p['decode_tok_s'])} | "
                 f"{num(c['decode_tok_s']) if c else missing} | "
-                f"{num(ratio, 2) + 'x' if ratio is not None else missing if c is None else '—'} |"
+                f"{num(ratio, 2) + 'x' if ratio is not None else no_ratio} |"
             )
     for family, r in fams.items():
         lines += ["", *_family_section(family, r, summary[family], big)]
