@@ -43,7 +43,7 @@ tokens need with their state pages; every worker's log line "Maximum concurrency
 request" is recorded and must be at least 16, so no request is preempted.
 
     python -m bench.run hybrid --out docs/benchmarks             # ~12 min on 2 cores
-    python -m bench.run hybrid --quick --out /tmp/hybrid-quick   # tiny models, ~3 min: the harness
+    python -m bench.run hybrid --quick --out /tmp/hybrid-quick   # tiny model, ~30 s: the harness
 
 `--quick`: DeepSeek-V3 alone on the plugin (the family that drives every path of the suite: rounds,
 idle memory, the report), its idle memory the rounds' engine's at ready (one KV cache size, no

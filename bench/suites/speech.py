@@ -28,7 +28,7 @@ reference, run in a process of its own before the servers start), or the run fai
 the report written anyway, with the first difference).
 
     python -m bench.run speech --out docs/benchmarks          # ~4 min on 2 cores
-    python -m bench.run speech --quick --out /tmp/speech-quick  # tiny Whisper, ~1 min: checks harness
+    python -m bench.run speech --quick --out /tmp/speech-quick  # tiny Whisper, ~30 s: checks harness
 
 `--quick`: the tests' tiny Whisper (`write_tiny_whisper` defaults: 2 layers, d_model 128), a 5 s
 clip, 32 tokens, one round per case, and `--enforce-eager` on both servers (vLLM's CPU backend

@@ -46,7 +46,7 @@ identical on both backends, or the run fails (exit code 1, the report written an
 first difference).
 
     python -m bench.run vision --out docs/benchmarks            # ~6 min on 2 cores
-    python -m bench.run vision --quick --out /tmp/vision-quick  # tiny Idefics3, ~1 min: checks harness
+    python -m bench.run vision --quick --out /tmp/vision-quick  # tiny Idefics3, ~30 s: checks harness
 
 `--quick`: the tests' tiny Idefics3 (`write_tiny_idefics3` defaults: 32x32 tiles, 2-layer towers),
 64x64 images (4 tiles and a global view, 20 image embeddings), 16 tokens, one round per case, and
