@@ -17,6 +17,7 @@ import pytest
 
 from tests.backends.conftest import FAMILIES
 from tests.backends.mlx.runner.jobs import (
+    PERSON_SCHEMA,
     greedy,
     kv_block_bytes,
     random_prompts,
@@ -183,19 +184,10 @@ TRUNCATION_VARIANTS = [
     {"n": 3, "seed": 4},
 ]
 TRUNCATION_BASE = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 REGEX = "[a-c]{3}-[0-9]{2}"
 GRAMMAR_JOBS = [
     {"prompts": ["Person:"] * 2, "params": [
-        {"max_tokens": 200, "temperature": 0.8, "seed": 3, "structured_outputs": {"json": SCHEMA}}
+        {"max_tokens": 200, "temperature": 0.8, "seed": 3, "structured_outputs": {"json": PERSON_SCHEMA}}
     ]},
     {"prompts": ["Pick:"], "params": [
         {"max_tokens": 8, "temperature": 1.0, "seed": 5,
@@ -304,6 +296,6 @@ def test_grammar_bitmask_constrains_random_model(sampling_run):
     as_json, choice, regex = sampling_run["grammar"]
     for r in as_json:
         assert r["outputs"][0]["finish_reason"] == "stop", r["outputs"][0]
-        jsonschema.validate(json.loads(r["outputs"][0]["text"]), SCHEMA)
+        jsonschema.validate(json.loads(r["outputs"][0]["text"]), PERSON_SCHEMA)
     assert choice[0]["outputs"][0]["text"] in ("red", "blue")
     assert re.fullmatch(REGEX, regex[0]["outputs"][0]["text"])

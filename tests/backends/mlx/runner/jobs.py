@@ -79,6 +79,18 @@ def vllm_cpu_job(model: str | Path, jobs: list[dict]) -> list[list[dict]]:
     return json.loads(_vllm_cpu_results(str(model), json.dumps(jobs)))
 
 
+# A JSON schema a random model can be held to by a grammar (short name, bounded age).
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
 def kv_block_bytes(model: str | Path, dtype_bytes: int = 4) -> int:
     """Bytes of one 16-token KV block over every layer of a tiny checkpoint (K and V): what
     `kv_cache_memory_bytes` pays per block, to size a pool that forces preemption."""

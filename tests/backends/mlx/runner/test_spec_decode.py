@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from tests.backends.mlx.runner.test_scheduling import SCHEMA
+from tests.backends.mlx.runner.jobs import (
+    PERSON_SCHEMA,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
 from vllm_metal.testing.oracles import hf_greedy
 from vllm_metal.testing.tiny_models import write_tiny_model
 
@@ -50,7 +55,12 @@ SAMPLED_PARAMS = [
     },
 ]
 STRUCTURED = [
-    {"max_tokens": 120, "temperature": 0.8, "seed": 3, "structured_outputs": {"json": SCHEMA}},
+    {
+        "max_tokens": 120,
+        "temperature": 0.8,
+        "seed": 3,
+        "structured_outputs": {"json": PERSON_SCHEMA},
+    },
     {"max_tokens": 12, "temperature": 0.0, "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}},
 ]
 
@@ -245,7 +255,7 @@ def test_structured_output_stays_valid(request, method):
     results, _ = request.getfixturevalue(method)
     as_json, regex = (r["outputs"][0] for r in results[STRUCTURED_JOB])
     assert as_json["finish_reason"] == "stop", as_json
-    jsonschema.validate(json.loads(as_json["text"]), SCHEMA)
+    jsonschema.validate(json.loads(as_json["text"]), PERSON_SCHEMA)
     import re
 
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex["text"]), regex
