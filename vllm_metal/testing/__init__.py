@@ -1,6 +1,7 @@
-"""Test support: tiny random-weight checkpoints built on the spot and float32 reference oracles.
+"""The tiny random-weight checkpoint writer behind the README's quick start, and its tokenizer.
 
-Nothing here is imported by the plugin at runtime; tests and benchmarks use it without model downloads.
+Nothing here is imported by the plugin at runtime. The test suite's other fixtures (families,
+float32 oracles) live in the repository's tests/fixtures and do not ship.
 """
 
 from __future__ import annotations
@@ -14,21 +15,10 @@ _EXPORTS = {
     "build_tokenizer_json": "tiny_tokenizer",
     "quantize_tiny_model": "tiny_models",
     "write_tiny_model": "tiny_models",
-    "hf_greedy": "oracles",
-    "hf_logprobs": "oracles",
-    "mlx_lm_greedy": "oracles",
+    "write_transformers_checkpoint": "tiny_models",
 }
 
-__all__ = [
-    "ARCHS",
-    "DTYPES",
-    "build_tokenizer_json",
-    "hf_greedy",
-    "hf_logprobs",
-    "mlx_lm_greedy",
-    "quantize_tiny_model",
-    "write_tiny_model",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,7 @@
 """Tiny random-weight checkpoints in Hugging Face layout for tests that cannot download models.
 
-Each loads in transformers, vLLM and mlx-lm, with a trained BPE tokenizer and a ChatML template.
+Each family is a config dict that transformers builds and saves (:func:`write_transformers_checkpoint`);
+it loads in transformers, vLLM and mlx-lm, with a trained BPE tokenizer and a ChatML template.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import contextlib
 import importlib.metadata
 import io
 import json
+import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from vllm_metal.testing.tiny_tokenizer import (  # noqa: F401 (part of this modu
 )
 
 DTYPES = ("float32", "float16", "bfloat16")
+_TRANSFORMERS_VERSION = importlib.metadata.version("transformers")
 
 # --------------------------------------------------------------------------------------------------
 # Architectures
@@ -40,34 +43,30 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
-class ArchSpec:
-    """How one model family lays out its config and weights."""
+class Family:
+    """A model family: its config.json fields beyond the shared tiny sizes, and the parameters
+    whose random draw differs from :func:`redraw_weights`' default."""
 
-    architecture: str
-    model_type: str
-    config: dict[str, Any] = field(default_factory=dict)
-    qkv_bias: bool = False  # Qwen2 projections carry biases
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
-    # OLMo 2: RMSNorm over the whole q and k projections, and norms on the attention and MLP
-    # outputs only (no input norms).
-    olmo2_norms: bool = False
-    sandwich_norms: bool = False  # Gemma2/3: extra norms around attention and MLP outputs
-    offset_norms: bool = False  # Gemma RMSNorm scales by (1 + weight): store weight near 0
-    tied: bool = False  # lm_head shares the embedding matrix
-    embed_std: float | None = None  # embedding init when it differs from the matrices'
-    # Mean scales of some norm weights. With tied embeddings the input token's own embedding rides
-    # the residual stream into the logits and the model repeats it; a small embedding, louder
-    # sublayer outputs and sharper q/k norms keep Gemma's continuations varied.
-    post_norm_scale: float = 1.0  # Gemma's norms on attention / MLP outputs
-    final_norm_scale: float = 1.0
-    qk_norm_scale: float = 1.0
+    config: dict[str, Any]
+    # (regex on the parameter name, mean, std): the first match is drawn from N(mean, std).
+    init: tuple[tuple[str, float, float], ...] = ()
 
 
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(
-        "LlamaForCausalLM",
-        "llama",
+# Gemma's RMSNorms scale by (1 + weight) and its embeddings are tied: the input token's own
+# embedding rides the residual stream into the logits and the model repeats it. A small embedding,
+# louder sublayer outputs and sharper q/k norms (stored as scale - 1) keep continuations varied.
+_GEMMA_INIT = (
+    (r"embed_tokens", 0.0, 0.05),
+    (r"post_(attention|feedforward)_layernorm", 7.0, 0.8),
+    (r"^model\.norm\.", 3.0, 0.4),
+    (r"self_attn\.[qk]_norm", 2.0, 0.3),
+)
+
+ARCHS: dict[str, Family] = {
+    "llama": Family(
         {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -75,25 +74,24 @@ ARCHS: dict[str, ArchSpec] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "rope_scaling": None,
             "pretraining_tp": 1,
-        },
+        }
     ),
-    "qwen2": ArchSpec(
-        "Qwen2ForCausalLM",
-        "qwen2",
+    "qwen2": Family(
         {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
             "hidden_act": "silu",
             "rope_theta": 1000000.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
             "rope_scaling": None,
             "use_sliding_window": False,
             "sliding_window": None,
-        },
-        qkv_bias=True,
+        }
     ),
-    "qwen3": ArchSpec(
-        "Qwen3ForCausalLM",
-        "qwen3",
+    "qwen3": Family(
         {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
             "hidden_act": "silu",
             "attention_bias": False,
             "rope_theta": 1000000.0,
@@ -101,26 +99,25 @@ ARCHS: dict[str, ArchSpec] = {
             "rope_scaling": None,
             "use_sliding_window": False,
             "sliding_window": None,
-        },
-        qk_norm=True,
+        }
     ),
     # Every layer attends to the last `sliding_window` keys (HF and vLLM honour it; mlx-lm's
     # Mistral, which is its Llama class, ignores it when the config has no `layer_types`).
-    "mistral": ArchSpec(
-        "MistralForCausalLM",
-        "mistral",
+    "mistral": Family(
         {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
             "hidden_act": "silu",
             "rope_theta": 10000.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "sliding_window": 32,
-        },
+        }
     ),
     # Text-only Gemma3: layers alternate sliding (window 32, local RoPE) and global attention.
-    "gemma3": ArchSpec(
-        "Gemma3ForCausalLM",
-        "gemma3_text",
+    "gemma3": Family(
         {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": 64,
             "sliding_window": 32,
@@ -131,34 +128,27 @@ ARCHS: dict[str, ArchSpec] = {
             "final_logit_softcapping": None,
             "attn_logit_softcapping": None,
             "attention_bias": False,
+            "tie_word_embeddings": True,
         },
-        qk_norm=True,
-        sandwich_norms=True,
-        offset_norms=True,
-        tied=True,
-        embed_std=0.05,
-        post_norm_scale=8.0,
-        final_norm_scale=4.0,
-        qk_norm_scale=3.0,
+        _GEMMA_INIT,
     ),
-    "olmo2": ArchSpec(
-        "Olmo2ForCausalLM",
-        "olmo2",
+    "olmo2": Family(
         {
+            "architectures": ["Olmo2ForCausalLM"],
+            "model_type": "olmo2",
             "hidden_act": "silu",
             "attention_bias": False,
             "rope_theta": 500000.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
             "rope_scaling": None,
-        },
-        olmo2_norms=True,
+        }
     ),
     # Gemma2: tanh soft-capping of attention logits (50) and final logits (30). Its sliding window
     # (4096) is wider than max_position_embeddings, so it never applies (mlx-lm ignores it anyway).
-    "gemma2": ArchSpec(
-        "Gemma2ForCausalLM",
-        "gemma2",
+    "gemma2": Family(
         {
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": 64,
             "sliding_window": 4096,
@@ -167,20 +157,16 @@ ARCHS: dict[str, ArchSpec] = {
             "final_logit_softcapping": 30.0,
             "attn_logit_softcapping": 50.0,
             "attention_bias": False,
+            "tie_word_embeddings": True,
         },
-        sandwich_norms=True,
-        offset_norms=True,
-        tied=True,
-        embed_std=0.05,
-        post_norm_scale=8.0,
-        final_norm_scale=4.0,
+        _GEMMA_INIT,
     ),
 }
 
 
-def _layer_types(arch: str, spec: ArchSpec, num_layers: int) -> list[str] | None:
+def _layer_types(arch: str, config: dict[str, Any], num_layers: int) -> list[str] | None:
     if arch == "gemma3":
-        pattern = spec.config["sliding_window_pattern"]
+        pattern = config["sliding_window_pattern"]
         return [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)
@@ -188,6 +174,21 @@ def _layer_types(arch: str, spec: ArchSpec, num_layers: int) -> list[str] | None
     if arch == "gemma2":
         return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return None
+
+
+def base_config(dtype: str = "float32", vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict[str, Any]:
+    """The config fields every tiny checkpoint shares: the tiny tokenizer's ids and the dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
+    return {
+        "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": token_id(BOS_TOKEN),
+        "eos_token_id": [token_id(IM_END), token_id(EOT_TOKEN)],
+        "pad_token_id": token_id(PAD_TOKEN),
+        "dtype": dtype,
+    }
 
 
 def tiny_config(
@@ -204,46 +205,32 @@ def tiny_config(
     max_position_embeddings: int = 2048,
     sliding_window: int | None = None,
 ) -> dict[str, Any]:
-    """The config.json contents for a tiny checkpoint of ``arch``."""
+    """The config of a tiny checkpoint of ``arch``: what :func:`write_transformers_checkpoint`
+    builds the model from (and a valid config.json by itself)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {DTYPES}")
     if arch == "qwen2" and hidden_size != num_heads * head_dim:
         # mlx-lm's Qwen2 derives head_dim from hidden_size / num_heads.
         raise ValueError("qwen2 needs hidden_size == num_heads * head_dim")
-    spec = ARCHS[arch]
+    family = ARCHS[arch].config
     config: dict[str, Any] = {
-        "architectures": [spec.architecture],
-        "model_type": spec.model_type,
+        **base_config(dtype, vocab_size),
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": spec.tied,
-        "use_cache": True,
-        "bos_token_id": token_id(BOS_TOKEN),
-        "eos_token_id": [token_id(IM_END), token_id(EOT_TOKEN)],
-        "pad_token_id": token_id(PAD_TOKEN),
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "transformers_version": importlib.metadata.version("transformers"),
+        **family,
     }
-    config.update(spec.config)
     if arch == "qwen2":
         config["max_window_layers"] = num_layers
     if sliding_window is not None:
-        if "sliding_window" not in spec.config or arch in ("qwen2", "qwen3"):
+        if "sliding_window" not in family or arch in ("qwen2", "qwen3"):
             raise ValueError(f"{arch} has no sliding-window attention here")
         config["sliding_window"] = sliding_window
-    if (layer_types := _layer_types(arch, spec, num_layers)) is not None:
+    if (layer_types := _layer_types(arch, config, num_layers)) is not None:
         config["layer_types"] = layer_types
     if arch == "gemma3":
         config["rope_parameters"] = {
@@ -257,70 +244,67 @@ def tiny_config(
 
 
 # --------------------------------------------------------------------------------------------------
-# Weights
+# Weights and files
 # --------------------------------------------------------------------------------------------------
 
 
-def _random_weights(
-    spec: ArchSpec, config: dict[str, Any], seed: int, weight_std: float
-) -> dict[str, np.ndarray]:
-    """HF-named float32 tensors. Matrices ~ N(0, weight_std): the default 0.02 init makes a tiny
-    model repeat one token, which would let any broken kernel pass a greedy comparison."""
-    rng = np.random.default_rng(seed)
-    hidden = config["hidden_size"]
-    inter = config["intermediate_size"]
-    head_dim = config["head_dim"]
-    q_dim = config["num_attention_heads"] * head_dim
-    kv_dim = config["num_key_value_heads"] * head_dim
-    vocab = config["vocab_size"]
+def redraw_weights(
+    model: Any, seed: int, weight_std: float, init: tuple[tuple[str, float, float], ...] = ()
+) -> None:
+    """Redraw every parameter of ``model`` in place from ``seed``, whatever torch's global RNG.
 
-    def matrix(rows: int, cols: int, std: float = weight_std) -> np.ndarray:
-        return rng.normal(0.0, std, size=(rows, cols)).astype(np.float32)
+    Matrices (embeddings, projections, stacked experts, convolutions) ~ N(0, weight_std): the
+    default 0.02 init makes a tiny model repeat one token, which would let any broken kernel pass a
+    greedy comparison. Vectors keep transformers' init (norm scales at 1 or 0, decay rates, zero
+    biases) plus N(0, 0.1), so a vector loaded in the wrong place shows. ``init`` overrides both.
+    """
+    import torch
 
-    def norm(dim: int, scale: float = 1.0) -> np.ndarray:
-        # Spread around the mean scale, so a norm weight loaded in the wrong place shows.
-        effective = scale * (1.0 + rng.normal(0.0, 0.1, size=(dim,)))
-        return (effective - 1.0 if spec.offset_norms else effective).astype(np.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            rule = next(((m, s) for pattern, m, s in init if re.search(pattern, name)), None)
+            if rule is not None:
+                param.copy_(noise * rule[1] + rule[0])
+            elif param.ndim >= 2:
+                param.copy_(noise * weight_std)
+            else:
+                param.add_(noise * 0.1)
 
-    weights: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": matrix(vocab, hidden, spec.embed_std or weight_std)
-    }
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        if not spec.olmo2_norms:
-            weights[p + "input_layernorm.weight"] = norm(hidden)
-        weights[p + "self_attn.q_proj.weight"] = matrix(q_dim, hidden)
-        weights[p + "self_attn.k_proj.weight"] = matrix(kv_dim, hidden)
-        weights[p + "self_attn.v_proj.weight"] = matrix(kv_dim, hidden)
-        weights[p + "self_attn.o_proj.weight"] = matrix(hidden, q_dim)
-        if spec.qkv_bias:
-            for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-                weights[p + f"self_attn.{name}_proj.bias"] = rng.normal(
-                    0.0, weight_std, size=(dim,)
-                ).astype(np.float32)
-        if spec.qk_norm:
-            weights[p + "self_attn.q_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
-            weights[p + "self_attn.k_norm.weight"] = norm(head_dim, spec.qk_norm_scale)
-        if spec.olmo2_norms:
-            weights[p + "self_attn.q_norm.weight"] = norm(q_dim)
-            weights[p + "self_attn.k_norm.weight"] = norm(kv_dim)
-            weights[p + "post_attention_layernorm.weight"] = norm(hidden)
-            weights[p + "post_feedforward_layernorm.weight"] = norm(hidden)
-        elif spec.sandwich_norms:
-            # Gemma: post_attention_layernorm normalises the attention output, and the MLP input
-            # gets its own pre_feedforward_layernorm.
-            weights[p + "post_attention_layernorm.weight"] = norm(hidden, spec.post_norm_scale)
-            weights[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
-            weights[p + "post_feedforward_layernorm.weight"] = norm(hidden, spec.post_norm_scale)
-        else:
-            weights[p + "post_attention_layernorm.weight"] = norm(hidden)
-        weights[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
-        weights[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
-        weights[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
-    weights["model.norm.weight"] = norm(hidden, spec.final_norm_scale)
-    if not spec.tied:
-        weights["lm_head.weight"] = matrix(vocab, hidden)
-    return weights
+
+def write_transformers_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    weight_std: float = 0.3,
+    init: tuple[tuple[str, float, float], ...] = (),
+    model_class: str = "AutoModelForCausalLM",
+    tokenizer: dict[str, Any] | None = None,
+    eos_token_id: Any = None,
+) -> Path:
+    """Build ``config`` (a config.json dict with its ``model_type``) with transformers, redraw its
+    weights (:func:`redraw_weights`) and ``save_pretrained`` it in ``config["dtype"]``.
+
+    config.json is what transformers writes plus the keys of ``config`` it drops (such as a
+    top-level ``rope_theta``, which mlx-lm reads and hub checkpoints carry). The generation config
+    and tokenizer files are :func:`write_checkpoint`'s.
+    """
+    import torch
+    import transformers
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # transformers' own init, under the vectors' spread
+        model = getattr(transformers, model_class).from_config(hf_config, dtype=torch.float32)
+    redraw_weights(model, seed, weight_std, init)
+    out = Path(out_dir)
+    model.to(getattr(torch, config.get("dtype", "float32"))).save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    saved.update({k: v for k, v in config.items() if k not in saved})
+    return write_checkpoint(out, saved, None, tokenizer=tokenizer, eos_token_id=eos_token_id)
 
 
 def save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
@@ -340,24 +324,26 @@ def save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> 
 def write_checkpoint(
     out_dir: str | Path,
     config: dict[str, Any],
-    weights: dict[str, np.ndarray],
-    dtype: str,
+    weights: dict[str, np.ndarray] | None,
+    dtype: str | None = None,
     *,
     tokenizer: dict[str, Any] | None = None,
     eos_token_id: Any = None,
 ) -> Path:
     """Write a checkpoint in HF layout: config.json, generation_config.json (greedy, stopping at
-    ``eos_token_id``, default the config's), model.safetensors and the tokenizer files (the tiny
-    tokenizer's unless ``tokenizer`` gives others, file name -> content)."""
+    ``eos_token_id``, default the config's), model.safetensors (unless ``weights`` is None: already
+    written) and the tokenizer files (the tiny tokenizer's unless ``tokenizer`` gives others, file
+    name -> content)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_safetensors(weights, out / "model.safetensors", dtype)
+    if weights is not None:
+        save_safetensors(weights, out / "model.safetensors", dtype or config["dtype"])
     generation_config = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"] if eos_token_id is None else eos_token_id,
         "pad_token_id": config["pad_token_id"],
         "do_sample": False,
-        "transformers_version": config["transformers_version"],
+        "transformers_version": config.get("transformers_version", _TRANSFORMERS_VERSION),
     }
     files: dict[str, Any] = {
         "config.json": config,
@@ -376,36 +362,20 @@ def write_tiny_model(
     *,
     dtype: str = "float32",
     seed: int = 0,
-    num_layers: int = 2,
-    hidden_size: int = 256,
-    intermediate_size: int = 512,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    max_position_embeddings: int = 2048,
-    sliding_window: int | None = None,
     weight_std: float = 0.3,
+    **config_kwargs: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` in HF layout to ``out_dir`` and return it.
 
-    Files: config.json, generation_config.json, model.safetensors (``dtype`` weights drawn in
-    float32 from ``seed``), tokenizer.json, tokenizer_config.json (with the chat template) and
+    ``config_kwargs`` (sizes, ``sliding_window``, ...) go to :func:`tiny_config`. Files:
+    config.json, generation_config.json, model.safetensors (weights drawn in float32 from ``seed``,
+    saved in ``dtype``), tokenizer.json, tokenizer_config.json (with the chat template) and
     special_tokens_map.json. The same arguments always give byte-identical weights and tokenizer.
     """
-    config = tiny_config(
-        arch,
-        dtype=dtype,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        sliding_window=sliding_window,
+    config = tiny_config(arch, dtype=dtype, **config_kwargs)
+    return write_transformers_checkpoint(
+        out_dir, config, seed=seed, weight_std=weight_std, init=ARCHS[arch].init
     )
-    weights = _random_weights(ARCHS[arch], config, seed, weight_std)
-    return write_checkpoint(out_dir, config, weights, dtype)
 
 
 def quantize_tiny_model(
