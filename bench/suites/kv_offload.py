@@ -77,7 +77,7 @@ def write_kv_model(work: Path, quick: bool, seed: int = 0) -> Path:
     shape = None if quick else SHAPE
     path = work / "models" / f"llama-{'tiny' if quick else '4x768-random'}-{DTYPE}"
     stamp = {"kind": "llama", "shape": shape, "vocab": None if quick else VOCAB, "seed": seed,
-             "dtype": DTYPE, "format": 1}  # fmt: skip
+             "dtype": DTYPE, "format": 2}  # fmt: skip
     stamp_file = path / "bench_model.json"
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return path  # reused as is: the disk tier keys its files on the weights' mtimes
@@ -86,11 +86,9 @@ def write_kv_model(work: Path, quick: bool, seed: int = 0) -> Path:
     else:
         from bench.harness.checkpoints import pad_tokenizer
 
-        config = tm.tiny_config("llama", dtype=DTYPE, vocab_size=VOCAB,
-                                max_position_embeddings=16384, **SHAPE)  # fmt: skip
         # The usual 0.02 init: logits spread enough that float32 noise cannot flip the argmax.
-        weights = tm._random_weights(tm.ARCHS["llama"], config, seed, weight_std=0.02)
-        tm.write_checkpoint(path, config, weights, DTYPE)
+        tm.write_tiny_model(path, "llama", dtype=DTYPE, seed=seed, weight_std=0.02,
+                            vocab_size=VOCAB, max_position_embeddings=16384, **SHAPE)  # fmt: skip
         pad_tokenizer(path / "tokenizer.json", VOCAB)
     stamp_file.write_text(json.dumps(stamp, indent=2) + "\n")
     return path
