@@ -287,9 +287,9 @@ def write_transformers_checkpoint(
     """Build ``config`` (a config.json dict with its ``model_type``) with transformers, redraw its
     weights (:func:`redraw_weights`) and ``save_pretrained`` it in ``config["dtype"]``.
 
-    config.json is what transformers writes plus the keys of ``config`` it drops (such as a
-    top-level ``rope_theta``, which mlx-lm reads and hub checkpoints carry). The generation config
-    and tokenizer files are :func:`write_checkpoint`'s.
+    config.json is what transformers writes, updated with ``config``: keys transformers drops or
+    rewrites (a top-level ``rope_theta``, which mlx-lm reads and hub checkpoints carry) stay as
+    given. The generation config and tokenizer files are :func:`write_checkpoint`'s.
     """
     import torch
     import transformers
@@ -303,7 +303,7 @@ def write_transformers_checkpoint(
     out = Path(out_dir)
     model.to(getattr(torch, config.get("dtype", "float32"))).save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
-    saved.update({k: v for k, v in config.items() if k not in saved})
+    saved.update(config)
     return write_checkpoint(out, saved, None, tokenizer=tokenizer, eos_token_id=eos_token_id)
 
 
