@@ -324,6 +324,57 @@ def test_transformers_imports_model_classes() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+# --- the wheel ships the quick start's writer, no test fixtures -------------------------------
+
+# What `python -m vllm_metal.testing.tiny_models` (README's quick start) needs; every other
+# fixture lives in tests/fixtures, which does not ship.
+SHIPPED_TESTING = ["__init__.py", "tiny_models.py", "tiny_tokenizer.py"]
+
+
+def _packaged_modules() -> dict[str, list[str]]:
+    """Each package the wheel holds -> its .py files: setuptools' own search with
+    pyproject.toml's `[tool.setuptools.packages.find]` (namespace packages included by default)."""
+    import tomllib
+
+    from setuptools import find_namespace_packages, find_packages
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    find = dict(pyproject["tool"]["setuptools"]["packages"]["find"])
+    search = find_namespace_packages if find.pop("namespaces", True) else find_packages
+    where = ROOT / find.pop("where", ["."])[0]
+    packages = search(str(where), **{k: tuple(v) for k, v in find.items()})
+    return {
+        name: sorted(f.name for f in (where / name.replace(".", "/")).glob("*.py"))
+        for name in packages
+        if not name.endswith("__pycache__")
+    }
+
+
+def test_wheel_ships_only_the_quick_start_fixtures() -> None:
+    packages = _packaged_modules()
+    assert "vllm_metal.backends" in packages
+    assert [p for p in packages if not p.startswith("vllm_metal")] == []  # no tests, no bench
+    assert packages["vllm_metal.testing"] == SHIPPED_TESTING
+    assert [p for p in packages if p.startswith("vllm_metal.testing.")] == []
+
+
+def test_shipped_testing_modules_import_no_test_packages() -> None:
+    import ast
+
+    for name in SHIPPED_TESTING:
+        tree = ast.parse((ROOT / "vllm_metal" / "testing" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                modules = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                for module in modules:
+                    top = module.split(".")[0]
+                    assert top not in ("tests", "bench", "peft", "pytest"), (name, module)
+
+
 def _write_env_table() -> None:
     text = CONFIG_DOC.read_text()
     start = text.index("\n", text.index(TABLE_START)) + 1
