@@ -6,8 +6,8 @@ import gc
 from typing import TYPE_CHECKING
 
 from vllm_metal import envs
+from vllm_metal.backends import BackendUnavailableError
 from vllm_metal.backends.kernel_facts import PagedKernelFacts
-from vllm_metal.capabilities import MetalConfigError
 from vllm_metal.host import physical_memory_bytes
 
 if TYPE_CHECKING:
@@ -24,7 +24,9 @@ def device_kind() -> str:
     wanted = envs.VLLM_METAL_DEVICE
     has_gpu = mx.metal.is_available()
     if wanted == "gpu" and not has_gpu:
-        raise MetalConfigError("VLLM_METAL_DEVICE=gpu but MLX reports no Metal GPU on this machine")
+        raise BackendUnavailableError(
+            "VLLM_METAL_DEVICE=gpu but MLX reports no Metal GPU on this machine"
+        )
     if wanted == "cpu" or not has_gpu:
         return "cpu"
     return "gpu"
@@ -53,6 +55,30 @@ def dense_on_this_device() -> bool:
 
 class MLXBackend(PagedKernelFacts):
     name = "mlx"
+    async_scheduling = True
+    opaque_attention_op = True
+
+    def torch_device_type(self) -> str:
+        # MLX owns the accelerator: vLLM's tensors (sampling, pooling, grammars) stay on the host.
+        return "cpu"
+
+    def attention_backend(self) -> str:
+        # vLLM asks while it builds its config; the MLX runner runs no vLLM attention layer, so
+        # this only has to name a backend that imports on this host.
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        return AttentionBackendEnum.CPU_ATTN.get_path()
+
+    def register_kernel_overrides(self) -> None:
+        return None  # the spec decoder registers its kernels when it is built
+
+    def import_kernels(self) -> None:
+        return None  # the native extension is loaded by vllm_metal.ops when first needed
+
+    def configure_hybrid(self, vllm_config: VllmConfig) -> None:
+        from vllm_metal.kv import state
+
+        state.align_block_size(vllm_config)
 
     def init_device(self) -> str:
         import mlx.core as mx
@@ -102,14 +128,7 @@ class MLXBackend(PagedKernelFacts):
         mx.random.seed(seed)
 
     def make_runner(self, vllm_config: VllmConfig) -> ModelRunner:
-        if vllm_config.model_config.is_encoder_decoder:
-            from vllm_metal.backends.mlx.runner.speech.runner import MLXSpeechRunner
-
-            return MLXSpeechRunner(vllm_config)
-        if vllm_config.model_config.runner_type == "pooling":
-            from vllm_metal.backends.mlx.runner.pool.runner import MLXPoolingRunner
-
-            return MLXPoolingRunner(vllm_config)
+        # One runner for every model kind; it picks the kind and the output stage itself.
         from vllm_metal.backends.mlx.runner.model_runner import MLXModelRunner
 
         return MLXModelRunner(vllm_config)

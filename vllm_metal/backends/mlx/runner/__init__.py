@@ -1,6 +1,5 @@
-"""The MLX model runner, one module per concern (see `model_runner.py`).
-
-Homes for what comes next: `spec_decode/` (draft proposers and verification rows), `lora/`
-(adapter weights and per-row adapter mapping), `pool/` (pooling heads for embed/classify), `mm/`
-(encoder outputs merged at placeholder positions).
+"""The MLX model runner, one module per concern (see `model_runner.py`): one runner for every
+model kind, the kinds as strategies in `model_states/`, how a step ends in `output.py` (sampling
+or `pool/`), and the features every kind may share: `spec_decode/`, `lora/`, `mm/` (media items),
+`kv_connector.py`.
 """

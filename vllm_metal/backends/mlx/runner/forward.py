@@ -12,13 +12,14 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
 from vllm_metal.backends.mlx.runner.mm.embeddings import merge
+from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS, StepInputs
 from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
-from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
+from vllm_metal.models.multimodal import MultimodalAdapter
 
 
 def layer_caches(
@@ -63,23 +64,23 @@ def hidden_states(
     pool: KVPool,
     kinds: Sequence[LayerKind],
     packed: PackedBatch,
-    mm_rows: TokenRows | None = None,
-    mrope_positions: np.ndarray | None = None,
-    key_ends: np.ndarray | None = None,
+    inputs: StepInputs = NO_INPUTS,
 ) -> mx.array:
     """The decoder's final hidden states of every packed token (`[T, 1, hidden]`), writing the
-    step's K/V into the pool; `mm_rows` (encoder outputs of images) replace the embeddings of
-    their placeholder tokens. An M-RoPE model takes `mrope_positions` (`[3, T]`; without them
-    every token is text, at its index on all three streams); a prefix-LM model the `key_ends`
-    of its image tokens (`mm.spans`). Lazy."""
-    caches = layer_caches(pool, packed, kinds, key_ends)
-    embeds = merge(adapter.embed(mx.array(packed.token_ids)[:, None]), mm_rows)  # [T, 1, hidden]
+    step's K/V into the pool. From `inputs`: `mm_rows` (encoder outputs of images) replace the
+    embeddings of their placeholder tokens; an M-RoPE model takes `mrope_positions` (without
+    them every token is text, at its index on all three streams); a prefix-LM model the
+    `key_ends` of its image tokens (`mm.spans`). Lazy."""
+    caches = layer_caches(pool, packed, kinds, inputs.key_ends)
+    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
+    embeds = merge(embeds, inputs.mm_rows)
     if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches)
+    mrope_positions = inputs.mrope_positions
     if adapter.uses_mrope and mrope_positions is None:
         mrope_positions = np.broadcast_to(packed.positions, (3, packed.num_tokens))
     positions = None if mrope_positions is None else mx.array(mrope_positions)[:, :, None]
-    return adapter.forward(embeds, caches, positions=positions, rows=mm_rows)
+    return adapter.forward(embeds, caches, positions=positions, rows=inputs.mm_rows)
 
 
 def forward(
@@ -88,13 +89,11 @@ def forward(
     kinds: Sequence[LayerKind],
     packed: PackedBatch,
     prompt_rows: Mapping[str, np.ndarray],
-    mm_rows: TokenRows | None = None,
-    mrope_positions: np.ndarray | None = None,
-    key_ends: np.ndarray | None = None,
+    inputs: StepInputs = NO_INPUTS,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Float32 logits of the rows in `packed.logits_indices` (`[S + drafts, V]`), and of the
     rows asked for prompt logprobs (req_id -> `[n, V]`). Lazy: nothing is evaluated here."""
-    hidden = hidden_states(adapter, pool, kinds, packed, mm_rows, mrope_positions, key_ends)
+    hidden = hidden_states(adapter, pool, kinds, packed, inputs)
     return logits_of(adapter, hidden, packed, prompt_rows)
 
 

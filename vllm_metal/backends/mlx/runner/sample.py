@@ -1,19 +1,115 @@
-"""Sampling with vLLM's own `Sampler` (grammar bitmask included), or its `RejectionSampler` on a
-step that verifies drafts (`spec_decode/verify.py`); token write-back into the request state,
-and the step's `ModelRunnerOutput`."""
+"""Sampling, the output stage of generating models (`output.py`): a step's logits are queued on
+the device and sampled with vLLM's own `Sampler` (grammar bitmask included), or its
+`RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); token write-back
+into the request state, and the step's `ModelRunnerOutput`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
 import numpy as np
 import torch
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_metal.backends.mlx.runner.prompt_logprobs import gather_prompt_logprobs
+from vllm_metal.backends.mlx.runner.prompt_logprobs import (
+    gather_prompt_logprobs,
+    prompt_logprob_rows,
+)
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
-from vllm_metal.backends.mlx.runner.step import StepState
+from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
+from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
 from vllm_metal.backends.mlx.runner.tensors import to_torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.tasks import SupportedTask
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
+    from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
+    from vllm_metal.backends.mlx.runner.model_states import ModelState
+
+
+class Sampling:
+    """Steps end in logits, queued with `mx.async_eval` and sampled when their tokens are needed
+    (`step.py`); drafts of speculative decoding are verified here."""
+
+    lm_head = True
+    features = frozenset({"lora", "speculative_decoding", "kv_connector"})
+
+    def __init__(self, vllm_config: VllmConfig, states: RequestStates, state: ModelState):
+        self.states = states
+        self.logprobs_mode = vllm_config.model_config.logprobs_mode
+        self.sampler = Sampler(logprobs_mode=self.logprobs_mode)
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.pipeline = StepPipeline(self._sample, async_scheduling)
+        self.spec = make_spec_decoder(
+            vllm_config,
+            self.sampler,
+            compute_dtype=state.compute_dtype,
+            kv_dtype=state.mlx_kv_dtype,
+            dequantize=state.dequantize,
+        )
+
+    def load(self, state: ModelState) -> None:
+        pass
+
+    def supported_tasks(self, state: ModelState) -> tuple[SupportedTask, ...]:
+        return state.generation_tasks()
+
+    def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        pass
+
+    def finish_step(
+        self,
+        state: ModelState,
+        hidden: mx.array,
+        packed: PackedBatch,
+        scheduler_output: SchedulerOutput,
+        *,
+        started: float,
+        kv_arrays: list[mx.array],
+        connector: ConnectorSteps | None,
+    ) -> None:
+        """Queue the step's logits; `sample_tokens` (or the next step) samples them."""
+        prompt_rows = prompt_logprob_rows(self.states, packed)
+        logits, prompt_logits = state.logits(hidden, packed, prompt_rows)
+        # Evaluating the cache writes with the logits keeps every step's graph self-contained.
+        mx.async_eval(logits, *prompt_logits.values(), *kv_arrays)
+        self.pipeline.executed = StepState(
+            scheduler_output,
+            packed,
+            logits,
+            prompt_logits,
+            started=started,
+            kv_connector_output=None if connector is None else connector.finish(scheduler_output),
+        )
+
+    def drain(self) -> None:
+        self.pipeline.drain()
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        return self.pipeline.hand_out(grammar_output)
+
+    def _sample(self, step: StepState) -> ModelRunnerOutput:
+        spec = self.spec
+        output = sample_step(
+            step,
+            self.states,
+            self.sampler,
+            self.logprobs_mode,
+            None if spec is None else spec.rejection_sampler,
+        )
+        if spec is not None:
+            spec.after_step(step, self.states, output.sampled_token_ids)
+        output.kv_connector_output = step.kv_connector_output
+        return output
 
 
 def sample_step(

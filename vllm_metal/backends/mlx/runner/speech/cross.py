@@ -26,6 +26,7 @@ class CrossInputs:
     block_tables: np.ndarray  # [T, max_blocks] int32: each token's request's cross blocks
     seq_lens: np.ndarray  # [T] int32: each token's request's encoder length
     slot_mapping: np.ndarray  # [sum of encoded lengths] int64: where encoded states go
+    encoded_lens: np.ndarray  # [N]: the encoder length of each request encoded this step
 
     def device_views(self, positions: np.ndarray) -> tuple[StepMetadata, GroupTables]:
         num_tokens = len(self.seq_lens)
@@ -64,4 +65,5 @@ def cross_inputs(
         block_tables=table[row_of_token],
         seq_lens=encoder_lens[row_of_token].astype(np.int32),
         slot_mapping=slots + positions % block_size,
+        encoded_lens=lens,
     )

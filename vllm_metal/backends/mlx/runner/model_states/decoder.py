@@ -1,0 +1,96 @@
+"""Decoder models through mlx-lm (dense, MoE, sliding-window, hybrid state layers, MLA): they differ
+only by their layer kinds (`vllm_metal.models.layers`), which the KV specs, the pool and the
+forward's layer caches follow. Every runner feature applies to them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_metal.backends.mlx.runner.forward import hidden_states
+from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, StepInputs
+from vllm_metal.backends.mlx.runner.warmup import DummyRuns
+from vllm_metal.models import ModelAdapter, load_model
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
+    from vllm_metal.backends.mlx.runner.pool.heads import Classifier
+    from vllm_metal.kv.pool import KVPool
+
+
+class DecoderState(ModelState):
+    kind = "decoder"
+    features = frozenset({"lora", "speculative_decoding", "kv_connector"})
+
+    def __init__(self, vllm_config: VllmConfig, *, lm_head: bool):
+        super().__init__(vllm_config, lm_head=lm_head)
+        self.adapter: ModelAdapter | None = None
+        self.num_layers = self.model_config.get_num_layers(vllm_config.parallel_config)
+
+    def load(self) -> str:
+        config = self.model_config
+        self.adapter = adapter = load_model(
+            config.model,
+            compute_dtype=self.compute_dtype,
+            dequantize=self.dequantize,
+            revision=config.revision,
+            download_dir=self.vllm_config.load_config.download_dir,
+            trust_remote_code=config.trust_remote_code,
+            lm_head=self.lm_head,
+            hf_config=config.hf_config.to_dict(),  # what a GGUF file is built from
+        )
+        if adapter.num_layers != self.num_layers:
+            raise ValueError(
+                f"model={config.model!r}: the MLX model has {adapter.num_layers} "
+                f"layers but the config says {self.num_layers}"
+            )
+        self.layer_kinds = adapter.layer_kinds()
+        return "layers: " + _summarize(kind.label for kind in self.layer_kinds)
+
+    def classifier(self) -> Classifier:
+        from vllm_metal.backends.mlx.runner.pool.heads import decoder_classifier
+
+        return decoder_classifier(self.vllm_config)
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        assert self.adapter is not None, "load the model first"
+        return self._layer_specs(self.adapter.attention_layer_names, block_size)
+
+    def kv_layer_names(self) -> list[str]:
+        assert self.adapter is not None, "load the model first"
+        return self.adapter.attention_layer_names
+
+    def profile(self, num_tokens: int, block_size: int) -> int:
+        return self._dummy_runs().profile(num_tokens, block_size)
+
+    def warm_up(self, block_size: int, max_num_tokens: int) -> None:
+        self._dummy_runs().warm_up(block_size, max_num_tokens)
+
+    def _dummy_runs(self) -> DummyRuns:
+        assert self.adapter is not None, "load the model first"
+        return DummyRuns(
+            self.adapter,
+            self.layer_kinds,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlx_kv_dtype,
+            self.model_config.get_vocab_size(),
+            logits=self.lm_head,
+        )
+
+    def hidden_states(
+        self, pool: KVPool | None, packed: PackedBatch, inputs: StepInputs
+    ) -> mx.array:
+        assert pool is not None, "KV cache not initialized"
+        return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
+
+
+def _summarize(labels) -> str:
+    """'full x 4, sliding(32) x 2' in first-seen order."""
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} x {n}" for label, n in counts.items())

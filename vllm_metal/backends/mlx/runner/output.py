@@ -1,0 +1,69 @@
+"""How a step ends, chosen by vLLM's `runner_type`: `Sampling` (`sample.py`: logits, queued and
+sampled with vLLM's sampler) or `Pooling` (`pool/pooling.py`: hidden states through vLLM's
+pooler). Both meet `OutputStage`; the model kind (`model_states/`) is chosen independently."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from vllm.config import VllmConfig
+    from vllm.tasks import SupportedTask
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
+    from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
+    from vllm_metal.backends.mlx.runner.model_states import ModelState
+    from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+
+
+class OutputStage(Protocol):
+    lm_head: ClassVar[bool]  # whether the model loads with its LM head
+    features: ClassVar[frozenset[str]]  # runner features (`FEATURE_FLAGS`) the stage allows
+    spec: SpecDecoder | None  # speculative decoding, verified where tokens are sampled
+
+    def load(self, state: ModelState) -> None:
+        """After the model loads: what the stage builds over it (the pooler)."""
+        ...
+
+    def supported_tasks(self, state: ModelState) -> tuple[SupportedTask, ...]: ...
+
+    def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """After the request state took the scheduler's changes."""
+        ...
+
+    def finish_step(
+        self,
+        state: ModelState,
+        hidden: mx.array,
+        packed: PackedBatch,
+        scheduler_output: SchedulerOutput,
+        *,
+        started: float,
+        kv_arrays: list[mx.array],
+        connector: ConnectorSteps | None,
+    ) -> ModelRunnerOutput | None:
+        """The step from the lazy hidden states on: its output now, or None when it comes from
+        `sample_tokens`."""
+        ...
+
+    def drain(self) -> None:
+        """Finish a step still pending: its tokens are inputs of the next one."""
+        ...
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None: ...
+
+
+def output_stage_class(vllm_config: VllmConfig) -> type[OutputStage]:
+    """`Pooling` for `--runner pooling`, else `Sampling`."""
+    if vllm_config.model_config.runner_type == "pooling":
+        from vllm_metal.backends.mlx.runner.pool.pooling import Pooling
+
+        return Pooling
+    from vllm_metal.backends.mlx.runner.sample import Sampling
+
+    return Sampling
