@@ -85,60 +85,60 @@ def tiny_quantized_dir(
 
 @pytest.fixture(scope="session")
 def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Whisper checkpoint (`vllm_metal.testing.tiny_whisper`), once per session."""
-    from vllm_metal.testing.tiny_whisper import write_tiny_whisper
+    """The tiny random Whisper checkpoint (`tests.fixtures.tiny_whisper`), once per session."""
+    from tests.fixtures.tiny_whisper import write_tiny_whisper
 
     return write_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper") / "whisper")
 
 
 @pytest.fixture(scope="session")
 def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Idefics3 checkpoint (`vllm_metal.testing.tiny_idefics3`), once per session."""
-    from vllm_metal.testing.tiny_idefics3 import write_tiny_idefics3
+    """The tiny random Idefics3 checkpoint (`tests.fixtures.tiny_idefics3`), once per session."""
+    from tests.fixtures.tiny_idefics3 import write_tiny_idefics3
 
     return write_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3") / "idefics3")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Gemma 3 checkpoint (`vllm_metal.testing.tiny_gemma3`), once per session."""
-    from vllm_metal.testing.tiny_gemma3 import write_tiny_gemma3
+    """The tiny random Gemma 3 checkpoint (`tests.fixtures.tiny_gemma3`), once per session."""
+    from tests.fixtures.tiny_gemma3 import write_tiny_gemma3
 
     return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "gemma3")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Qwen2.5-VL checkpoint (`vllm_metal.testing.tiny_qwen2_5_vl`), once per
+    """The tiny random Qwen2.5-VL checkpoint (`tests.fixtures.tiny_qwen2_5_vl`), once per
     session."""
-    from vllm_metal.testing.tiny_qwen2_5_vl import write_tiny_qwen2_5_vl
+    from tests.fixtures.tiny_qwen2_5_vl import write_tiny_qwen2_5_vl
 
     return write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2-5-vl") / "qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Qwen3-VL checkpoint (`vllm_metal.testing.tiny_qwen3_vl`), once per
+    """The tiny random Qwen3-VL checkpoint (`tests.fixtures.tiny_qwen3_vl`), once per
     session."""
-    from vllm_metal.testing.tiny_qwen3_vl import write_tiny_qwen3_vl
+    from tests.fixtures.tiny_qwen3_vl import write_tiny_qwen3_vl
 
     return write_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl") / "qwen3_vl")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Qwen3-Next hybrid checkpoint (`vllm_metal.testing.tiny_qwen3_next`), once
+    """The tiny random Qwen3-Next hybrid checkpoint (`tests.fixtures.tiny_qwen3_next`), once
     per session."""
-    from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
+    from tests.fixtures.tiny_qwen3_next import write_tiny_qwen3_next
 
     return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next") / "qwen3_next")
 
 
 @pytest.fixture(scope="session")
 def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random Granite 4.0-H hybrid checkpoint (`vllm_metal.testing.tiny_granitemoehybrid`),
+    """The tiny random Granite 4.0-H hybrid checkpoint (`tests.fixtures.tiny_granitemoehybrid`),
     once per session."""
-    from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+    from tests.fixtures.tiny_granitemoehybrid import write_tiny_granitemoehybrid
 
     return write_tiny_granitemoehybrid(
         tmp_path_factory.mktemp("tiny-granitemoehybrid") / "granitemoehybrid"
@@ -147,17 +147,17 @@ def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random LFM2 short-convolution hybrid checkpoint (`vllm_metal.testing.tiny_lfm2`),
+    """The tiny random LFM2 short-convolution hybrid checkpoint (`tests.fixtures.tiny_lfm2`),
     once per session."""
-    from vllm_metal.testing.tiny_lfm2 import write_tiny_lfm2
+    from tests.fixtures.tiny_lfm2 import write_tiny_lfm2
 
     return write_tiny_lfm2(tmp_path_factory.mktemp("tiny-lfm2") / "lfm2")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random DeepSeek-V3 (MLA) checkpoint (`vllm_metal.testing.tiny_deepseek_v3`), once
+    """The tiny random DeepSeek-V3 (MLA) checkpoint (`tests.fixtures.tiny_deepseek_v3`), once
     per session."""
-    from vllm_metal.testing.tiny_deepseek_v3 import write_tiny_deepseek_v3
+    from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
 
     return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3") / "deepseek_v3")

@@ -3,7 +3,7 @@
 The benchmark checkpoint of `bench/harness/checkpoints.py` (Qwen3-0.6B's shapes, random weights) in float32 is
 written four ways, every matrix quantized alike (the tied embedding included):
 
-- **gguf_q4_0**: a GGUF file, every matrix Q4_0 (`vllm_metal.testing.tiny_gguf`), served as vLLM
+- **gguf_q4_0**: a GGUF file, every matrix Q4_0 (`tests.fixtures.tiny_gguf`), served as vLLM
   documents it, `LLM(model="FILE.gguf", tokenizer=DIR)`; the loader maps Q4_0 exactly onto MLX
   4-bit affine layers with groups of 32;
 - **mlx_q4_g32** / **mlx_q4_g64**: `mlx_lm.convert -q --q-bits 4 --q-group-size 32 / 64`;
@@ -60,7 +60,7 @@ def write_checkpoints(work: Path, quick: bool, seed: int = 0,
                       cases: tuple[str, ...] = CASES) -> dict[str, Path]:  # fmt: skip
     """The source checkpoint and the quantized forms of `cases` (reused when already written)."""
     from bench.harness.checkpoints import write_model
-    from vllm_metal.testing.tiny_gguf import write_tiny_gguf
+    from tests.fixtures.tiny_gguf import write_tiny_gguf
     from vllm_metal.testing.tiny_models import quantize_tiny_model
 
     models = work / "models"

@@ -87,9 +87,9 @@ STDS = {
 def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
     with one group)."""
-    from vllm_metal.testing.tiny_deepseek_v3 import write_tiny_deepseek_v3
-    from vllm_metal.testing.tiny_granitemoehybrid import write_tiny_granitemoehybrid
-    from vllm_metal.testing.tiny_qwen3_next import write_tiny_qwen3_next
+    from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
+    from tests.fixtures.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+    from tests.fixtures.tiny_qwen3_next import write_tiny_qwen3_next
 
     writer = {
         "qwen3_next": write_tiny_qwen3_next,

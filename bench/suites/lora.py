@@ -157,7 +157,7 @@ def run_ops(quick: bool) -> dict[str, Any]:
 
 def write_adapters(model: Path) -> list[str]:
     """Write (or reuse) the random adapters next to `model`."""
-    from vllm_metal.testing.tiny_lora import write_tiny_adapter
+    from tests.fixtures.tiny_lora import write_tiny_adapter
 
     model_stamp = (model / "bench_model.json").read_text()
     paths = []

@@ -79,7 +79,7 @@ def cases() -> list[dict[str, Any]]:
 
 def write_moe_model(work: Path, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) the benchmark checkpoint (`--quick`: the tests' tiny Qwen3-MoE)."""
-    from vllm_metal.testing.tiny_moe import write_tiny_moe
+    from tests.fixtures.tiny_moe import write_tiny_moe
 
     name = "qwen3-moe-tiny" if quick else "qwen3-moe-309m-random"
     path = Path(work) / "models" / f"{name}-{DTYPE}"

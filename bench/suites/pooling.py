@@ -6,7 +6,7 @@ Two models, both served for embeddings (`runner="pooling"`), random weights, wri
   CausalLM served as an embedding model: vLLM's default for it, last-token pooling, normalized;
 - **encoder**: a BERT-base-shaped `BertModel` (12 layers, hidden 768, 12 heads, MLP 3072, a
   30,522-row vocabulary, 109 M parameters) in sentence-transformers layout (mean pooling,
-  Normalize), with the WordPiece tokenizer of `vllm_metal.testing.tiny_encoders`.
+  Normalize), with the WordPiece tokenizer of `tests.fixtures.tiny_encoders`.
 
 Each (model, backend) is one `vllm.LLM` in a worker process of its own (`VLLM_TARGET_DEVICE=cpu`
 for vLLM's backend). Both workers of a model are started, then this process sends them the same
@@ -77,7 +77,7 @@ def cases() -> list[dict[str, Any]]:
 def write_encoder(out_dir: Path, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) the encoder checkpoint: `tiny_encoders`' tiny `bert-embed` with --quick,
     else the same layout (tokenizer, sentence-transformers files) with BERT-base's shapes."""
-    from vllm_metal.testing.tiny_encoders import write_tiny_encoder
+    from tests.fixtures.tiny_encoders import write_tiny_encoder
 
     name = "bert-embed-tiny" if quick else "bert-base-random"
     path = Path(out_dir) / f"{name}-{DTYPE}"

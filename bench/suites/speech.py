@@ -3,7 +3,7 @@ backend, one run.
 
 The model is a random-weight Whisper written locally (`write_speech_model`): whisper-tiny's
 shapes (4 encoder and 4 decoder layers, d_model 384, 6 heads, MLP 1536, 80 mel bins, 1500 encoder
-positions) with the tiny Whisper tokenizer of `vllm_metal.testing.tiny_whisper` (2,113 tokens
+positions) with the tiny Whisper tokenizer of `tests.fixtures.tiny_whisper` (2,113 tokens
 instead of 51,865), float32, weight seed 12. The clip is `tiny_whisper.audio_clip(0, 20 s)` sent
 as 16-bit PCM WAV; on this checkpoint greedy decoding of it runs past 128 tokens without
 `<|endoftext|>`, so every request decodes exactly `max_completion_tokens` = 128 tokens (checked
@@ -85,7 +85,7 @@ def cases() -> list[dict[str, Any]]:
 
 def write_speech_model(work: Path, quick: bool, seed: int) -> Path:
     """Write (or reuse) the benchmark checkpoint (`--quick`: the tests' tiny Whisper)."""
-    from vllm_metal.testing.tiny_whisper import write_tiny_whisper
+    from tests.fixtures.tiny_whisper import write_tiny_whisper
 
     name = "whisper-tiny-test" if quick else "whisper-tiny-shaped-random"
     path = Path(work) / "models" / f"{name}-s{seed}-{DTYPE}"
@@ -139,8 +139,8 @@ def reference(args: argparse.Namespace) -> int:
     import soundfile
     from transformers import AutoTokenizer
 
-    from vllm_metal.testing.oracles import whisper_generate
-    from vllm_metal.testing.tiny_whisper import EOT_TOKEN, decoder_prompt_ids, token_ids
+    from tests.fixtures.oracles import whisper_generate
+    from tests.fixtures.tiny_whisper import EOT_TOKEN, decoder_prompt_ids, token_ids
 
     samples, rate = soundfile.read(io.BytesIO(Path(args.wav).read_bytes()), dtype="float32")
     started = time.perf_counter()
@@ -210,7 +210,7 @@ def agreement(texts: dict[str, list[str]], ref: dict[str, Any], tokens: dict[str
 
 def run(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
     from bench.harness.stages import python_stage
-    from vllm_metal.testing.tiny_whisper import audio_clip, wav_bytes
+    from tests.fixtures.tiny_whisper import audio_clip, wav_bytes
 
     clip = QUICK_CLIP if args.quick else FULL_CLIP
     seconds, max_tokens = clip["seconds"], clip["max_tokens"]

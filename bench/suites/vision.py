@@ -2,7 +2,7 @@
 the plugin against vLLM's own CPU backend, one run.
 
 The model is a random-weight Idefics3 (SmolVLM's architecture) written locally with
-`vllm_metal.testing.tiny_idefics3.write_tiny_idefics3`. Its text model has SmolVLM-256M's widths
+`tests.fixtures.tiny_idefics3.write_tiny_idefics3`. Its text model has SmolVLM-256M's widths
 (hidden 576, MLP 1536, 9 query / 3 KV heads of 64) at 10 layers instead of 30; its vision tower is
 SigLIP-base-wide (hidden 768, MLP 3072, 12 heads) at 6 layers instead of 12, and it sees images
 as SmolVLM does: 512x512 tiles of 16x16 patches (1,024 patches), folded by the connector's pixel

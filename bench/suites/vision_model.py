@@ -48,7 +48,7 @@ def _tile_geometry(constants: dict[str, int]) -> Iterator[None]:
     """`tiny_idefics3` writes 32x32 tiles of 8x8 patches from module constants; set others."""
     from unittest import mock
 
-    from vllm_metal.testing import tiny_idefics3
+    from tests.fixtures import tiny_idefics3
 
     with mock.patch.multiple(tiny_idefics3, **constants):
         yield
@@ -56,7 +56,7 @@ def _tile_geometry(constants: dict[str, int]) -> Iterator[None]:
 
 def write_vision_model(work: Path, quick: bool) -> Path:
     """Write (or reuse) the benchmark checkpoint (`--quick`: the tests' tiny Idefics3)."""
-    from vllm_metal.testing.tiny_idefics3 import ModelSize, WeightInit, write_tiny_idefics3
+    from tests.fixtures.tiny_idefics3 import ModelSize, WeightInit, write_tiny_idefics3
 
     name = "idefics3-tiny-test" if quick else "idefics3-smolvlm-shaped-random"
     path = Path(work) / "models" / f"{name}-s{WEIGHT_SEED}-{DTYPE}"

@@ -42,7 +42,7 @@ def launch(model: Path, backend: str, eager: bool, log: Path) -> Server:
 
 def image_data_url(seed: int, size: tuple[int, int]) -> str:
     """`tiny_image(seed, size)` as a PNG data URL."""
-    from vllm_metal.testing.tiny_idefics3 import tiny_image
+    from tests.fixtures.tiny_idefics3 import tiny_image
 
     buffer = io.BytesIO()
     tiny_image(seed, size).save(buffer, format="PNG")

@@ -25,7 +25,7 @@ from tests.backends.mlx.runner.jobs import (
     tokens,
     vllm_cpu_job,
 )
-from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+from tests.fixtures.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Encoder-only models (BERT, XLM-RoBERTa) in MLX against transformers float32.
 
-Each tiny checkpoint (`vllm_metal.testing.tiny_encoders`) gets a batch of mixed-length inputs,
+Each tiny checkpoint (`tests.fixtures.tiny_encoders`) gets a batch of mixed-length inputs,
 including a text pair, packed into one `encode` call; every sequence's hidden states must equal
 transformers' run of that sequence alone. Negative controls show that the comparison notices lost
 token types and sequences that see each other.
@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.fixtures.tiny_encoders import KINDS, main, write_tiny_encoder
 from vllm_metal.models.encoder import ENCODER_MODEL_TYPES, EncoderAdapter, load_encoder
-from vllm_metal.testing.tiny_encoders import KINDS, main, write_tiny_encoder
 
 # Mixed lengths (3 to ~40 tokens) and a text pair, as a cross-encoder sees them.
 INPUTS: list[str | tuple[str, str]] = [

@@ -17,9 +17,9 @@ from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
+from tests.fixtures.tiny_gguf import write_tiny_gguf
 from vllm_metal.models.loaders import gguf as gguf_loader
 from vllm_metal.models.loaders import safetensors
-from vllm_metal.testing.tiny_gguf import write_tiny_gguf
 
 TOKENS = [5, 17, 301, 42, 9, 600, 128, 77]
 # Relative RMS error of a decoded weight (std 0.3) against the float32 original, per type.

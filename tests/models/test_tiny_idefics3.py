@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import vision_oracles
-from vllm_metal.testing.tiny_idefics3 import (
+from tests.fixtures import vision_oracles
+from tests.fixtures.tiny_idefics3 import (
     END_OF_UTTERANCE_ID,
     IMAGE_SEQ_LEN,
     IMAGE_TOKEN_ID,
@@ -266,7 +266,7 @@ _VLLM_SCRIPT = textwrap.dedent(
 
     def main():
         from vllm import LLM, SamplingParams
-        from vllm_metal.testing.tiny_idefics3 import tiny_image
+        from tests.fixtures.tiny_idefics3 import tiny_image
 
         model_dir, cases, chat = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         llm = LLM(model=model_dir, dtype="float32", kv_cache_memory_bytes=64 * 2**20,

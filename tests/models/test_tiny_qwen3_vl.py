@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import vision_oracles
-from vllm_metal.testing.tiny_qwen3_vl import (
+from tests.fixtures import vision_oracles
+from tests.fixtures.tiny_qwen3_vl import (
     IM_END_ID,
     IMAGE_MARKUP,
     IMAGE_PAD_ID,

@@ -1,5 +1,5 @@
 """Startup checks for vision-language models, without an engine: vLLM builds its config for the
-tiny random Idefics3 (`vllm_metal.testing.tiny_idefics3`) and the plugin accepts it as a model the
+tiny random Idefics3 (`tests.fixtures.tiny_idefics3`) and the plugin accepts it as a model the
 MLX runner serves with images; what that runner does not run beside it (LoRA, speculative
 decoding, KV offloading, image embeddings as input) is refused while vLLM builds its config,
 naming the setting and the model type."""

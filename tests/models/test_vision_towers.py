@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures.vision_oracles import load_hf_idefics3
 from vllm_metal.models import load_model
-from vllm_metal.testing.vision_oracles import load_hf_idefics3
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def _sse(response: requests.Response) -> list[dict]:
 def _greedy_completion(server) -> tuple[dict, dict]:
     """A greedy completion (non-streaming) whose tokens equal transformers float32 on the same
     prompt: (request body, choice)."""
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     body = {
         "model": server.model,

@@ -4,7 +4,7 @@ output parsed by its `openai` tool and `openai_gptoss` reasoning parsers), token
 transformers float32.
 
 vLLM takes the harmony path for every `model_type: gpt_oss` checkpoint, whatever its tokenizer, so
-the checkpoint needs the real vocabulary; `vllm_metal.testing.tiny_gpt_oss` rebuilds it from the
+the checkpoint needs the real vocabulary; `tests.fixtures.tiny_gpt_oss` rebuilds it from the
 `openai_harmony` module vLLM installs (checked against the published sha256), offline.
 """
 
@@ -45,7 +45,7 @@ SYSTEM, ASSISTANT = 17360, 173781  # "system", "assistant"
 
 @pytest.fixture(scope="module")
 def harmony_model(tmp_path_factory):
-    from vllm_metal.testing.tiny_gpt_oss import write_tiny_gpt_oss
+    from tests.fixtures.tiny_gpt_oss import write_tiny_gpt_oss
 
     try:
         return write_tiny_gpt_oss(
@@ -68,7 +68,7 @@ def gpt_oss_server(server_slot, harmony_model):
 
 
 def test_completions_and_harmony_chat_match_transformers(gpt_oss_server):
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     server = gpt_oss_server
     ctx = server.context
@@ -126,8 +126,8 @@ def test_harmony_chat_separates_reasoning_and_a_parsed_tool_call(
     prompt vLLM renders (read back from the module's first server), then served."""
     from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
 
-    from vllm_metal.testing.oracles import hf_greedy
-    from vllm_metal.testing.teach import teach
+    from tests.fixtures.oracles import hf_greedy
+    from tests.fixtures.teach import teach
 
     chat = {
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_metal.testing.oracles import hf_greedy
-from vllm_metal.testing.tiny_lora import write_tiny_adapter
+from tests.fixtures.oracles import hf_greedy
+from tests.fixtures.tiny_lora import write_tiny_adapter
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 

@@ -32,7 +32,7 @@ def processed_greedy(
     Repetition penalty (multiplicative) covers prompt and output tokens; frequency and presence
     penalties (subtractive) cover output tokens only.
     """
-    from vllm_metal.testing.oracles import hf_logits
+    from tests.fixtures.oracles import hf_logits
 
     out: list[int] = []
     for _ in range(num_tokens):
@@ -119,7 +119,7 @@ def test_chat_streaming_with_usage(vllm_server, client):
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(vllm_server, check):
-    from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+    from tests.fixtures.oracles import hf_greedy, hf_logprobs
 
     # Token ids as keys: several byte-level tokens decode to the same text.
     out = completion(

@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from vllm_metal.testing.tiny_encoders import write_tiny_encoder
+from tests.fixtures.tiny_encoders import write_tiny_encoder
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 

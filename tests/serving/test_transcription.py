@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vllm_metal.testing.oracles import load_hf_whisper, whisper_features, whisper_generate
-from vllm_metal.testing.tiny_whisper import (
+from tests.fixtures.oracles import load_hf_whisper, whisper_features, whisper_generate
+from tests.fixtures.tiny_whisper import (
     SAMPLE_RATE,
     audio_clip,
     decoder_prompt_ids,

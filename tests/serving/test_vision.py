@@ -1,6 +1,6 @@
 """Images through `vllm serve` on the MLX runner: `/v1/chat/completions` with `image_url` parts,
 sent with the official `openai` client to the tiny random Idefics3
-(`vllm_metal.testing.tiny_idefics3`), checked against transformers float32.
+(`tests.fixtures.tiny_idefics3`), checked against transformers float32.
 
 One server (`--limit-mm-per-prompt '{"image": 2}'`, `--max-model-len 512`, float32; the
 checkpoint's own chat template) answers: one image as a PNG data URL, two images in one message
@@ -30,8 +30,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from vllm_metal.testing.tiny_idefics3 import IMAGE_TOKEN_ID, tiny_image
-from vllm_metal.testing.vision_oracles import idefics3_generate, idefics3_prompt_ids
+from tests.fixtures.tiny_idefics3 import IMAGE_TOKEN_ID, tiny_image
+from tests.fixtures.vision_oracles import idefics3_generate, idefics3_prompt_ids
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 

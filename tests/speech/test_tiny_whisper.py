@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_metal.testing import oracles
-from vllm_metal.testing.tiny_whisper import (
+from tests.fixtures import oracles
+from tests.fixtures.tiny_whisper import (
     EOT_TOKEN,
     NO_TIMESTAMPS_TOKEN,
     SAMPLE_RATE,

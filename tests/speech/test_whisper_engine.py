@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import run_engine_job
-from vllm_metal.testing.oracles import whisper_generate
-from vllm_metal.testing.tiny_whisper import audio_clip, decoder_prompt, decoder_prompt_ids
+from tests.fixtures.oracles import whisper_generate
+from tests.fixtures.tiny_whisper import audio_clip, decoder_prompt, decoder_prompt_ids
 
 pytestmark = pytest.mark.slow
 

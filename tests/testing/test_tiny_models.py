@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_metal.testing import oracles
+from tests.fixtures import oracles
 from vllm_metal.testing.tiny_models import (
     ARCHS,
     MARKUP_TOKENS,

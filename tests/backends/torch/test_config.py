@@ -71,7 +71,7 @@ def test_mlx_quantized_checkpoints_are_refused(torch_env, tiny_quantized_dir):
 
 
 def test_mixture_of_experts_models_are_refused(torch_env, tmp_path):
-    from vllm_metal.testing.tiny_moe import write_tiny_moe
+    from tests.fixtures.tiny_moe import write_tiny_moe
 
     model = write_tiny_moe(tmp_path / "moe", "qwen3_moe")
     with pytest.raises(ValueError, match=r"mixture-of-experts models .*MoE\).*VLLM_METAL_BACKEND"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job
-from vllm_metal.testing.oracles import hf_logprobs
+from tests.fixtures.oracles import hf_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+from tests.fixtures.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy, hf_logprobs
+from tests.fixtures.oracles import hf_greedy, hf_logprobs
 
 pytestmark = pytest.mark.slow
 

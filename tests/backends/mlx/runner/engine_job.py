@@ -113,18 +113,18 @@ def _corrupt_files(pattern: str) -> dict:
 
 def _prompt(p):
     """Text, token ids, {"prompt": text, "images": [[seed, width, height], ...]}: images of
-    `vllm_metal.testing.tiny_idefics3.tiny_image` for the prompt's `<image>` markers, or
+    `tests.fixtures.tiny_idefics3.tiny_image` for the prompt's `<image>` markers, or
     {"audio": [seed, seconds], "decoder_prompt": text}: a clip of
-    `vllm_metal.testing.tiny_whisper.audio_clip` as an encoder-decoder prompt."""
+    `tests.fixtures.tiny_whisper.audio_clip` as an encoder-decoder prompt."""
     if isinstance(p, str):
         return {"prompt": p}
     if isinstance(p, dict) and "images" in p:
-        from vllm_metal.testing.tiny_idefics3 import tiny_image
+        from tests.fixtures.tiny_idefics3 import tiny_image
 
         images = [tiny_image(seed, (width, height)) for seed, width, height in p["images"]]
         return {"prompt": p["prompt"], "multi_modal_data": {"image": images}}
     if isinstance(p, dict):
-        from vllm_metal.testing.tiny_whisper import SAMPLE_RATE, audio_clip
+        from tests.fixtures.tiny_whisper import SAMPLE_RATE, audio_clip
 
         clip = audio_clip(*p["audio"])
         return {

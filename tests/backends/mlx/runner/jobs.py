@@ -122,7 +122,7 @@ def assert_logprobs_match_hf(model: str | Path, prompts: list[list[int]], batch:
                              tol: float = 1e-3) -> None:  # fmt: skip
     """Each sampled token's logprob in `batch` (requests run with `logprobs=1`) is within `tol`
     of transformers float32's for that token after the prompt and the tokens before it."""
-    from vllm_metal.testing.oracles import hf_logprobs
+    from tests.fixtures.oracles import hf_logprobs
 
     for prompt, result in zip(prompts, batch):
         sample = result["outputs"][0]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_logprobs, mlx_lm_greedy
+from tests.fixtures.oracles import hf_logprobs, mlx_lm_greedy
 
 pytestmark = pytest.mark.slow
 

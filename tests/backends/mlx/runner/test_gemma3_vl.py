@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.media_steps import request_state, run_greedy
-from vllm_metal.testing import vision_oracles as oracle
-from vllm_metal.testing.tiny_gemma3 import (
+from tests.fixtures import vision_oracles as oracle
+from tests.fixtures.tiny_gemma3 import (
     BOI_TOKEN_ID,
     EOI_TOKEN_ID,
     IMAGE_TOKEN_ID,

@@ -13,8 +13,8 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from vllm_metal.testing.oracles import hf_greedy, hf_logits
-from vllm_metal.testing.tiny_gguf import write_tiny_gguf
+from tests.fixtures.oracles import hf_greedy, hf_logits
+from tests.fixtures.tiny_gguf import write_tiny_gguf
 
 NEW_TOKENS = 24
 PROMPTS = random_prompts(11, [1, 6, 23, 50])

@@ -33,7 +33,7 @@ def _mixed(block_size: int) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
 def test_hybrid_greedy_matches_transformers_through_chunks_and_preemption(request, family):
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     model = request.getfixturevalue(f"tiny_{family}_dir")
     block_size = BLOCK_SIZE[family]

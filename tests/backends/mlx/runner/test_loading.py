@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy
+from tests.fixtures.oracles import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
-from vllm_metal.testing.oracles import hf_greedy, mlx_lm_greedy
-from vllm_metal.testing.tiny_lora import write_tiny_adapter
+from tests.fixtures.oracles import hf_greedy, mlx_lm_greedy
+from tests.fixtures.tiny_lora import write_tiny_adapter
 from vllm_metal.testing.tiny_models import quantize_tiny_model, write_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -53,7 +53,7 @@ def mla_run(tiny_deepseek_v3_dir):
 def test_mla_greedy_matches_transformers_through_chunks_and_preemption(
     tiny_deepseek_v3_dir, mla_run
 ):
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     prompts, _, (batch, *_), metrics = mla_run
     assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
@@ -63,7 +63,7 @@ def test_mla_greedy_matches_transformers_through_chunks_and_preemption(
 
 @pytest.mark.slow
 def test_mla_prefix_cache_hits_match_transformers(tiny_deepseek_v3_dir, mla_run):
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     _, shared, (_, first, second), _ = mla_run
     assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]

@@ -17,7 +17,7 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from vllm_metal.testing.tiny_moe import MOE_ARCHS, tiny_moe_config, write_tiny_moe
+from tests.fixtures.tiny_moe import MOE_ARCHS, tiny_moe_config, write_tiny_moe
 
 NEW_TOKENS = 24
 # A mixed batch: single-token, shorter than a block, several blocks, longer than the forced
@@ -102,8 +102,8 @@ def test_tiny_moe_loads_and_routes_tokens_apart(moe_model, arch):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tests.fixtures.oracles import hf_logits
     from vllm_metal.models import load_model
-    from vllm_metal.testing.oracles import hf_logits
 
     path = moe_model(arch)
     model, info = AutoModelForCausalLM.from_pretrained(
@@ -142,7 +142,7 @@ def test_moe_greedy_matches_transformers(moe_model, arch):
     """Chunked prefill (16-token budget) of a mixed batch, then prefix-cache hits: greedy tokens
     equal transformers float32, logprobs within 1e-3. The checkpoints carry transformers 5's
     config keys, so the loader's mapping is on the path."""
-    from vllm_metal.testing.oracles import hf_greedy
+    from tests.fixtures.oracles import hf_greedy
 
     # Mixtral routes each token to 4 of its 8 experts: a full 16-token chunk is then 64 (token,
     # expert) pairs, where mlx-lm's SwitchGLU switches to its sorted path.
@@ -176,7 +176,7 @@ def test_quantized_moe_matches_mlx_lm(moe_model, tmp_path, arch):
     mlx-lm's greedy tokens."""
     from safetensors import safe_open
 
-    from vllm_metal.testing.oracles import mlx_lm_greedy
+    from tests.fixtures.oracles import mlx_lm_greedy
     from vllm_metal.testing.tiny_models import quantize_tiny_model
 
     src = moe_model(arch, style="hub", dtype="bfloat16")  # mlx_lm.convert reads hub keys

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import random_prompts, run_engine_job
-from vllm_metal.testing.oracles import hf_classifier_logits, hf_hidden_states, hf_logits
-from vllm_metal.testing.tiny_encoders import write_tiny_encoder
-from vllm_metal.testing.tiny_pooling import write_matryoshka, write_seq_classifier
+from tests.fixtures.oracles import hf_classifier_logits, hf_hidden_states, hf_logits
+from tests.fixtures.tiny_encoders import write_tiny_encoder
+from tests.fixtures.tiny_pooling import write_matryoshka, write_seq_classifier
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_class_probabilities_match_transformers(classifier, classify_results):
 def test_token_classification_applies_the_score_head_to_every_token(classifier):
     import torch
 
-    from vllm_metal.testing.oracles import load_hf_classifier
+    from tests.fixtures.oracles import load_hf_classifier
 
     engine = {**DECODER_ENGINE, "pooler_config": {"task": "token_classify"}}
     (got,) = run_engine_job(

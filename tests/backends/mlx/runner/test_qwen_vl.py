@@ -23,8 +23,8 @@ from tests.backends.mlx.runner.qwen_vl_steps import (
     greedy,
     load_family,
 )
-from vllm_metal.testing import vision_oracles
-from vllm_metal.testing.tiny_idefics3 import tiny_image
+from tests.fixtures import vision_oracles
+from tests.fixtures.tiny_idefics3 import tiny_image
 
 ONE_IMAGE = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
 TWO_IMAGES = (

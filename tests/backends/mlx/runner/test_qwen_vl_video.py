@@ -4,7 +4,7 @@ them, against transformers float32: greedy tokens, the prompt's logits and the M
 
 Items are built as `qwen_vl_steps` describes. The transformers video processors need
 torchvision, so `pixel_values_videos` is laid out from the image processor's patches of each
-frame (`vllm_metal.testing.qwen_vl_video`: grid step `k` holds frames `2k` and `2k + 1`, the
+frame (`tests.fixtures.qwen_vl_video`: grid step `k` holds frames `2k` and `2k + 1`, the
 video processor's layout), and the prompt expanded as the processors expand it: Qwen2.5-VL's
 `<|video_pad|>` to `t*h*w / 4` of itself, Qwen3-VL's to one timestamped
 `<|vision_start|>...<|vision_end|>` run per grid step. Every video has 4 frames (a grid of
@@ -27,10 +27,10 @@ from tests.backends.mlx.runner.qwen_vl_steps import (
     greedy,
     load_family,
 )
+from tests.fixtures import vision_oracles
+from tests.fixtures.qwen_vl_video import Video
+from tests.fixtures.tiny_idefics3 import tiny_image
 from vllm_metal.backends.mlx.runner.mm.embeddings import item_tensors
-from vllm_metal.testing import vision_oracles
-from vllm_metal.testing.qwen_vl_video import Video
-from vllm_metal.testing.tiny_idefics3 import tiny_image
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

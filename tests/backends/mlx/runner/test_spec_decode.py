@@ -20,7 +20,7 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from vllm_metal.testing.oracles import hf_greedy
+from tests.fixtures.oracles import hf_greedy
 from vllm_metal.testing.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow

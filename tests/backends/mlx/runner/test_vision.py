@@ -1,4 +1,4 @@
-"""Images on the MLX runner: the tiny random Idefics3 (`vllm_metal.testing.tiny_idefics3`) served by
+"""Images on the MLX runner: the tiny random Idefics3 (`tests.fixtures.tiny_idefics3`) served by
 one engine, its greedy tokens checked against transformers float32 row by row.
 
 The engine prefills at most 24 tokens per step, so the 46-token prompt of a 64x64 image (4 tiles
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job
-from vllm_metal.testing.tiny_idefics3 import tiny_image
-from vllm_metal.testing.vision_oracles import idefics3_generate, idefics3_prompt_ids
+from tests.fixtures.tiny_idefics3 import tiny_image
+from tests.fixtures.vision_oracles import idefics3_generate, idefics3_prompt_ids
 
 pytestmark = pytest.mark.slow
 

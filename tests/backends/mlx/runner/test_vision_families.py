@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job
-from vllm_metal.testing import vision_oracles
-from vllm_metal.testing.tiny_idefics3 import tiny_image
+from tests.fixtures import vision_oracles
+from tests.fixtures.tiny_idefics3 import tiny_image
 
 MAX_TOKENS = 8
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -14,11 +14,11 @@ from vllm.config.lora import LoRAConfig
 from vllm.exceptions import LoRAAdapterNotFoundError
 from vllm.lora.request import LoRARequest
 
+from tests.fixtures.oracles import apply_peft_with_mlx_lm, load_hf_model
+from tests.fixtures.tiny_lora import write_tiny_adapter
 from vllm_metal.backends.mlx.runner.lora.checkpoint import AdapterError, read_adapter
 from vllm_metal.backends.mlx.runner.lora.layer import LoRALinear, StepMask
 from vllm_metal.backends.mlx.runner.lora.manager import LoRAManager
-from vllm_metal.testing.oracles import apply_peft_with_mlx_lm, load_hf_model
-from vllm_metal.testing.tiny_lora import write_tiny_adapter
 
 RANK = 8
 
