@@ -18,8 +18,8 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from vllm_metal.testing.oracles import hf_greedy, hf_logits, load_hf_model
-from vllm_metal.testing.tiny_gpt_oss import (
+from tests.fixtures.oracles import hf_greedy, hf_logits, load_hf_model
+from tests.fixtures.tiny_gpt_oss import (
     mxfp4_dequantize,
     tiny_gpt_oss_config,
     write_tiny_gpt_oss,
@@ -150,8 +150,8 @@ def test_yarn_frequencies_match_transformers(truncate):
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from tests.fixtures.tiny_gpt_oss import ROPE_SCALING, ROPE_THETA
     from vllm_metal.models.families.gpt_oss import yarn_frequencies
-    from vllm_metal.testing.tiny_gpt_oss import ROPE_SCALING, ROPE_THETA
 
     scaling = {**ROPE_SCALING, "truncate": truncate}
     hf = GptOssConfig(head_dim=64, rope_parameters={**scaling, "rope_theta": ROPE_THETA})
