@@ -22,7 +22,7 @@ __all__ = ["FEATURE_FLAGS", "NO_INPUTS", "ModelState", "StepInputs", "select"]
 def select(vllm_config: VllmConfig) -> type[ModelState]:
     """The kind of the model `vllm_config` serves: encoder-decoder (Whisper), encoder-only (BERT,
     XLM-RoBERTa), a vision-language decoder whose towers run, or a decoder."""
-    from vllm_metal.capabilities import VISION_LANGUAGE_MODEL_TYPES
+    from vllm_metal.models.families import model_types
     from vllm_metal.models.loaders import is_gguf
 
     model_config = vllm_config.model_config
@@ -39,7 +39,7 @@ def select(vllm_config: VllmConfig) -> type[ModelState]:
     # The same rule as `models.load_model`: such checkpoints load through mlx-vlm with their
     # towers (a GGUF file holds the language model only).
     model_type = getattr(model_config.hf_config, "model_type", None)
-    if model_type in VISION_LANGUAGE_MODEL_TYPES and not is_gguf(model_config.model):
+    if model_type in model_types("vision_language") and not is_gguf(model_config.model):
         from vllm_metal.backends.mlx.runner.model_states.multimodal import MultimodalState
 
         return MultimodalState
