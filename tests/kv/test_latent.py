@@ -97,12 +97,12 @@ def _engine_config(model: Path, **kwargs):
 
 
 def test_deepseek_v3_is_served_as_mla(tiny_deepseek_v3_dir):
-    from vllm_metal.capabilities import latent_attention_model
+    from vllm_metal.config.kinds import kind_of
 
     config = _engine_config(tiny_deepseek_v3_dir)
     model = config.model_config
     assert model.use_mla and model.get_head_size() == 64 + 16
-    assert latent_attention_model(config) == f"model={str(tiny_deepseek_v3_dir)!r} (deepseek_v3)"
+    assert kind_of(config).name == "latent_attention"
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,8 @@ def test_what_the_mla_path_lacks_is_refused_by_name(tiny_deepseek_v3_dir, kwargs
 def test_other_mla_models_are_refused_naming_the_architecture():
     """DeepSeek-V2 is MLA too, but mlx-lm's class attends with expanded heads; the row reads
     only the model-config fields below."""
-    from vllm_metal.capabilities import CAPABILITIES, SUPPORTED
+    from vllm_metal.config.kinds import kind_of
+    from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
         model="deepseek-ai/DeepSeek-V2-Lite",
@@ -138,10 +139,7 @@ def test_other_mla_models_are_refused_naming_the_architecture():
         hf_text_config=SimpleNamespace(model_type="deepseek_v2"),
     )
     config = SimpleNamespace(model_config=model_config)
-    (row,) = [c for c in CAPABILITIES if c.key == "mla_other"]
-    assert row.key not in SUPPORTED["mlx"]
-    assert row.requested(config) == (
-        "model='deepseek-ai/DeepSeek-V2-Lite' (DeepseekV2ForCausalLM, MLA)"
+    assert kind_of(config).name == "latent_attention_other"
+    assert "model='deepseek-ai/DeepSeek-V2-Lite' (deepseek_v2, DeepseekV2ForCausalLM)" in (
+        refusal(config, "mlx")
     )
-    (served,) = [c for c in CAPABILITIES if c.key == "mla"]
-    assert not served.requested(config)

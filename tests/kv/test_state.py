@@ -84,12 +84,12 @@ def _engine_config(model: Path, **kwargs):
     [("qwen3_next", 80), ("granitemoehybrid", 48)],
 )
 def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, block_size):
-    from vllm_metal.capabilities import hybrid_model
+    from vllm_metal.config.kinds import kind_of
 
     model = request.getfixturevalue(f"tiny_{family}_dir")
     config = _engine_config(model, enable_prefix_caching=True)
     cache = config.cache_config
-    assert hybrid_model(config) == f"model={str(model)!r} ({family})"
+    assert kind_of(config).name == "state_hybrid"
     assert cache.block_size == block_size
     assert cache.mamba_page_size_padded == block_size * 512
     assert not cache.enable_prefix_caching
@@ -121,11 +121,12 @@ def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwar
 
 
 def test_other_hybrids_are_refused_naming_the_architecture():
-    """A Mamba-2 hybrid (Nemotron-H) is checked on the model-config fields the row reads: on this
-    host vLLM stops earlier for some of them (their classes import kernels it lacks)."""
+    """A Mamba-2 hybrid (Nemotron-H) is checked on the model-config fields the table reads: on
+    this host vLLM stops earlier for some of them (their classes import kernels it lacks)."""
     from types import SimpleNamespace
 
-    from vllm_metal.capabilities import CAPABILITIES, SUPPORTED
+    from vllm_metal.config.kinds import kind_of
+    from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
         model="nvidia/Nemotron-H-8B",
@@ -134,6 +135,7 @@ def test_other_hybrids_are_refused_naming_the_architecture():
         hf_text_config=SimpleNamespace(model_type="nemotron_h"),
     )
     config = SimpleNamespace(model_config=model_config)
-    (row,) = [c for c in CAPABILITIES if c.key == "hybrid_other"]
-    assert row.key not in SUPPORTED["mlx"]
-    assert row.requested(config) == "model='nvidia/Nemotron-H-8B' (NemotronHForCausalLM, hybrid)"
+    assert kind_of(config).name == "hybrid_other"
+    assert "model='nvidia/Nemotron-H-8B' (nemotron_h, NemotronHForCausalLM)" in refusal(
+        config, "mlx"
+    )

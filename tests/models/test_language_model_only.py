@@ -1,4 +1,4 @@
-"""Multimodal checkpoints whose towers the runner does not run are served as text models.
+"""Proves multimodal checkpoints whose towers the runner does not run are served as text models.
 
 vLLM 0.32 cannot build its config for Mistral 3, Gemma 3 or the Qwen-VL families on Linux (the
 architecture check imports torchvision, which does not load beside torch 2.13.0+cpu), so the
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_metal.capabilities import CAPABILITIES
+from vllm_metal.config.kinds import kind_of
 
 
 @pytest.fixture(scope="module")
@@ -66,32 +66,31 @@ def _config(model_type: str, language_model_only: bool = False) -> SimpleNamespa
     return SimpleNamespace(model_config=model_config)
 
 
-def _multimodal_row(config) -> str | None:
-    (row,) = [cap for cap in CAPABILITIES if cap.key == "multimodal"]
-    return row.requested(config) or None
+def _refused_as_multimodal(config) -> bool:
+    return kind_of(config).name == "multimodal"
 
 
 @pytest.mark.parametrize("model_type", ["mistral3", "qwen2_vl", "pixtral"])
 def test_a_tower_the_runner_lacks_is_served_text_only(model_type) -> None:
-    from vllm_metal.mm_frontend import serve_language_model_only
+    from vllm_metal.config.multimodal import serve_language_model_only
 
     config = _config(model_type)
     assert serve_language_model_only(config)
     assert config.model_config.multimodal_config.language_model_only
-    assert _multimodal_row(config) is None
+    assert not _refused_as_multimodal(config)
 
 
 def test_without_an_mlx_lm_text_model_the_checkpoint_is_refused() -> None:
-    from vllm_metal.mm_frontend import serve_language_model_only
+    from vllm_metal.config.multimodal import serve_language_model_only
 
     config = _config("idefics2")
     assert not serve_language_model_only(config)
-    assert _multimodal_row(config) == "model='org/idefics2' (idefics2-arch, multimodal)"
+    assert _refused_as_multimodal(config)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_family_whose_towers_run_keeps_its_images(model_type) -> None:
-    from vllm_metal.mm_frontend import serve_language_model_only
+    from vllm_metal.config.multimodal import serve_language_model_only
 
     config = _config(model_type)
     assert not serve_language_model_only(config)
@@ -125,7 +124,7 @@ def test_the_language_model_of_a_mistral3_checkpoint_matches_transformers(mistra
 def test_a_prefix_lm_keeps_each_image_in_one_step(prefix_lm, language_model_only, kept_whole):
     """Gemma 3's image tokens attend to each other both ways: the scheduler must not cut an image
     across steps (`disable_chunked_mm_input`) unless images are not taken at all."""
-    from vllm_metal.mm_frontend import keep_media_spans_whole
+    from vllm_metal.config.multimodal import keep_media_spans_whole
 
     config = _config("gemma3", language_model_only)
     config.model_config.is_mm_prefix_lm = prefix_lm

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 def test_prompt_embeds_are_refused_and_the_server_survives(
     server_slot, tiny_model_dir, serving_backend
 ):
-    from vllm_metal.request_validation import PROMPT_EMBEDS_REFUSAL
+    from vllm_metal.config.requests import PROMPT_EMBEDS_REFUSAL
 
     model_dir = tiny_model_dir("qwen3")
     server = server_slot.get(

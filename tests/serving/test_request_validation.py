@@ -10,7 +10,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.inputs.engine import embeds_input, tokens_input
 from vllm.sampling_params import SamplingParams
 
-from vllm_metal.request_validation import PROMPT_EMBEDS_REFUSAL, validate_request
+from vllm_metal.config.requests import PROMPT_EMBEDS_REFUSAL, validate_request
 
 
 def test_token_prompts_pass():

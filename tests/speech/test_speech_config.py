@@ -16,11 +16,11 @@ def _engine_config(model: Path, **kwargs):
 
 
 def test_whisper_is_accepted_as_a_transcription_model(tiny_whisper_dir) -> None:
-    from vllm_metal.capabilities import speech_model
+    from vllm_metal.config.kinds import kind_of
 
     config = _engine_config(tiny_whisper_dir)
     assert config.model_config.is_encoder_decoder
-    assert speech_model(config) == f"model={str(tiny_whisper_dir)!r} (whisper)"
+    assert kind_of(config).name == "speech_to_text"
     # vLLM's scheduler: no chunked prefill, the encoder budget holds a whole clip.
     assert config.scheduler_config.max_num_encoder_input_tokens >= 1500
 
@@ -48,12 +48,13 @@ def test_what_the_speech_runner_lacks_is_refused_by_name(tiny_whisper_dir, kwarg
 
 def test_qwen3_asr_is_refused_naming_its_architecture() -> None:
     """Qwen3-ASR is a decoder with an audio tower whose embeddings are merged into the prompt,
-    not an encoder-decoder model: the speech runner cannot serve it, and the multimodal row
+    not an encoder-decoder model: the speech runner cannot serve it, and the multimodal kind
     refuses it by architecture. On Linux vLLM stops earlier (inspecting the class imports
-    torchvision), so the row is checked on the model-config fields it reads."""
+    torchvision), so the table is checked on the model-config fields it reads."""
     from types import SimpleNamespace
 
-    from vllm_metal.capabilities import CAPABILITIES, SUPPORTED
+    from vllm_metal.config.kinds import kind_of
+    from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
         model="Qwen/Qwen3-ASR-1.7B",
@@ -64,8 +65,7 @@ def test_qwen3_asr_is_refused_naming_its_architecture() -> None:
         ),
     )
     config = SimpleNamespace(model_config=model_config)
-    (row,) = [cap for cap in CAPABILITIES if cap.key == "multimodal"]
-    assert row.key not in SUPPORTED["mlx"]
-    assert row.requested(config) == (
-        "model='Qwen/Qwen3-ASR-1.7B' (Qwen3ASRForConditionalGeneration, multimodal)"
+    assert kind_of(config).name == "multimodal"
+    assert "model='Qwen/Qwen3-ASR-1.7B' (qwen3_asr, Qwen3ASRForConditionalGeneration)" in (
+        refusal(config, "mlx")
     )

@@ -63,6 +63,30 @@ class ModelRunner(Protocol):
 
 class Backend(Protocol):
     name: str
+    # Whether vLLM's async scheduler may drive the runner (the platform turns it off otherwise).
+    async_scheduling: bool
+    # Whether vLLM's attention layers call the backend through vLLM's custom op.
+    opaque_attention_op: bool
+
+    def torch_device_type(self) -> str:
+        """The torch device vLLM's tensors live on ('cpu' where MLX owns the accelerator)."""
+        ...
+
+    def attention_backend(self) -> str:
+        """Qualified name of the vLLM attention backend vLLM's layers use here."""
+        ...
+
+    def register_kernel_overrides(self) -> None:
+        """Route the Triton kernels vLLM's own runner launches to this backend's versions."""
+        ...
+
+    def import_kernels(self) -> None:
+        """Load the vLLM compiled ops this backend's layers call, if any."""
+        ...
+
+    def configure_hybrid(self, vllm_config: VllmConfig) -> None:
+        """Cache settings of a hybrid model's state layers, before vLLM builds its scheduler."""
+        ...
 
     def init_device(self) -> str:
         """Select the compute device; returns its description for the startup log line."""

@@ -14,8 +14,9 @@ with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copie
 are, in place.
 
 For that to fit, an attention page (`block_size` tokens of K and V) must hold a state page:
-`align_block_size` raises the block size before vLLM builds its scheduler, and tells vLLM to pad
-the state page to the attention page so both kinds of group share one block pool.
+`align_block_size` (the MLX backend's `configure_hybrid`) raises the block size before vLLM builds
+its scheduler, and tells vLLM to pad the state page to the attention page so both kinds of group
+share one block pool. The state dtypes it assumes are checked first (`config.startup`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     cache = vllm_config.cache_config
     hf = model.hf_text_config.to_dict()
     shapes = state_shapes_of(hf.get("model_type", ""), hf)
-    _check_state_dtypes(cache, model.dtype)
     if cache.enable_prefix_caching:
         logger.info(
             "vllm-metal: prefix caching is off for the hybrid model %r: its state layers keep "
@@ -78,22 +78,6 @@ def align_block_size(vllm_config: VllmConfig) -> None:
         )
         cache.block_size = needed
     cache.mamba_page_size_padded = cache.block_size * token_bytes
-
-
-def _check_state_dtypes(cache: CacheConfig, model_dtype: Any) -> None:
-    """The recurrent state is kept in float32 and the conv window in the model dtype; other
-    requested dtypes are refused by their flag."""
-    if cache.mamba_ssm_cache_dtype not in ("auto", "float32"):
-        raise ValueError(
-            f"vllm-metal: --mamba-ssm-cache-dtype {cache.mamba_ssm_cache_dtype} is not supported: "
-            "state layers keep their recurrent state in float32; use 'auto' or 'float32'"
-        )
-    model_dtype_name = str(model_dtype).removeprefix("torch.")
-    if cache.mamba_cache_dtype not in ("auto", model_dtype_name):
-        raise ValueError(
-            f"vllm-metal: --mamba-cache-dtype {cache.mamba_cache_dtype} is not supported: the "
-            f"convolution window is kept in the model dtype ({model_dtype_name}); use 'auto'"
-        )
 
 
 _MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2"}

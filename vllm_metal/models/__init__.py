@@ -44,13 +44,13 @@ def load_model(
     Without `lm_head` (pooling models) the decoder is loaded without its head; `logits` is then
     unavailable and the pooling heads read what they need from the checkpoint. `hf_config`: the
     config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
-    None reads it from the file. Vision-language models (`VISION_LANGUAGE_MODEL_TYPES`) load
+    None reads it from the file. Vision-language models (the families of that kind) load
     through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`."""
-    from vllm_metal.capabilities import VISION_LANGUAGE_MODEL_TYPES
+    from vllm_metal.models.families import model_types
     from vllm_metal.models.loaders import is_gguf, safetensors
 
     model_type = (hf_config or {}).get("model_type")
-    if model_type in VISION_LANGUAGE_MODEL_TYPES and not is_gguf(model):
+    if model_type in model_types("vision_language") and not is_gguf(model):
         from vllm_metal.models.loaders import mlx_vlm
 
         mlx_model, config = mlx_vlm.load(
@@ -73,7 +73,7 @@ def load_model(
             lm_head=lm_head,
         )
         if "language_model" in mlx_model and "model" not in mlx_model:
-            # mlx-lm's text-only class of a vision-language checkpoint (`mm_frontend`): its
+            # mlx-lm's text-only class of a vision-language checkpoint (`config.multimodal`): its
             # language model is an ordinary mlx-lm model.
             mlx_model, config = mlx_model.language_model, config.get("text_config", config)
     adapter = adapter_class(config.get("model_type"))(mlx_model, config)
@@ -105,11 +105,10 @@ def load_speech_model(
     download_dir: str | None = None,
 ) -> WhisperAdapter:
     """Load the speech-to-text checkpoint `model` (Whisper, Hugging Face layout)."""
-    from vllm_metal.capabilities import SPEECH_TO_TEXT_MODEL_TYPES
     from vllm_metal.models.families import whisper
 
     path, config = _checkpoint(
-        model, revision, download_dir, "speech-to-text", list(SPEECH_TO_TEXT_MODEL_TYPES)
+        model, revision, download_dir, "speech-to-text", list(whisper.MODEL_TYPES)
     )
     return whisper.load(path, config, compute_dtype)
 

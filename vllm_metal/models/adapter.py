@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from vllm_metal.models import attention
+from vllm_metal.compat import mlx_lm_attention as attention
 from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, kinds_from_caches, state_shapes_of
 from vllm_metal.models.loaders import parameter_bytes
 

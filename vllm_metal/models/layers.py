@@ -3,7 +3,7 @@ cache, or a state.
 
 Adapters report one `LayerKind` per layer; `vllm_metal.kv` turns them into vLLM KV-cache specs.
 A state layer's shapes are read from the checkpoint's config by its model type (`STATE_SHAPES`),
-both by the platform (to size KV blocks before the model loads) and by the family adapter.
+both at startup (`kv.state.align_block_size`, before the model loads) and by the family adapter.
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ STATE_SHAPES = {
     "qwen3_next": gated_delta_state_shapes,
     "granitemoehybrid": mamba2_state_shapes,
 }
-
-
-# model_type of the multi-head latent attention (MLA) families the MLX runner serves: their layers
-# cache one latent row per token (`kv.latent`).
-LATENT_ATTENTION_MODEL_TYPES = ("deepseek_v3",)
 
 
 def state_shapes_of(model_type: str, config: Mapping[str, Any]) -> StateShapes:

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.models import attention
+from vllm_metal.compat import mlx_lm_attention as attention
 from vllm_metal.models.adapter import ModelAdapter
 
 

@@ -4,6 +4,7 @@ torch's `mps` device on a Mac with Metal, on the `cpu` device elsewhere."""
 from __future__ import annotations
 
 import gc
+import importlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -32,8 +33,44 @@ def resident_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+# The attention backend vLLM's layers use on this backend (`attention.py`).
+ATTENTION_BACKEND = "vllm_metal.backends.torch.attention.MetalPagedAttentionBackend"
+
+
 class TorchBackend(PagedKernelFacts):
     name = "mps"
+    # vLLM's V1 runner here runs without async scheduling.
+    async_scheduling = False
+    # It runs eagerly: its attention layers call the backend directly rather than through vLLM's
+    # custom op (registered for one dispatch key).
+    opaque_attention_op = False
+
+    def torch_device_type(self) -> str:
+        return device_type()
+
+    def attention_backend(self) -> str:
+        # Importing it registers its name with vLLM's backend enum in this process.
+        importlib.import_module(ATTENTION_BACKEND.rsplit(".", 1)[0])
+        return ATTENTION_BACKEND
+
+    def register_kernel_overrides(self) -> None:
+        from vllm_metal.backends.torch.model_runner import register_kernel_overrides
+
+        register_kernel_overrides()
+
+    def import_kernels(self) -> None:
+        # On `mps` the layers use none of vLLM's compiled ops; on the cpu device they take vLLM's
+        # CPU GEMMs (`cpu_gemm.py`), so vLLM's CPU kernels load the way its CPU platform loads them.
+        if device_type() == "cpu":
+            from vllm.platforms.cpu import CpuPlatform
+
+            CpuPlatform.import_kernels()
+
+    def configure_hybrid(self, vllm_config: VllmConfig) -> None:
+        # vLLM's runner keeps the state pages; vLLM sizes the blocks for them.
+        from vllm_metal.backends.torch import short_conv
+
+        short_conv.configure(vllm_config)
 
     def init_device(self) -> str:
         return self.device_description()

@@ -121,17 +121,9 @@ def register() -> None:
 
 def configure(vllm_config: VllmConfig) -> None:
     """Cache settings of a short-convolution hybrid on the torch backend: one window per request
-    (prefix caching off, with a log line) in the model's dtype."""
-    from vllm_metal.capabilities import MetalConfigError
-
+    (prefix caching off, with a log line); its dtype is checked at startup (`config.startup`)."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    dtype = str(model.dtype).removeprefix("torch.")
-    if cache.mamba_cache_dtype not in ("auto", dtype):
-        raise MetalConfigError(
-            f"vllm-metal (mps backend): --mamba-cache-dtype {cache.mamba_cache_dtype} is not "
-            f"supported: the convolution windows are kept in the model dtype ({dtype}); use 'auto'"
-        )
     if cache.enable_prefix_caching:
         logger.info(
             "vllm-metal: prefix caching is off for the hybrid model %r on the torch backend: its "

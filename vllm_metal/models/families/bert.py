@@ -18,6 +18,11 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("bert",)
+KIND = "pooling"
+MODALITIES: tuple[str, ...] = ()
+
 # hidden_act -> function. "gelu" is the exact erf form (HF and vLLM both); "gelu_new" and
 # "gelu_pytorch_tanh" are the tanh approximation.
 ACTIVATIONS = {

@@ -15,10 +15,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 
+from vllm_metal.compat.mlx_lm_attention import patch_attention_class
 from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.models.adapter import ModelAdapter
-from vllm_metal.models.attention import patch_attention_class
 from vllm_metal.models.layers import LATENT, LayerKind
+
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("deepseek_v3",)
+KIND = "latent_attention"
+MODALITIES: tuple[str, ...] = ()
 
 
 class Adapter(ModelAdapter):

@@ -7,10 +7,15 @@ from typing import Any
 
 import mlx.core as mx
 
+from vllm_metal.compat import mlx_lm_attention as attention
 from vllm_metal.kv.paged_cache import PagedLayerCache
-from vllm_metal.models import attention
 from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.layers import LayerKind, kinds_from_config
+
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("gemma2",)
+KIND = "text"
+MODALITIES: tuple[str, ...] = ()
 
 
 def _paged_attention_call(self: Any, x: mx.array, cache: PagedLayerCache) -> mx.array:

@@ -29,6 +29,11 @@ import numpy as np
 from vllm_metal.models.layers import FULL_ATTENTION, LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("gemma3",)
+KIND = "vision_language"
+MODALITIES: tuple[str, ...] = ("image",)
+
 
 class Adapter(MultimodalAdapter):
     modalities = ("image",)

@@ -2,7 +2,7 @@
 clamped SwiGLU. Mirrors mlx-lm 0.32.2 (`models/gpt_oss.py`) and transformers' `GptOssForCausalLM`.
 
 What the generic adapter already does right: mlx-lm's attention calls the module's
-`scaled_dot_product_attention(..., sinks=self.sinks)`, which `models/attention.py` routes to the
+`scaled_dot_product_attention(..., sinks=self.sinks)`, which `compat/mlx_lm_attention.py` routes to the
 paged op with the sinks; `make_cache()` declares the sliding layers (`RotatingKVCache` of
 `sliding_window`), so they get vLLM's `SlidingWindowSpec`; the MoE runs mlx-lm's `SwitchGLU` over
 the step's packed rows. What this module adds:
@@ -24,6 +24,11 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_metal.models.adapter import ModelAdapter
+
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("gpt_oss",)
+KIND = "moe"
+MODALITIES: tuple[str, ...] = ()
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

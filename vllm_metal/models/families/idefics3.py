@@ -20,6 +20,11 @@ import numpy as np
 
 from vllm_metal.models.multimodal import MultimodalAdapter
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("idefics3",)
+KIND = "vision_language"
+MODALITIES: tuple[str, ...] = ("image",)
+
 
 class Adapter(MultimodalAdapter):
     modalities = ("image",)

@@ -7,6 +7,11 @@ from __future__ import annotations
 from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.layers import LayerKind, kinds_from_config
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("mistral",)
+KIND = "text"
+MODALITIES: tuple[str, ...] = ()
+
 
 class Adapter(ModelAdapter):
     def layer_kinds(self) -> list[LayerKind]:

@@ -9,6 +9,11 @@ import mlx.core as mx
 
 from vllm_metal.models.adapter import ModelAdapter
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("olmo2",)
+KIND = "text"
+MODALITIES: tuple[str, ...] = ()
+
 
 class Adapter(ModelAdapter):
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:

@@ -28,6 +28,11 @@ import numpy as np
 
 from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("qwen2_5_vl",)
+KIND = "vision_language"
+MODALITIES: tuple[str, ...] = ("image", "video")
+
 # The processor's fields of an item, by modality: its patches and its grid.
 _FIELDS = {
     "image": ("pixel_values", "image_grid_thw"),

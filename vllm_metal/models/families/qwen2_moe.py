@@ -10,6 +10,11 @@ import mlx.core as mx
 
 from vllm_metal.models.adapter import ModelAdapter
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("qwen2_moe",)
+KIND = "moe"
+MODALITIES: tuple[str, ...] = ()
+
 
 class Adapter(ModelAdapter):
     def __init__(self, model: Any, config: dict[str, Any]):

@@ -16,9 +16,14 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from vllm_metal import ops
+from vllm_metal.compat.mlx_lm_attention import patch_attention_class
 from vllm_metal.kv.state import StateLayerCache
 from vllm_metal.models.adapter import ModelAdapter
-from vllm_metal.models.attention import patch_attention_class
+
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("qwen3_next",)
+KIND = "state_hybrid"
+MODALITIES: tuple[str, ...] = ()
 
 
 class Adapter(ModelAdapter):

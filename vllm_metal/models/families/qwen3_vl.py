@@ -27,6 +27,11 @@ from vllm_metal.models.families import qwen2_5_vl
 from vllm_metal.models.families.qwen2_5_vl import Grid
 from vllm_metal.models.multimodal import TokenRows
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("qwen3_vl",)
+KIND = "vision_language"
+MODALITIES: tuple[str, ...] = ("image", "video")
+
 
 class Adapter(qwen2_5_vl.Adapter):
     def forward(

@@ -29,6 +29,11 @@ from vllm_metal.models.families.bert import ACTIVATIONS
 from vllm_metal.models.layers import FULL_ATTENTION, LayerKind
 from vllm_metal.models.loaders import load_strict, parameter_bytes, read_safetensors
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("whisper",)
+KIND = "speech_to_text"
+MODALITIES: tuple[str, ...] = ("audio",)
+
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which transformers' Whisper uses
 _CONVS = ("model.encoder.conv1.weight", "model.encoder.conv2.weight")
 

@@ -21,6 +21,11 @@ from mlx import nn
 
 from vllm_metal.models.families.bert import BertEmbeddings, BertModel, EncoderArgs
 
+# What this family is to the capability table (`vllm_metal.config.kinds`).
+MODEL_TYPES = ("roberta", "xlm-roberta")
+KIND = "pooling"
+MODALITIES: tuple[str, ...] = ()
+
 # RoBERTa's <pad> id, the default when config.json leaves pad_token_id out.
 ROBERTA_PAD_TOKEN_ID = 1
 

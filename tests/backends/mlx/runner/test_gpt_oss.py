@@ -261,9 +261,9 @@ def test_vllm_accepts_the_mxfp4_checkpoint_in_float32(mxfp4_dir):
     assert config.model_config.quantization == "gpt_oss_mxfp4"
     assert config.model_config.dtype == torch.float32
     # Other vLLM methods are still refused (test_platform covers the message).
-    from vllm_metal.capabilities import CAPABILITIES
+    from vllm_metal.config.features import BY_NAME
 
-    (row,) = [c for c in CAPABILITIES if c.key == "vllm_quantization"]
+    row = BY_NAME["vllm_quantization"]
     assert not row.requested(config)
     object.__setattr__(config.model_config, "quantization", "awq")
     assert row.requested(config) == "quantization='awq'"

@@ -1,11 +1,12 @@
-"""Startup configuration of the KV offload tiers (runs in `MetalPlatform.check_and_update_config`).
+"""Startup configuration of the KV offload tiers (`config.startup`, after the capability table).
 
 vLLM turns `--kv-offloading-size` into its `OffloadingConnector` after the platform's check
 (`VllmConfig._post_init_kv_transfer_config`) and keeps extra connector settings the platform put
 there first. This module puts in the spec to load (`MetalOffloadingSpec`) and the disk tier's
 settings, sizes the host pool when only the disk tier was asked for, and refuses, naming the
-setting, what cannot work: another KV connector, a host pool larger than free memory, a disk tier
-in an unwritable directory or larger than the disk, block hashes that differ between processes.
+setting, what cannot work: a draft model beside it (its KV cache is not offloaded), another
+offloading backend or spec, a host pool larger than free memory, a disk tier in an unwritable
+directory or larger than the disk, block hashes that differ between processes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
-from vllm_metal.capabilities import MetalConfigError, offload_setting
+from vllm_metal.config.errors import MetalConfigError
+from vllm_metal.config.features import NO_OFFLOAD, offload_setting
 from vllm_metal.host import available_memory_bytes, memory_pressure, physical_memory_bytes
 from vllm_metal.kv.offload import SPEC_MODULE, SPEC_NAME
 from vllm_metal.kv.offload.spec import DISK_BYTES, DISK_DIR, MIN_CHUNKS, MODEL_FINGERPRINT
@@ -41,10 +43,18 @@ PROCESS_SEEDED_HASHES = ("xxhash", "xxhash_cbor")
 
 
 def configure(vllm_config: VllmConfig) -> None:
-    if offload_setting(vllm_config) is None:
+    setting = offload_setting(vllm_config)
+    if setting is None:
         return
     from vllm.config import KVTransferConfig
 
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.uses_draft_model():
+        raise MetalConfigError(
+            f"vllm-metal: KV offloading with a draft model (its KV cache is not offloaded) is not "
+            f"supported: {setting} with --speculative-config method={spec.method!r}; "
+            f"{NO_OFFLOAD}, or draft with method 'ngram'"
+        )
     cache = vllm_config.cache_config
     if cache.kv_offloading_backend != "native":
         raise MetalConfigError(

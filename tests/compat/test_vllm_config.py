@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_metal.testing.tiny_gguf import write_tiny_gguf
+from tests.fixtures.tiny_gguf import write_tiny_gguf
 
 
 def _engine_config(model, **kwargs):

@@ -1,5 +1,5 @@
-"""Two corrections to vLLM 0.32's adapter routes in the API server, applied when `--enable-lora`
-is set on this platform:
+"""Patches of vLLM's adapter routes in the API server (`OpenAIServingModels`), applied when
+`--enable-lora` is set on this platform:
 
 - `/v1/unload_lora_adapter` only forgets the name in the front end; here it also asks the
   workers to remove the adapter (`engine_client.remove_lora`), so its memory is freed. A
@@ -7,6 +7,9 @@ is set on this platform:
 - `/v1/load_lora_adapter` answers 500 for every adapter the workers refuse; an adapter this
   model cannot serve (its rank above `--max-lora-rank`, modules the model lacks, shapes of
   another model, embedding or head deltas: the runner's `AdapterError`) gets 400 instead.
+  The engine core's exception reaches the API server as text only (no type survives the
+  process boundary), so the refusal is told by the runner's own prefix, "LoRA adapter 'NAME':",
+  inside vLLM's 500 (`ADAPTER_REFUSAL`; tests/compat checks vLLM still passes the text through).
 
 Both wrap `OpenAIServingModels` methods and keep their behaviour otherwise.
 """
@@ -21,6 +24,8 @@ from vllm_metal._logging import init_logger
 logger = init_logger(__name__)
 
 _INSTALLED = "_vllm_metal_lora_routes"
+# How every refusal of the runner's adapter checks starts (`backends/mlx/runner/lora/`).
+ADAPTER_REFUSAL = "LoRA adapter {name!r}:"
 
 
 def install() -> None:
@@ -47,7 +52,7 @@ def _refusals_as_400(load):
         if (
             isinstance(response, ErrorResponse)
             and response.error.code == HTTPStatus.INTERNAL_SERVER_ERROR
-            and f"LoRA adapter {request.lora_name!r}:" in response.error.message
+            and ADAPTER_REFUSAL.format(name=request.lora_name) in response.error.message
         ):
             return create_error_response(
                 message=response.error.message,

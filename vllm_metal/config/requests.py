@@ -1,4 +1,5 @@
-"""Per-request checks for what the runners cannot serve, run by vLLM before a request is queued.
+"""Per-request checks for what the runners cannot serve, run by vLLM before a request is queued
+(`MetalPlatform.validate_request`).
 
 A refused request gets HTTP 400 with the message below; without the check it would fail inside the
 engine core and take the server down. docs/serving.md lists every refusal.
@@ -24,7 +25,7 @@ def validate_request(processed_inputs: Any, params: Any) -> None:
     `PoolingParams`; this is the body of `MetalPlatform.validate_request`.
     """
     # An encoder-decoder prompt reaches here only for a speech-to-text model: other
-    # encoder-decoder models are refused at startup (`capabilities`).
+    # encoder-decoder models are refused at startup (`config.table`).
     _, decoder_input = split_enc_dec_input(processed_inputs)
     if decoder_input.get("type") == "embeds":
         raise VLLMValidationError(PROMPT_EMBEDS_REFUSAL, parameter="prompt_embeds")

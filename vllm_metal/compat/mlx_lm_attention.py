@@ -1,15 +1,18 @@
-"""Routes an mlx-lm architecture's attention to the paged ops when its cache is a paged view.
+"""Patches of mlx-lm's attention: an architecture's attention runs the paged ops when its cache is
+a paged view.
 
 Most mlx-lm architectures call their module's `scaled_dot_product_attention(q, k, v, cache=...)`
 after `cache.update_and_fetch`; wrapping that one function per module is enough. Attention sinks
 passed to it (`sinks=`, GPT-OSS) go to the paged op too. Only calls that carry a
 `PagedLayerCache` change, so plain mlx-lm use in the same process is unaffected.
-Families that compute attention by hand patch their attention class instead (`families/`).
+Families that compute attention by hand patch their attention class instead
+(`patch_attention_class`, called from `models/families/`).
 """
 
 from __future__ import annotations
 
 import sys
+from functools import wraps
 from typing import Any
 
 from vllm_metal.kv.paged_cache import PagedLayerCache
@@ -18,6 +21,7 @@ _MARK = "__vllm_metal_paged__"
 
 
 def _paged_sdpa(original: Any):
+    @wraps(original)
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale, mask=None, sinks=None, **kwargs
     ):
@@ -53,6 +57,7 @@ def patch_attention_class(
         return
     original = attention_cls.__call__
 
+    @wraps(original)
     def __call__(self, x, mask=None, cache=None):
         if isinstance(cache, cache_cls):
             return paged_call(self, x, cache)

@@ -1,4 +1,4 @@
-"""Startup of the KV offload tiers: what vLLM's config becomes, and every bad setting refused at
+"""Proves the startup of the KV offload tiers: what vLLM's config becomes, and every bad setting refused at
 startup with its name (vLLM's own config building, with the plugin as the platform)."""
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def test_a_host_tier_too_small_for_one_request_is_refused_at_engine_start(env, m
 def test_on_a_paging_machine_the_automatic_host_tier_shrinks_and_says_so(env, model, tmp_path):
     """This machine cannot be made to page on demand: the memory facts are stubbed, vLLM and the
     plugin's config code are real."""
-    import vllm_metal.host as host
-    from vllm_metal.kv.offload import config as offload_config
+    from vllm_metal import host
+    from vllm_metal.config import kv_offload as offload_config
 
     env.setenv("VLLM_METAL_SSD_CACHE_DIR", str(tmp_path))
     env.setenv("VLLM_METAL_SSD_CACHE_SIZE", "64M")

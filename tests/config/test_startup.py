@@ -1,0 +1,182 @@
+"""Proves the startup checks refuse, by name, what a backend does not serve (the capability table
+on real vLLM configs) and apply the settings the device needs. Configs are built by vLLM's own
+EngineArgs on a tiny checkpoint, with the plugin as the platform."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen3")
+
+
+def _engine_config(model: Path, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=256, **kwargs).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def metal_config(qwen3_dir: Path):
+    from vllm.platforms import current_platform
+
+    if type(current_platform).__name__ != "MetalPlatform":
+        pytest.fail(f"vLLM chose {type(current_platform).__name__}, not MetalPlatform")
+    return _engine_config(qwen3_dir)
+
+
+def test_apply_config_picks_our_worker_and_turns_off_cuda_only_features(metal_config) -> None:
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    assert metal_config.parallel_config.worker_cls == "vllm_metal.worker.MetalWorker"
+    assert metal_config.parallel_config.distributed_executor_backend == "uni"
+    assert metal_config.cache_config.block_size == 16
+    assert metal_config.compilation_config.mode == CompilationMode.NONE
+    assert metal_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert metal_config.model_config.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def test_lora_settings_are_accepted(qwen3_dir: Path) -> None:
+    config = _engine_config(qwen3_dir, enable_lora=True, max_loras=3, max_lora_rank=32)
+    assert (config.lora_config.max_loras, config.lora_config.max_lora_rank) == (3, 32)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
+    assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
+        ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2"]),
+        ({"data_parallel_size": 2}, ["data_parallel_size=2"]),
+        ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
+        ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype", "fp8"]),
+        ({"quantization": "fp8"}, ["quantization", "fp8"]),
+        (
+            {
+                "speculative_config": {
+                    "method": "eagle3",
+                    "model": "{model}",
+                    "num_speculative_tokens": 2,
+                }
+            },
+            ["--speculative-config method='eagle3'", "'ngram' or 'draft_model'"],
+        ),
+        (
+            {
+                "speculative_config": {
+                    "model": "{model}",
+                    "num_speculative_tokens": 2,
+                    "draft_sample_method": "probabilistic",
+                }
+            },
+            ["draft_sample_method='probabilistic'"],
+        ),
+        (
+            {"runner": "pooling", "enable_lora": True},
+            ["LoRA adapters with pooling models", "--enable-lora", "remove --enable-lora"],
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+            ["KV connectors", "kv_connector='NixlConnector'", "--kv-offloading-size"],
+        ),
+        (
+            {"runner": "pooling", "kv_offloading_size": 1.0},
+            ["KV offloading with pooling models", "kv_offloading_size=1.0", "remove"],
+        ),
+        (
+            {
+                "kv_offloading_size": 1.0,
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["KV offloading with a draft model", "method='draft_model'"],
+        ),
+        ({"kv_offloading_size": 1.0, "kv_offloading_backend": "lmcache"}, ["lmcache"]),
+    ],
+    ids=[
+        "tp",
+        "pp",
+        "dp",
+        "block_size",
+        "kv_cache_dtype",
+        "quantization",
+        "spec_eagle3",
+        "spec_probabilistic",
+        "pooling_lora",
+        "kv_connector",
+        "kv_offload_pooling",
+        "kv_offload_draft_model",
+        "kv_offload_lmcache",
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(
+    metal_config, qwen3_dir: Path, kwargs: dict, names: list[str]
+) -> None:
+    kwargs = json.loads(json.dumps(kwargs).replace("{model}", str(qwen3_dir)))
+    with pytest.raises(ValueError) as info:
+        _engine_config(qwen3_dir, **kwargs)
+    message = str(info.value)
+    assert "vllm-metal" in message
+    for name in names:
+        assert name in message
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_is_served_with_async_scheduling_off(
+    metal_config, qwen3_dir: Path, method: str
+) -> None:
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_max": 3} if method == "ngram" else {"model": str(qwen3_dir)})
+    # vLLM itself refuses async scheduling asked for with ngram, and allows it with a draft model.
+    asked = True if method == "draft_model" else None
+    config = _engine_config(qwen3_dir, speculative_config=spec, async_scheduling=asked)
+    assert config.speculative_config.method == method
+    assert config.scheduler_config.async_scheduling is False
+
+
+def test_the_default_config_is_a_text_decoder_asking_for_no_feature(metal_config) -> None:
+    from vllm_metal.config.features import FEATURES
+    from vllm_metal.config.kinds import kind_of
+
+    assert kind_of(metal_config).name == "text"
+    assert not [f.name for f in FEATURES if f.requested(metal_config)]
+
+
+def test_unsupported_dtype_is_refused_by_name(metal_config) -> None:
+    # vLLM's CLI only offers dtypes we support, so the check is reached through a config whose
+    # dtype was changed after vLLM built it.
+    import copy
+
+    from vllm_metal.config import MetalConfigError
+    from vllm_metal.config.startup import check_config
+
+    config = copy.deepcopy(metal_config)
+    object.__setattr__(config.model_config, "dtype", torch.float64)
+    with pytest.raises(MetalConfigError, match=r"dtype=torch\.float64"):
+        check_config(config)
+    check_config(metal_config)  # the unchanged one passes
+
+
+def test_head_size_without_a_kernel_is_served_with_a_warning(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head size the Metal kernels lack is not refused: it runs the generic path, said once."""
+    from vllm_metal.config import startup as metal_platform
+
+    seen: list[str] = []
+    # Recorded at the call: vLLM's logging setup may reset the handlers of its logger tree.
+    monkeypatch.setattr(metal_platform.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    _engine_config(tiny_model_dir("qwen3", head_dim=48, hidden_size=192, num_heads=4))
+    assert any("head size 48" in m and "generic path" in m for m in seen), seen
+    seen.clear()
+    _engine_config(tiny_model_dir("qwen3"))  # a kernel head size: nothing to say
+    assert not any("head size" in m for m in seen), seen

@@ -1,0 +1,207 @@
+"""Every patch of vLLM (and mlx-lm, torch) internals, one entry each in `PATCHES`: the target as a
+dotted path, why, the version it was written against and when it can go. The patch code lives in
+this package, one module per target (`where`); tests/compat/test_targets.py checks that every
+target still exists with the parameters it was written against, so a version bump fails there
+first. Plain data only: importing this package imports nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+VLLM = "vllm 0.32.0"
+MLX_LM = "mlx-lm 0.32.2"
+TORCH = "torch 2.13.0"
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # dotted path of what is replaced, wrapped or read
+    why: str
+    written_for: str
+    remove_when: str
+    where: str  # the code that patches it
+    # Parameter names of the target as it was written against (None: not a callable, or its
+    # parameters do not matter).
+    params: tuple[str, ...] | None = None
+
+
+_ATTENTION_CLASS = "attention class whose paged call replaces `__call__` for a paged cache"
+_GGUF = "vLLM 0.32 reads no GGUF files"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.transformers_utils.config.get_config",
+        "a `.gguf` path with --config-format auto picks the 'gguf' config parser",
+        VLLM,
+        f"{_GGUF}; goes when vLLM reads GGUF configs again",
+        "vllm_metal.compat.vllm_config.install",
+        (
+            "model",
+            "trust_remote_code",
+            "revision",
+            "code_revision",
+            "config_format",
+            "hf_overrides_kw",
+            "hf_overrides_fn",
+            "kwargs",
+        ),
+    ),
+    Patch(
+        "vllm.config.model.get_config",
+        "the same wrapper under the name vllm.config.model imported",
+        VLLM,
+        f"{_GGUF}; with the entry above",
+        "vllm_metal.compat.vllm_config.install",
+        (
+            "model",
+            "trust_remote_code",
+            "revision",
+            "code_revision",
+            "config_format",
+            "hf_overrides_kw",
+            "hf_overrides_fn",
+            "kwargs",
+        ),
+    ),
+    Patch(
+        "vllm.transformers_utils.config.register_config_parser",
+        "registers the 'gguf' config parser (vLLM's API, the class contract below)",
+        VLLM,
+        f"{_GGUF}; with the entries above",
+        "vllm_metal.compat.vllm_config.install",
+        ("config_format",),
+    ),
+    Patch(
+        "vllm.transformers_utils.config_parser_base.ConfigParserBase.parse",
+        "the 'gguf' parser overrides it",
+        VLLM,
+        f"{_GGUF}; with the entries above",
+        "vllm_metal.compat.vllm_config._parser_class",
+        ("self", "model", "trust_remote_code", "revision", "code_revision", "kwargs"),
+    ),
+    Patch(
+        "vllm.engine.arg_utils.maybe_override_with_speculators",
+        "the speculators probe parses a `.gguf` file as JSON; skipped for one",
+        VLLM,
+        "when vLLM's probe skips non-JSON checkpoints",
+        "vllm_metal.compat.vllm_config.install",
+        (
+            "model",
+            "tokenizer",
+            "trust_remote_code",
+            "revision",
+            "vllm_speculative_config",
+            "hf_token",
+            "kwargs",
+        ),
+    ),
+    Patch(
+        "vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",
+        "an adapter the runner refuses is a 400, not vLLM's 500 (told by ADAPTER_REFUSAL)",
+        VLLM,
+        "when vLLM maps engine-side adapter errors to 400 itself",
+        "vllm_metal.compat.openai_routes.install",
+        ("self", "request", "base_model_name"),
+    ),
+    Patch(
+        "vllm.entrypoints.openai.models.serving.OpenAIServingModels.unload_lora_adapter",
+        "unloading also removes the adapter from the workers, freeing its memory",
+        VLLM,
+        "when vLLM's unload route calls engine_client.remove_lora",
+        "vllm_metal.compat.openai_routes.install",
+        ("self", "request"),
+    ),
+    Patch(
+        "vllm.model_executor.layers.quantization.mxfp4.GptOssMxfp4Config.get_supported_act_dtypes",
+        "GPT-OSS MXFP4 checkpoints are read by the MLX loader in any platform dtype",
+        VLLM,
+        "when vLLM asks the platform which dtypes a checkpoint format takes",
+        "vllm_metal.compat.vllm_quantization.accept_act_dtypes",
+        (),
+    ),
+    *(
+        Patch(
+            f"torch.accelerator.{name}",
+            "vLLM's teardown and V1 runner call it; torch raises without an accelerator",
+            TORCH,
+            "when vLLM checks torch.accelerator.is_available() first",
+            "vllm_metal.compat.torch_accelerator.tolerate_missing_accelerator",
+            (),
+        )
+        for name in ("empty_cache", "synchronize")
+    ),
+    Patch(
+        "vllm.envs.environment_variables",
+        "declares every VLLM_METAL_* variable so vLLM does not warn about them",
+        VLLM,
+        "when vLLM lets plugins declare their variables",
+        "vllm_metal.envs.register_with_vllm",
+    ),
+    Patch(
+        "vllm.triton_utils.dispatcher._registry",
+        "read to register the torch rejection-sampler kernels once per process",
+        VLLM,
+        "when the dispatcher tells whether a kernel is registered",
+        "vllm_metal.backends.mlx.runner.spec_decode.kernels",
+    ),
+    Patch(
+        "mlx_lm.models.base.scaled_dot_product_attention",
+        "each architecture module's copy is wrapped: a paged cache runs the paged ops",
+        MLX_LM,
+        "when mlx-lm takes an attention backend per cache",
+        "vllm_metal.compat.mlx_lm_attention.route_module_sdpa",
+        ("queries", "keys", "values", "cache", "scale", "mask", "sinks"),
+    ),
+    # The patched `__call__` passes (x, mask, cache) on by position.
+    *(
+        Patch(
+            f"mlx_lm.models.{target}.__call__",
+            _ATTENTION_CLASS,
+            MLX_LM,
+            "when mlx-lm takes an attention backend per cache",
+            "vllm_metal.compat.mlx_lm_attention.patch_attention_class",
+            ("self", first, "mask", "cache"),
+        )
+        for target, first in (
+            ("gemma2.Attention", "x"),
+            ("deepseek_v3.DeepseekV3Attention", "x"),
+            ("qwen3_next.Qwen3NextGatedDeltaNet", "inputs"),
+            ("granitemoehybrid.GraniteMoeHybridMamba2Mixer", "hidden_states"),
+        )
+    ),
+)
+
+
+def resolve(target: str) -> object:
+    """The object at a dotted path: the longest importable module, then attributes."""
+    parts = target.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(target)
+
+
+def problems(patch: Patch) -> list[str]:
+    """What no longer holds of `patch`'s target: it is gone, or its parameters changed."""
+    try:
+        obj = resolve(patch.target)
+    except (ImportError, AttributeError) as exc:
+        return [f"{patch.target}: not found ({exc})"]
+    if patch.params is None:
+        return []
+    obj = getattr(obj, "__wrapped__", obj)
+    try:
+        found = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError) as exc:
+        return [f"{patch.target}: no signature ({exc})"]
+    if found != patch.params:
+        return [f"{patch.target}: parameters {found}, written against {patch.params}"]
+    return []

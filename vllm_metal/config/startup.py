@@ -1,0 +1,164 @@
+"""The startup sequence `MetalPlatform.check_and_update_config` runs while vLLM builds its config,
+before any model is loaded: rewrites that decide what is served, the capability table, the device
+limits, then the settings the device needs and the backend's own configure hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_metal import envs
+from vllm_metal._logging import init_logger
+from vllm_metal.backends import get_backend
+from vllm_metal.config.errors import MetalConfigError
+from vllm_metal.config.kinds import kind_of
+from vllm_metal.config.table import refuse_unsupported
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_metal.backends.protocol import Backend
+
+logger = init_logger(__name__)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WORKER_QUALNAME = "vllm_metal.worker.MetalWorker"
+# The state layers' recurrent state is kept in float32 (`kv/state.py`).
+STATE_SSM_DTYPES = ("auto", "float32")
+
+
+def check_and_update(vllm_config: VllmConfig) -> None:
+    # Imported here: the platform module imports this one while vLLM resolves its platform.
+    from vllm_metal.config import gguf, kv_offload, multimodal
+
+    envs.validate()
+    multimodal.rewrite(vllm_config)
+    backend = check_config(vllm_config)
+    apply_config(vllm_config, backend)
+    model = vllm_config.model_config
+    if model is not None and model.is_hybrid:
+        check_state_dtypes(vllm_config)
+        backend.configure_hybrid(vllm_config)
+    kv_offload.configure(vllm_config)
+    gguf.use_file_tokenizer(vllm_config)
+
+
+def selected_backend() -> Backend:
+    """The backend VLLM_METAL_BACKEND names, its device available; refused by name otherwise."""
+    try:
+        backend = get_backend()
+        backend.device_description()
+    except ValueError as exc:
+        raise MetalConfigError(str(exc)) from None
+    return backend
+
+
+def check_config(vllm_config: VllmConfig) -> Backend:
+    """Refuse, with the setting's name and what to use instead, anything this plugin cannot run;
+    the backend that serves the rest."""
+    backend = selected_backend()
+    refuse_unsupported(vllm_config, backend.name)
+    model = vllm_config.model_config
+    if model is not None:
+        if model.dtype not in SUPPORTED_DTYPES:
+            raise MetalConfigError(
+                f"vllm-metal: dtype={model.dtype} is not supported; use one of "
+                "float16, bfloat16, float32 (--dtype)"
+            )
+        _warn_about_head_sizes(vllm_config, backend)
+    cache = vllm_config.cache_config
+    if cache.cache_dtype not in ("auto", None) and not str(cache.cache_dtype).startswith(
+        ("bfloat16", "float16", "float32")
+    ):
+        raise MetalConfigError(
+            f"vllm-metal: kv_cache_dtype={cache.cache_dtype!r} is not supported; use 'auto'"
+        )
+    align = backend.block_size_multiple()
+    if cache.block_size is not None and cache.block_size % align != 0:
+        raise MetalConfigError(
+            f"vllm-metal: block_size={cache.block_size} is not supported; use a multiple of "
+            f"{align} (e.g. 16 or 32)"
+        )
+    return backend
+
+
+def _warn_about_head_sizes(vllm_config: VllmConfig, backend: Backend) -> None:
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    draft = spec.draft_model_config if spec is not None and spec.uses_draft_model() else None
+    head_sizes = backend.head_sizes()
+    # Encoder-only pooling models attend without the paged kernels (no KV cache).
+    paged = [m for m in (model, draft) if m is not None and m.attn_type != "encoder_only"]
+    for checked in paged:
+        if checked.get_head_size() not in head_sizes:
+            logger.warning(
+                "attention head size %d of model=%r has no Metal kernel (they are built for "
+                "%s): its paged attention runs the generic path, the C++ body on the CPU and "
+                "MLX's reference ops on the GPU, which is slower there",
+                checked.get_head_size(),
+                checked.model,
+                ", ".join(map(str, sorted(head_sizes))),
+            )
+
+
+def check_state_dtypes(vllm_config: VllmConfig) -> None:
+    """A hybrid's convolution windows are kept in the model dtype and (state-layer hybrids) the
+    recurrent state in float32; other requested dtypes are refused by their flag."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    kind = kind_of(vllm_config).name
+    if kind == "state_hybrid" and cache.mamba_ssm_cache_dtype not in STATE_SSM_DTYPES:
+        raise MetalConfigError(
+            f"vllm-metal: --mamba-ssm-cache-dtype {cache.mamba_ssm_cache_dtype} is not supported: "
+            "state layers keep their recurrent state in float32; use 'auto' or 'float32'"
+        )
+    dtype = str(model.dtype).removeprefix("torch.")
+    if cache.mamba_cache_dtype not in ("auto", dtype):
+        raise MetalConfigError(
+            f"vllm-metal: --mamba-cache-dtype {cache.mamba_cache_dtype} is not supported: the "
+            f"convolution windows are kept in the model dtype ({dtype}); use 'auto'"
+        )
+
+
+def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
+    """Choose the worker and executor and turn off what only CUDA graphs/torch.compile use."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls == "auto":
+        parallel.worker_cls = WORKER_QUALNAME
+    if parallel.distributed_executor_backend in (None, "auto"):
+        parallel.distributed_executor_backend = "uni"
+    parallel.disable_custom_all_reduce = True
+    if getattr(parallel, "enable_dbo", False):
+        parallel.enable_dbo = False
+
+    compilation = vllm_config.compilation_config
+    compilation.mode = CompilationMode.NONE
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
+    compilation.cudagraph_capture_sizes = []
+    compilation.max_cudagraph_capture_size = 0
+
+    cache = vllm_config.cache_config
+    if not cache.user_specified_block_size:
+        cache.block_size = 16
+
+    scheduler = vllm_config.scheduler_config
+    if not backend.async_scheduling and scheduler.async_scheduling:
+        logger.info("vllm-metal: the %s backend runs with async scheduling off", backend.name)
+        scheduler.async_scheduling = False
+    if vllm_config.speculative_config is not None and scheduler.async_scheduling:
+        # The runner proposes drafts after sampling each step; the async scheduler would send
+        # placeholders for drafts the runner has not made yet.
+        logger.info("vllm-metal: speculative decoding runs with async scheduling off")
+        scheduler.async_scheduling = False
+
+    if vllm_config.lora_config is not None:
+        from vllm_metal.compat import openai_routes
+
+        openai_routes.install()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

@@ -1,0 +1,111 @@
+"""What each backend serves: `SUPPORTED[backend][kind]` is the set of features it serves with a
+model of that kind (`kinds.py` x `features.py`). A kind missing from a backend is not served
+there at all; a feature missing from a kind's set is refused with that kind.
+
+`refuse_unsupported` runs while vLLM builds its config, before any model is loaded, and raises for
+the first missing cell, its message built from both axes: the kind, the feature, the setting that
+asked for it and what to change. Serving a feature on a backend is one name in its set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_metal.config.errors import MetalConfigError
+from vllm_metal.config.features import BY_NAME as FEATURES_BY_NAME
+from vllm_metal.config.features import FEATURES
+from vllm_metal.config.kinds import BY_NAME as KINDS_BY_NAME
+from vllm_metal.config.kinds import kind_of, model_label
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
+_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode"})
+_MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload"}
+
+SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
+    "mlx": {
+        "text": _MLX_DECODER,
+        "moe": _MLX_DECODER,
+        "pooling": _MLX_ANY | {"pooling"},
+        "vision_language": _MLX_ANY,
+        "speech_to_text": _MLX_ANY,
+        "latent_attention": _MLX_ANY,
+        "state_hybrid": _MLX_ANY,
+    },
+    # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
+    # layers (`backends/torch/short_conv.py`).
+    "mps": {
+        "text": frozenset(),
+        "short_conv_hybrid": frozenset(),
+    },
+}
+
+# Backend name -> the `--speculative-config` methods it runs.
+SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
+    "mlx": ("ngram", "draft_model"),
+    "mps": (),
+}
+
+
+def refusal(config: VllmConfig, backend: str) -> str | None:
+    """The message of the first cell `config` asks for that `backend` does not serve, or None."""
+    kind = kind_of(config)
+    prefix = f"vllm-metal ({backend} backend) does not serve"
+    served = SUPPORTED.get(backend, {}).get(kind.name)
+    if served is None:
+        return f"{prefix} {kind.words()}: {model_label(config)}; {kind.words(kind.advice)}"
+    for feature in FEATURES:
+        if feature.name in served:
+            continue
+        setting = feature.requested(config)
+        if setting:
+            return (
+                f"{prefix} {feature.what} with {kind.words()}: {setting} with "
+                f"{model_label(config)}; {feature.advice}"
+            )
+    return None
+
+
+def refuse_unsupported(config: VllmConfig, backend: str) -> None:
+    """Raise MetalConfigError for the first cell `config` asks for that `backend` lacks."""
+    message = refusal(config, backend)
+    if message is not None:
+        raise MetalConfigError(message)
+    if config.speculative_config is not None:
+        _refuse_unsupported_speculation(config, backend)
+
+
+def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
+    spec = config.speculative_config
+    methods = SPECULATIVE_METHODS.get(backend, ())
+    prefix = f"vllm-metal ({backend} backend): --speculative-config"
+    if spec.method not in methods:
+        raise MetalConfigError(
+            f"{prefix} method={spec.method!r} is not supported; use method "
+            + " or ".join(repr(m) for m in methods)
+        )
+    for name, value, wanted in (
+        ("draft_sample_method", spec.draft_sample_method, "greedy"),
+        ("rejection_sample_method", spec.rejection_sample_method, "standard"),
+        ("parallel_drafting", spec.parallel_drafting, False),
+    ):
+        if value != wanted:
+            raise MetalConfigError(
+                f"{prefix} {name}={value!r} is not supported; use {wanted!r} (the default)"
+            )
+
+
+def check_table() -> list[str]:
+    """What is wrong with the table itself: names that are no kind or feature."""
+    problems = []
+    for backend, kinds in SUPPORTED.items():
+        for kind, features in kinds.items():
+            if kind not in KINDS_BY_NAME:
+                problems.append(f"SUPPORTED[{backend!r}]: {kind!r} is no model kind")
+            problems += [
+                f"SUPPORTED[{backend!r}][{kind!r}]: {f!r} is no feature"
+                for f in sorted(features - set(FEATURES_BY_NAME))
+            ]
+    return problems
