@@ -32,39 +32,21 @@ _ATTENTION_CLASS = "attention class whose paged call replaces `__call__` for a p
 _GGUF = "vLLM 0.32 reads no GGUF files"
 
 PATCHES: tuple[Patch, ...] = (
-    Patch(
-        "vllm.transformers_utils.config.get_config",
-        "a `.gguf` path with --config-format auto picks the 'gguf' config parser",
-        VLLM,
-        f"{_GGUF}; goes when vLLM reads GGUF configs again",
-        "vllm_metal.compat.vllm_config.install",
-        (
-            "model",
-            "trust_remote_code",
-            "revision",
-            "code_revision",
-            "config_format",
-            "hf_overrides_kw",
-            "hf_overrides_fn",
-            "kwargs",
-        ),
-    ),
-    Patch(
-        "vllm.config.model.get_config",
-        "the same wrapper under the name vllm.config.model imported",
-        VLLM,
-        f"{_GGUF}; with the entry above",
-        "vllm_metal.compat.vllm_config.install",
-        (
-            "model",
-            "trust_remote_code",
-            "revision",
-            "code_revision",
-            "config_format",
-            "hf_overrides_kw",
-            "hf_overrides_fn",
-            "kwargs",
-        ),
+    # `get_config` is called from its own module (generation config) and through the name
+    # vllm.config.model imported: both names are wrapped.
+    *(
+        Patch(
+            f"{module}.get_config",
+            "a `.gguf` path with --config-format auto picks the 'gguf' config parser",
+            VLLM,
+            f"{_GGUF}; goes when vLLM reads GGUF configs again",
+            "vllm_metal.compat.vllm_config.install",
+            (
+                *("model", "trust_remote_code", "revision", "code_revision", "config_format"),
+                *("hf_overrides_kw", "hf_overrides_fn", "kwargs"),
+            ),
+        )
+        for module in ("vllm.transformers_utils.config", "vllm.config.model")
     ),
     Patch(
         "vllm.transformers_utils.config.register_config_parser",

@@ -1,8 +1,8 @@
 """The second axis of the capability table: what a config asks for beside its model.
 
-A feature's `requested(config)` is the setting that asks for it as the user wrote it ("--enable-lora",
-"tensor_parallel_size=2"), or None; `advice` is what to change where it is not served. `FEATURES` is
-in the order a refusal is looked for.
+A feature's `requested(config)` is the setting that asks for it as the user wrote it
+("--enable-lora", "tensor_parallel_size=2"), or None; `advice` is what to change where it is not
+served. `FEATURES` is in the order a refusal is looked for.
 """
 
 from __future__ import annotations

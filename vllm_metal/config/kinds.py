@@ -22,6 +22,8 @@ class ModelKind:
     what: str  # the kind, in words (plural)
     advice: str  # what to do where a backend does not serve the kind at all
     detect: Callable[[VllmConfig], bool]
+    # The setting that makes a model this kind, where one does (not the checkpoint alone).
+    setting: str | None = None
 
     def words(self, text: str | None = None) -> str:
         return (self.what if text is None else text).format_map(_DeclaredTypes())
@@ -144,6 +146,7 @@ KINDS: tuple[ModelKind, ...] = (
         "pooling models (embeddings, classification, scoring)",
         "serve a generative model (--runner generate)",
         lambda c: model_attr(c, "runner_type") == "pooling",
+        setting="runner='pooling'",
     ),
     ModelKind(
         "moe",

@@ -55,7 +55,10 @@ def refusal(config: VllmConfig, backend: str) -> str | None:
     prefix = f"vllm-metal ({backend} backend) does not serve"
     served = SUPPORTED.get(backend, {}).get(kind.name)
     if served is None:
-        return f"{prefix} {kind.words()}: {model_label(config)}; {kind.words(kind.advice)}"
+        model = model_label(config)
+        if kind.setting:
+            model = f"{kind.setting} with {model}"
+        return f"{prefix} {kind.words()}: {model}; {kind.words(kind.advice)}"
     for feature in FEATURES:
         if feature.name in served:
             continue

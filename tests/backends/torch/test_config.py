@@ -74,7 +74,9 @@ def test_mixture_of_experts_models_are_refused(torch_env, tmp_path):
     from tests.fixtures.tiny_moe import write_tiny_moe
 
     model = write_tiny_moe(tmp_path / "moe", "qwen3_moe")
-    with pytest.raises(ValueError, match=r"mixture-of-experts models .*MoE\).*VLLM_METAL_BACKEND"):
+    with pytest.raises(
+        ValueError, match=r"mixture-of-experts models: .*qwen3_moe.*VLLM_METAL_BACKEND"
+    ):
         _engine_config(model)
 
 
@@ -108,11 +110,15 @@ def test_lfm2_is_refused_on_the_mlx_backend_by_name(torch_env, tiny_lfm2_dir):
     with pytest.raises(ValueError) as info:
         _engine_config(tiny_lfm2_dir)
     message = str(info.value)
-    assert "vllm-metal (mlx backend): short-convolution hybrid models (LFM2)" in message
-    assert f"model='{tiny_lfm2_dir}' (lfm2)" in message
+    assert (
+        "vllm-metal (mlx backend) does not serve short-convolution hybrid models (lfm2)" in message
+    )
+    assert f"model='{tiny_lfm2_dir}' (lfm2, " in message
     assert "VLLM_METAL_BACKEND=mps" in message
 
 
 def test_other_hybrids_stay_refused_here(torch_env, tiny_qwen3_next_dir):
-    with pytest.raises(ValueError, match=r"vllm-metal \(mps backend\): hybrid models with Gated"):
+    with pytest.raises(
+        ValueError, match=r"vllm-metal \(mps backend\) does not serve hybrid models with"
+    ):
         _engine_config(tiny_qwen3_next_dir)

@@ -99,7 +99,7 @@ class TorchRunner:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return None
 
-    # -- LoRA adapters: refused at startup (the capability table); a request naming one is a 400 there.
+    # -- LoRA adapters: refused at startup (config.table); a request naming one is a 400 there.
     def add_lora(self, lora_request) -> bool:
         raise ValueError("vllm-metal (torch backend): LoRA adapters are not supported")
 

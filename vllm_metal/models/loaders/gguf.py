@@ -1,12 +1,12 @@
 """Load a GGUF file (llama.cpp's format) into an mlx-lm model.
 
 The model is built from the Hugging Face config (vLLM's, which `compat.vllm_config` reads from the
-file's metadata through transformers, or `--hf-config-path`). Tensors are read with the `gguf` package and
-named with its tensor-name maps; transformers' GGUF tensor processors undo llama.cpp's conversions
-(the rotary q/k row permutation of Llama-family files, Gemma's `1 + weight` norms). Q8_0, Q4_0 and
-Q4_1 are affine with groups of 32, which is MLX's quantization, so they become `QuantizedLinear` /
-`QuantizedEmbedding` layers holding the same numbers; K-quants and float tensors are decoded with
-`gguf.quants.dequantize` into the compute dtype.
+file's metadata through transformers, or `--hf-config-path`). Tensors are read with the `gguf`
+package and named with its tensor-name maps; transformers' GGUF tensor processors undo llama.cpp's
+conversions (the rotary q/k row permutation of Llama-family files, Gemma's `1 + weight` norms).
+Q8_0, Q4_0 and Q4_1 are affine with groups of 32, which is MLX's quantization, so they become
+`QuantizedLinear` / `QuantizedEmbedding` layers holding the same numbers; K-quants and float
+tensors are decoded with `gguf.quants.dequantize` into the compute dtype.
 """
 
 from __future__ import annotations
