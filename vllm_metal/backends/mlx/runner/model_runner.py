@@ -26,7 +26,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.model_states import FEATURE_FLAGS, ModelState, select
-from vllm_metal.backends.mlx.runner.output import output_stage_class
+from vllm_metal.backends.mlx.runner.output import Forward, output_stage_class
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
@@ -176,15 +176,9 @@ class MLXModelRunner:
             )
         inputs = self.state.step_inputs(scheduler_output, packed, self.states)
         hidden = self.state.hidden_states(self.kv_pool, packed, inputs)
-        output = self.output.finish_step(
-            self.state,
-            hidden,
-            packed,
-            scheduler_output,
-            started=started,
-            kv_arrays=[] if self.kv_pool is None else self.kv_pool.arrays(),
-            connector=self.connector,
-        )
+        kv_arrays = [] if self.kv_pool is None else self.kv_pool.arrays()
+        forward = Forward(scheduler_output, packed, hidden, started, kv_arrays, self.connector)
+        output = self.output.finish_step(self.state, forward)
         if self.lora is not None:
             self.lora.clear_step()  # the graph holds this step's mask; dummy runs get none
         return output

@@ -4,6 +4,7 @@ pooler). Both meet `OutputStage`; the model kind (`model_states/`) is chosen ind
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -17,6 +18,18 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
     from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+
+
+@dataclass
+class Forward:
+    """A step up to the lazy hidden states of its packed tokens, handed to the output stage."""
+
+    scheduler_output: SchedulerOutput
+    packed: PackedBatch
+    hidden: mx.array  # [T, ...], not evaluated yet
+    started: float  # perf_counter() when execute_model began
+    kv_arrays: list[mx.array]  # the pool's arrays, evaluated with the step (its cache writes)
+    connector: ConnectorSteps | None  # collects the step's KV transfers once it is queued
 
 
 class OutputStage(Protocol):
@@ -34,17 +47,7 @@ class OutputStage(Protocol):
         """After the request state took the scheduler's changes."""
         ...
 
-    def finish_step(
-        self,
-        state: ModelState,
-        hidden: mx.array,
-        packed: PackedBatch,
-        scheduler_output: SchedulerOutput,
-        *,
-        started: float,
-        kv_arrays: list[mx.array],
-        connector: ConnectorSteps | None,
-    ) -> ModelRunnerOutput | None:
+    def finish_step(self, state: ModelState, forward: Forward) -> ModelRunnerOutput | None:
         """The step from the lazy hidden states on: its output now, or None when it comes from
         `sample_tokens`."""
         ...

@@ -29,9 +29,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.outputs import AsyncModelRunnerOutput
 
-    from vllm_metal.backends.mlx.runner.batch import PackedBatch
-    from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
+    from vllm_metal.backends.mlx.runner.output import Forward
 
 
 class Sampling:
@@ -64,28 +63,20 @@ class Sampling:
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         pass
 
-    def finish_step(
-        self,
-        state: ModelState,
-        hidden: mx.array,
-        packed: PackedBatch,
-        scheduler_output: SchedulerOutput,
-        *,
-        started: float,
-        kv_arrays: list[mx.array],
-        connector: ConnectorSteps | None,
-    ) -> None:
+    def finish_step(self, state: ModelState, forward: Forward) -> None:
         """Queue the step's logits; `sample_tokens` (or the next step) samples them."""
+        packed = forward.packed
         prompt_rows = prompt_logprob_rows(self.states, packed)
-        logits, prompt_logits = state.logits(hidden, packed, prompt_rows)
+        logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
-        mx.async_eval(logits, *prompt_logits.values(), *kv_arrays)
+        mx.async_eval(logits, *prompt_logits.values(), *forward.kv_arrays)
+        connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
             scheduler_output,
             packed,
             logits,
             prompt_logits,
-            started=started,
+            started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
         )
 

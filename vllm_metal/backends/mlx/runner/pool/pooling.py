@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
     from vllm_metal.backends.mlx.runner.batch import PackedBatch
-    from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
+    from vllm_metal.backends.mlx.runner.output import Forward
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
 
 logger = init_logger(__name__)
@@ -75,23 +75,14 @@ class Pooling:
             self.pooler.get_pooling_updates(params.task).apply(params)
             self.late_interaction.register_request(new.req_id, params)
 
-    def finish_step(
-        self,
-        state: ModelState,
-        hidden: mx.array,
-        packed: PackedBatch,
-        scheduler_output: SchedulerOutput,
-        *,
-        started: float,
-        kv_arrays: list[mx.array],
-        connector: ConnectorSteps | None,
-    ) -> ModelRunnerOutput:
+    def finish_step(self, state: ModelState, forward: Forward) -> ModelRunnerOutput:
         """Pool the step's hidden states now; finished requests get their output."""
-        hidden = hidden.reshape(packed.num_tokens, -1).astype(mx.float32)
-        mx.eval(hidden, *kv_arrays)
+        packed = forward.packed
+        hidden = forward.hidden.reshape(packed.num_tokens, -1).astype(mx.float32)
+        mx.eval(hidden, *forward.kv_arrays)
         output = self._pool(to_torch(hidden), packed)
-        if connector is not None:
-            output.kv_connector_output = connector.finish(scheduler_output)
+        if forward.connector is not None:
+            output.kv_connector_output = forward.connector.finish(forward.scheduler_output)
         return output
 
     def _pool(self, hidden: torch.Tensor, packed: PackedBatch) -> ModelRunnerOutput:
