@@ -1,6 +1,7 @@
 """The contracts between the backend-neutral worker and a backend: `Backend` (device facts and
 the runner factory) and `ModelRunner` (what the worker calls every step and at each lifecycle
-event). A second runner (torch, pooling, speech-to-text) meets the same `ModelRunner`.
+event). Each backend has one runner class for every model kind (`MLXModelRunner`, `TorchRunner`),
+and both meet the same `ModelRunner` (tests/backends/test_runner_protocol.py checks signatures).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class RunnerMemory:
 
 
 class ModelRunner(Protocol):
+    """What the worker calls on a runner; a runner class has each method with these parameter
+    names and kinds. Model kinds and pooling live inside a runner, not in subclasses of it."""
+
     # -- model and memory
     def load_model(self) -> None: ...
     def get_model(self) -> Any: ...
