@@ -12,13 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_metal.compat import PATCHES, Patch, problems
+from vllm_metal.compat import PATCHES, Patch, problems, resolve
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.target for p in PATCHES])
 def test_the_target_is_as_it_was_written_against(patch: Patch) -> None:
     assert problems(patch) == []
-    assert patch.why and patch.written_for and patch.remove_when and patch.where
+    assert patch.why and patch.written_for and patch.remove_when
+    assert resolve(patch.where) is not None  # the code that patches it is where it says
 
 
 def test_the_check_rejects_a_changed_signature_and_a_missing_target() -> None:

@@ -129,6 +129,32 @@ PATCHES: tuple[Patch, ...] = (
         "when the dispatcher tells whether a kernel is registered",
         "vllm_metal.backends.mlx.runner.spec_decode.kernels",
     ),
+    # Layers vLLM builds as ours (`register_oot`, vLLM's own mechanism), whose overrides rely on
+    # the internals below.
+    Patch(
+        "vllm.model_executor.layers.mamba.short_conv.ShortConv.forward",
+        "MetalShortConv replaces it: vLLM's runs Triton/CUDA kernels on an out-of-tree platform",
+        VLLM,
+        "when vLLM's ShortConv has a path for platforms without Triton",
+        "vllm_metal.backends.torch.short_conv.register",
+        ("self", "hidden_states", "output"),
+    ),
+    Patch(
+        "vllm.model_executor.layers.rotary_embedding.RotaryEmbedding.forward_native",
+        "MetalRotaryEmbedding.forward_oot takes its arguments, rotating in place",
+        VLLM,
+        "when vLLM's rotary embedding has a CPU-kernel path for out-of-tree platforms",
+        "vllm_metal.backends.torch.rotary.register",
+        ("self", "positions", "query", "key"),
+    ),
+    Patch(
+        "vllm.model_executor.layers.rotary_embedding.RotaryEmbedding._match_cos_sin_cache_dtype",
+        "read by MetalRotaryEmbedding.forward_oot (a private helper)",
+        VLLM,
+        "with the entry above",
+        "vllm_metal.backends.torch.rotary.register",
+        ("self", "query"),
+    ),
     Patch(
         "mlx_lm.models.base.scaled_dot_product_attention",
         "each architecture module's copy is wrapped: a paged cache runs the paged ops",
