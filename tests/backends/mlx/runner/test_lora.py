@@ -7,12 +7,14 @@ Each engine starts once per module and runs every job its tests look at.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, random_prompts, run_engine_job, tokens
 from tests.fixtures.oracles import hf_greedy, mlx_lm_greedy
 from tests.fixtures.tiny_lora import write_tiny_adapter
 from vllm_metal.testing.tiny_models import quantize_tiny_model, write_tiny_model
+from vllm_metal.testing.tiny_tokenizer import TOKENIZER_VOCAB_SIZE
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +179,11 @@ def test_adapters_survive_sleep_and_wake_up(llama, llama_run):
 def test_ngram_speculation_verifies_adapter_rows(llama):
     """Verification rows carry their request's adapter: drafts are judged by the adapted model."""
     model, adapters = llama
-    prompts = [[20, 21, 22, 23, 24] * 5, [100, 101, 102] * 8, *PROMPTS[:2]]
+    # The first two prompts hold every ordinary token (16 on) once: whatever a random model emits,
+    # the n-gram proposer finds it in the context and drafts what followed it there.
+    rng = np.random.default_rng(7)
+    every = [rng.permutation(np.arange(16, TOKENIZER_VOCAB_SIZE)).tolist() for _ in range(2)]
+    prompts = [*every, *PROMPTS[:2]]
     names = ["a", "b", None, "a"]
     spec = {
         "method": "ngram",
@@ -193,6 +199,7 @@ def test_ngram_speculation_verifies_adapter_rows(llama):
             **ENGINE,
             "max_num_batched_tokens": 32,
             "max_num_seqs": 8,
+            "max_model_len": 1024,  # the 752-token prompts
             "speculative_config": spec,
             "disable_log_stats": False,
         },
