@@ -139,6 +139,8 @@ class MetalPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm_metal.compat import engine_shutdown
         from vllm_metal.config import startup
 
+        engine_shutdown.install()  # this process may be the API server, which stops the engine
         startup.check_and_update(vllm_config)

@@ -63,12 +63,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # All tests of one backend run together, and within a backend the tests that need their own
     # server (one per model family) run after everything that shares the main server, so each
     # server starts once per backend. Correctness does not depend on this order.
-    def order(item: pytest.Item) -> tuple[int, bool]:
+    # A test that stops the main server runs after the others that share it, before any server
+    # of its own replaces it.
+    def order(item: pytest.Item) -> tuple[int, int]:
         if "serving" not in item.path.parts:  # after the serving suite, in their own order
-            return (len(BACKENDS), False)
+            return (len(BACKENDS), 0)
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend = BACKENDS.index(params.get("serving_backend", "mlx"))
-        return (backend, item.get_closest_marker("own_server") is not None)
+        if item.get_closest_marker("own_server") is not None:
+            return (backend, 2)
+        return (backend, int(item.get_closest_marker("stops_main_server") is not None))
 
     items.sort(key=order)
 
@@ -241,4 +245,7 @@ def whitespace_ids(tokenizer: Any) -> list[int]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "own_server: starts its own vllm serve instead of the shared main server"
+    )
+    config.addinivalue_line(
+        "markers", "stops_main_server: ends the shared main server (after the tests sharing it)"
     )

@@ -116,6 +116,22 @@ PATCHES: tuple[Patch, ...] = (
         for name in ("empty_cache", "synchronize")
     ),
     Patch(
+        "vllm.v1.engine.utils.get_engine_process_shutdown_timeout",
+        "with --shutdown-timeout 0 the engine core gets a teardown window before a kill (as ROCm)",
+        VLLM,
+        "when vLLM gives every platform a teardown window after an immediate abort",
+        "vllm_metal.compat.engine_shutdown.install",
+        ("request_timeout", "process_timeout"),
+    ),
+    Patch(
+        "vllm.entrypoints.launchers.utils.server_utils.freeze_gc_heap",
+        "the API server freezes the GC heap for good; unfrozen at exit so extensions free theirs",
+        VLLM,
+        "when vLLM's API server unfreezes the heap at shutdown",
+        "vllm_metal.compat.engine_shutdown.install",
+        (),
+    ),
+    Patch(
         "vllm.envs.environment_variables",
         "declares every VLLM_METAL_* variable so vLLM does not warn about them",
         VLLM,
