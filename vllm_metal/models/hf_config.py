@@ -1,7 +1,7 @@
 """Config keys that transformers 5 writes under other names than mlx-lm reads them.
 
 transformers 5 saves a checkpoint's RoPE base only inside `rope_parameters` (no top-level
-`rope_theta`), and its Qwen3-MoE config names the expert count `num_local_experts` (with
+`rope_theta`; keyed by layer type for families with sliding layers, e.g. OLMo 3), and its Qwen3-MoE config names the expert count `num_local_experts` (with
 `num_experts` an attribute alias that `save_pretrained` does not write). mlx-lm 0.32.2's `ModelArgs`
 read the top-level `rope_theta` and, for Qwen3-MoE and Qwen2-MoE, `num_experts`: where the field is
 required the load fails ("missing 2 required positional arguments"), where it has a default
@@ -28,18 +28,26 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     """The keys to add to `config` before mlx-lm builds `args_class` from it (often none)."""
     takes = inspect.signature(args_class).parameters
     out: dict[str, Any] = {}
-    rope = config.get("rope_parameters")
-    if (
-        "rope_theta" in takes
-        and "rope_theta" not in config
-        and isinstance(rope, dict)
-        and "rope_theta" in rope  # per-layer-type dicts (Gemma 3) have no top-level base
-    ):
-        out["rope_theta"] = rope["rope_theta"]
+    if "rope_theta" in takes and "rope_theta" not in config:
+        base = _rope_base(config.get("rope_parameters"))
+        if base is not None:
+            out["rope_theta"] = base
     for field, source in _RENAMED.items():
         if field in takes and field not in config and source in config:
             out[field] = config[source]
     return out
+
+
+def _rope_base(rope: Any) -> float | None:
+    """The one RoPE base of `rope_parameters`: its `rope_theta`, or the `rope_theta` every layer
+    type shares when it is keyed by layer type (OLMo 3); None when the layer types differ
+    (Gemma 3's local and global bases, which mlx-lm reads under other names)."""
+    if not isinstance(rope, dict):
+        return None
+    if "rope_theta" in rope:
+        return rope["rope_theta"]
+    bases = {p.get("rope_theta") for p in rope.values() if isinstance(p, dict)}
+    return bases.pop() if len(bases) == 1 and None not in bases else None
 
 
 def checkpoint_overrides(path: Any) -> dict[str, Any] | None:

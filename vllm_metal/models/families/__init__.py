@@ -10,26 +10,26 @@ from functools import cache
 
 from vllm_metal.models.adapter import ModelAdapter
 
-# model_type -> module in this package defining `Adapter`
-FAMILIES = {
-    "deepseek_v3": "deepseek_v3",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3",
-    "gpt_oss": "gpt_oss",
-    "granitemoehybrid": "granitemoehybrid",
-    "idefics3": "idefics3",
-    "mistral": "mistral",
-    "olmo2": "olmo2",
-    "qwen2_moe": "qwen2_moe",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_next": "qwen3_next",
-    "qwen3_vl": "qwen3_vl",
-}
-
-
-# Modules of this package whose families are served by another adapter than `Adapter`: the
-# encoder-only (`models/encoder.py`) and speech-to-text (`WhisperAdapter`) ones.
-OTHER_FAMILIES = ("bert", "whisper", "xlm_roberta")
+# The modules of this package, one per family; each lists the `MODEL_TYPES` it serves. Those that
+# define `Adapter` give the decoder adapter of their model types; the others (encoder-only models,
+# `models/encoder.py`; speech-to-text, `WhisperAdapter`) are served by their own loaders.
+MODULES = (
+    "bert",
+    "deepseek_v3",
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "granitemoehybrid",
+    "idefics3",
+    "mistral",
+    "olmo2",
+    "qwen2_5_vl",
+    "qwen2_moe",
+    "qwen3_next",
+    "qwen3_vl",
+    "whisper",
+    "xlm_roberta",
+)
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,25 @@ WITHOUT_ADAPTER = (Declaration("lfm2", "short_conv_hybrid"),)
 def declarations() -> dict[str, Declaration]:
     """model_type -> its declaration, from every family module and `WITHOUT_ADAPTER`."""
     found = {d.model_type: d for d in WITHOUT_ADAPTER}
-    for name in sorted({*FAMILIES.values(), *OTHER_FAMILIES}):
-        module = importlib.import_module(f"{__name__}.{name}")
+    for module in map(_module, MODULES):
         for model_type in module.MODEL_TYPES:
             found[model_type] = Declaration(model_type, module.KIND, module.MODALITIES)
     return found
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+@cache
+def _adapter_modules() -> dict[str, str]:
+    """model_type -> the module whose `Adapter` serves it."""
+    return {
+        model_type: name
+        for name in MODULES
+        if hasattr(module := _module(name), "Adapter")
+        for model_type in module.MODEL_TYPES
+    }
 
 
 def model_types(kind: str) -> tuple[str, ...]:
@@ -64,10 +78,8 @@ def model_types(kind: str) -> tuple[str, ...]:
 
 
 def adapter_class(model_type: str | None) -> type[ModelAdapter]:
-    name = FAMILIES.get(model_type or "")
-    if name is None:
-        return ModelAdapter
-    return importlib.import_module(f"{__name__}.{name}").Adapter
+    name = _adapter_modules().get(model_type or "")
+    return ModelAdapter if name is None else _module(name).Adapter
 
 
 # model_type -> module in this package defining `sanitize(weights) -> weights`, run on the

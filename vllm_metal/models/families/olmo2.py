@@ -1,5 +1,6 @@
-"""OLMo 2: mlx-lm's decoder (`models/olmo2.py`) takes no input embeddings; the rest of its layer
-stack is the generic one (its attention goes through scaled_dot_product_attention)."""
+"""OLMo 2 and OLMo 3: mlx-lm's decoders (`models/olmo2.py`, `models/olmo3.py`) take no input
+embeddings; the rest of their layer stacks is the generic one (attention through
+scaled_dot_product_attention; OLMo 3's sliding layers are read from its `make_cache()`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import mlx.core as mx
 from vllm_metal.models.adapter import ModelAdapter
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
-MODEL_TYPES = ("olmo2",)
+MODEL_TYPES = ("olmo2", "olmo3")
 KIND = "text"
 MODALITIES: tuple[str, ...] = ()
 
 
 class Adapter(ModelAdapter):
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
-        return self.decode_layers(input_embeds, caches)  # LlamaModel.__call__ in olmo2.py
+        return self.decode_layers(input_embeds, caches)  # __call__ minus embed_tokens
