@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds
 
+    from vllm_metal.backends.mlx.runner.output import OutputStage
+
 logger = init_logger(__name__)
 
 
@@ -283,7 +285,9 @@ def requested_features(vllm_config: VllmConfig) -> list[str]:
     return [feature for feature, on in requested.items() if on]
 
 
-def refuse_features(vllm_config: VllmConfig, state_class: type[ModelState], stage: type) -> None:
+def refuse_features(
+    vllm_config: VllmConfig, state_class: type[ModelState], stage: type[OutputStage]
+) -> None:
     """One rule for every kind and stage: a feature either runs on both, or is refused here by
     its flag (the platform refuses the same earlier, at startup; this is the backstop)."""
     for feature in requested_features(vllm_config):
