@@ -313,6 +313,8 @@ def test_vllm_cpu_backend_agrees_with_transformers(tiny_idefics3_dir: Path, tmp_
     script = tmp_path / "run_vllm_cpu.py"
     script.write_text(_VLLM_SCRIPT)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")  # vLLM's platform, not this plugin
+    # The script imports tests.fixtures, from the repository root.
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     result = subprocess.run(
         [sys.executable, str(script), str(tiny_idefics3_dir), json.dumps(cases), json.dumps(chat)],
         capture_output=True,

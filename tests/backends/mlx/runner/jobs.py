@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 
 JOB_SCRIPT = Path(__file__).with_name("engine_job.py")
+# The job script imports image and audio fixtures as tests.fixtures, from the repository root.
+REPO_ROOT = Path(__file__).resolve().parents[4]
 
 # Small, explicit memory settings: the defaults reserve most of the machine's RAM.
 ENGINE_DEFAULTS = {
@@ -39,6 +41,7 @@ def run_engine_job(
     """
     env = {**os.environ, **(env or {})}
     env.pop("VLLM_TARGET_DEVICE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # The job script runs no MLX before it builds the engine, so forking its engine core is
     # safe, and ~10 s quicker than the spawn the plugin picks for scripts.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
