@@ -22,6 +22,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
 from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.backends.mlx.runner.mm.spans import step_key_ends
+from vllm_metal.backends.mlx.runner.model_states import StepInputs
 from vllm_metal.kv.pool import KVLayout, KVPool
 
 if TYPE_CHECKING:
@@ -121,7 +122,8 @@ def run_greedy(
         rows = cache.step_rows(packed, states)
         positions = step_positions(packed, states, adapter) if adapter.uses_mrope else None
         ends = step_key_ends(packed, states) if adapter.bidirectional_media and key_ends else None
-        logits, _ = forward(adapter, pool, kinds, packed, {}, rows, positions, ends)
+        inputs = StepInputs(mm_rows=rows, mrope_positions=positions, key_ends=ends)
+        logits, _ = forward(adapter, pool, kinds, packed, {}, inputs)
         for i, r in enumerate(active):
             computed[r] += scheduled[r]
             if computed[r] < len(tokens[r]):
