@@ -222,6 +222,7 @@ def tiny_config(
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings,
+        "torch_dtype": dtype,  # transformers 4's name, which hub checkpoints carry beside `dtype`
         **family,
     }
     if arch == "qwen2":
