@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm_metal.models.multimodal import TokenRows
 
 # The runner features a kind may take part in, by the flag that asks for them (the refusal names
-# the flag; `vllm_metal.capabilities` refuses the same combinations earlier, at startup).
+# the flag; `vllm_metal.config.table` refuses the same combinations earlier, at startup).
 FEATURE_FLAGS = {
     "lora": "--enable-lora",
     "speculative_decoding": "--speculative-config",

@@ -1,7 +1,8 @@
-"""Vision-language decoders (mlx-vlm checkpoints, `capabilities.VISION_LANGUAGE_MODEL_TYPES`): a
-decoder whose towers encode the media items the scheduler schedules. The state keeps their
-outputs in an `EncoderCache` and gives each step the rows its tokens take, the M-RoPE positions
-of models with three position streams and the key ends of prefix-LM models (`mm/`)."""
+"""Vision-language decoders (mlx-vlm checkpoints of the model types families declare as
+`vision_language`): a decoder whose towers encode the media items the scheduler schedules. The
+state keeps their outputs in an `EncoderCache` and gives each step the rows its tokens take, the
+M-RoPE positions of models with three position streams and the key ends of prefix-LM models
+(`mm/`)."""
 
 from __future__ import annotations
 
