@@ -275,11 +275,12 @@ def test_max_tokens_and_min_tokens_against_a_forced_eos(vllm_server, check):
     ids=["repetition", "frequency", "presence", "combined"],
 )
 def test_penalties_match_an_independent_implementation(vllm_server, check, penalties):
-    # A prompt that repeats itself, so a penalty on seen tokens changes the continuation.
-    prompt = "one two one two one two one two"
-    out = completion(vllm_server, check, prompt=prompt, max_tokens=10, ignore_eos=True, **penalties)
+    # A prompt that repeats itself, and 16 tokens, over which the tiny Qwen3's continuation repeats
+    # tokens often enough that every penalty here changes it (the last check depends on the draw).
+    prompt, n = "one two one two one two one two", 16
+    out = completion(vllm_server, check, prompt=prompt, max_tokens=n, ignore_eos=True, **penalties)
     choice = out["choices"][0]
-    expected = processed_greedy(vllm_server.model_dir, choice["prompt_token_ids"], 10, **penalties)
+    expected = processed_greedy(vllm_server.model_dir, choice["prompt_token_ids"], n, **penalties)
     assert choice["token_ids"] == expected
-    plain = completion(vllm_server, check, prompt=prompt, max_tokens=10, ignore_eos=True)
+    plain = completion(vllm_server, check, prompt=prompt, max_tokens=n, ignore_eos=True)
     assert plain["choices"][0]["token_ids"] != expected, "the penalty changed nothing"

@@ -84,6 +84,8 @@ def test_json_object_parses(vllm_server, check):
         max_tokens=200,
         chat_template_kwargs=NO_THINKING,
         response_format={"type": "json_object"},
+        # Closing a string or an object pays: a random model may otherwise write one endless string.
+        logit_bias={str(i): 5.0 for i in (6, 97, 658)},  # '"', '}', '"}' of the tiny tokenizer
     )
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop", choice
@@ -312,7 +314,9 @@ def test_reasoning_parser_separates_reasoning_from_content(vllm_server, check, t
     thought = [t for t in ids[:k] if t != start_think]
     assert reasoning.strip() == tokenizer.decode(thought, skip_special_tokens=False).strip()
     answer = tokenizer.decode(ids[k + 1 :], skip_special_tokens=False)
-    assert message["content"].strip() == answer.strip()
+    # The server holds back the bytes of a character the last token leaves incomplete; a one-shot
+    # decode shows them as U+FFFD.
+    assert message["content"].strip() == answer.rstrip("\ufffd").strip()
     # Reasoning tokens are counted without the markers.
     assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(thought)
 
