@@ -28,7 +28,7 @@ def encoder_dir(tmp_path_factory):
     try:
         from tests.fixtures.tiny_encoders import write_tiny_encoder
     except ImportError:  # before the fixtures moved out of the package
-        from vllm_metal.testing.tiny_encoders import write_tiny_encoder
+        from tests.fixtures.tiny_encoders import write_tiny_encoder
     return write_tiny_encoder(tmp_path_factory.mktemp("encoder") / "bert", "bert-embed")
 
 
