@@ -18,7 +18,14 @@ _EXPORTS = {
     "write_transformers_checkpoint": "tiny_models",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ARCHS",
+    "DTYPES",
+    "build_tokenizer_json",
+    "quantize_tiny_model",
+    "write_tiny_model",
+    "write_transformers_checkpoint",
+]
 
 
 def __getattr__(name: str) -> Any:

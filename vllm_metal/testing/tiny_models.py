@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from vllm_metal.testing.tiny_tokenizer import (  # noqa: F401 (part of this module's interface)
     BOS_TOKEN,
     EOT_TOKEN,
@@ -290,7 +288,7 @@ def write_transformers_checkpoint(
 
     config.json is what transformers writes, updated with ``config``: keys transformers drops or
     rewrites (a top-level ``rope_theta``, which mlx-lm reads and hub checkpoints carry) stay as
-    given. The generation config and tokenizer files are :func:`write_checkpoint`'s.
+    given. The generation config and tokenizer files are :func:`write_checkpoint_files`'.
     """
     import torch
     import transformers
@@ -305,40 +303,21 @@ def write_transformers_checkpoint(
     model.to(getattr(torch, config.get("dtype", "float32"))).save_pretrained(out)
     saved = json.loads((out / "config.json").read_text())
     saved.update(config)
-    return write_checkpoint(out, saved, None, tokenizer=tokenizer, eos_token_id=eos_token_id)
+    return write_checkpoint_files(out, saved, tokenizer=tokenizer, eos_token_id=eos_token_id)
 
 
-def save_safetensors(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
-    """Floating tensors in ``dtype``; integer ones (packed quantized blocks, scales) as they are."""
-    import torch
-    from safetensors.torch import save_file
-
-    torch_dtype = getattr(torch, dtype)
-    tensors = {}
-    for name, value in weights.items():
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-        floating = np.issubdtype(value.dtype, np.floating)
-        tensors[name] = (tensor.to(torch_dtype) if floating else tensor).contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def write_checkpoint(
+def write_checkpoint_files(
     out_dir: str | Path,
     config: dict[str, Any],
-    weights: dict[str, np.ndarray] | None,
-    dtype: str | None = None,
     *,
     tokenizer: dict[str, Any] | None = None,
     eos_token_id: Any = None,
 ) -> Path:
-    """Write a checkpoint in HF layout: config.json, generation_config.json (greedy, stopping at
-    ``eos_token_id``, default the config's), model.safetensors (unless ``weights`` is None: already
-    written) and the tokenizer files (the tiny tokenizer's unless ``tokenizer`` gives others, file
-    name -> content)."""
+    """Write the files of a checkpoint beside its weights: config.json, generation_config.json
+    (greedy, stopping at ``eos_token_id``, default the config's) and the tokenizer files (the tiny
+    tokenizer's unless ``tokenizer`` gives others, file name -> content)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if weights is not None:
-        save_safetensors(weights, out / "model.safetensors", dtype or config["dtype"])
     generation_config = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"] if eos_token_id is None else eos_token_id,
