@@ -9,7 +9,7 @@ import pytest
 from vllm_metal.testing.tiny_models import write_tiny_model
 
 # The dense text families the runner parity tests cover on every backend.
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3"]
 
 
 @pytest.fixture(scope="session")

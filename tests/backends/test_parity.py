@@ -35,7 +35,7 @@ NEW_TOKENS = 32
 # (the others are in the `full` tier; Qwen3 on the torch backend: tests/backends/torch/).
 BACKEND_ENV = {"mlx": {}, "mps": {"VLLM_METAL_BACKEND": "mps"}}
 IN_CI = {
-    "mlx": ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"),
+    "mlx": ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo3"),
     "mps": ("gemma3",),
 }
 # The MLX matrix runs these families with async scheduling (step N+1 scheduled while step N

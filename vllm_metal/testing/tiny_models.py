@@ -141,6 +141,18 @@ ARCHS: dict[str, Family] = {
             "rope_scaling": None,
         }
     ),
+    # OLMo 3: sliding (window 32) and full attention layers, q/k norms over all heads, norms after
+    # each sublayer (its layer types: `_layer_types`). No top-level `rope_theta`: as transformers 5
+    # saves it, the base (5e5) is only in `rope_parameters`, keyed by layer type.
+    "olmo3": Family(
+        {
+            "architectures": ["Olmo3ForCausalLM"],
+            "model_type": "olmo3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "sliding_window": 32,
+        }
+    ),
     # Gemma2: tanh soft-capping of attention logits (50) and final logits (30). Its sliding window
     # (4096) is wider than max_position_embeddings, so it never applies (mlx-lm ignores it anyway).
     "gemma2": Family(
@@ -169,7 +181,7 @@ def _layer_types(arch: str, config: dict[str, Any], num_layers: int) -> list[str
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)
         ]
-    if arch == "gemma2":
+    if arch in ("gemma2", "olmo3"):
         return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     return None
 
@@ -396,27 +408,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = Path(args.out)
-    if args.quantize_bits is None:
-        write_tiny_model(
-            out,
-            args.arch,
-            dtype=args.dtype,
-            seed=args.seed,
-            num_layers=args.num_layers,
-            sliding_window=args.sliding_window,
-        )
-    else:
-        staging = out.with_name(out.name + ".src")
-        write_tiny_model(
-            staging,
-            args.arch,
-            dtype=args.dtype,
-            seed=args.seed,
-            num_layers=args.num_layers,
-            sliding_window=args.sliding_window,
-        )
-        quantize_tiny_model(staging, out, bits=args.quantize_bits, group_size=args.group_size)
-        shutil.rmtree(staging)
+    # A quantized checkpoint is converted from a float one written beside it.
+    written = out if args.quantize_bits is None else out.with_name(out.name + ".src")
+    write_tiny_model(
+        written,
+        args.arch,
+        dtype=args.dtype,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        sliding_window=args.sliding_window,
+    )
+    if args.quantize_bits is not None:
+        quantize_tiny_model(written, out, bits=args.quantize_bits, group_size=args.group_size)
+        shutil.rmtree(written)
     print(out.resolve())
     return 0
 
