@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 __all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model", "load_speech_model"]
 
 
+def loads_towers(model: str, model_type: str | None) -> bool:
+    """Whether `model` loads through mlx-vlm with its towers: a vision-language family's
+    checkpoint (a GGUF file holds the language model only)."""
+    from vllm_metal.models.families import model_types
+    from vllm_metal.models.loaders import is_gguf
+
+    return model_type in model_types("vision_language") and not is_gguf(model)
+
+
 def load_model(
     model: str,
     *,
@@ -46,11 +55,9 @@ def load_model(
     config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
     None reads it from the file. Vision-language models (the families of that kind) load
     through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`."""
-    from vllm_metal.models.families import model_types
     from vllm_metal.models.loaders import is_gguf, safetensors
 
-    model_type = (hf_config or {}).get("model_type")
-    if model_type in model_types("vision_language") and not is_gguf(model):
+    if loads_towers(model, (hf_config or {}).get("model_type")):
         from vllm_metal.models.loaders import mlx_vlm
 
         mlx_model, config = mlx_vlm.load(

@@ -22,8 +22,7 @@ __all__ = ["FEATURE_FLAGS", "NO_INPUTS", "ModelState", "StepInputs", "select"]
 def select(vllm_config: VllmConfig) -> type[ModelState]:
     """The kind of the model `vllm_config` serves: encoder-decoder (Whisper), encoder-only (BERT,
     XLM-RoBERTa), a vision-language decoder whose towers run, or a decoder."""
-    from vllm_metal.models.families import model_types
-    from vllm_metal.models.loaders import is_gguf
+    from vllm_metal.models import loads_towers
 
     model_config = vllm_config.model_config
     if model_config.is_encoder_decoder:
@@ -36,10 +35,8 @@ def select(vllm_config: VllmConfig) -> type[ModelState]:
         from vllm_metal.backends.mlx.runner.model_states.encoder_only import EncoderOnlyState
 
         return EncoderOnlyState
-    # The same rule as `models.load_model`: such checkpoints load through mlx-vlm with their
-    # towers (a GGUF file holds the language model only).
-    model_type = getattr(model_config.hf_config, "model_type", None)
-    if model_type in model_types("vision_language") and not is_gguf(model_config.model):
+    # The rule `models.load_model` loads by.
+    if loads_towers(model_config.model, getattr(model_config.hf_config, "model_type", None)):
         from vllm_metal.backends.mlx.runner.model_states.multimodal import MultimodalState
 
         return MultimodalState
