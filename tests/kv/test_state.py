@@ -1,7 +1,8 @@
 """State pages of hybrid models: a state layer's pages live in the K/V pools of the region it
-shares with attention layers, bytes as they are; the platform sizes KV blocks so a block holds a
-page, pads vLLM's state page to the attention page, and turns prefix caching off; what the
-hybrid path does not run is refused by name."""
+shares with attention layers, bytes as they are; a step reads the page where the previous step
+left the state and writes the page of its last token (vLLM's "align" mode with prefix caching,
+one page per request without); the platform sizes KV blocks so a block holds a page and pads
+vLLM's state page to the attention page; what the hybrid path does not run is refused by name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from vllm_metal.kv.pool import KVLayout, KVPool
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateBlocks, StateLayerCache
 from vllm_metal.models.layers import StateShapes
 
 SHAPES = StateShapes(conv=(3, 40), recurrent=(2, 8, 16))  # 1024 bytes + 120 conv elements
@@ -30,9 +31,13 @@ def _bytes(a: mx.array) -> np.ndarray:
     return np.array(mx.view(a, mx.uint8))
 
 
-def _cache(pool, blocks, fresh, shapes=SHAPES) -> StateLayerCache:
+def _cache(pool, blocks, fresh, shapes=SHAPES, write=None) -> StateLayerCache:
     cu = mx.array(np.arange(len(blocks) + 1, dtype=np.int32))
-    return StateLayerCache(pool, 0, shapes, np.array(blocks), np.array(fresh), cu)
+    pages = StateBlocks(
+        read=np.array(blocks), write=np.array(blocks if write is None else write),
+        fresh=np.array(fresh),
+    )
+    return StateLayerCache(pool, 0, shapes, pages, cu)
 
 
 @pytest.mark.parametrize("shapes", [SHAPES, SPANNING], ids=["k_rows", "k_and_v_rows"])
@@ -66,6 +71,38 @@ def test_fresh_requests_read_zeros_whatever_their_block_holds():
     assert (np.array(recurrent[1]) == 1).all() and (np.array(conv[1].astype(mx.float32)) == 1).all()
 
 
+def test_a_step_reads_one_page_and_writes_another_leaving_the_first_as_it_was():
+    """Align mode: the boundary state in block 1 stays for prefix hits while the request goes
+    on in block 3."""
+    pool = _pool()
+    boundary_r = mx.full((1, *SHAPES.recurrent), 2.0, dtype=mx.float32)
+    boundary_c = mx.full((1, *SHAPES.conv), 3.0, dtype=mx.float16)
+    _cache(pool, [1], [False]).write(boundary_c, boundary_r)
+    cache = _cache(pool, [1], [False], write=[3])
+    conv, recurrent = cache.read()
+    cache.write(conv + 1, recurrent * 2)
+    kept_c, kept_r = _cache(pool, [1], [False]).read()
+    moved_c, moved_r = _cache(pool, [3], [False]).read()
+    assert (np.array(kept_r) == 2).all() and (np.array(kept_c.astype(mx.float32)) == 3).all()
+    assert (np.array(moved_r) == 4).all() and (np.array(moved_c.astype(mx.float32)) == 4).all()
+
+
+def test_state_pages_of_a_step_follow_the_block_of_the_last_token():
+    # Block size 4. Rows: a fresh prompt chunk of 8 tokens; a chunk from a prefix hit of 8 to
+    # 11; a decode step that crosses into block 2 (computed 8 -> 9); a decode inside block 1
+    # (6 -> 7).
+    table = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42]])
+    computed = np.array([0, 8, 8, 6])
+    seq_lens = np.array([8, 11, 9, 7])
+    pages = StateBlocks.of_step(table, 4, computed, seq_lens)
+    assert pages.read.tolist()[1:] == [21, 31, 41]
+    assert pages.write.tolist() == [11, 22, 32, 41]
+    assert pages.fresh.tolist() == [True, False, False, False]
+    # One block per request (block size max_model_len): read and write the same page.
+    single = StateBlocks.of_step(table[:, :1], 256, computed, seq_lens)
+    assert single.read.tolist() == single.write.tolist() == [10, 20, 30, 40]
+
+
 # ----------------------------------------------------------------- startup (vLLM's config)
 
 
@@ -83,7 +120,9 @@ def _engine_config(model: Path, **kwargs):
     # attention token is 2 x 1 KV head x 64 x 4 bytes = 512: 70 -> 80 and 38 -> 48 tokens (16s).
     [("qwen3_next", 80), ("granitemoehybrid", 48)],
 )
-def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, block_size):
+def test_blocks_hold_a_state_page_and_prefix_caching_saves_states_per_block(
+    request, family, block_size
+):
     from vllm_metal.config.kinds import kind_of
 
     model = request.getfixturevalue(f"tiny_{family}_dir")
@@ -92,8 +131,17 @@ def test_blocks_hold_a_state_page_and_prefix_caching_is_off(request, family, blo
     assert kind_of(config).name == "state_hybrid"
     assert cache.block_size == block_size
     assert cache.mamba_page_size_padded == block_size * 512
-    assert not cache.enable_prefix_caching
-    assert cache.mamba_cache_mode == "none" and cache.mamba_block_size == 256
+    assert cache.enable_prefix_caching
+    assert cache.mamba_cache_mode == "align" and cache.mamba_block_size == block_size
+
+    off = _engine_config(model, enable_prefix_caching=False).cache_config
+    assert off.block_size == block_size
+    assert off.mamba_cache_mode == "none" and off.mamba_block_size == 256
+
+
+def test_a_prefix_match_unit_inside_a_block_is_refused_by_name(tiny_qwen3_next_dir):
+    with pytest.raises(ValueError, match="--prefix-match-unit 16"):
+        _engine_config(tiny_qwen3_next_dir, enable_prefix_caching=True, prefix_match_unit=16)
 
 
 @pytest.mark.parametrize(

@@ -1,26 +1,36 @@
 """Recurrent-state memory of hybrid models (Gated DeltaNet or Mamba-2 layers between attention
 layers).
 
-vLLM manages a state layer like an attention layer with a `MambaSpec`: its group's block table
-gives each running request one state block, allocated when the request is scheduled and freed
-when it finishes or is preempted (vLLM's "none" mamba cache mode: prefix caching is off for
-hybrids, so a preempted request recomputes its prompt). vLLM lays the state groups over the same
-memory as the attention groups, one page per block id, which is sound because a block id belongs
-to one group at a time. So a state layer keeps its pages in the K/V pools of the region it
-shares: block `b`'s page is the bytes of `keys[region][b]` followed by those of
+vLLM manages a state layer like an attention layer with a `MambaSpec`, and lays the state groups
+over the same memory as the attention groups, one page per block id, which is sound because a
+block id belongs to one group at a time. So a state layer keeps its pages in the K/V pools of the
+region it shares: block `b`'s page is the bytes of `keys[region][b]` followed by those of
 `values[region][b]`, holding the float32 recurrent state (`StateShapes.recurrent`) and then the
-convolution window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows and written
-with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copies bytes as they
-are, in place.
+convolution window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows
+and written with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copies
+bytes as they are, in place.
+
+Which page a step reads and which it writes follow vLLM's two mamba cache modes, through one
+rule: a request's state after `n` tokens lives in column `ceil(n / B) - 1` of its state group's
+block table, `B` being that group's block size.
+- "none" (prefix caching off): `B` is `max_model_len`, so each request has one state block, read
+  and written in place every step; a preempted request recomputes its prompt.
+- "align" (prefix caching on): `B` is the attention block size. vLLM's scheduler ends prompt
+  chunks on block boundaries, so the state after a block's last token is left in that block's
+  page, which vLLM then caches with the block's hash. A step reads the state where the previous
+  step left it (column `ceil(computed / B) - 1`) and writes it to the column of its last token,
+  so a page that holds a boundary state is never written again; a prefix hit of `n` tokens
+  starts from the page of the hit's last block. Hits are exact: the state is the one the
+  uncached request had at that token.
 
 For that to fit, an attention page (`block_size` tokens of K and V) must hold a state page:
 `align_block_size` (the MLX backend's `configure_hybrid`) raises the block size before vLLM builds
 its scheduler, and tells vLLM to pad the state page to the attention page so both kinds of group
 share one block pool. The state dtypes it assumes are checked first (`config.startup`).
 """
-
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -44,22 +54,14 @@ _WORD = mx.uint32
 
 
 def align_block_size(vllm_config: VllmConfig) -> None:
-    """Make room for a hybrid model's state pages in the KV blocks (see the module docstring)."""
+    """Make room for a hybrid model's state pages in the KV blocks and pick vLLM's mamba cache
+    mode (see the module docstring)."""
     from vllm.utils.torch_utils import get_dtype_size
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     hf = model.hf_text_config.to_dict()
     shapes = state_shapes_of(hf.get("model_type", ""), hf)
-    if cache.enable_prefix_caching:
-        logger.info(
-            "vllm-metal: prefix caching is off for the hybrid model %r: its state layers keep "
-            "one state per request, not per cached block (--no-enable-prefix-caching)",
-            model.model,
-        )
-        cache.enable_prefix_caching = False
-    cache.mamba_cache_mode = "none"
-    cache.mamba_block_size = model.max_model_len
     itemsize = get_dtype_size(model.dtype)
     token_bytes = (
         2 * model.get_num_kv_heads(vllm_config.parallel_config) * (model.get_head_size() * itemsize)
@@ -78,6 +80,25 @@ def align_block_size(vllm_config: VllmConfig) -> None:
         )
         cache.block_size = needed
     cache.mamba_page_size_padded = cache.block_size * token_bytes
+    if cache.enable_prefix_caching:
+        _check_prefix_match_unit(cache)
+        cache.mamba_cache_mode = "align"
+        cache.mamba_block_size = cache.block_size
+    else:
+        cache.mamba_cache_mode = "none"
+        cache.mamba_block_size = model.max_model_len
+
+
+def _check_prefix_match_unit(cache: CacheConfig) -> None:
+    """States are saved at block boundaries only, so hits land there: a finer prefix-match unit
+    would need states inside a block."""
+    unit = cache.prefix_match_unit
+    if unit is not None and unit != cache.block_size:
+        raise ValueError(
+            f"vllm-metal: --prefix-match-unit {unit} is not served with a hybrid model: its state "
+            f"layers save their state at block boundaries ({cache.block_size} tokens here); "
+            f"leave it unset or set it to {cache.block_size}"
+        )
 
 
 _MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2"}
@@ -100,6 +121,27 @@ def mamba_spec(shapes: StateShapes, dtype: Any, cache: CacheConfig):
     )
 
 
+@dataclass(frozen=True)
+class StateBlocks:
+    """The state pages of a step's requests, in one state group (module docstring)."""
+
+    read: np.ndarray  # [S] block ids holding the state the step starts from
+    write: np.ndarray  # [S] block ids that receive the state after the step's last token
+    fresh: np.ndarray  # [S] bools: the request starts from a zero state (nothing computed)
+
+    @classmethod
+    def of_step(
+        cls, table: np.ndarray, block_size: int, computed: np.ndarray, seq_lens: np.ndarray
+    ) -> StateBlocks:
+        """From the group's block table `[S, n]`, its block size, and each request's tokens
+        computed before the step and after it."""
+        rows = np.arange(len(seq_lens))
+        fresh = computed == 0
+        start = np.maximum(computed - 1, 0) // block_size
+        end = (seq_lens - 1) // block_size
+        return cls(table[rows, start], table[rows, end], fresh)
+
+
 class StateLayerCache:
     """What one state layer sees during a step: its requests' state pages in the pool."""
 
@@ -108,15 +150,13 @@ class StateLayerCache:
         pool: KVPool,
         region: int,
         shapes: StateShapes,
-        blocks: np.ndarray,
-        fresh: np.ndarray,
+        blocks: StateBlocks,
         cu_seqlens: mx.array,
     ):
         self.pool = pool
         self.region = region
         self.shapes = shapes
-        self.blocks = blocks  # [S] host ints: each request's state block
-        self.fresh = fresh  # [S] host bools: the request starts from a zero state
+        self.blocks = blocks
         self.cu_seqlens = cu_seqlens  # [S+1] int32
 
     # A page is handled in 4-byte words (never converted, so any bit pattern survives), and
@@ -135,8 +175,8 @@ class StateLayerCache:
     def read(self) -> tuple[mx.array, mx.array]:
         """Each request's convolution window `[S, K-1, C]` (cache dtype) and recurrent state
         (float32); zeros for fresh requests."""
-        num = len(self.blocks)
-        idx = mx.array(self.blocks.astype(np.int32))
+        num = len(self.blocks.read)
+        idx = mx.array(self.blocks.read.astype(np.int32))
         _, k_rows, v_rows, conv_words = self._layout()
 
         def words(pool: mx.array, rows: int) -> mx.array:
@@ -149,8 +189,8 @@ class StateLayerCache:
         recurrent = mx.view(page[:, :split], RECURRENT_DTYPE).reshape(num, *self.shapes.recurrent)
         conv = mx.view(page[:, split : split + conv_words], self.pool.dtype)
         conv = conv[:, : int(np.prod(self.shapes.conv))].reshape(num, *self.shapes.conv)
-        if self.fresh.any():
-            keep = mx.array(~self.fresh)
+        if self.blocks.fresh.any():
+            keep = mx.array(~self.blocks.fresh)
             recurrent = mx.where(keep[:, None, None, None], recurrent, 0)
             conv = mx.where(keep[:, None, None], conv, 0)
         return conv, recurrent
@@ -158,7 +198,7 @@ class StateLayerCache:
     def write(self, conv: mx.array, recurrent: mx.array) -> None:
         """Store each request's new window and state in its page (in place)."""
         keys, values = self.pool.keys[self.region], self.pool.values[self.region]
-        num = len(self.blocks)
+        num = len(self.blocks.write)
         _, block_size, heads, head_dim = keys.shape
         row_words, k_rows, _, conv_words = self._layout()
         conv = conv.astype(self.pool.dtype).reshape(num, -1)
@@ -178,7 +218,7 @@ class StateLayerCache:
             return mx.view(part, self.pool.dtype).reshape(num * k_rows, heads, head_dim)
 
         half = k_rows * row_words
-        slots = self.blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
+        slots = self.blocks.write.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
         kc, vc = ops.reshape_and_cache(
             rows(page[:, :half]), rows(page[:, half:]), keys, values, mx.array(slots.reshape(-1))
         )

@@ -16,7 +16,7 @@ from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS, Ste
 from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateBlocks, StateLayerCache
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -39,16 +39,19 @@ def layer_caches(
         key_ends=key_ends,
     )
     layout = pool.layout
-    # A request with no computed tokens starts its state layers from zeros (so does one that
-    # resumes after a preemption: it recomputes from its first token).
-    fresh = packed.seq_lens == packed.num_scheduled
+    block_sizes = layout.block_sizes()
+    computed = packed.seq_lens - packed.num_scheduled
+    state_blocks: dict[int, StateBlocks] = {}  # per state group
     caches: list[PagedLayerCache | LatentLayerCache | StateLayerCache] = []
     for i, kind in enumerate(kinds):
         region, group = layout.region_of_layer[i], layout.group_of_layer[i]
         if kind.is_state:
-            blocks = packed.block_tables[group][:, 0]  # one state block per request
+            if group not in state_blocks:
+                state_blocks[group] = StateBlocks.of_step(
+                    packed.block_tables[group], block_sizes[group], computed, packed.seq_lens
+                )
             caches.append(
-                StateLayerCache(pool, region, kind.state, blocks, fresh, meta.cu_seqlens_q)
+                StateLayerCache(pool, region, kind.state, state_blocks[group], meta.cu_seqlens_q)
             )
         elif kind.latent:
             caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
