@@ -155,6 +155,15 @@ def tiny_lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random GLM-4.7-Flash (MLA) checkpoint (`tests.fixtures.tiny_glm4_moe_lite`), once
+    per session."""
+    from tests.fixtures.tiny_glm4_moe_lite import write_tiny_glm4_moe_lite
+
+    return write_tiny_glm4_moe_lite(tmp_path_factory.mktemp("tiny-glm4-moe-lite") / "glm4_moe_lite")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random DeepSeek-V3 (MLA) checkpoint (`tests.fixtures.tiny_deepseek_v3`), once
     per session."""

@@ -51,6 +51,7 @@ def moe_dir(tmp_path_factory) -> Path:
         ("tiny_idefics3_dir", {}, "vision_language"),
         ("tiny_qwen3_next_dir", {}, "state_hybrid"),
         ("tiny_deepseek_v3_dir", {}, "latent_attention"),
+        ("tiny_glm4_moe_lite_dir", {}, "latent_attention"),
         ("tiny_lfm2_dir", {}, "short_conv_hybrid"),
     ],
 )

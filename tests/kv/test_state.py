@@ -34,7 +34,8 @@ def _bytes(a: mx.array) -> np.ndarray:
 def _cache(pool, blocks, fresh, shapes=SHAPES, write=None) -> StateLayerCache:
     cu = mx.array(np.arange(len(blocks) + 1, dtype=np.int32))
     pages = StateBlocks(
-        read=np.array(blocks), write=np.array(blocks if write is None else write),
+        read=np.array(blocks),
+        write=np.array(blocks if write is None else write),
         fresh=np.array(fresh),
     )
     return StateLayerCache(pool, 0, shapes, pages, cu)

@@ -1,10 +1,11 @@
 """Proves transformers 5 configs reach mlx-lm with the keys it reads: a RoPE base nested in
 `rope_parameters` (flat, or keyed by layer type when every type shares it, as OLMo 3 writes it) becomes
 `rope_theta`; per-layer-type bases that differ (Gemma 3) and configs that already carry the key are left
-alone."""
+alone. GLM-4.7-Flash's per-layer `mlp_layer_types` becomes the dense-layer count mlx-lm reads."""
 
 from __future__ import annotations
 
+import pytest
 from mlx_lm.utils import _get_classes
 from transformers import AutoConfig
 
@@ -57,3 +58,19 @@ def test_a_config_that_has_rope_theta_is_left_alone() -> None:
     config = _saved("olmo3", sliding_window=8)
     config["rope_theta"] = 99.0
     assert _overrides(config) == {}
+
+
+def test_glm4_moe_lite_dense_layers_become_first_k_dense_replace() -> None:
+    config = _saved(
+        "glm4_moe_lite", mlp_layer_types=["dense", "dense", "sparse", "sparse"], q_lora_rank=32
+    )
+    assert "first_k_dense_replace" not in config
+    assert _overrides(config)["first_k_dense_replace"] == 2
+
+
+def test_a_layer_pattern_mlx_lm_cannot_build_is_refused_by_name() -> None:
+    config = _saved(
+        "glm4_moe_lite", mlp_layer_types=["dense", "sparse", "dense", "sparse"], q_lora_rank=32
+    )
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        _overrides(config)

@@ -192,6 +192,7 @@ PATCHES: tuple[Patch, ...] = (
         for target, first in (
             ("gemma2.Attention", "x"),
             ("deepseek_v3.DeepseekV3Attention", "x"),
+            ("glm4_moe_lite.Glm4MoeLiteAttention", "x"),
             ("qwen3_next.Qwen3NextGatedDeltaNet", "inputs"),
             ("granitemoehybrid.GraniteMoeHybridMamba2Mixer", "hidden_states"),
         )

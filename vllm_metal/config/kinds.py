@@ -113,8 +113,8 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind(
         "latent_attention_other",
         "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V2, "
-        "DeepSeek-V3.2's sparse attention, Kimi, GLM-4.7-Flash, MiniCPM3, ...)",
-        "serve a DeepSeek-V3-architecture model or one with standard attention",
+        "DeepSeek-V3.2's sparse attention, Kimi, MiniCPM3, ...)",
+        "serve one of those models or one with standard attention",
         _flag("use_mla"),
     ),
     ModelKind(

@@ -28,6 +28,7 @@ For that to fit, an attention page (`block_size` tokens of K and V) must hold a 
 its scheduler, and tells vLLM to pad the state page to the attention page so both kinds of group
 share one block pool. The state dtypes it assumes are checked first (`config.startup`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,7 +3,9 @@
 transformers 5 saves a checkpoint's RoPE base only inside `rope_parameters` (no top-level
 `rope_theta`; keyed by layer type for families with sliding layers, e.g. OLMo 3), and its Qwen3-MoE config names the expert count `num_local_experts` (with
 `num_experts` an attribute alias that `save_pretrained` does not write). mlx-lm 0.32.2's `ModelArgs`
-read the top-level `rope_theta` and, for Qwen3-MoE and Qwen2-MoE, `num_experts`: where the field is
+read the top-level `rope_theta`, for Qwen3-MoE and Qwen2-MoE `num_experts`, and for GLM-4.7-Flash
+the count of dense layers before the MoE ones, `first_k_dense_replace` (transformers 5 writes the
+per-layer `mlp_layer_types` instead): where the field is
 required the load fails ("missing 2 required positional arguments"), where it has a default
 (Mixtral's and Qwen2-MoE's `rope_theta` = 1e6) the model silently runs with the wrong RoPE base.
 Checkpoints published on the hub carry mlx-lm's names; a checkpoint saved (fine-tuned, converted)
@@ -35,7 +37,22 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     for field, source in _RENAMED.items():
         if field in takes and field not in config and source in config:
             out[field] = config[source]
+    mlp_types = config.get("mlp_layer_types")
+    if "first_k_dense_replace" in takes and "first_k_dense_replace" not in config and mlp_types:
+        out["first_k_dense_replace"] = _dense_prefix(mlp_types)
     return out
+
+
+def _dense_prefix(mlp_types: list[str]) -> int:
+    """How many dense layers come before the MoE ones, for a model whose layers are dense then
+    sparse (the only pattern `first_k_dense_replace` expresses)."""
+    dense = next((i for i, t in enumerate(mlp_types) if t != "dense"), len(mlp_types))
+    if any(t != "sparse" for t in mlp_types[dense:]):
+        raise ValueError(
+            f"vllm-metal: mlp_layer_types {mlp_types} is not a run of 'dense' layers followed by "
+            "'sparse' ones, the only layout mlx-lm builds (first_k_dense_replace)"
+        )
+    return dense
 
 
 def _rope_base(rope: Any) -> float | None:

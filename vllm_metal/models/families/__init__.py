@@ -16,6 +16,7 @@ from vllm_metal.models.adapter import ModelAdapter
 MODULES = (
     "bert",
     "deepseek_v3",
+    "glm4_moe_lite",
     "gemma2",
     "gemma3",
     "gpt_oss",

@@ -31,13 +31,13 @@ class Adapter(ModelAdapter):
         return [LATENT] * self.num_layers
 
     def install_paged_attention(self) -> None:
-        patch_attention_class(DeepseekV3Attention, _paged_latent_attention, LatentLayerCache)
+        patch_attention_class(DeepseekV3Attention, paged_latent_attention, LatentLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
         return self.decode_layers(input_embeds, caches)  # DeepseekV3Model.__call__
 
 
-def _paged_latent_attention(
+def paged_latent_attention(
     attn: DeepseekV3Attention, x: mx.array, cache: LatentLayerCache
 ) -> mx.array:
     """The layer over packed rows (`[T, 1, hidden]`, each row one token of some request)."""

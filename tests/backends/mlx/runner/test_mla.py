@@ -1,5 +1,6 @@
-"""A multi-head latent attention (MLA) model served by the MLX runner: DeepSeek-V3, whose layers
-cache one latent row per token (`kv.latent`) and attend in the absorbed form. Greedy tokens and
+"""Multi-head latent attention (MLA) models served by the MLX runner: GLM-4.7-Flash (in CI) and
+DeepSeek-V3 (`full`; the same runner path at other sizes), whose layers cache one latent row per
+token (`kv.latent`) and attend in the absorbed form. Greedy tokens and
 logprobs equal transformers float32 (which expands the latent into per-head keys and values) for a
 mixed batch prefilled in chunks smaller than its prompts, from a KV pool so small that vLLM
 preempts requests; then two prompts sharing a prefix, one job after the other: the second is
@@ -20,12 +21,20 @@ from tests.backends.mlx.runner.jobs import (
 
 NEW_TOKENS = 24
 BLOCK_SIZE = 16
-# A latent row is 64 + 16 float32 values; 3 layers: 960 bytes a token.
+# A latent row is 64 + 16 float32 values in both tiny checkpoints; 3 layers: 960 bytes a token.
 TOKEN_BYTES = 3 * (64 + 16) * 4
 
 
+@pytest.fixture(
+    scope="module",
+    params=["glm4_moe_lite", pytest.param("deepseek_v3", marks=pytest.mark.full)],
+)
+def mla_model(request):
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
 @pytest.fixture(scope="module")
-def mla_run(tiny_deepseek_v3_dir):
+def mla_run(mla_model):
     prompts = random_prompts(21, [30, 26, 35, 1, 5])
     # 32 tokens (two whole blocks) and two tails.
     prefix = random_prompts(23, [32])[0]
@@ -43,28 +52,24 @@ def mla_run(tiny_deepseek_v3_dir):
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         *({"prompts": [prompt], "params": [greedy(NEW_TOKENS)]} for prompt in shared),
     ]
-    results, metrics = run_engine_job(
-        tiny_deepseek_v3_dir, jobs, engine=engine, with_metrics="per_job"
-    )
+    results, metrics = run_engine_job(mla_model, jobs, engine=engine, with_metrics="per_job")
     return prompts, shared, results, metrics
 
 
 @pytest.mark.slow
-def test_mla_greedy_matches_transformers_through_chunks_and_preemption(
-    tiny_deepseek_v3_dir, mla_run
-):
+def test_mla_greedy_matches_transformers_through_chunks_and_preemption(mla_model, mla_run):
     from tests.fixtures.oracles import hf_greedy
 
     prompts, _, (batch, *_), metrics = mla_run
     assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
-    assert tokens(batch) == hf_greedy(tiny_deepseek_v3_dir, prompts, NEW_TOKENS)
-    assert_logprobs_match_hf(tiny_deepseek_v3_dir, prompts, batch)
+    assert tokens(batch) == hf_greedy(mla_model, prompts, NEW_TOKENS)
+    assert_logprobs_match_hf(mla_model, prompts, batch)
 
 
 @pytest.mark.slow
-def test_mla_prefix_cache_hits_match_transformers(tiny_deepseek_v3_dir, mla_run):
+def test_mla_prefix_cache_hits_match_transformers(mla_model, mla_run):
     from tests.fixtures.oracles import hf_greedy
 
     _, shared, (_, first, second), _ = mla_run
     assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
-    assert tokens(first + second) == hf_greedy(tiny_deepseek_v3_dir, shared, NEW_TOKENS)
+    assert tokens(first + second) == hf_greedy(mla_model, shared, NEW_TOKENS)
