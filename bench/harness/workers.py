@@ -5,7 +5,7 @@ the parent's handle on it (`Worker`).
 
 Commands arrive as JSON lines on stdin and each gets one JSON reply line on the reply pipe:
 `{"op": "generate", "start", "n", "max_tokens"}` (greedy, EOS ignored; TPOT and TTFT from vLLM's
-per-request metrics), `{"op": "embed", "start", "n", "save"}` and `{"op": "quit"}`. A suite whose
+per-request metrics, and each request's prefix-cache hit, `num_cached_tokens`), `{"op": "embed", "start", "n", "save"}` and `{"op": "quit"}`. A suite whose
 worker does something else runs its own module with the same arguments (`add_worker_arguments`)
 and protocol. Nothing here imports the plugin or MLX at module level: the parent must not run MLX
 before it starts engines.
@@ -72,6 +72,7 @@ def _generate(llm: Any, batch: list[list[int]], max_tokens: int) -> dict[str, An
         "tpot_ms": tpot,
         "ttft_ms": ttft,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "num_cached_tokens": [o.num_cached_tokens for o in outs],  # prefix-cache hits
     }
 
 

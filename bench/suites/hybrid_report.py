@@ -68,7 +68,7 @@ def _latent_model_line(d: dict[str, Any]) -> str:
     )
 
 
-def _model_line(d: dict[str, Any]) -> str:
+def model_line(d: dict[str, Any]) -> str:
     m = d["mixer_shape"]
     if d["mixer"] == "MLA":
         return _latent_model_line(d)
@@ -123,7 +123,7 @@ def _idle_memory_lines(rows: list[dict[str, Any]] | None) -> list[str]:
 def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int) -> list[str]:
     cases, backends = r["cases"], list(r["workers"])
     name = FAMILY_NAMES[family]
-    lines = [f"## {name}", "", f"Model: {_model_line(r['model'])}, random weights.", ""]
+    lines = [f"## {name}", "", f"Model: {model_line(r['model'])}, random weights.", ""]
     if "cpu" in backends:
         lines += [
             "Plugin / vLLM CPU, side by side in the same run:",

@@ -1,7 +1,7 @@
-"""Proves the engine-case suites (LoRA, speculative decoding, pooling, KV offload) and the served
-suites (speech, vision) run end to end (`python -m bench.run SUITE --quick`) and write their
-results: one `slow` test per suite on its own engine or server, and a `full` test per suite with
-peers (`--quick --peers`) for what only the comparison shows.
+"""Proves the engine-case suites (LoRA, speculative decoding, pooling, KV offload, hybrid prefix
+caching) and the served suites (speech, vision) run end to end (`python -m bench.run SUITE
+--quick`) and write their results: one `slow` test per suite on its own engine or server, and a
+`full` test per suite with peers (`--quick --peers`) for what only the comparison shows.
 """
 
 from __future__ import annotations
@@ -185,6 +185,48 @@ def test_kv_offload_with_peers(run_suite) -> None:
     _kv_offload_cases(data, set(CASES))
     assert data["cases"]["recomputed"]["vs_recomputed"] == 1
     run.report()
+
+
+def _hybrid_prefix_requests(data: dict) -> dict:
+    """The Qwen3-Next requests, after checking the hits with caching on: none for a cold P, P's
+    last block boundary before its last token for a re-sent or extended one."""
+    assert data["problems"] == []
+    family = data["families"]["qwen3_next"]
+    block = family["workers"]["on"]["block_size"]
+    hit = (data["settings"]["input_len"] - 1) // block * block
+    requests = family["requests"]
+    assert 0 < hit < data["settings"]["input_len"]
+    for request, want in (("cold", 0), ("resent", hit), ("extended", hit)):
+        on = requests[request]["on"]
+        assert on["num_cached_tokens"] == [want] * data["settings"]["repeats"], request
+        assert on["median_ttft_s"] > 0, request
+    return requests
+
+
+@pytest.mark.slow
+def test_hybrid_prefix_quick(run_suite) -> None:
+    run = run_suite("hybrid_prefix")
+    data = run.results()
+    requests = _hybrid_prefix_requests(data)
+    assert all("off" not in by for by in requests.values())
+    assert all(s["on_vs_off"] is None for s in data["summary"]["qwen3_next"].values())
+    text = run.report("hybrid_prefix", ("## Qwen3-Next",))
+    assert "Measured on" in text and "Quick run" in text and NOT_MEASURED in text
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_hybrid_prefix_with_peers(run_suite) -> None:
+    run = run_suite("hybrid_prefix", peers=True)
+    data = run.results()
+    requests = _hybrid_prefix_requests(data)
+    for request, by in requests.items():
+        assert by["off"]["num_cached_tokens"] == [0] * data["settings"]["repeats"], request
+        summary = data["summary"]["qwen3_next"][request]
+        assert summary["on_vs_off"] > 0
+        # Caching changes no token.
+        assert summary["tokens_identical"] == data["settings"]["repeats"], request
+    run.report("hybrid_prefix", ("## Qwen3-Next",))
 
 
 # --------------------------------------------------------------------------- served suites
