@@ -35,7 +35,9 @@ first-token check).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import re
 import statistics
 import sys
@@ -198,14 +200,18 @@ def check(
     return problems
 
 
-def summarize(families: dict[str, dict]) -> dict[str, Any]:
-    """Per family and request: the median TTFTs, cached / uncached, the hits, tokens agreeing."""
+def summarize(families: dict[str, dict], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per family and request: the median TTFTs, cached / uncached, the hits and the prompt
+    tokens computed after them, tokens agreeing."""
     out: dict[str, Any] = {}
     for family, r in families.items():
         s: dict[str, Any] = {}
         for request, by in r["requests"].items():
             on, off = by["on"], by.get("off")
+            n = settings["input_len"] + (settings["extend_len"] if request == "extended" else 0)
             s[request] = {
+                "prompt_tokens": n,
+                "computed_tokens": n - min(on["num_cached_tokens"]),
                 "on_median_ttft_s": on["median_ttft_s"],
                 "off_median_ttft_s": off["median_ttft_s"] if off else None,
                 "on_vs_off": on["median_ttft_s"] / off["median_ttft_s"] if off else None,
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.harness.stages import describe_machine_apart
 
     started = time.perf_counter()
+    started_utc = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     logs = Path(args.work_dir) / ("hybrid-prefix-quick" if args.quick else "hybrid-prefix")
     logs.mkdir(parents=True, exist_ok=True)
     print("[hybrid_prefix] machine", flush=True)
@@ -260,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "cachings": list(CACHING if runs_peers(args) else ("on",)),
             "command": command_line("hybrid_prefix", argv),
+            "started_utc": started_utc,
             "total_seconds": round(time.perf_counter() - started, 1),
+            # Other work on the machine shows here more than in the load at start.
+            "load_average_at_end": list(os.getloadavg()),
         },
         "machine": machine,
         "families": results,
-        "summary": summarize(results),
         "problems": [f"{f}: {x}" for f, r in results.items() for x in r["problems"]],
     }
+    report["summary"] = summarize(results, report["settings"])
     from bench.suites.hybrid_prefix_report import write_report
 
     write_report(report, Path(args.out))
