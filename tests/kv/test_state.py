@@ -33,10 +33,14 @@ def _bytes(a: mx.array) -> np.ndarray:
 
 def _cache(pool, blocks, fresh, shapes=SHAPES, write=None) -> StateLayerCache:
     cu = mx.array(np.arange(len(blocks) + 1, dtype=np.int32))
+    read = np.array(blocks)
     pages = StateBlocks(
-        read=np.array(blocks),
+        read=read,
         write=np.array(blocks if write is None else write),
         fresh=np.array(fresh),
+        table=read[:, None],
+        computed=np.zeros(len(blocks), dtype=np.int64),
+        block_size=16,
     )
     return StateLayerCache(pool, 0, shapes, pages, cu)
 
@@ -149,16 +153,12 @@ def test_a_prefix_match_unit_inside_a_block_is_refused_by_name(tiny_qwen3_next_d
     ("kwargs", "names"),
     [
         ({"enable_lora": True}, ["--enable-lora", "qwen3_next"]),
-        (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            ["--speculative-config", "qwen3_next"],
-        ),
         ({"kv_offloading_size": 1.0}, ["kv_offloading_size=1.0", "qwen3_next"]),
         ({"runner": "pooling"}, ["runner='pooling'", "qwen3_next"]),
         ({"mamba_ssm_cache_dtype": "float16"}, ["--mamba-ssm-cache-dtype float16"]),
         ({"mamba_cache_dtype": "float16"}, ["--mamba-cache-dtype float16"]),
     ],
-    ids=["lora", "speculative", "kv_offload", "pooling", "ssm_dtype", "conv_dtype"],
+    ids=["lora", "kv_offload", "pooling", "ssm_dtype", "conv_dtype"],
 )
 def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwargs, names):
     with pytest.raises(ValueError) as info:
@@ -167,6 +167,16 @@ def test_what_the_hybrid_path_lacks_is_refused_by_name(tiny_qwen3_next_dir, kwar
     assert "vllm-metal" in message
     for name in names:
         assert name in message
+
+
+def test_drafting_other_than_ngram_on_a_hybrid_is_refused_naming_ngram(tiny_qwen3_next_dir):
+    """The hybrid as its own draft model (vLLM reads that as its MTP method)."""
+    spec = {"method": "draft_model", "model": str(tiny_qwen3_next_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_qwen3_next_dir, speculative_config=spec)
+    message = str(info.value)
+    assert "--speculative-config method=" in message and "use method 'ngram'" in message
+    assert "qwen3_next" in message
 
 
 def test_other_hybrids_are_refused_naming_the_architecture():

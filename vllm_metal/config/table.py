@@ -32,7 +32,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,
         "latent_attention": _MLX_ANY,
-        "state_hybrid": _MLX_ANY,
+        "state_hybrid": _MLX_ANY | {"speculative_decoding"},
     },
     # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
     # layers (`backends/torch/short_conv.py`).
@@ -42,10 +42,15 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
     },
 }
 
-# Backend name -> the `--speculative-config` methods it runs.
+# Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "mlx": ("ngram", "draft_model"),
     "mps": (),
+}
+SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
+    # Verification through state layers is tested with n-gram drafts (a draft model beside a
+    # hybrid target is not).
+    "state_hybrid": ("ngram",),
 }
 
 
@@ -82,11 +87,13 @@ def refuse_unsupported(config: VllmConfig, backend: str) -> None:
 
 def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
     spec = config.speculative_config
+    kind = kind_of(config)
     methods = SPECULATIVE_METHODS.get(backend, ())
+    methods = SPECULATIVE_METHODS_OF_KIND.get(kind.name, methods)
     prefix = f"vllm-metal ({backend} backend): --speculative-config"
     if spec.method not in methods:
         raise MetalConfigError(
-            f"{prefix} method={spec.method!r} is not supported; use method "
+            f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
             + " or ".join(repr(m) for m in methods)
         )
     for name, value, wanted in (

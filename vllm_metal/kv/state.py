@@ -31,7 +31,9 @@ share one block pool. The state dtypes it assumes are checked first (`config.sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import wraps
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.config import CacheConfig, VllmConfig
 
     from vllm_metal.kv.pool import KVPool
+    from vllm_metal.kv.state_drafts import StepDrafts
 
 logger = init_logger(__name__)
 
@@ -129,6 +132,10 @@ class StateBlocks:
     read: np.ndarray  # [S] block ids holding the state the step starts from
     write: np.ndarray  # [S] block ids that receive the state after the step's last token
     fresh: np.ndarray  # [S] bools: the request starts from a zero state (nothing computed)
+    # Where pages are for other token counts (drafts committed after the step, `state_drafts`):
+    table: np.ndarray  # [S, n] the group's block table rows
+    computed: np.ndarray  # [S] tokens computed before the step
+    block_size: int  # tokens per block of the group's table
 
     @classmethod
     def of_step(
@@ -136,11 +143,29 @@ class StateBlocks:
     ) -> StateBlocks:
         """From the group's block table `[S, n]`, its block size, and each request's tokens
         computed before the step and after it."""
-        rows = np.arange(len(seq_lens))
         fresh = computed == 0
         start = np.maximum(computed - 1, 0) // block_size
-        end = (seq_lens - 1) // block_size
-        return cls(table[rows, start], table[rows, end], fresh)
+        rows = np.arange(len(seq_lens))
+        return cls(
+            table[rows, start], table[rows, page_column(seq_lens, block_size)], fresh,
+            table, computed, block_size,
+        )  # fmt: skip
+
+
+def page_column(num_tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """The block-table column of the page holding the state after `num_tokens` tokens."""
+    return (num_tokens - 1) // block_size
+
+
+def state_layer(call: Callable[[Any, mx.array, StateLayerCache], mx.array]):
+    """Route a family's packed state-layer function through `StateLayerCache.run` (a step
+    verifying drafts runs it over expanded rows, `state_drafts`)."""
+
+    @wraps(call)
+    def run(layer: Any, x: mx.array, cache: StateLayerCache) -> mx.array:
+        return cache.run(call, layer, x)
+
+    return run
 
 
 class StateLayerCache:
@@ -153,12 +178,22 @@ class StateLayerCache:
         shapes: StateShapes,
         blocks: StateBlocks,
         cu_seqlens: mx.array,
+        drafts: StepDrafts | None = None,
     ):
         self.pool = pool
         self.region = region
         self.shapes = shapes
         self.blocks = blocks
         self.cu_seqlens = cu_seqlens  # [S+1] int32
+        # The step verifies drafts: the layer runs over expanded rows (`run`), and the states of
+        # the verifying requests wait for the accepted drafts.
+        self.drafts = drafts
+
+    def run(self, call: Callable[[Any, mx.array, StateLayerCache], mx.array], layer, x):
+        """`call(layer, x, cache)` over the step's rows (`x` `[T, 1, hidden]`)."""
+        if self.drafts is None:
+            return call(layer, x, self)
+        return self.drafts.run(call, layer, x, self)
 
     # A page is handled in 4-byte words (never converted, so any bit pattern survives), and
     # only the token rows of a block that hold state are read or written: the K rows first,
@@ -197,9 +232,19 @@ class StateLayerCache:
         return conv, recurrent
 
     def write(self, conv: mx.array, recurrent: mx.array) -> None:
-        """Store each request's new window and state in its page (in place)."""
+        """Store each request's new window and state in its page (in place); on a step verifying
+        drafts, the verifying requests' states wait for `StepDrafts.commit`."""
+        if self.drafts is None:
+            self.store(conv, recurrent, self.blocks.write)
+        else:
+            self.drafts.write(self, conv, recurrent)
+
+    def store(self, conv: mx.array, recurrent: mx.array, blocks: np.ndarray) -> None:
+        """Store window `i` and state `i` in the page of block `blocks[i]` (in place)."""
+        num = len(blocks)
+        if num == 0:
+            return
         keys, values = self.pool.keys[self.region], self.pool.values[self.region]
-        num = len(self.blocks.write)
         _, block_size, heads, head_dim = keys.shape
         row_words, k_rows, _, conv_words = self._layout()
         conv = conv.astype(self.pool.dtype).reshape(num, -1)
@@ -219,7 +264,7 @@ class StateLayerCache:
             return mx.view(part, self.pool.dtype).reshape(num * k_rows, heads, head_dim)
 
         half = k_rows * row_words
-        slots = self.blocks.write.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
+        slots = blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
         kc, vc = ops.reshape_and_cache(
             rows(page[:, :half]), rows(page[:, half:]), keys, values, mx.array(slots.reshape(-1))
         )

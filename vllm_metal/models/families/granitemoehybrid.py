@@ -17,7 +17,7 @@ from mlx_lm.models.ssm import compute_dt
 
 from vllm_metal import ops
 from vllm_metal.compat.mlx_lm_attention import patch_attention_class
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateLayerCache, state_layer
 from vllm_metal.models.adapter import ModelAdapter
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
@@ -36,6 +36,7 @@ class Adapter(ModelAdapter):
         return self.decode_layers(input_embeds * self.decoder.embedding_multiplier, caches)
 
 
+@state_layer
 def _packed_mamba2_mixer(
     mixer: GraniteMoeHybridMamba2Mixer, inputs: mx.array, cache: StateLayerCache
 ) -> mx.array:

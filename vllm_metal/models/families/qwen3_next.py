@@ -17,7 +17,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from vllm_metal import ops
 from vllm_metal.compat.mlx_lm_attention import patch_attention_class
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateLayerCache, state_layer
 from vllm_metal.models.adapter import ModelAdapter
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
@@ -35,6 +35,7 @@ class Adapter(ModelAdapter):
         return self.decode_layers(input_embeds, caches)  # Qwen3NextModel.__call__
 
 
+@state_layer
 def _packed_gated_delta_net(
     layer: Qwen3NextGatedDeltaNet, inputs: mx.array, cache: StateLayerCache
 ) -> mx.array:

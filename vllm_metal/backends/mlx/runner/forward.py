@@ -17,6 +17,7 @@ from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.kv.state import StateBlocks, StateLayerCache
+from vllm_metal.kv.state_drafts import StepDrafts
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -27,6 +28,7 @@ def layer_caches(
     packed: PackedBatch,
     kinds: Sequence[LayerKind],
     key_ends: np.ndarray | None = None,
+    drafts: StepDrafts | None = None,
 ) -> list[PagedLayerCache | LatentLayerCache | StateLayerCache]:
     meta = StepMetadata(
         positions=mx.array(packed.positions),
@@ -51,7 +53,9 @@ def layer_caches(
                     packed.block_tables[group], block_sizes[group], computed, packed.seq_lens
                 )
             caches.append(
-                StateLayerCache(pool, region, kind.state, state_blocks[group], meta.cu_seqlens_q)
+                StateLayerCache(
+                    pool, region, kind.state, state_blocks[group], meta.cu_seqlens_q, drafts
+                )
             )
         elif kind.latent:
             caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
@@ -74,7 +78,7 @@ def hidden_states(
     embeddings of their placeholder tokens; an M-RoPE model takes `mrope_positions` (without
     them every token is text, at its index on all three streams); a prefix-LM model the
     `key_ends` of its image tokens (`mm.spans`). Lazy."""
-    caches = layer_caches(pool, packed, kinds, inputs.key_ends)
+    caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts)
     embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
     embeds = merge(embeds, inputs.mm_rows)
     if not isinstance(adapter, MultimodalAdapter):

@@ -17,6 +17,7 @@ worker's `ModelRunner` protocol (`vllm_metal.backends.protocol`). KV memory live
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -30,6 +31,7 @@ from vllm_metal.backends.mlx.runner.output import Forward, output_stage_class
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.state_drafts import StepDrafts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -177,9 +179,17 @@ class MLXModelRunner:
                 packed.num_scheduled,
             )
         inputs = self.state.step_inputs(scheduler_output, packed, self.states)
+        if packed.num_draft_tokens.any():
+            inputs = replace(
+                inputs, drafts=StepDrafts(packed.num_scheduled, packed.num_draft_tokens)
+            )
         hidden = self.state.hidden_states(self.kv_pool, packed, inputs)
         kv_arrays = [] if self.kv_pool is None else self.kv_pool.arrays()
-        forward = Forward(scheduler_output, packed, hidden, started, kv_arrays, self.connector)
+        if inputs.drafts is not None:
+            kv_arrays += inputs.drafts.arrays()
+        forward = Forward(
+            scheduler_output, packed, hidden, started, kv_arrays, self.connector, inputs.drafts
+        )
         output = self.output.finish_step(self.state, forward)
         if self.lora is not None:
             self.lora.clear_step()  # the graph holds this step's mask; dummy runs get none

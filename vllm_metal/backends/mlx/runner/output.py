@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
     from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+    from vllm_metal.kv.state_drafts import StepDrafts
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Forward:
     started: float  # perf_counter() when execute_model began
     kv_arrays: list[mx.array]  # the pool's arrays, evaluated with the step (its cache writes)
     connector: ConnectorSteps | None  # collects the step's KV transfers once it is queued
+    # A hybrid model's states of requests verifying drafts, stored once they are sampled.
+    drafts: StepDrafts | None = None
 
 
 class OutputStage(Protocol):

@@ -78,6 +78,7 @@ class Sampling:
             prompt_logits,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
+            drafts=forward.drafts,
         )
 
     def drain(self) -> None:
@@ -97,6 +98,8 @@ class Sampling:
             self.logprobs_mode,
             None if spec is None else spec.rejection_sampler,
         )
+        if step.drafts is not None:  # a hybrid's states after the accepted drafts
+            step.drafts.commit(np.array([max(len(t) - 1, 0) for t in output.sampled_token_ids]))
         if spec is not None:
             spec.after_step(step, self.states, output.sampled_token_ids)
         output.kv_connector_output = step.kv_connector_output

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import mlx.core as mx
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
+    from vllm_metal.kv.state_drafts import StepDrafts
+
 
 @dataclass
 class StepState:
@@ -31,6 +33,7 @@ class StepState:
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
     kv_connector_output: KVConnectorOutput | None = None  # the step's KV transfers
+    drafts: StepDrafts | None = None  # a hybrid's states that wait for the verified drafts
 
 
 class PendingOutput(AsyncModelRunnerOutput):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.speech.cross import CrossInputs
     from vllm_metal.kv.pool import KVLayout, KVPool
+    from vllm_metal.kv.state_drafts import StepDrafts
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.models.multimodal import TokenRows
 
@@ -62,6 +63,9 @@ class StepInputs:
     # their states fill `cross.slot_mapping`) and every decoder token's cross-attention.
     encoder_features: mx.array | None = None
     cross: CrossInputs | None = None
+    # Hybrid models on a step verifying drafts: the expanded rows of the state layers and the
+    # candidate states they leave (`kv.state_drafts`).
+    drafts: StepDrafts | None = None
 
 
 NO_INPUTS = StepInputs()
