@@ -26,7 +26,7 @@ muP multiplier scales it by 12), so 8 layers' activations stay tame. The tokeniz
 project's tiny BPE tokenizer padded to the vocabulary (`bench.harness.checkpoints.pad_tokenizer`).
 
 Each (family, backend) is one `vllm.LLM` (greedy, EOS ignored, float32, the same engine
-arguments, prefix caching off as the plugin has it for hybrids anyway) in a worker process of its
+arguments, prefix caching off: the rounds' prompts share nothing; `hybrid_prefix` measures hits) in a worker process of its
 own; each worker reports its resident memory (its process and the engine core's) once the engine
 is up and idle, with the KV cache allocated; the rounds are `bench.harness.decode_rounds`' (as the moe suite's): one warm-up round of each size,
 then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
