@@ -179,7 +179,7 @@ class MLXModelRunner:
                 packed.num_scheduled,
             )
         inputs = self.state.step_inputs(scheduler_output, packed, self.states)
-        if packed.num_draft_tokens.any():
+        if packed.num_draft_tokens.any() and any(k.is_state for k in self.state.layer_kinds):
             inputs = replace(
                 inputs, drafts=StepDrafts(packed.num_scheduled, packed.num_draft_tokens)
             )
