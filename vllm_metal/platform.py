@@ -131,11 +131,13 @@ class MetalPlatform(Platform):
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
-        # vLLM 0.32 reads no GGUF files; this makes a `.gguf` model path build its config from
-        # the file. Runs before vLLM builds the model config.
-        from vllm_metal.compat import vllm_config
+        # Runs before vLLM builds the model config. vLLM 0.32 reads no GGUF files; this makes a
+        # `.gguf` model path build its config from the file. Qwen3.5's vLLM classes import
+        # torchvision-only code; vLLM inspects ours instead (`compat.vllm_models`).
+        from vllm_metal.compat import vllm_config, vllm_models
 
         vllm_config.install()
+        vllm_models.install()
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -72,7 +72,9 @@ def checkpoint_overrides(path: Any) -> dict[str, Any] | None:
     configs naming their own model code, which mlx-lm's class lookup does not cover)."""
     from mlx_lm.utils import _get_classes, load_config
 
+    from vllm_metal.models.families import family_classes
+
     config = load_config(path)
     if "model_file" in config:
         return None
-    return mlx_lm_overrides(config, _get_classes(config)[1]) or None
+    return mlx_lm_overrides(config, family_classes(_get_classes)(config)[1]) or None

@@ -61,6 +61,10 @@ def mamba2_state_shapes(config: Mapping[str, Any]) -> StateShapes:
 # model_type -> the state of each of its state layers (all alike within a model).
 STATE_SHAPES = {
     "qwen3_next": gated_delta_state_shapes,
+    # Qwen3.5 / 3.6: the wrappers' model types (their `text_config`) and the text models'.
+    **dict.fromkeys(
+        ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"), gated_delta_state_shapes
+    ),
     "granitemoehybrid": mamba2_state_shapes,
 }
 

@@ -26,6 +26,7 @@ MODULES = (
     "olmo2",
     "qwen2_5_vl",
     "qwen2_moe",
+    "qwen3_5",
     "qwen3_next",
     "qwen3_vl",
     "whisper",
@@ -87,16 +88,33 @@ def adapter_class(model_type: str | None) -> type[ModelAdapter]:
 # checkpoint's tensors before mlx-lm's own `sanitize` (layouts mlx-lm does not read).
 SANITIZERS = {
     "gpt_oss": "gpt_oss",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
 }
 
 
-def with_sanitizers(get_classes):
-    """mlx-lm's class lookup (`get_model_classes` of `load_model`), returning for the families of
-    `SANITIZERS` a subclass whose `sanitize` runs the family's before mlx-lm's."""
+@cache
+def _mlx_lm_modules() -> dict[str, str]:
+    """model_type -> the mlx-lm module that reads it, where mlx-lm's lookup does not know the
+    model_type (a family's `MLX_LM_MODULES`)."""
+    found: dict[str, str] = {}
+    for module in map(_module, MODULES):
+        found |= getattr(module, "MLX_LM_MODULES", {})
+    return found
+
+
+def family_classes(get_classes):
+    """mlx-lm's class lookup (`get_model_classes` of `load_model`, or `mlx_lm.utils._get_classes`)
+    as the families extend it: model types mlx-lm reads under another module's name
+    (`MLX_LM_MODULES`), and for the families of `SANITIZERS` a subclass whose `sanitize` runs the
+    family's before mlx-lm's."""
 
     def get(config: dict) -> tuple[type, type]:
-        model_class, args_class = get_classes(config)
-        name = SANITIZERS.get(config.get("model_type") or "")
+        model_type = config.get("model_type") or ""
+        module = _mlx_lm_modules().get(model_type)
+        lookup = config if module is None else {**config, "model_type": module}
+        model_class, args_class = get_classes(lookup)
+        name = SANITIZERS.get(model_type)
         if name is None:
             return model_class, args_class
         family_sanitize = importlib.import_module(f"{__name__}.{name}").sanitize

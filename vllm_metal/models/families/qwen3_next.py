@@ -41,12 +41,24 @@ def _packed_gated_delta_net(
 ) -> mx.array:
     """The layer over packed rows (`[T, 1, hidden]`, each row one token of some request)."""
     t = inputs.shape[0]
-    nk, dk = layer.num_k_heads, layer.head_k_dim
-    nv, dv = layer.num_v_heads, layer.head_v_dim
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(
         layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs)
     )
     mixed = mx.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+    return packed_gated_delta(layer, mixed, z, b, a, cache)
+
+
+def packed_gated_delta(
+    layer: Any, mixed: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: StateLayerCache
+) -> mx.array:
+    """A Gated DeltaNet layer after its input projections, over a step's packed rows: the short
+    convolution and the gated delta rule continue each request from its state page, then the
+    gated norm and the output projection. `mixed` [T, 2 key_dim + value_dim] holds q, k, v in
+    that order; `z` [T, ..., value_dim] the gate; `b`, `a` [T, ..., num_v_heads] (Qwen3-Next
+    and Qwen3.5 differ only in how their projections lay these out)."""
+    t = mixed.shape[0]
+    nk, dk = layer.num_k_heads, layer.head_k_dim
+    nv, dv = layer.num_v_heads, layer.head_v_dim
     conv_state, state = cache.read()
     conv_out, conv_state = ops.causal_conv1d(
         mixed, layer.conv1d.weight[:, :, 0], conv_state, cache.cu_seqlens
@@ -54,8 +66,8 @@ def _packed_gated_delta_net(
     q, k, v = mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], axis=-1)
     q, k = normalize_qk(q.reshape(t, nk, dk), k.reshape(t, nk, dk), inv_scale=dk**-0.5, eps=1e-6)
     beta = mx.sigmoid(b).reshape(t, nv).astype(mx.float32)
-    g = compute_g(layer.A_log, a, layer.dt_bias).reshape(t, nv).astype(mx.float32)
+    g = compute_g(layer.A_log, a.reshape(t, nv), layer.dt_bias).astype(mx.float32)
     out, state = ops.gated_delta_rule(q, k, v.reshape(t, nv, dv), g, beta, state, cache.cu_seqlens)
     cache.write(conv_state, state)
-    out = layer.norm(out.reshape(t, 1, nv, dv), z)
+    out = layer.norm(out.reshape(t, 1, nv, dv), z.reshape(t, 1, nv, dv))
     return layer.out_proj(out.reshape(t, 1, -1))

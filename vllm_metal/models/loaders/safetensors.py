@@ -67,10 +67,11 @@ def load(
     """
     from mlx_lm.utils import _get_classes, load_model
 
-    from vllm_metal.models.families import with_sanitizers
+    from vllm_metal.models.families import family_classes
 
-    # Checkpoint layouts mlx-lm does not read (GPT-OSS dense experts): families.SANITIZERS.
-    classes = with_sanitizers(_get_classes)
+    # Model types and checkpoint layouts mlx-lm does not read as they are (Qwen3.5's text-only
+    # model types, GPT-OSS dense experts): families.MLX_LM_MODULES and SANITIZERS.
+    classes = family_classes(_get_classes)
 
     path = resolve_model_path(model, revision, download_dir)
     if not list(path.glob("*.safetensors")):

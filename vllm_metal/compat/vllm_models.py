@@ -1,0 +1,123 @@
+"""vLLM's model classes for the Qwen3.5 architectures, as the MLX runner serves them: their static
+interface only, registered with vLLM's `ModelRegistry` under the published architecture names.
+
+vLLM 0.32 resolves and inspects a checkpoint's architecture by importing its model module before
+any platform code runs. `vllm.model_executor.models.qwen3_5` imports `qwen3_vl`, which imports
+transformers' torchvision-only image processor; where torchvision does not load (Linux beside
+torch 2.13.0+cpu) vLLM then refuses every Qwen3.5 checkpoint ("failed to be inspected"). The MLX
+runner never builds vLLM's model: vLLM reads from the class only what it is (a generating model,
+a hybrid with inner state, multimodal or not) and the shapes and dtypes of its Gated DeltaNet
+states, which it sizes its state pages by. The classes below answer exactly that, through vLLM's
+own calculators, the same on Linux and macOS.
+
+The wrappers (`*ForConditionalGeneration`) are registered as text models: the runner serves their
+language model (its towers are not run), so a request with an image or video is refused with a
+400 (`config.multimodal` sets `language_model_only` only for models vLLM sees as multimodal; for
+these, vLLM's own check answers). Installed by the platform before vLLM builds its model config
+(`MetalPlatform.pre_register_and_update`), so only where vllm-metal is vLLM's platform.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+
+_INSTALLED = "_vllm_metal_models"
+
+
+class Qwen3_5Base(nn.Module, HasInnerState, IsHybrid):
+    """A Qwen3.5 text model as vLLM sees it: Gated DeltaNet layers between gated full-attention
+    layers (run by the MLX runner, `models/families/qwen3_5.py`)."""
+
+    is_hybrid: ClassVar[Literal[True]] = True
+    has_inner_state: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} is served by vllm-metal's MLX runner; vLLM's own model class "
+            "is not built on this platform"
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    # vLLM's Qwen3.5 classes define these three, computed the same way.
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> tuple[torch.dtype, torch.dtype]:
+        cache = vllm_config.cache_config
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        )
+
+    @classmethod
+    def get_mamba_state_shape_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        text = vllm_config.model_config.hf_text_config
+        spec = vllm_config.speculative_config
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            vllm_config.parallel_config.tensor_parallel_size,
+            text.linear_num_key_heads,
+            text.linear_num_value_heads,
+            text.linear_key_head_dim,
+            text.linear_value_head_dim,
+            text.linear_conv_kernel_dim,
+            spec.num_speculative_tokens if spec else 0,
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+class Qwen3_5ForCausalLM(Qwen3_5Base):
+    pass
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5Base):
+    pass
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5Base):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5Base):
+    pass
+
+
+CLASSES: tuple[type[Qwen3_5Base], ...] = (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+)
+
+
+def install() -> None:
+    """Register the classes with vLLM's `ModelRegistry` under their names (idempotent)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if getattr(ModelRegistry, _INSTALLED, False):
+        return
+    for cls in CLASSES:
+        ModelRegistry.register_model(cls.__name__, cls)
+    setattr(ModelRegistry, _INSTALLED, True)
