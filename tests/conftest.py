@@ -135,6 +135,42 @@ def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory ``(layout="wrapper", dtype="float32") -> Path`` of the tiny random Qwen3.5
+    checkpoints (`tests.fixtures.tiny_qwen3_5`: "wrapper", "causal_lm", "moe_wrapper"), each
+    written once per session."""
+    from tests.fixtures.tiny_qwen3_5 import write_tiny_qwen3_5
+
+    root = tmp_path_factory.mktemp("tiny-qwen3-5")
+    built: dict[tuple[str, str], Path] = {}
+
+    def make(layout: str = "wrapper", dtype: str = "float32") -> Path:
+        if (layout, dtype) not in built:
+            built[layout, dtype] = write_tiny_qwen3_5(root / f"{layout}-{dtype}", layout, dtype=dtype)
+        return built[layout, dtype]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tiny_qwen3_5_dirs: Callable[..., Path]) -> Path:
+    """The tiny Qwen3.5 checkpoint in the published wrapper layout (float32)."""
+    return tiny_qwen3_5_dirs("wrapper")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_causal_lm_dir(tiny_qwen3_5_dirs: Callable[..., Path]) -> Path:
+    """The tiny text-only `Qwen3_5ForCausalLM` checkpoint (float32)."""
+    return tiny_qwen3_5_dirs("causal_lm")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tiny_qwen3_5_dirs: Callable[..., Path]) -> Path:
+    """The tiny Qwen3.5-MoE checkpoint in the published wrapper layout (float32)."""
+    return tiny_qwen3_5_dirs("moe_wrapper")
+
+
+@pytest.fixture(scope="session")
 def tiny_granitemoehybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Granite 4.0-H hybrid checkpoint (`tests.fixtures.tiny_granitemoehybrid`),
     once per session."""

@@ -6,6 +6,7 @@ vLLM's state page to the attention page; what the hybrid path does not run is re
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -123,7 +124,7 @@ def _engine_config(model: Path, **kwargs):
     # State page: Qwen3-Next 2 value heads x 64 x 64 float32 + 3 x 256 conv window float32 =
     # 35,840 bytes; Granite 4.0-H 4 heads x 32 x 32 float32 + 3 x 256 = 19,456 bytes. An
     # attention token is 2 x 1 KV head x 64 x 4 bytes = 512: 70 -> 80 and 38 -> 48 tokens (16s).
-    [("qwen3_next", 80), ("granitemoehybrid", 48)],
+    [("qwen3_next", 80), ("granitemoehybrid", 48), ("qwen3_5", 80), ("qwen3_5_moe", 80)],
 )
 def test_blocks_hold_a_state_page_and_prefix_caching_saves_states_per_block(
     request, family, block_size
@@ -147,6 +148,43 @@ def test_blocks_hold_a_state_page_and_prefix_caching_saves_states_per_block(
 def test_a_prefix_match_unit_inside_a_block_is_refused_by_name(tiny_qwen3_next_dir):
     with pytest.raises(ValueError, match="--prefix-match-unit 16"):
         _engine_config(tiny_qwen3_next_dir, enable_prefix_caching=True, prefix_match_unit=16)
+
+
+@pytest.mark.parametrize(
+    ("case", "multimodal"),
+    [("qwen3_5", True), ("qwen3_5_causal_lm", False), ("qwen3_5_moe", True)],
+)
+def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(request, case, multimodal):
+    """vLLM inspects Qwen3.5 through the plugin's classes (`compat.vllm_models`, its own would
+    import torchvision) and gets the state the runner keeps: the same page bytes and dtypes as
+    `kv.state.mamba_spec` from `models.layers.STATE_SHAPES`, element for element."""
+    import torch
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_metal.config.kinds import kind_of
+    from vllm_metal.kv.state import mamba_spec
+    from vllm_metal.models.layers import state_shapes_of
+
+    config = _engine_config(request.getfixturevalue(f"tiny_{case}_dir"))
+    model_config, cache = config.model_config, config.cache_config
+    assert kind_of(config).name == "state_hybrid" and model_config.is_hybrid
+    # A wrapper is multimodal to vLLM and served as its language model (images are refused).
+    assert model_config.is_multimodal_model is multimodal
+    assert bool(multimodal and model_config.multimodal_config.language_model_only) is multimodal
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    assert cls.__module__ == "vllm_metal.compat.vllm_models"
+    vllm_spec = MambaSpec(
+        shapes=cls.get_mamba_state_shape_from_config(config),
+        dtypes=cls.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+    )
+    text = model_config.hf_text_config
+    ours = mamba_spec(state_shapes_of(text.model_type, text.to_dict()), torch.float32, cache)
+    assert [math.prod(s) for s in vllm_spec.shapes] == [math.prod(s) for s in ours.shapes]
+    assert vllm_spec.dtypes == ours.dtypes == (torch.float32, torch.float32)
+    assert vllm_spec.page_size_bytes == ours.page_size_bytes == cache.block_size * 512
 
 
 @pytest.mark.parametrize(

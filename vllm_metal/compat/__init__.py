@@ -96,6 +96,46 @@ PATCHES: tuple[Patch, ...] = (
         "vllm_metal.compat.openai_routes.install",
         ("self", "request"),
     ),
+    # Qwen3.5's classes as vLLM sees them (`compat.vllm_models`): registered under the published
+    # architecture names with vLLM's API, computing what vLLM's own classes compute with the
+    # calculators below.
+    Patch(
+        "vllm.model_executor.models.registry._ModelRegistry.register_model",
+        "Qwen3.5's architectures resolve to classes that import no torchvision-only code",
+        VLLM,
+        "when vLLM's qwen3_5 module imports on every host vLLM supports (torchvision optional)",
+        "vllm_metal.compat.vllm_models.install",
+        ("self", "model_arch", "model_cls"),
+    ),
+    Patch(
+        "vllm.model_executor.layers.mamba.mamba_utils.MambaStateShapeCalculator"
+        ".gated_delta_net_state_shape",
+        "the Gated DeltaNet state shapes vLLM's Qwen3.5 classes give, computed the same way",
+        VLLM,
+        "with the entry above",
+        "vllm_metal.compat.vllm_models.Qwen3_5Base",
+        (
+            *("tp_world_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"),
+            *("conv_kernel_size", "num_spec"),
+        ),
+    ),
+    Patch(
+        "vllm.model_executor.layers.mamba.mamba_utils.MambaStateDtypeCalculator"
+        ".gated_delta_net_state_dtype",
+        "the Gated DeltaNet state dtypes vLLM's Qwen3.5 classes give, computed the same way",
+        VLLM,
+        "with the entry above",
+        "vllm_metal.compat.vllm_models.Qwen3_5Base",
+        ("model_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype"),
+    ),
+    Patch(
+        "vllm.multimodal.registry._ProcessorFactories",
+        "a wrapper's processor factories (vLLM's register_processor sets the same attribute)",
+        VLLM,
+        "with the entry above",
+        "vllm_metal.compat.vllm_models._Qwen3_5Wrapper",
+        ("info", "processor", "dummy_inputs"),
+    ),
     Patch(
         "vllm.model_executor.layers.quantization.mxfp4.GptOssMxfp4Config.get_supported_act_dtypes",
         "GPT-OSS MXFP4 checkpoints are read by the MLX loader in any platform dtype",

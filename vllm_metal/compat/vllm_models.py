@@ -10,10 +10,10 @@ a hybrid with inner state, multimodal or not) and the shapes and dtypes of its G
 states, which it sizes its state pages by. The classes below answer exactly that, through vLLM's
 own calculators, the same on Linux and macOS.
 
-The wrappers (`*ForConditionalGeneration`) are registered as text models: the runner serves their
-language model (its towers are not run), so a request with an image or video is refused with a
-400 (`config.multimodal` sets `language_model_only` only for models vLLM sees as multimodal; for
-these, vLLM's own check answers). Installed by the platform before vLLM builds its model config
+The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published; the runner
+serves their language model (the towers are not run: `config.multimodal` sets vLLM's
+`language_model_only`), and their processor is the item-count check alone, so a request with an
+image or video gets vLLM's 400 naming the modality ("At most 0 image(s) ..."). Installed by the platform before vLLM builds its model config
 (`MetalPlatform.pre_register_and_update`), so only where vllm-metal is vLLM's platform.
 """
 
@@ -29,7 +29,9 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
 )
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMultiModal
+from vllm.multimodal.processing import BaseProcessingInfo
+from vllm.multimodal.registry import _ProcessorFactories
 
 _INSTALLED = "_vllm_metal_models"
 
@@ -96,11 +98,42 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Base):
     pass
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5Base):
+class _MediaInfo(BaseProcessingInfo):
+    """The media a wrapper's vLLM processor takes (Qwen3-VL's: images and video, any number)."""
+
+    def get_supported_mm_limits(self) -> dict[str, int | None]:
+        return {"image": None, "video": None}
+
+
+class _ItemCountCheck:
+    """The processor vLLM's chat front end builds for a wrapper: it counts a request's media items
+    against the per-prompt limits (`info.validate_num_items`), which are 0 while the towers do
+    not run (`config.multimodal` sets `language_model_only`), so every image or video is refused
+    with a 400 naming its modality before anything would process it. With all limits 0 vLLM
+    builds no other processor (its front end runs text-only)."""
+
+    def __init__(self, info: _MediaInfo, dummy_inputs: object = None, **_: object) -> None:
+        self.info = info
+
+
+class _Qwen3_5Wrapper(Qwen3_5Base, SupportsMultiModal):
+    """The published vision-language wrapper: multimodal to vLLM, served text-only."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+    _processor_factory = _ProcessorFactories(
+        info=_MediaInfo, processor=_ItemCountCheck, dummy_inputs=lambda info: None
+    )
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        return None  # no item passes the count check
+
+
+class Qwen3_5ForConditionalGeneration(_Qwen3_5Wrapper):
     pass
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5Base):
+class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
     pass
 
 
