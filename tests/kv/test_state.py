@@ -187,6 +187,19 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(request, cas
     assert vllm_spec.page_size_bytes == ours.page_size_bytes == cache.block_size * 512
 
 
+def test_qwen3_5_mtp_drafter_is_inspected_and_refused_by_the_platform(tiny_qwen3_5_dir):
+    """vLLM builds the MTP drafter's config from the plugin's class (its own would import
+    torchvision), so the refusal is the platform's, naming the flag and the method."""
+    with pytest.raises(ValueError) as info:
+        _engine_config(
+            tiny_qwen3_5_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
+        )
+    message = str(info.value)
+    assert "failed to be inspected" not in message
+    for name in ("vllm-metal", "--speculative-config", "'mtp'", "qwen3_5"):
+        assert name in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [

@@ -137,11 +137,30 @@ class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
     pass
 
 
-CLASSES: tuple[type[Qwen3_5Base], ...] = (
+class Qwen3_5MTP(nn.Module, SupportsMultiModal):
+    """Qwen3.5's multi-token-prediction drafter (`--speculative-config '{"method": "mtp"}'`) as
+    vLLM inspects it: a generating model that takes the target's merged embeddings (multimodal,
+    with no processor of its own, as vLLM's class). vLLM builds the draft config from it; the
+    platform then decides whether the method is served (`config.startup`)."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+    __init__ = Qwen3_5Base.__init__
+    embed_input_ids = Qwen3_5Base.embed_input_ids
+    forward = Qwen3_5Base.forward
+    compute_logits = Qwen3_5Base.compute_logits
+
+
+class Qwen3_5MoeMTP(Qwen3_5MTP):
+    pass
+
+
+CLASSES: tuple[type[nn.Module], ...] = (
     Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MTP,
+    Qwen3_5MoeMTP,
 )
 
 
