@@ -146,7 +146,9 @@ def tiny_qwen3_5_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
 
     def make(layout: str = "wrapper", dtype: str = "float32") -> Path:
         if (layout, dtype) not in built:
-            built[layout, dtype] = write_tiny_qwen3_5(root / f"{layout}-{dtype}", layout, dtype=dtype)
+            built[layout, dtype] = write_tiny_qwen3_5(
+                root / f"{layout}-{dtype}", layout, dtype=dtype
+            )
         return built[layout, dtype]
 
     return make
