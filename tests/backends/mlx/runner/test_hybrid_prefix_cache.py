@@ -49,7 +49,12 @@ def _pairs(block_size: int, continuations: list[list[int]]) -> tuple[list, list,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family", ["qwen3_next", pytest.param("granitemoehybrid", marks=pytest.mark.full)]
+    "family",
+    [
+        "qwen3_next",
+        pytest.param("granitemoehybrid", marks=pytest.mark.full),
+        pytest.param("qwen3_5", marks=pytest.mark.full),  # Qwen3-Next's layer after its projections
+    ],
 )
 def test_prefix_hits_give_the_tokens_of_an_uncached_run(request, family):
     from tests.fixtures.oracles import hf_greedy
