@@ -137,8 +137,8 @@ def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory ``(layout="wrapper", dtype="float32") -> Path`` of the tiny random Qwen3.5
-    checkpoints (`tests.fixtures.tiny_qwen3_5`: "wrapper", "causal_lm", "moe_wrapper"), each
-    written once per session."""
+    checkpoints (`tests.fixtures.tiny_qwen3_5.LAYOUTS`: "wrapper", "causal_lm", "moe_wrapper",
+    "moe_causal_lm"), each written once per session."""
     from tests.fixtures.tiny_qwen3_5 import write_tiny_qwen3_5
 
     root = tmp_path_factory.mktemp("tiny-qwen3-5")

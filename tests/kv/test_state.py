@@ -151,10 +151,12 @@ def test_a_prefix_match_unit_inside_a_block_is_refused_by_name(tiny_qwen3_next_d
 
 
 @pytest.mark.parametrize(
-    ("case", "multimodal"),
-    [("qwen3_5", True), ("qwen3_5_causal_lm", False), ("qwen3_5_moe", True)],
+    ("layout", "multimodal"),
+    [("wrapper", True), ("causal_lm", False), ("moe_wrapper", True), ("moe_causal_lm", False)],
 )
-def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(request, case, multimodal):
+def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(
+    tiny_qwen3_5_dirs, layout, multimodal
+):
     """vLLM inspects Qwen3.5 through the plugin's classes (`compat.vllm_models`, its own would
     import torchvision) and gets the state the runner keeps: the same page bytes and dtypes as
     `kv.state.mamba_spec` from `models.layers.STATE_SHAPES`, element for element."""
@@ -166,7 +168,7 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(request, cas
     from vllm_metal.kv.state import mamba_spec
     from vllm_metal.models.layers import state_shapes_of
 
-    config = _engine_config(request.getfixturevalue(f"tiny_{case}_dir"))
+    config = _engine_config(tiny_qwen3_5_dirs(layout))
     model_config, cache = config.model_config, config.cache_config
     assert kind_of(config).name == "state_hybrid" and model_config.is_hybrid
     # A wrapper is multimodal to vLLM and served as its language model (images are refused).

@@ -1,5 +1,5 @@
 """Proves the plugin's loader reads every published Qwen3.5 layout (the dense and MoE wrappers, the
-text-only `Qwen3_5ForCausalLM` that mlx-lm does not know, per-expert MoE tensors that stock
+text-only `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` whose model types mlx-lm does not know, per-expert MoE tensors that stock
 mlx-lm cannot read) into a model whose float32 logits equal transformers', with the layer kinds
 and state shapes the KV specs are built from; in process, no engine."""
 
@@ -17,7 +17,7 @@ PROMPT = [101, 57, 402, 33, 250, 610, 75, 18, 499, 321, 48, 207]
 TINY_STATE = StateShapes(conv=(3, 256), recurrent=(2, 64, 64))
 
 
-@pytest.mark.parametrize("layout", ["wrapper", "causal_lm", "moe_wrapper"])
+@pytest.mark.parametrize("layout", ["wrapper", "causal_lm", "moe_wrapper", "moe_causal_lm"])
 def test_each_layout_loads_to_transformers_logits(tiny_qwen3_5_dirs, layout):
     import json
 
