@@ -1,5 +1,6 @@
-"""vLLM's model classes for the Qwen3.5 architectures, as the MLX runner serves them: their static
-interface only, registered with vLLM's `ModelRegistry` under the published architecture names.
+"""vLLM's model classes for the Qwen3.5 architectures (and their MTP drafters), as the MLX runner
+serves them: their static interface only, registered with vLLM's `ModelRegistry` under the
+published architecture names.
 
 vLLM 0.32 resolves and inspects a checkpoint's architecture by importing its model module before
 any platform code runs. `vllm.model_executor.models.qwen3_5` imports `qwen3_vl`, which imports
@@ -13,8 +14,9 @@ own calculators, the same on Linux and macOS.
 The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published; the runner
 serves their language model (the towers are not run: `config.multimodal` sets vLLM's
 `language_model_only`), and their processor is the item-count check alone, so a request with an
-image or video gets vLLM's 400 naming the modality ("At most 0 image(s) ..."). Installed by the platform before vLLM builds its model config
-(`MetalPlatform.pre_register_and_update`), so only where vllm-metal is vLLM's platform.
+image or video gets vLLM's 400 naming the modality ("At most 0 image(s) ..."). Installed by
+the platform before vLLM builds its model config (`MetalPlatform.pre_register_and_update`), so
+only where vllm-metal is vLLM's platform.
 """
 
 from __future__ import annotations
