@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from vllm_metal.compat import mlx_lm_attention as attention
-from vllm_metal.kv.state import StateLayerCache
+from vllm_metal.kv.state import StateLayerCache, state_layer
 from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.families.qwen3_next import packed_gated_delta
 
@@ -47,6 +47,7 @@ class Adapter(ModelAdapter):
         return self.decode_layers(input_embeds, caches)  # Qwen3_5TextModel.__call__
 
 
+@state_layer
 def _packed_gated_delta_net(
     layer: GatedDeltaNet, inputs: mx.array, cache: StateLayerCache
 ) -> mx.array:

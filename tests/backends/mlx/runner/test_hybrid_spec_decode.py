@@ -60,6 +60,7 @@ def _continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
         ("tiny_qwen3_next_dir", False),
         pytest.param("taught_qwen3_next", True, marks=pytest.mark.full),
         pytest.param("tiny_granitemoehybrid_dir", False, marks=pytest.mark.full),
+        pytest.param("tiny_qwen3_5_dir", False, marks=pytest.mark.full),
     ],
 )
 def test_ngram_on_a_hybrid_gives_the_tokens_of_plain_decoding(request, model, taught):
