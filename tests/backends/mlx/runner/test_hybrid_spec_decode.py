@@ -46,6 +46,16 @@ def taught_qwen3_next(tiny_qwen3_next_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def taught_qwen3_5(tiny_qwen3_5_causal_lm_dir, tmp_path_factory):
+    from tests.fixtures.teach import teach
+
+    prompt, answer = _patterned(BLOCK_SIZE["qwen3_5"])
+    out = tmp_path_factory.mktemp("taught-qwen3-5") / "qwen3_5"
+    teach(tiny_qwen3_5_causal_lm_dir, out, [prompt], answer)
+    return out
+
+
 def _continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     """The first job's long prompts followed by 12 of their decoded tokens (past the boundary)
     and a tail the model did not write."""
@@ -61,6 +71,7 @@ def _continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
         pytest.param("taught_qwen3_next", True, marks=pytest.mark.full),
         pytest.param("tiny_granitemoehybrid_dir", False, marks=pytest.mark.full),
         pytest.param("tiny_qwen3_5_dir", False, marks=pytest.mark.full),
+        pytest.param("taught_qwen3_5", True, marks=pytest.mark.full),
     ],
 )
 def test_ngram_on_a_hybrid_gives_the_tokens_of_plain_decoding(request, model, taught):
