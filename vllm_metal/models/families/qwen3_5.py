@@ -2,7 +2,8 @@
 gated full-attention layer, a quarter of each head rotated) in a vision-language wrapper, with
 dense MLPs or MoE blocks beside a shared expert. The MLX runner serves the language model of
 the wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) and the
-text-only `Qwen3_5ForCausalLM`; the towers are not run (`config.multimodal`).
+text-only `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`; the towers are not run
+(`config.multimodal`).
 
 mlx-lm's `qwen3_5` classes take Qwen3-Next's attention, norms and MoE block; their Gated DeltaNet
 differs only in its input projections (q, k, v in one block, then z, b and a apart, where
