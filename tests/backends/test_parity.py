@@ -32,12 +32,13 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
 
 # Each backend's engine environment, and the families whose parity run CI's time holds on it
-# (the others are in the `full` tier; Qwen3 on the torch backend: tests/backends/torch/). Llama
-# runs the generic adapter as Qwen2 and Qwen3 do (and CI loads it from GGUF and in float16).
+# (the others are in the `full` tier; the torch backend's CI parity run is Qwen3's, in
+# tests/backends/torch/). Llama runs the generic adapter as Qwen2 and Qwen3 do (and CI loads it
+# from GGUF and in float16).
 BACKEND_ENV = {"mlx": {}, "mps": {"VLLM_METAL_BACKEND": "mps"}}
 IN_CI = {
     "mlx": ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo3"),
-    "mps": ("gemma3",),
+    "mps": (),
 }
 # The MLX matrix runs these families with async scheduling (step N+1 scheduled while step N
 # computes) and the others without, so both pipelines meet chunks, prefix hits and preemption.
@@ -148,6 +149,7 @@ def test_greedy_and_logprobs_match_transformers(family_models, backend, arch):
             assert abs(got - want) < 1e-3, (arch, step, got, want)
 
 
+@pytest.mark.full  # the generic path differs from the kernels' on Metal only
 def test_head_size_without_a_metal_kernel(tiny_model_dir):
     """Head size 32 (no Metal kernel) takes the generic path: still token-identical, through the
     family matrix (mixed batch, chunked prefill, preemption, prefix-cache round, prompt
