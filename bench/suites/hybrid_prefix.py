@@ -14,9 +14,10 @@ Each (family, caching) is one `vllm.LLM` in a worker process (`bench.harness.wor
 family started at once and given the same requests in turn (the first engine alternating from
 repeat to repeat), each once the other worker is idle again: on a new random prompt P each
 time, P (cold), P (re-sent), P + 64 new tokens (extended); once to warm up on a P of one prefill
-chunk (not measured), then `--repeats` times. Every request is greedy, EOS ignored, 4 tokens out; TTFT is vLLM's
-`first_token_latency`. The engines have the same arguments but `enable_prefix_caching`
-(`max_num_batched_tokens` 2048, 1 GiB of KV cache, one request at a time).
+chunk (not measured), then `--repeats` times. Every request is greedy, EOS ignored, 4 tokens
+out; TTFT is vLLM's `first_token_latency`. The engines have the same arguments but
+`enable_prefix_caching` (`max_num_batched_tokens` 2048, 1 GiB of KV cache, one request at a
+time).
 
 The run fails unless every request's `num_cached_tokens` is what the block size gives (on: 0 for
 a cold P, the last boundary before the prompt's last token otherwise; off: 0), a re-sent P's
