@@ -242,6 +242,27 @@ def whitespace_ids(tokenizer: Any) -> list[int]:
     ]
 
 
+def greedy_completion(server: Server) -> tuple[dict, dict]:
+    """A greedy completion (non-streaming) whose tokens equal transformers float32 on the same
+    prompt: (request body, choice)."""
+    from tests.fixtures.oracles import hf_greedy
+
+    body = {
+        "model": server.model,
+        "prompt": "The capital of Japan is Tokyo. It is one of the",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text + server.context()
+    choice = r.json()["choices"][0]
+    expected = hf_greedy(server.model_dir, [choice["prompt_token_ids"]], 8)[0]
+    assert choice["token_ids"] == expected, server.context()
+    return body, choice
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "own_server: starts its own vllm serve instead of the shared main server"

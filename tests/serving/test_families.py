@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from tests.serving.conftest import backend_env
+from tests.serving.conftest import backend_env, greedy_completion
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
@@ -46,27 +46,6 @@ def _sse(response: requests.Response) -> list[dict]:
     return events
 
 
-def _greedy_completion(server) -> tuple[dict, dict]:
-    """A greedy completion (non-streaming) whose tokens equal transformers float32 on the same
-    prompt: (request body, choice)."""
-    from tests.fixtures.oracles import hf_greedy
-
-    body = {
-        "model": server.model,
-        "prompt": "The capital of Japan is Tokyo. It is one of the",
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    r = server.post("/v1/completions", body)
-    assert r.status_code == 200, r.text + server.context()
-    choice = r.json()["choices"][0]
-    expected = hf_greedy(server.model_dir, [choice["prompt_token_ids"]], 8)[0]
-    assert choice["token_ids"] == expected, server.context()
-    return body, choice
-
-
 def _greedy_chat(server) -> tuple[dict, str]:
     """A greedy chat completion (non-streaming) of exactly 6 tokens: (request body, its text with
     any reasoning)."""
@@ -92,7 +71,7 @@ def _greedy_chat(server) -> tuple[dict, str]:
 @pytest.mark.parametrize("family_server", ["qwen3"], indirect=True)
 @pytest.mark.parametrize("serving_backend", ["mps"], indirect=True)
 def test_torch_backend_serves_completions_and_chat(family_server):
-    _greedy_completion(family_server)
+    greedy_completion(family_server)
     _, text = _greedy_chat(family_server)
     assert text
 
@@ -103,7 +82,7 @@ def test_family_serves_chat_and_completions(family_server):
     ctx = server.context
 
     # Completion, non-streaming: greedy tokens equal transformers float32 on the same prompt.
-    body, choice = _greedy_completion(server)
+    body, choice = greedy_completion(server)
 
     # Completion, streaming: the same text, chunk by chunk.
     r = server.post("/v1/completions", {**body, "stream": True}, stream=True)

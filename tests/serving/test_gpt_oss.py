@@ -14,6 +14,8 @@ import json
 
 import pytest
 
+from tests.serving.conftest import greedy_completion
+
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
 PARSER_ARGS = (
@@ -72,19 +74,7 @@ def test_completions_and_harmony_chat_match_transformers(gpt_oss_server):
 
     server = gpt_oss_server
     ctx = server.context
-
-    body = {
-        "model": server.model,
-        "prompt": "The capital of Japan is Tokyo. It is one of the",
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    r = server.post("/v1/completions", body)
-    assert r.status_code == 200, r.text + ctx()
-    choice = r.json()["choices"][0]
-    assert choice["token_ids"] == hf_greedy(server.model_dir, [choice["prompt_token_ids"]], 8)[0]
+    greedy_completion(server)
 
     # Chat: vLLM renders the conversation (system preamble, tool namespace, user turn) with
     # openai_harmony; the engine continues it exactly as transformers does, past the window.

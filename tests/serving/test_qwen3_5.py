@@ -15,6 +15,8 @@ import io
 
 import pytest
 
+from tests.serving.conftest import greedy_completion
+
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
 SERVED = "tiny-qwen3-5"
@@ -41,23 +43,6 @@ def _png_data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _completion_matches_transformers(server) -> None:
-    from tests.fixtures.oracles import hf_greedy
-
-    body = {
-        "model": SERVED,
-        "prompt": "The capital of Japan is Tokyo. It is one of the",
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    r = server.post("/v1/completions", body)
-    assert r.status_code == 200, r.text + server.context()
-    choice = r.json()["choices"][0]
-    assert choice["token_ids"] == hf_greedy(server.model_dir, [choice["prompt_token_ids"]], 8)[0]
-
-
 @pytest.mark.parametrize(
     ("part", "modality"),
     [
@@ -81,4 +66,4 @@ def test_media_is_refused_by_modality_and_text_is_served(server, part, modality)
     assert r.status_code == 400, r.text + server.context()
     assert f"At most 0 {modality}(s) may be provided in one prompt" in r.text, r.text
     assert server.alive(), server.context()
-    _completion_matches_transformers(server)
+    greedy_completion(server)
