@@ -1,7 +1,8 @@
 """Every environment variable the plugin reads, parsed in one place.
 
 Values are read when accessed (``envs.VLLM_METAL_BACKEND``), so tests and subprocesses that set
-them late still see them. The names are registered with vLLM so it does not warn about them.
+them late still see them; a value is parsed again only when its text changed, so the ops may read
+one on every call. The names are registered with vLLM so it does not warn about them.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "VLLM_METAL_DEVICE": EnvVar(
         _choice("VLLM_METAL_DEVICE", "auto", ("auto", "gpu", "cpu")),
         "auto",
-        "MLX device: `auto` picks the Metal GPU when MLX has one, else the CPU.",
+        "MLX device: `auto` picks MLX's GPU when it has one (Metal; CUDA too, where the ops run "
+        "their pure-MLX versions: [gpu-proxy.md](gpu-proxy.md)), else the CPU.",
     ),
     "VLLM_METAL_USE_REFERENCE_OPS": EnvVar(
         _bool("VLLM_METAL_USE_REFERENCE_OPS", False),
@@ -192,10 +194,21 @@ ENV_VARS: dict[str, EnvVar] = {
 }
 
 
+# name -> (the text it was parsed from, its value)
+_parsed: dict[str, tuple[str | None, Any]] = {}
+
+
 def __getattr__(name: str) -> Any:
-    if name in ENV_VARS:
-        return ENV_VARS[name].parse()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    var = ENV_VARS.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raw = os.environ.get(name)
+    seen = _parsed.get(name)
+    if seen is not None and seen[0] == raw:
+        return seen[1]
+    value = var.parse()
+    _parsed[name] = (raw, value)
+    return value
 
 
 def __dir__() -> list[str]:

@@ -1,9 +1,12 @@
-"""Which implementation the ops run: the compiled extension when it loads for this MLX, otherwise
-(or with VLLM_METAL_USE_REFERENCE_OPS=1) the pure-MLX references; and the opt-in value checks."""
+"""Which implementation the ops run: the compiled extension when it loads for this MLX and can run
+on the default device, otherwise (or with VLLM_METAL_USE_REFERENCE_OPS=1) the pure-MLX ones; and
+the opt-in value checks."""
 
 from __future__ import annotations
 
 from types import ModuleType
+
+import mlx.core as mx
 
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
@@ -30,8 +33,13 @@ def loaded_native() -> ModuleType | None:
 
 
 def native() -> ModuleType | None:
-    """The native module the next call uses, or None when it runs the reference."""
-    return None if envs.VLLM_METAL_USE_REFERENCE_OPS else _native_ops
+    """The native module the next call uses, or None when it runs the pure-MLX ops: asked for,
+    or the default device is a GPU its kernels are not built for (MLX's CUDA backend)."""
+    if _native_ops is None or envs.VLLM_METAL_USE_REFERENCE_OPS:
+        return None
+    if not _native_ops.HAS_METAL and mx.default_device() == mx.gpu:
+        return None
+    return _native_ops
 
 
 def native_for(size: object, sizes: str = "HEAD_SIZES") -> ModuleType | None:

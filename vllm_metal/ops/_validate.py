@@ -8,6 +8,7 @@ read only metadata, so they never wait for the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from numbers import Real
 
 import mlx.core as mx
@@ -16,6 +17,37 @@ from vllm_metal.ops._constants import BLOCK_SIZE_MULTIPLE, FLOAT_DTYPES
 
 POOL_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_size]"
 LATENT_POOL_LAYOUT = "[num_blocks, block_size, latent_dim]"
+
+
+_PLAIN = (int, float, bool, type(None))
+_SIGNATURES_KEPT = 256
+
+
+def signature(args: tuple[object, ...]) -> tuple[object, ...] | None:
+    """What an op's checks read of its arguments: each array's shape and dtype, each plain
+    option's type and value; None when an argument is anything else (checked every time)."""
+    parts: list[object] = []
+    for arg in args:
+        if type(arg) is mx.array:
+            parts.append((arg.shape, arg.dtype))
+        elif type(arg) in _PLAIN:
+            parts.append((type(arg), arg))
+        else:
+            return None
+    return tuple(parts)
+
+
+def once(passed: set, args: tuple[object, ...], check: Callable[..., None]) -> None:
+    """``check(*args)`` unless arguments of the same `signature` passed it before: every layer of
+    a step calls an op with the same shapes, so its checks run once per step at most."""
+    key = signature(args)
+    if key is not None and key in passed:
+        return
+    check(*args)
+    if key is not None:
+        if len(passed) >= _SIGNATURES_KEPT:
+            passed.clear()
+        passed.add(key)
 
 
 def fail(message: str) -> None:

@@ -17,15 +17,28 @@ if TYPE_CHECKING:
     from vllm_metal.backends.protocol import ModelRunner
 
 
-def device_kind() -> str:
-    """'gpu' or 'cpu': the MLX device the runner computes on (VLLM_METAL_DEVICE may force it)."""
+def gpu_api() -> str | None:
+    """The API of MLX's GPU here: 'metal' (Apple), 'cuda' (MLX's CUDA backend, which runs the
+    same graphs on an NVIDIA GPU: a stand-in for measuring the engine) or None."""
     import mlx.core as mx
 
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def device_kind() -> str:
+    """'gpu' or 'cpu': the MLX device the runner computes on (VLLM_METAL_DEVICE may force it).
+    Any MLX GPU counts; the native kernels run on Metal only, and elsewhere the ops run their
+    pure-MLX versions (`vllm_metal.ops._backend`)."""
     wanted = envs.VLLM_METAL_DEVICE
-    has_gpu = mx.metal.is_available()
+    has_gpu = gpu_api() is not None
     if wanted == "gpu" and not has_gpu:
         raise BackendUnavailableError(
-            "VLLM_METAL_DEVICE=gpu but MLX reports no Metal GPU on this machine"
+            "VLLM_METAL_DEVICE=gpu but MLX reports no GPU (Metal or CUDA) on this machine"
         )
     if wanted == "cpu" or not has_gpu:
         return "cpu"
@@ -92,16 +105,23 @@ class MLXBackend(PagedKernelFacts):
         return self.device_description()
 
     def device_description(self) -> str:
-        return f"MLX {device_kind()}"
+        kind = device_kind()
+        return f"MLX gpu ({gpu_api()})" if kind == "gpu" else f"MLX {kind}"
 
     def total_memory_bytes(self) -> int:
-        """Unified memory Metal may use on a Mac, physical RAM elsewhere."""
+        """Unified memory Metal may use on a Mac, the GPU's memory under MLX's CUDA backend,
+        physical RAM elsewhere."""
         import mlx.core as mx
 
         if mx.metal.is_available():
             info = mx.device_info()
             # MLX reports Metal's recommended working set: the ceiling for wired buffers.
             for key in ("max_recommended_working_set_size", "memory_size"):
+                if info.get(key):
+                    return int(info[key])
+        if gpu_api() == "cuda" and device_kind() == "gpu":
+            info = mx.device_info()
+            for key in ("total_memory", "memory_size"):
                 if info.get(key):
                     return int(info[key])
         return physical_memory_bytes()

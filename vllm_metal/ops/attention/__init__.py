@@ -14,7 +14,9 @@ import numpy as np
 
 from vllm_metal.ops import _backend
 from vllm_metal.ops import _validate as v
-from vllm_metal.ops.attention import reference
+from vllm_metal.ops.attention import batched, reference
+
+_PASSED: set = set()  # argument signatures that passed check_paged_attention
 
 
 def paged_attention(
@@ -54,10 +56,10 @@ def paged_attention(
     through the reference, the rest through the native op.
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
-    check_paged_attention(*arrays, scale, sliding_window, softcap, sinks)
+    v.once(_PASSED, (*arrays, scale, sliding_window, softcap, sinks), check_paged_attention)
     if _backend.value_checks():
         check_paged_attention_values(*arrays)
-    impl = _backend.native_for(query.shape[2]) or reference
+    impl = _backend.native_for(query.shape[2]) or batched
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     out = impl.paged_attention(*arrays, scale=scale, **options)
     if key_ends is None:

@@ -1,7 +1,7 @@
 """reshape_and_cache, which scatters a step's key/value rows into the paged KV pools.
 
-Defined (docstring) and validated here once; implemented by reference.py, by csrc/ops/cache/ on
-the CPU and by metal_kernels/cache/ on the GPU.
+Defined (docstring) and validated here once; implemented by csrc/ops/cache/ on the CPU, by
+metal_kernels/cache/ on a Metal GPU and by batched.py elsewhere; reference.py is its oracle.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import numpy as np
 
 from vllm_metal.ops import _backend
 from vllm_metal.ops import _validate as v
-from vllm_metal.ops.cache import reference
+from vllm_metal.ops.cache import batched
+
+_PASSED: set = set()  # argument signatures that passed check_reshape_and_cache
 
 
 def reshape_and_cache(
@@ -30,10 +32,10 @@ def reshape_and_cache(
     share the inputs' memory.
     """
     arrays = (key, value, key_cache, value_cache, slot_mapping)
-    check_reshape_and_cache(*arrays)
+    v.once(_PASSED, arrays, check_reshape_and_cache)
     if _backend.value_checks():
         check_reshape_and_cache_values(key_cache, slot_mapping)
-    return (_backend.native_for(key.shape[2]) or reference).reshape_and_cache(*arrays)
+    return (_backend.native_for(key.shape[2]) or batched).reshape_and_cache(*arrays)
 
 
 def check_reshape_and_cache(
