@@ -195,6 +195,28 @@ def test_forcing_a_missing_gpu_is_refused(clean_env: pytest.MonkeyPatch) -> None
     assert "unavailable" in MetalPlatform.get_device_name()
 
 
+def test_an_mlx_gpu_without_metal_is_the_device(clean_env: pytest.MonkeyPatch) -> None:
+    """MLX's CUDA backend counts as a GPU: the runner computes there in the model's dtype, and
+    the ops leave the native extension (built for Metal and the CPU) for their pure-MLX path."""
+    import mlx.core as mx
+
+    from vllm_metal.backends.mlx import device
+    from vllm_metal.ops import _backend
+
+    clean_env.setattr(mx.metal, "is_available", lambda: False)
+    clean_env.setattr(mx.cuda, "is_available", lambda: True)
+    assert device.gpu_api() == "cuda"
+    assert device.device_kind() == "gpu"
+    assert device.compute_dtype(mx.bfloat16) == mx.bfloat16
+    assert device.MLX_BACKEND.device_description() == "MLX gpu (cuda)"
+    clean_env.setenv("VLLM_METAL_DEVICE", "cpu")
+    assert device.device_kind() == "cpu"
+    if _backend.loaded_native() is not None and not _backend.loaded_native().HAS_METAL:
+        assert _backend.native() is not None
+        clean_env.setattr(mx, "default_device", lambda: mx.gpu)
+        assert _backend.native() is None
+
+
 def test_current_memory_usage_follows_mlx_allocations() -> None:
     import mlx.core as mx
 
