@@ -61,6 +61,8 @@ SUITES = (
     Suite("sliding_window_blocks", "KV blocks a sliding-window model holds",
           ("sliding_window_blocks",)),
     Suite("blas_matmul", "MLX float32 matmul under each CPU BLAS", ("blas_matmul",)),
+    Suite("gpu_proxy", "plugin vs mlx-lm on MLX's CUDA backend (docs/gpu-proxy.md)",
+          ("gpu_proxy",)),
 )  # fmt: skip
 BY_NAME = {s.name: s for s in SUITES}
 

@@ -328,3 +328,20 @@ def test_gguf_with_peers(run_suite) -> None:
         assert data["layers"][case]["decode_tok_s"] > 0, case
     assert data["summary"]["engine_vs_mlx_q4_g64"]["mlx_q4_g64"] == 1.0
     run.report()
+
+
+@pytest.mark.slow
+def test_gpu_proxy_quick(run_suite) -> None:
+    """The GPU-proxy suite runs the plugin with its step phases and a profile (here on MLX's CPU
+    device: the harness, not the proxy) and reports ratios with the proxy's caveat."""
+    run = run_suite("gpu_proxy")
+    data = run.results("gpu_proxy")
+    plugin = data["engines"]["plugin"]
+    assert plugin["status"] == "ok" and data["summary"]["failed"] == []
+    assert list(plugin["cases"]) == [str(n) for n in data["settings"]["streams"]]
+    for case in plugin["cases"].values():
+        assert case["decode_tok_s"] > 0 and case["phases"]["steps"] > 0
+        assert case["phases"]["step_ms"] >= case["phases"]["graph_build_ms"] > 0
+    assert "sample_step" in plugin["profiles"]["1"]
+    text = run.report("gpu_proxy", ("## Decode tok/s (same run)", "## A plugin step"))
+    assert "not an Apple figure" in text

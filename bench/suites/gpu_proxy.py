@@ -1,0 +1,138 @@
+"""The engine on a GPU that is not Apple's: the plugin against stock mlx-lm on MLX's CUDA backend
+(docs/gpu-proxy.md), same checkpoint, 1/8/32/64 streams, and where a plugin step's time goes.
+
+Engines, one after another, each alone in a process of its own (`gpu_proxy_worker`):
+- mlx-lm: `stream_generate` (one stream) and `batch_generate` (several, all at once);
+- the plugin, once per `--tree NAME=PATH` (default: this checkout as `plugin`): `vllm.LLM` with
+  that tree first on PYTHONPATH, engine core in-process, so one run can hold a before and an
+  after of the plugin beside mlx-lm.
+The checkpoint is the harness's random Qwen3-0.6B-shaped one in bfloat16
+(`bench/harness/checkpoints.py`); prompts are `--input-len` random ids, `--output-len` greedy
+tokens with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
+median per-step phases (host build, submit, wait, sampling, the engine around them) and a
+cProfile of `--profile-streams`. Only ratios within one run mean anything: the figures are an
+NVIDIA GPU's through MLX, not an Apple GPU's.
+
+    python -m bench.run gpu_proxy --out docs/benchmarks                    # on the GPU machine
+    python -m bench.run gpu_proxy --tree before=/tmp/old --tree after=. --out DIR
+    python -m bench.run gpu_proxy --quick --out /tmp/gpu-proxy-quick       # tiny model: the harness
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.stages import ROOT, command_line, process_env, suite_parser
+
+STREAMS = (1, 8, 32, 64)
+QUICK = {"streams": [1, 2], "input_len": 16, "output_len": 8, "profile_tokens": 4,
+         "model_size": "tiny", "kv_bytes": 64 * 2**20}  # fmt: skip
+FULL = {"streams": list(STREAMS), "input_len": 128, "output_len": 256, "profile_tokens": 64,
+        "model_size": "0.6b", "kv_bytes": 8 * 2**30}  # fmt: skip
+
+
+def parser():
+    p = suite_parser("gpu_proxy", __doc__, "tiny model, 2 streams, 8 tokens: checks the harness")
+    p.add_argument("--tree", action="append", default=None, metavar="NAME=PATH",
+                   help="a vllm-metal source tree to run as engine NAME (repeatable)")  # fmt: skip
+    p.add_argument("--streams", default=None, help="comma-separated stream counts")
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
+    p.add_argument("--no-mlx-lm", action="store_true", help="the plugin trees only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
+    return p
+
+
+def run_worker(engine: str, spec: dict[str, Any], tree: Path | None, log: Path,
+               timeout: float) -> dict[str, Any]:  # fmt: skip
+    """One engine's worker; its result, or the error and its log's tail."""
+    env = process_env()
+    if tree is not None:  # the worker puts it first on sys.path once `bench` is imported
+        spec = {**spec, "plugin_tree": str(tree)}
+    result = log.with_suffix(".json")
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "bench.suites.gpu_proxy_worker", "--engine", engine,
+           "--spec", json.dumps(spec), "--result", str(result)]  # fmt: skip
+    t0 = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout, check=False).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = None
+    if rc == 0 and result.is_file():
+        return {"status": "ok", **json.loads(result.read_text())}
+    tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
+    return {"status": "error", "returncode": rc, "log_tail": tail,
+            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def summarize(engines: dict[str, dict[str, Any]], streams: list[int]) -> dict[str, Any]:
+    """Each plugin tree's decode tok/s over mlx-lm's at each stream count, and over the first
+    tree's (the 'before' of a before/after run)."""
+
+    def tok_s(name: str, n: int) -> float | None:
+        e = engines.get(name, {})
+        return e.get("cases", {}).get(str(n), {}).get("decode_tok_s") if e.get("status") == "ok" else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(a / b, 3)
+
+    trees = [n for n in engines if n != "mlx_lm"]
+    out: dict[str, Any] = {"vs_mlx_lm": {}, "vs_first_tree": {}}
+    for name in trees:
+        out["vs_mlx_lm"][name] = {str(n): ratio(tok_s(name, n), tok_s("mlx_lm", n)) for n in streams}
+        if trees and name != trees[0]:
+            out["vs_first_tree"][name] = {str(n): ratio(tok_s(name, n), tok_s(trees[0], n))
+                                          for n in streams}  # fmt: skip
+    out["failed"] = [n for n, e in engines.items() if e.get("status") != "ok"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from bench.harness.checkpoints import SHAPES, write_model
+    from bench.suites.gpu_proxy_report import write_report
+
+    settings = dict(QUICK if args.quick else FULL)
+    if args.streams:
+        settings["streams"] = [int(s) for s in args.streams.split(",")]
+    if args.output_len:
+        settings["output_len"] = args.output_len
+    profile = [int(s) for s in args.profile_streams.split(",") if s]
+    settings["profile_streams"] = [1] if args.quick else profile
+    trees = [t.split("=", 1) for t in (args.tree or [f"plugin={ROOT}"])]
+
+    work = Path(args.work_dir)
+    logs = work / ("gpu-proxy-quick" if args.quick else "gpu-proxy")
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    path = write_model(work / "models", settings["model_size"], "bfloat16", args.seed)
+    spec = {**settings, "model": str(path), "seed": args.seed,
+            "vocab_size": SHAPES[settings["model_size"]].vocab_size}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"settings": {**settings, "trees": dict(trees)},
+                              "command": command_line("gpu_proxy", argv), "engines": {}}  # fmt: skip
+    order = ([] if args.no_mlx_lm or (args.quick and not args.peers) else [("mlx_lm", None)])
+    order += [(name, Path(tree).resolve()) for name, tree in trees]
+    for name, tree in order:
+        print(f"[gpu_proxy] {name}", flush=True)
+        engine = "mlx_lm" if tree is None else "plugin"
+        report["engines"][name] = run_worker(engine, spec, tree, logs / f"{name}.log", args.timeout)
+        report["summary"] = summarize(report["engines"], settings["streams"])
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")  # partial too
+    write_report(out)
+    print(json.dumps(report["summary"], indent=2))
+    return 1 if report["summary"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

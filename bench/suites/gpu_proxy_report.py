@@ -1,0 +1,100 @@
+"""The gpu_proxy suite's report: `gpu_proxy.md` and `gpu_proxy.png` from its JSON
+(`bench/suites/gpu_proxy.py` measures; `python -m bench.run report DIR` rewrites)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.harness.report.format import num, quick_note, ratio
+from bench.harness.report.publish import regenerate
+
+STEM = "gpu_proxy"
+CAVEAT = (
+    "An NVIDIA GPU through MLX's CUDA backend stands in for an Apple GPU (docs/gpu-proxy.md): the "
+    "same MLX graphs, built in Python and run asynchronously, but none of the plugin's Metal "
+    "kernels (its pure-MLX ops run instead) and another GPU's speeds. Only the ratios between "
+    "engines of one run mean anything; no figure here is an Apple figure."
+)
+PHASES = (("graph_build_ms", "graph build"), ("host_other_ms", "host, outside the graph"),
+          ("submit_ms", "submit (mx.async_eval)"),
+          ("wait_ms", "wait for logits"), ("sample_ms", "sampling"),
+          ("engine_other_ms", "engine around the runner"), ("step_ms", "whole step"))  # fmt: skip
+
+
+def _engines(report: dict[str, Any]) -> list[str]:
+    return list(report["engines"])
+
+
+def _tok_s(report: dict[str, Any], name: str, n: int) -> float | None:
+    e = report["engines"][name]
+    return e.get("cases", {}).get(str(n), {}).get("decode_tok_s") if e.get("status") == "ok" else None
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    streams = s["streams"]
+    names = _engines(report)
+    lines = ["# The engine on the GPU proxy (MLX's CUDA backend)", ""]
+    if s.get("quick"):
+        lines += [quick_note("the tiny model"), ""]
+    device = next((e.get("device") for e in report["engines"].values() if e.get("device")), {})
+    lines += [f"*{CAVEAT}*", "",
+              f"Command: `{report['command']}`. Device: {device.get('device_name', '?')} "
+              f"(MLX {device.get('mlx', '?')}, default device {device.get('default_device', '?')}). "
+              f"Checkpoint: random {s['model_size']} bfloat16; {s['input_len']}-token prompts, "
+              f"{s['output_len']} greedy tokens, EOS ignored. Trees: "
+              + ", ".join(f"`{k}` = {v}" for k, v in s["trees"].items()), "",
+              "## Decode tok/s (same run)", "",
+              "| engine | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in streams) + " |",
+              "|---|" + "---:|" * len(streams)]  # fmt: skip
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(num(_tok_s(report, name, n)) for n in streams) + " |")
+    summary = report.get("summary", {})
+    for key, title in (("vs_mlx_lm", "over mlx-lm"), ("vs_first_tree", "over the first tree")):
+        for name, by_n in summary.get(key, {}).items():
+            lines.append(f"| {name} {title} | " + " | ".join(ratio(by_n.get(str(n))) for n in streams) + " |")
+    lines += ["", "## A plugin step, mean ms per model step", "",
+              "| engine | streams | " + " | ".join(label for _, label in PHASES) + " |",
+              "|---|---:|" + "---:|" * len(PHASES)]  # fmt: skip
+    for name in names:
+        for n, case in report["engines"][name].get("cases", {}).items():
+            phases = case.get("phases")
+            if phases:
+                lines.append(f"| {name} | {n} | " + " | ".join(num(phases[k], 2) for k, _ in PHASES) + " |")
+    for name in names:
+        e = report["engines"][name]
+        if e.get("status") != "ok":
+            lines += ["", f"**{name} failed** (exit {e.get('returncode')}):", "", "```",
+                      e.get("log_tail", "")[-1500:], "```"]  # fmt: skip
+        for n, text in e.get("profiles", {}).items():
+            lines += ["", f"<details><summary>cProfile, {name}, {n} stream(s)</summary>", "",
+                      "```", text.strip()[-6000:], "```", "</details>"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict[str, Any], plt: Any) -> Any:
+    streams = report["settings"]["streams"]
+    names = _engines(report)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        values = [_tok_s(report, name, n) or 0 for n in streams]
+        xs = [j + i * width for j in range(len(streams))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(streams))])
+    ax.set_xticklabels([f"{n} stream{'s' if n > 1 else ''}" for n in streams])
+    ax.set_ylabel("decode tok/s")
+    ax.legend(fontsize=8)
+    ax.set_title("MLX on an NVIDIA GPU (CUDA backend): ratios only, not Apple figures", fontsize=9)
+    return fig
+
+
+def write_report(out: Path) -> None:
+    """The markdown and plot from `out`/gpu_proxy.json."""
+    regenerate(out, STEM, _markdown, _plot)
+
+
+def regenerate_report(folder: Path) -> None:
+    regenerate(folder, STEM, _markdown, _plot)
