@@ -141,7 +141,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "VLLM_METAL_USE_REFERENCE_OPS": EnvVar(
         _bool("VLLM_METAL_USE_REFERENCE_OPS", False),
         "0",
-        "1 runs attention through the pure-MLX reference ops instead of the native extension.",
+        "1 runs the paged attention and cache write through their pure-MLX versions (one batched "
+        "graph per call) instead of the native extension.",
     ),
     "VLLM_METAL_DISABLE_GQA_DECODE": EnvVar(
         _bool("VLLM_METAL_DISABLE_GQA_DECODE", False),
