@@ -1,7 +1,9 @@
 """Sampling, the output stage of generating models (`output.py`): a step's logits are queued on
 the device and sampled with vLLM's own `Sampler` (grammar bitmask included), or its
-`RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); token write-back
-into the request state, and the step's `ModelRunnerOutput`."""
+`RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); a step whose rows
+all sample greedily with nothing that moves the argmax takes the argmax computed on the device
+instead, and its logits never reach the host (`greedy_on_device`); token write-back into the
+request state, and the step's `ModelRunnerOutput`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import mlx.core as mx
 import numpy as np
 import torch
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
@@ -68,14 +74,17 @@ class Sampling:
         packed = forward.packed
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
+        greedy = mx.argmax(logits, axis=-1) if logits.size else None
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
-        mx.async_eval(logits, *prompt_logits.values(), *forward.kv_arrays)
+        pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
+        mx.async_eval(*pending, *([] if greedy is None else [greedy]))
         connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
             scheduler_output,
             packed,
             logits,
             prompt_logits,
+            greedy=greedy,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
@@ -114,6 +123,8 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
 ) -> ModelRunnerOutput:
     batch = states.input_batch
+    if not states.num_prompt_logprobs and greedy_on_device(step, batch.sampling_metadata):
+        return _greedy_output(step, states)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -142,6 +153,53 @@ def sample_step(
         prompt_logprobs_dict=gather_prompt_logprobs(
             states, step.packed, step.prompt_logits, sampler, logprobs_mode
         ),
+    )
+
+
+def greedy_on_device(step: StepState, metadata) -> bool:
+    """Whether the step's tokens are its rows' argmax (`step.greedy`) as vLLM's `Sampler` would
+    pick them: every row greedy, no logprobs, no grammar, no drafts, no prompt logprobs, and
+    nothing applied before the argmax (allowed or bad words, penalties, a logit bias, min
+    tokens, a thinking budget, custom logits processors)."""
+    if step.greedy is None or step.grammar_output is not None or step.prompt_logits:
+        return False
+    if step.packed.num_draft_tokens.any():
+        return False
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
+    return bool(
+        metadata.all_greedy
+        and metadata.max_num_logprobs is None
+        and not metadata.logprob_token_ids
+        and metadata.allowed_token_ids_mask is None
+        and not metadata.bad_words_token_ids
+        and metadata.no_penalties
+        and (holder is None or not holder.has_tracked_requests())
+        and not any(_moves_argmax(p) for p in metadata.logitsprocs.non_argmax_invariant)
+    )
+
+
+def _moves_argmax(processor) -> bool:
+    """vLLM's built-in logit bias and min-tokens processors act only for requests that ask for
+    them; any other processor that may move the argmax is assumed to."""
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return bool(processor.biases)
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return bool(processor.min_toks)
+    return True
+
+
+def _greedy_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
+    """The step's output from the argmax computed on the device (waits for the forward)."""
+    batch = states.input_batch
+    tokens = np.asarray(step.greedy).tolist()
+    sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
+    states.record_sampled(sampled)
+    return ModelRunnerOutput(
+        req_ids=batch.req_ids.copy(),
+        req_id_to_index=batch.req_id_to_index.copy(),
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
     )
 
 
