@@ -43,6 +43,9 @@ SHAPES: dict[str, ModelShape] = {
     # continuations are diverse (20+ distinct tokens in 24) and the top two logits rarely within
     # 0.01, so engines' tokens can be compared.
     "0.17b": ModelShape("qwen3-0.17b-random", 8, 1024, 3072, 16, 8, 64, 32000, False, 0.1),
+    # Qwen3-0.6B's depth and vocabulary at a width of 64 (2 query / 1 KV heads of 64): per-op and
+    # per-step costs dominate a step, as on a GPU, even on MLX's CPU device.
+    "0.6b-narrow": ModelShape("qwen3-0.6b-narrow", 28, 64, 192, 2, 1, 64, 151936, True, 0.1),
     # The test suite's tiny Qwen3 (a few MB): for checking the harness, not for speed claims.
     "tiny": ModelShape("qwen3-tiny-random", 2, 256, 512, 4, 2, 64, 768, False, 0.3),
 }

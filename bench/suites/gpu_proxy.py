@@ -44,6 +44,8 @@ def parser():
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
     p.add_argument("--no-mlx-lm", action="store_true", help="the plugin trees only")
+    p.add_argument("--model-size", default=None,
+                   help="bench.harness.checkpoints shape (0.6b; tiny with --quick)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     return p
@@ -79,7 +81,11 @@ def summarize(engines: dict[str, dict[str, Any]], streams: list[int]) -> dict[st
 
     def tok_s(name: str, n: int) -> float | None:
         e = engines.get(name, {})
-        return e.get("cases", {}).get(str(n), {}).get("decode_tok_s") if e.get("status") == "ok" else None
+        return (
+            e.get("cases", {}).get(str(n), {}).get("decode_tok_s")
+            if e.get("status") == "ok"
+            else None
+        )
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a / b, 3)
@@ -87,7 +93,9 @@ def summarize(engines: dict[str, dict[str, Any]], streams: list[int]) -> dict[st
     trees = [n for n in engines if n != "mlx_lm"]
     out: dict[str, Any] = {"vs_mlx_lm": {}, "vs_first_tree": {}}
     for name in trees:
-        out["vs_mlx_lm"][name] = {str(n): ratio(tok_s(name, n), tok_s("mlx_lm", n)) for n in streams}
+        out["vs_mlx_lm"][name] = {
+            str(n): ratio(tok_s(name, n), tok_s("mlx_lm", n)) for n in streams
+        }
         if trees and name != trees[0]:
             out["vs_first_tree"][name] = {str(n): ratio(tok_s(name, n), tok_s(trees[0], n))
                                           for n in streams}  # fmt: skip
@@ -105,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         settings["streams"] = [int(s) for s in args.streams.split(",")]
     if args.output_len:
         settings["output_len"] = args.output_len
+    if args.model_size:
+        settings["model_size"] = args.model_size
     profile = [int(s) for s in args.profile_streams.split(",") if s]
     settings["profile_streams"] = [1] if args.quick else profile
     trees = [t.split("=", 1) for t in (args.tree or [f"plugin={ROOT}"])]
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"settings": {**settings, "trees": dict(trees)},
                               "command": command_line("gpu_proxy", argv), "engines": {}}  # fmt: skip
-    order = ([] if args.no_mlx_lm or (args.quick and not args.peers) else [("mlx_lm", None)])
+    order = [] if args.no_mlx_lm or (args.quick and not args.peers) else [("mlx_lm", None)]
     order += [(name, Path(tree).resolve()) for name, tree in trees]
     for name, tree in order:
         print(f"[gpu_proxy] {name}", flush=True)

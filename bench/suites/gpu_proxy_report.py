@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import num, quick_note, ratio
+from bench.harness.report.format import CPU_NOTE, num, quick_note, ratio
 from bench.harness.report.publish import regenerate
 
 STEM = "gpu_proxy"
@@ -28,18 +28,22 @@ def _engines(report: dict[str, Any]) -> list[str]:
 
 def _tok_s(report: dict[str, Any], name: str, n: int) -> float | None:
     e = report["engines"][name]
-    return e.get("cases", {}).get(str(n), {}).get("decode_tok_s") if e.get("status") == "ok" else None
+    return (
+        e.get("cases", {}).get(str(n), {}).get("decode_tok_s") if e.get("status") == "ok" else None
+    )
 
 
 def _markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     streams = s["streams"]
     names = _engines(report)
-    lines = ["# The engine on the GPU proxy (MLX's CUDA backend)", ""]
+    device = next((e.get("device") for e in report["engines"].values() if e.get("device")), {})
+    on_cpu = "cpu" in str(device.get("default_device", "cpu"))
+    where = "MLX's CPU device" if on_cpu else "the GPU proxy (MLX's CUDA backend)"
+    lines = [f"# The plugin against mlx-lm on {where}", ""]
     if s.get("quick"):
         lines += [quick_note("the tiny model"), ""]
-    device = next((e.get("device") for e in report["engines"].values() if e.get("device")), {})
-    lines += [f"*{CAVEAT}*", "",
+    lines += [f"*{CPU_NOTE if on_cpu else CAVEAT}*", "",
               f"Command: `{report['command']}`. Device: {device.get('device_name', '?')} "
               f"(MLX {device.get('mlx', '?')}, default device {device.get('default_device', '?')}). "
               f"Checkpoint: random {s['model_size']} bfloat16; {s['input_len']}-token prompts, "
@@ -49,11 +53,15 @@ def _markdown(report: dict[str, Any]) -> str:
               "| engine | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in streams) + " |",
               "|---|" + "---:|" * len(streams)]  # fmt: skip
     for name in names:
-        lines.append(f"| {name} | " + " | ".join(num(_tok_s(report, name, n)) for n in streams) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(num(_tok_s(report, name, n)) for n in streams) + " |"
+        )
     summary = report.get("summary", {})
     for key, title in (("vs_mlx_lm", "over mlx-lm"), ("vs_first_tree", "over the first tree")):
         for name, by_n in summary.get(key, {}).items():
-            lines.append(f"| {name} {title} | " + " | ".join(ratio(by_n.get(str(n))) for n in streams) + " |")
+            lines.append(
+                f"| {name} {title} | " + " | ".join(ratio(by_n.get(str(n))) for n in streams) + " |"
+            )
     lines += ["", "## A plugin step, mean ms per model step", "",
               "| engine | streams | " + " | ".join(label for _, label in PHASES) + " |",
               "|---|---:|" + "---:|" * len(PHASES)]  # fmt: skip
@@ -61,7 +69,9 @@ def _markdown(report: dict[str, Any]) -> str:
         for n, case in report["engines"][name].get("cases", {}).items():
             phases = case.get("phases")
             if phases:
-                lines.append(f"| {name} | {n} | " + " | ".join(num(phases[k], 2) for k, _ in PHASES) + " |")
+                lines.append(
+                    f"| {name} | {n} | " + " | ".join(num(phases[k], 2) for k, _ in PHASES) + " |"
+                )
     for name in names:
         e = report["engines"][name]
         if e.get("status") != "ok":
@@ -87,7 +97,11 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
     ax.set_xticklabels([f"{n} stream{'s' if n > 1 else ''}" for n in streams])
     ax.set_ylabel("decode tok/s")
     ax.legend(fontsize=8)
-    ax.set_title("MLX on an NVIDIA GPU (CUDA backend): ratios only, not Apple figures", fontsize=9)
+    device = next((e.get("device") for e in report["engines"].values() if e.get("device")), {})
+    on_cpu = "cpu" in str(device.get("default_device", "cpu"))
+    where = "MLX's CPU device" if on_cpu else "an NVIDIA GPU through MLX's CUDA backend"
+    ax.set_title(f"{report['settings']['model_size']} on {where}: ratios only, not Apple figures",
+                 fontsize=9)  # fmt: skip
     return fig
 
 

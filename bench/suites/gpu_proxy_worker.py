@@ -133,7 +133,7 @@ class PhaseTimers:
         """Mean ms per model step of each phase over a round (its prefill steps included: one or
         two of the round's hundreds)."""
         r = {k: v * 1e3 / max(1, self.steps) for k, v in self.records.items()}
-        get = lambda k: r.get(k, 0.0)  # noqa: E731
+        get = lambda k: r.get(k, 0.0)
         graph = get("graph")
         build = get("execute_model") - get("submit") - get("sample_step_in_execute")
         return {
@@ -142,7 +142,9 @@ class PhaseTimers:
             "submit_ms": round(get("submit"), 3),
             "wait_ms": round(get("wait"), 3),
             "sample_ms": round(get("sample_step") - get("wait"), 3),
-            "engine_other_ms": round(get("engine_step") - build - get("submit") - get("sample_step"), 3),
+            "engine_other_ms": round(
+                get("engine_step") - build - get("submit") - get("sample_step"), 3
+            ),
             "step_ms": round(get("engine_step"), 3),
             "steps": self.steps,
         }

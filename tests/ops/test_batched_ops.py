@@ -112,7 +112,13 @@ def test_ops_without_native_kernels_run_the_batched_path(monkeypatch) -> None:
     monkeypatch.setattr(batched, "plan_for", lambda *a: calls.append(a) or batched.make_plan(*a))
     rng = np.random.default_rng(8)
     batch = make_batch(
-        rng, q_lens=[1, 2], ctx_lens=[4, 9], num_heads=4, num_kv_heads=2, head_size=64, block_size=16
+        rng,
+        q_lens=[1, 2],
+        ctx_lens=[4, 9],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
     )
     assert_close(
         ops.paged_attention(*batch.args, scale=0.125),

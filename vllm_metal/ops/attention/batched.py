@@ -28,7 +28,9 @@ class _Tiles:
     positions: np.ndarray  # [n, C] position of each tile row (0 for padding)
     key_blocks: mx.array  # [n, num_blocks] the pool blocks each tile reads
     key_lens: np.ndarray  # [n] keys a tile may read: its sequence's length
-    masks: dict = field(default_factory=dict)  # sliding window -> ([n, 1, C, L] visible, [n, L, 1, 1])
+    masks: dict = field(
+        default_factory=dict
+    )  # sliding window -> ([n, 1, C, L] visible, [n, L, 1, 1])
 
 
 @dataclass
@@ -44,7 +46,11 @@ _plans: dict[tuple[int, ...], tuple[tuple[mx.array, ...], Plan]] = {}
 
 
 def plan_for(
-    block_tables: mx.array, seq_lens: mx.array, cu_seqlens_q: mx.array, num_tokens: int, block_size: int
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    cu_seqlens_q: mx.array,
+    num_tokens: int,
+    block_size: int,
 ) -> Plan:
     """The step's `Plan`, made once for these (immutable) arrays and reused by later calls with
     the same ones; the arrays are held so that their ids stay theirs."""
@@ -60,7 +66,11 @@ def plan_for(
 
 
 def make_plan(
-    block_tables: mx.array, seq_lens: mx.array, cu_seqlens_q: mx.array, num_tokens: int, block_size: int
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    cu_seqlens_q: mx.array,
+    num_tokens: int,
+    block_size: int,
 ) -> Plan:
     cu = np.asarray(cu_seqlens_q).astype(np.int64)
     lens = np.asarray(seq_lens).astype(np.int64)
@@ -74,7 +84,9 @@ def make_plan(
         width = int(min(TILE, q_lens[picked].max()))
         per_seq = -(-q_lens[picked] // width)
         seqs = np.repeat(picked, per_seq)
-        first = (np.arange(per_seq.sum()) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * width
+        first = (
+            np.arange(per_seq.sum()) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        ) * width
         row_in_seq = first[:, None] + np.arange(width)[None, :]
         live = row_in_seq < q_lens[seqs][:, None]
         rows = np.where(live, cu[seqs][:, None] + row_in_seq, num_tokens)
