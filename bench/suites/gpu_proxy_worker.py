@@ -76,7 +76,7 @@ class PhaseTimers:
     """Wall time of a step's phases, by wrapping the runner's and engine's methods: graph build
     (the model state's `hidden_states` and `logits`: the forward's own Python), host other (the
     rest of `execute_model`: request state, packing, metadata), submit (`mx.async_eval`), wait
-    (the logits reaching the host: `to_torch`), sampling (vLLM's sampler and the write-back: the
+    (the logits, or the tokens sampled on the device, reaching the host), sampling (vLLM's sampler and the write-back: the
     rest of `sample_step`) and the engine around them (scheduler, output processing: the rest of
     `LLMEngine.step`). Under async scheduling `execute_model` first samples the step before it;
     that sampling counts as sampling, not as the step's build."""
@@ -116,6 +116,8 @@ class PhaseTimers:
         LLMEngine.step = self.timed("engine_step", LLMEngine.step)
         sample.sample_step = self.timed("sample_step", sample.sample_step)
         sample.to_torch = self.timed("wait", sample.to_torch)
+        if hasattr(sample, "to_host"):  # the tokens of a step sampled on the device
+            sample.to_host = self.timed("wait", sample.to_host)
         runner = model_runner.MLXModelRunner
         runner.execute_model = self.timed("execute_model", runner.execute_model)
         submit = self.timed("submit", mx.async_eval)

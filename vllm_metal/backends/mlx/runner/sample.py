@@ -27,7 +27,7 @@ from vllm_metal.backends.mlx.runner.prompt_logprobs import (
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
 from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
-from vllm_metal.backends.mlx.runner.tensors import to_torch
+from vllm_metal.backends.mlx.runner.tensors import to_host, to_torch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,7 +191,7 @@ def _moves_argmax(processor) -> bool:
 def _greedy_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
     """The step's output from the argmax computed on the device (waits for the forward)."""
     batch = states.input_batch
-    tokens = np.asarray(step.greedy).tolist()
+    tokens = to_host(step.greedy).tolist()
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
     states.record_sampled(sampled)
     return ModelRunnerOutput(
