@@ -11,17 +11,21 @@ a hybrid with inner state, multimodal or not) and the shapes and dtypes of its G
 states, which it sizes its state pages by. The classes below answer exactly that, through vLLM's
 own calculators, the same on Linux and macOS.
 
-The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published; the runner
-serves their language model (the towers are not run: `config.multimodal` sets vLLM's
-`language_model_only`), and their processor is the item-count check alone, so a request with an
-image or video gets vLLM's 400 naming the modality ("At most 0 image(s) ..."). Installed by
+The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published. Where vLLM's
+own Qwen3.5 module imports (macOS, whose torch and torchvision match), they take its processor
+(Qwen3-VL's, with Qwen3.5's processing info) and the runner runs the towers
+(`models/families/qwen3_5_vl.py`). Elsewhere the runner serves their language model
+(`config.multimodal` sets vLLM's `language_model_only`), and their processor is the item-count
+check alone, so a request with an image or video gets vLLM's 400 naming the modality ("At most
+0 image(s) ..."). Installed by
 the platform before vLLM builds its model config (`MetalPlatform.pre_register_and_update`), so
 only where vllm-metal is vLLM's platform.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from functools import cache
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -119,7 +123,8 @@ class _ItemCountCheck:
 
 
 class _Qwen3_5Wrapper(Qwen3_5Base, SupportsMultiModal):
-    """The published vision-language wrapper: multimodal to vLLM, served text-only."""
+    """The published vision-language wrapper: multimodal to vLLM; served text-only unless
+    `install` gives it vLLM's processor."""
 
     supports_multimodal: ClassVar[Literal[True]] = True
     _processor_factory = _ProcessorFactories(
@@ -137,6 +142,32 @@ class Qwen3_5ForConditionalGeneration(_Qwen3_5Wrapper):
 
 class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
     pass
+
+
+@cache
+def _vllm_qwen3_5() -> Any:
+    """vLLM's own Qwen3.5 module, or None where it does not import (no working torchvision)."""
+    try:
+        from vllm.model_executor.models import qwen3_5
+    except (ImportError, RuntimeError):  # no torchvision, or one built for another torch
+        return None
+    return qwen3_5
+
+
+def uses_vllm_processor() -> bool:
+    """Whether the wrappers take vLLM's Qwen3.5 processor here (and the runner their towers)."""
+    return _vllm_qwen3_5() is not None
+
+
+def _use_vllm_processors() -> None:
+    """Give each wrapper vLLM's processor and placeholder strings, where its module imports."""
+    module = _vllm_qwen3_5()
+    if module is None:
+        return
+    for cls in (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):
+        real = getattr(module, cls.__name__)
+        cls._processor_factory = real._processor_factory
+        cls.get_placeholder_str = real.get_placeholder_str
 
 
 class Qwen3_5MTP(nn.Module, SupportsMultiModal):
@@ -172,6 +203,7 @@ def install() -> None:
 
     if getattr(ModelRegistry, _INSTALLED, False):
         return
+    _use_vllm_processors()
     for cls in CLASSES:
         ModelRegistry.register_model(cls.__name__, cls)
     setattr(ModelRegistry, _INSTALLED, True)

@@ -91,6 +91,17 @@ KINDS: tuple[ModelKind, ...] = (
         _flag("is_encoder_decoder"),
     ),
     ModelKind(
+        "vision_state_hybrid",
+        "vision-language models with Gated DeltaNet state layers ({vision_state_hybrid})",
+        "serve a text model",
+        # With `language_model_only` (set where their towers do not run) they are state hybrids.
+        _all(
+            _flag("is_multimodal_model"),
+            _declared("vision_state_hybrid"),
+            lambda c: not _language_model_only(c),
+        ),
+    ),
+    ModelKind(
         "vision_language",
         "vision-language models ({vision_language})",
         "serve a text model",

@@ -2,7 +2,8 @@
 
 A Mistral 3, Pixtral or Qwen2-VL checkpoint carries a language model that mlx-lm loads by itself
 (its `mistral3`, `pixtral`, `qwen2_vl`, ... modules drop the vision weights). Until a family
-module runs such a tower (kind `vision_language`), the platform serves the language model and
+module runs such a tower (kind `vision_language`, or `vision_state_hybrid` where its
+`towers_run()` holds: Qwen3.5 where vLLM's processor imports), the platform serves the language model and
 sets vLLM's `language_model_only`: the front end then answers a request that carries an image,
 video or audio item with a 400 ("At most 0 image(s) may be provided in one prompt"), before it
 reaches the engine. A multimodal checkpoint without such an mlx-lm module is refused at startup
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from vllm_metal._logging import init_logger
 from vllm_metal.config.errors import MetalConfigError
-from vllm_metal.models.families import declarations, model_types
+from vllm_metal.models.families import declarations, model_types, runs_towers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,7 +57,7 @@ def serve_language_model_only(vllm_config: VllmConfig) -> bool:
     if (
         mm is None
         or mm.language_model_only
-        or (declared is not None and declared.modalities)
+        or (declared is not None and declared.modalities and runs_towers(model_type))
         or not has_mlx_lm_text_model(model_type)
     ):
         return False
@@ -84,7 +85,8 @@ def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
     model = vllm_config.model_config
     mm = None if model is None else model.multimodal_config
     model_type = None if model is None else getattr(model.hf_config, "model_type", None)
-    if mm is None or model_type not in model_types("vision_language"):
+    towers = model_types("vision_language") + model_types("vision_state_hybrid")
+    if mm is None or model_type not in towers:
         return
     if mm.video_pruning_rate:
         raise MetalConfigError(

@@ -28,12 +28,17 @@ __all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model", "load_spee
 
 
 def loads_towers(model: str, model_type: str | None) -> bool:
-    """Whether `model` loads through mlx-vlm with its towers: a vision-language family's
-    checkpoint (a GGUF file holds the language model only)."""
-    from vllm_metal.models.families import model_types
+    """Whether `model` loads with its towers: a vision-language family's checkpoint (through
+    mlx-vlm), or a vision-language state hybrid's where its towers run on this host (mlx-lm's
+    language model beside mlx-vlm's tower); a GGUF file holds the language model only."""
+    from vllm_metal.models.families import model_types, runs_towers
     from vllm_metal.models.loaders import is_gguf
 
-    return model_type in model_types("vision_language") and not is_gguf(model)
+    if is_gguf(model):
+        return False
+    if model_type in model_types("vision_state_hybrid"):
+        return runs_towers(model_type)
+    return model_type in model_types("vision_language")
 
 
 def load_model(
@@ -46,6 +51,7 @@ def load_model(
     dequantize: bool = False,
     lm_head: bool = True,
     hf_config: dict[str, Any] | None = None,
+    towers: bool | None = None,
 ) -> ModelAdapter:
     """Load `model` (a local directory, a Hugging Face id or a `.gguf` file) and wrap it for the
     runner.
@@ -54,10 +60,17 @@ def load_model(
     unavailable and the pooling heads read what they need from the checkpoint. `hf_config`: the
     config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
     None reads it from the file. Vision-language models (the families of that kind) load
-    through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`."""
+    through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`; a vision-language state
+    hybrid's language model through mlx-lm, its tower attached to its adapter. `towers`: whether
+    to load the towers (None: as `loads_towers` decides)."""
+    from vllm_metal.models.families import model_types
     from vllm_metal.models.loaders import is_gguf, safetensors
 
-    if loads_towers(model, (hf_config or {}).get("model_type")):
+    model_type = (hf_config or {}).get("model_type")
+    if towers is None:
+        towers = loads_towers(model, model_type)
+    hybrid_towers = towers and model_type in model_types("vision_state_hybrid")
+    if towers and not hybrid_towers:
         from vllm_metal.models.loaders import mlx_vlm
 
         mlx_model, config = mlx_vlm.load(
@@ -82,8 +95,17 @@ def load_model(
         if "language_model" in mlx_model and "model" not in mlx_model:
             # mlx-lm's text-only class of a vision-language checkpoint (`config.multimodal`): its
             # language model is an ordinary mlx-lm model.
+            wrapper = config
             mlx_model, config = mlx_model.language_model, config.get("text_config", config)
-    adapter = adapter_class(config.get("model_type"))(mlx_model, config)
+    if hybrid_towers:
+        from vllm_metal.models.loaders.safetensors import resolve_model_path
+
+        adapter = adapter_class(model_type)(mlx_model, config, wrapper["vision_config"])
+        adapter.load_towers(
+            resolve_model_path(model, revision, download_dir), wrapper, compute_dtype
+        )
+    else:
+        adapter = adapter_class(config.get("model_type"))(mlx_model, config)
     adapter.install_paged_attention()
     return adapter
 

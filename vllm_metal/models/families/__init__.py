@@ -27,6 +27,7 @@ MODULES = (
     "qwen2_5_vl",
     "qwen2_moe",
     "qwen3_5",
+    "qwen3_5_vl",
     "qwen3_next",
     "qwen3_vl",
     "whisper",
@@ -77,6 +78,16 @@ def _adapter_modules() -> dict[str, str]:
 def model_types(kind: str) -> tuple[str, ...]:
     """The model types declared as `kind`, sorted."""
     return tuple(sorted(t for t, d in declarations().items() if d.kind == kind))
+
+
+def runs_towers(model_type: str | None) -> bool:
+    """Whether the towers of `model_type` run on this host: a family that declares modalities
+    runs them unless its module's `towers_run()` says the media cannot be prepared here."""
+    declared = declarations().get(model_type or "")
+    if declared is None or not declared.modalities:
+        return False
+    name = _adapter_modules().get(declared.model_type)
+    return name is None or getattr(_module(name), "towers_run", lambda: True)()
 
 
 def adapter_class(model_type: str | None) -> type[ModelAdapter]:

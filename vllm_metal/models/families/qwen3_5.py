@@ -1,9 +1,9 @@
 """Qwen3.5 / 3.6 (dense and MoE): Qwen3-Next's layer mix (three Gated DeltaNet layers to each
 gated full-attention layer, a quarter of each head rotated) in a vision-language wrapper, with
 dense MLPs or MoE blocks beside a shared expert. The MLX runner serves the language model of
-the wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) and the
-text-only `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`; the towers are not run
-(`config.multimodal`).
+the wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`), alone
+where the towers do not run (`config.multimodal`) or with them (`families.qwen3_5_vl`), and the
+text-only `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`.
 
 mlx-lm's `qwen3_5` classes take Qwen3-Next's attention, norms and MoE block; their Gated DeltaNet
 differs only in its input projections (q, k, v in one block, then z, b and a apart, where
@@ -28,7 +28,8 @@ from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.families.qwen3_next import packed_gated_delta
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
-MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# (The wrappers' model types are `families.qwen3_5_vl`'s; their text configs are these.)
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 KIND = "state_hybrid"
 MODALITIES: tuple[str, ...] = ()
 

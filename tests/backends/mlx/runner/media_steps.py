@@ -65,19 +65,22 @@ def run_greedy(
     new_tokens: int,
     keep_items_whole: bool = False,
     key_ends: bool = True,
+    block_size: int = BLOCK_SIZE,
 ) -> dict[str, tuple[list[int], np.ndarray]]:
     """Each request's `new_tokens` greedy tokens and the logits of its prompt's last token.
-    `key_ends=False` drops the prefix-LM key ends (every token causal), for negative controls."""
+    `key_ends=False` drops the prefix-LM key ends (every token causal), for negative controls.
+    A hybrid's state layers keep their pages in their own regions' blocks (`block_size` large
+    enough that a block's K and V hold a state page)."""
     req_ids = list(states)
     lengths = [len(states[r].prompt_token_ids) + new_tokens for r in req_ids]
-    blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+    blocks = [-(-n // block_size) for n in lengths]
     table = np.zeros((len(req_ids), max(blocks)), dtype=np.int32)
     for i, n in enumerate(blocks):
         table[i, :n] = np.arange(sum(blocks[:i]), sum(blocks[: i + 1]))
-    attn = adapter.decoder.layers[0].self_attn
+    attn = next(layer.self_attn for layer in adapter.decoder.layers if hasattr(layer, "self_attn"))
     pool = KVPool(
-        KVLayout.single_group(adapter.num_layers, sum(blocks), BLOCK_SIZE),
-        attn.n_kv_heads,
+        KVLayout.single_group(adapter.num_layers, sum(blocks), block_size),
+        getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads,  # Qwen3-Next's name
         attn.head_dim,
         mx.float32,
     )
@@ -116,7 +119,7 @@ def run_greedy(
             np.array([len(tokens[r]) for r in active]),
             np.array([tokens[r] + [0] * (width - len(tokens[r])) for r in active]),
             [table[[req_ids.index(r) for r in active]]],
-            [BLOCK_SIZE],
+            [block_size],
         )
         cache.update(step, states, adapter)
         rows = cache.step_rows(packed, states)
