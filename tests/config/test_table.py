@@ -100,8 +100,10 @@ def test_the_table_names_only_kinds_and_features_that_exist():
     assert set(table.SUPPORTED) == set(BACKENDS) == set(table.SPECULATIVE_METHODS)
     assert table.check_table() == []
     assert {d.kind for d in declarations().values()} <= set(BY_NAME)
-    assert set(model_types("state_hybrid")) == set(STATE_SHAPES)
+    hybrids = model_types("state_hybrid") + model_types("vision_state_hybrid")
+    assert set(hybrids) == set(STATE_SHAPES)
     assert model_types("vision_language") == ("gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl")
+    assert model_types("vision_state_hybrid") == ("qwen3_5", "qwen3_5_moe")
 
 
 def test_the_check_rejects_a_name_that_is_no_kind_or_feature(monkeypatch):

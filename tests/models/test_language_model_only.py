@@ -10,6 +10,7 @@ random Mistral 3 checkpoint written by transformers: its language model, loaded 
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,3 +146,32 @@ def test_vllm_counts_gemma3_as_a_prefix_lm() -> None:
     convertor = ModelArchConfigConvertorBase(config, config.get_text_config())
     assert convertor.is_mm_prefix_lm()
     assert not convertor.is_mm_prefix_lm(supports_multimodal=False)
+
+
+def _qwen3_5_config(model_type: str) -> SimpleNamespace:
+    """What the platform reads of a Qwen3.5 wrapper's vLLM config (a hybrid, multimodal)."""
+    config = _config(model_type)
+    config.model_config.is_hybrid = True
+    config.model_config.hf_text_config = SimpleNamespace(model_type=f"{model_type}_text")
+    return config
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("towers_run", [False, True], ids=["no-vllm-processor", "vllm-processor"])
+def test_qwen3_5_is_served_with_its_towers_only_where_vllms_processor_imports(
+    monkeypatch, model_type, towers_run
+) -> None:
+    """Where vLLM's Qwen3.5 processor does not import (this Linux host) the wrapper is a state
+    hybrid served text-only; where it does, a vision-language state hybrid keeping its media."""
+    from vllm_metal.compat import vllm_models
+    from vllm_metal.config.multimodal import serve_language_model_only
+    from vllm_metal.models import loads_towers
+
+    if sys.platform == "linux":
+        assert not vllm_models.uses_vllm_processor()  # no torchvision beside torch 2.13.0+cpu
+    monkeypatch.setattr(vllm_models, "uses_vllm_processor", lambda: towers_run)
+    config = _qwen3_5_config(model_type)
+    assert serve_language_model_only(config) is not towers_run
+    assert config.model_config.multimodal_config.language_model_only is not towers_run
+    assert kind_of(config).name == ("vision_state_hybrid" if towers_run else "state_hybrid")
+    assert loads_towers(config.model_config.model, model_type) is towers_run

@@ -9,8 +9,8 @@ load beside torch 2.13.0+cpu), so each item is built with vLLM's own
 flat by `video_grid_thw.prod()`, grids kept on the host; Qwen2.5-VL adds `second_per_grid_ts`),
 from the oracle's processor outputs (`vision_oracles.qwen2_5_vl_inputs`, `vision_oracles.qwen3_vl_inputs`).
 An item's placeholder is where vLLM's prompt update puts it: the run of its `<|image_pad|>` or
-`<|video_pad|>` tokens, except for a Qwen3-VL video, whose placeholder spans all its timestamped
-runs with `is_embed` set on the `<|video_pad|>` tokens.
+`<|video_pad|>` tokens, except for a Qwen3-VL (or Qwen3.5) video, whose placeholder spans all its
+timestamped runs with `is_embed` set on the `<|video_pad|>` tokens.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _placeholders(family, ids: np.ndarray, modality: str, grids) -> list[tuple[i
     out = []
     for grid in grids:
         t, h, w = (int(x) for x in grid)
-        if family.name == "qwen3_vl" and modality == "video":
+        if family.name in ("qwen3_vl", "qwen3_5") and modality == "video":
             frames = [next(runs) for _ in range(t)]
             starts = np.flatnonzero(
                 ids[: frames[0][0] - 1] == family.config["vision_start_token_id"]
