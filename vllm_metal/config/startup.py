@@ -110,7 +110,10 @@ def check_state_dtypes(vllm_config: VllmConfig) -> None:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     kind = kind_of(vllm_config).name
-    if kind == "state_hybrid" and cache.mamba_ssm_cache_dtype not in STATE_SSM_DTYPES:
+    if (
+        kind in ("state_hybrid", "vision_state_hybrid")
+        and cache.mamba_ssm_cache_dtype not in STATE_SSM_DTYPES
+    ):
         raise MetalConfigError(
             f"vllm-metal: --mamba-ssm-cache-dtype {cache.mamba_ssm_cache_dtype} is not supported: "
             "state layers keep their recurrent state in float32; use 'auto' or 'float32'"
