@@ -175,3 +175,4 @@ def test_qwen3_5_is_served_with_its_towers_only_where_vllms_processor_imports(
     assert config.model_config.multimodal_config.language_model_only is not towers_run
     assert kind_of(config).name == ("vision_state_hybrid" if towers_run else "state_hybrid")
     assert loads_towers(config.model_config.model, model_type) is towers_run
+    assert not loads_towers(config.model_config.model, model_type, language_model_only=True)

@@ -27,17 +27,18 @@ if TYPE_CHECKING:
 __all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model", "load_speech_model"]
 
 
-def loads_towers(model: str, model_type: str | None) -> bool:
+def loads_towers(model: str, model_type: str | None, language_model_only: bool = False) -> bool:
     """Whether `model` loads with its towers: a vision-language family's checkpoint (through
-    mlx-vlm), or a vision-language state hybrid's where its towers run on this host (mlx-lm's
-    language model beside mlx-vlm's tower); a GGUF file holds the language model only."""
+    mlx-vlm), or a vision-language state hybrid's where its towers run on this host and vLLM
+    takes media items (mlx-lm's language model beside mlx-vlm's tower, else mlx-lm's language
+    model alone); a GGUF file holds the language model only."""
     from vllm_metal.models.families import model_types, runs_towers
     from vllm_metal.models.loaders import is_gguf
 
     if is_gguf(model):
         return False
     if model_type in model_types("vision_state_hybrid"):
-        return runs_towers(model_type)
+        return not language_model_only and runs_towers(model_type)
     return model_type in model_types("vision_language")
 
 
@@ -52,6 +53,7 @@ def load_model(
     lm_head: bool = True,
     hf_config: dict[str, Any] | None = None,
     towers: bool | None = None,
+    language_model_only: bool = False,
 ) -> ModelAdapter:
     """Load `model` (a local directory, a Hugging Face id or a `.gguf` file) and wrap it for the
     runner.
@@ -62,13 +64,13 @@ def load_model(
     None reads it from the file. Vision-language models (the families of that kind) load
     through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`; a vision-language state
     hybrid's language model through mlx-lm, its tower attached to its adapter. `towers`: whether
-    to load the towers (None: as `loads_towers` decides)."""
+    to load the towers (None: as `loads_towers` decides, with vLLM's `language_model_only`)."""
     from vllm_metal.models.families import model_types
     from vllm_metal.models.loaders import is_gguf, safetensors
 
     model_type = (hf_config or {}).get("model_type")
     if towers is None:
-        towers = loads_towers(model, model_type)
+        towers = loads_towers(model, model_type, language_model_only)
     hybrid_towers = towers and model_type in model_types("vision_state_hybrid")
     if towers and not hybrid_towers:
         from vllm_metal.models.loaders import mlx_vlm

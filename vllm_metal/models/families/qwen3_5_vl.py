@@ -140,7 +140,10 @@ class Adapter(qwen3_5.Adapter, MultimodalAdapter):
                 if prefix is not None:
                     weights[name[len(prefix) :]] = value
         if not weights:
-            raise ValueError(f"{path}: no vision tower tensors ({', '.join(_TOWER_PREFIXES)}*)")
+            raise ValueError(
+                f"{path}: no vision tower tensors ({', '.join(_TOWER_PREFIXES)}*; a checkpoint "
+                "converted by mlx-lm drops them): serve it with --language-model-only"
+            )
         tower.load_weights(list(tower.sanitize(weights).items()))
         tower.set_dtype(compute_dtype)
         mx.eval(tower.parameters())

@@ -22,6 +22,7 @@ __all__ = ["FEATURE_FLAGS", "NO_INPUTS", "ModelState", "StepInputs", "select"]
 def select(vllm_config: VllmConfig) -> type[ModelState]:
     """The kind of the model `vllm_config` serves: encoder-decoder (Whisper), encoder-only (BERT,
     XLM-RoBERTa), a vision-language decoder whose towers run, or a decoder."""
+    from vllm_metal.backends.mlx.runner.model_states.decoder import language_model_only
     from vllm_metal.models import loads_towers
 
     model_config = vllm_config.model_config
@@ -36,7 +37,8 @@ def select(vllm_config: VllmConfig) -> type[ModelState]:
 
         return EncoderOnlyState
     # The rule `models.load_model` loads by.
-    if loads_towers(model_config.model, getattr(model_config.hf_config, "model_type", None)):
+    model_type = getattr(model_config.hf_config, "model_type", None)
+    if loads_towers(model_config.model, model_type, language_model_only(model_config)):
         from vllm_metal.backends.mlx.runner.model_states.multimodal import MultimodalState
 
         return MultimodalState

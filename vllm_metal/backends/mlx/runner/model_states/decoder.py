@@ -41,6 +41,7 @@ class DecoderState(ModelState):
             trust_remote_code=config.trust_remote_code,
             lm_head=self.lm_head,
             hf_config=config.hf_config.to_dict(),  # what a GGUF file is built from
+            language_model_only=language_model_only(config),
         )
         if adapter.num_layers != self.num_layers:
             raise ValueError(
@@ -86,6 +87,13 @@ class DecoderState(ModelState):
     ) -> mx.array:
         assert pool is not None, "KV cache not initialized"
         return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
+
+
+def language_model_only(model_config) -> bool:
+    """vLLM takes no media items for the model (`--language-model-only`, or set by the platform
+    where a family's towers do not run)."""
+    mm = getattr(model_config, "multimodal_config", None)
+    return bool(getattr(mm, "language_model_only", False))
 
 
 def _summarize(labels) -> str:
