@@ -93,3 +93,19 @@ def test_whole_prompts_match_transformers(family, case) -> None:
 @pytest.mark.parametrize("chunk", [512, 7], ids=["whole-prompt", "chunks-of-7"])
 def test_video_greedy_tokens_match_transformers(family, case, chunk) -> None:
     _check(family, FULL_CASES[case], chunk)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["two-images", "image-then-video"])
+def test_moe_wrapper_matches_transformers(tiny_qwen3_5_moe_dir, case) -> None:
+    """The MoE wrapper (`Qwen3_5MoeForConditionalGeneration`) through the same code."""
+    from vllm_metal.models import load_model
+
+    config = json.loads((tiny_qwen3_5_moe_dir / "config.json").read_text())
+    adapter = load_model(
+        str(tiny_qwen3_5_moe_dir), compute_dtype=mx.float32, hf_config=config, towers=True
+    )
+    family = SimpleNamespace(
+        name="qwen3_5", dir=tiny_qwen3_5_moe_dir, config=config, adapter=adapter
+    )
+    _check(family, {**CASES, **FULL_CASES}[case], 5)
