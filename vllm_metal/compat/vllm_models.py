@@ -13,7 +13,8 @@ own calculators, the same on Linux and macOS.
 
 The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published. Where vLLM's
 own Qwen3.5 module imports (macOS, whose torch and torchvision match), they take its processor
-(Qwen3-VL's, with Qwen3.5's processing info) and the runner runs the towers
+(Qwen3-VL's, with Qwen3.5's processing info; the import is tried when vLLM first builds a
+wrapper's processor, and only where torchvision is installed) and the runner runs the towers
 (`models/families/qwen3_5_vl.py`). Elsewhere the runner serves their language model
 (`config.multimodal` sets vLLM's `language_model_only`), and their processor is the item-count
 check alone, so a request with an image or video gets vLLM's 400 naming the modality ("At most
@@ -24,6 +25,7 @@ only where vllm-metal is vLLM's platform.
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 from typing import Any, ClassVar, Literal
 
@@ -122,34 +124,15 @@ class _ItemCountCheck:
         self.info = info
 
 
-class _Qwen3_5Wrapper(Qwen3_5Base, SupportsMultiModal):
-    """The published vision-language wrapper: multimodal to vLLM; served text-only unless
-    `install` gives it vLLM's processor."""
-
-    supports_multimodal: ClassVar[Literal[True]] = True
-    _processor_factory = _ProcessorFactories(
-        info=_MediaInfo, processor=_ItemCountCheck, dummy_inputs=lambda info: None
-    )
-
-    @classmethod
-    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
-        return None  # no item passes the count check
-
-
-class Qwen3_5ForConditionalGeneration(_Qwen3_5Wrapper):
-    pass
-
-
-class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
-    pass
-
-
 @cache
 def _vllm_qwen3_5() -> Any:
-    """vLLM's own Qwen3.5 module, or None where it does not import (no working torchvision)."""
+    """vLLM's own Qwen3.5 module, or None where it does not import (no working torchvision).
+    Tried only where torchvision is installed, and only once a wrapper is served."""
+    if importlib.util.find_spec("torchvision") is None:
+        return None
     try:
         from vllm.model_executor.models import qwen3_5
-    except (ImportError, RuntimeError):  # no torchvision, or one built for another torch
+    except (ImportError, RuntimeError):  # torchvision built for another torch
         return None
     return qwen3_5
 
@@ -159,15 +142,55 @@ def uses_vllm_processor() -> bool:
     return _vllm_qwen3_5() is not None
 
 
-def _use_vllm_processors() -> None:
-    """Give each wrapper vLLM's processor and placeholder strings, where its module imports."""
+def _real(name: str) -> Any:
+    """vLLM's class `name`, where its module imports."""
     module = _vllm_qwen3_5()
-    if module is None:
-        return
-    for cls in (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration):
-        real = getattr(module, cls.__name__)
-        cls._processor_factory = real._processor_factory
-        cls.get_placeholder_str = real.get_placeholder_str
+    return None if module is None else getattr(module, name)
+
+
+def _processor_factory(name: str) -> _ProcessorFactories:
+    """The processor factories of wrapper `name`: vLLM's own where its module imports (decided
+    when vLLM first builds a processor, so no other model pays for the import), else the item
+    count check."""
+
+    def info(ctx: Any) -> Any:
+        real = _real(name)
+        return _MediaInfo(ctx) if real is None else real._processor_factory.info(ctx)
+
+    def dummy_inputs(info: Any) -> Any:
+        return (
+            None
+            if isinstance(info, _MediaInfo)
+            else _real(name)._processor_factory.dummy_inputs(info)
+        )
+
+    def processor(info: Any, dummy_inputs: Any = None, **kwargs: Any) -> Any:
+        if isinstance(info, _MediaInfo):
+            return _ItemCountCheck(info)
+        return _real(name)._processor_factory.processor(info, dummy_inputs, **kwargs)
+
+    return _ProcessorFactories(info=info, processor=processor, dummy_inputs=dummy_inputs)
+
+
+class _Qwen3_5Wrapper(Qwen3_5Base, SupportsMultiModal):
+    """The published vision-language wrapper: multimodal to vLLM, with vLLM's processor where it
+    imports and the item count check elsewhere."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        real = _real(cls.__name__)
+        # Without vLLM's processor no item passes the count check.
+        return None if real is None else real.get_placeholder_str(modality, i)
+
+
+class Qwen3_5ForConditionalGeneration(_Qwen3_5Wrapper):
+    _processor_factory = _processor_factory("Qwen3_5ForConditionalGeneration")
+
+
+class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
+    _processor_factory = _processor_factory("Qwen3_5MoeForConditionalGeneration")
 
 
 class Qwen3_5MTP(nn.Module, SupportsMultiModal):
@@ -203,7 +226,6 @@ def install() -> None:
 
     if getattr(ModelRegistry, _INSTALLED, False):
         return
-    _use_vllm_processors()
     for cls in CLASSES:
         ModelRegistry.register_model(cls.__name__, cls)
     setattr(ModelRegistry, _INSTALLED, True)
