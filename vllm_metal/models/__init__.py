@@ -71,7 +71,9 @@ def load_model(
     model_type = (hf_config or {}).get("model_type")
     if towers is None:
         towers = loads_towers(model, model_type, language_model_only)
-    hybrid_towers = towers and model_type in model_types("vision_state_hybrid")
+    hybrid_towers = (
+        towers and model_type in model_types("vision_state_hybrid") and not is_gguf(model)
+    )
     if towers and not hybrid_towers:
         from vllm_metal.models.loaders import mlx_vlm
 
@@ -94,10 +96,10 @@ def load_model(
             dequantize=dequantize,
             lm_head=lm_head,
         )
+        wrapper = config  # a vision-language checkpoint's whole config (its `vision_config`)
         if "language_model" in mlx_model and "model" not in mlx_model:
             # mlx-lm's text-only class of a vision-language checkpoint (`config.multimodal`): its
             # language model is an ordinary mlx-lm model.
-            wrapper = config
             mlx_model, config = mlx_model.language_model, config.get("text_config", config)
     if hybrid_towers:
         from vllm_metal.models.loaders.safetensors import resolve_model_path

@@ -1,6 +1,8 @@
 """Adapters for the families whose mlx-lm class needs more than the generic adapter, keyed by
 `model_type` (one small module each). Each family module declares what it is to the capability
-table: its `MODEL_TYPES`, its `KIND` and the `MODALITIES` its towers encode (`declarations`)."""
+table: its `MODEL_TYPES`, its `KIND` and the `MODALITIES` its towers encode (`declarations`),
+and where those towers run only on some hosts, a `towers_run()` that says whether here
+(`runs_towers`)."""
 
 from __future__ import annotations
 
