@@ -20,7 +20,7 @@ index plus a fixed offset on all three streams.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -69,16 +69,9 @@ class Adapter(MultimodalAdapter):
         return self.decoder(None, inputs_embeds=input_embeds, cache=caches, position_ids=positions)
 
     def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
-        if modality not in _FIELDS:
-            raise ValueError(f"{self.model_type} encodes {sorted(_FIELDS)}, not {modality}")
-        pixels_key = _FIELDS[modality][0]
-        pixels = np.concatenate([item[pixels_key] for item in items])
-        grids = np.stack([grid_of(item, modality) for item in items])
-        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-        rows = self._tower(mx.array(pixels).astype(dtype), mx.array(grids))
+        tower = self.model.vision_tower
         merge = self.model.config.vision_config.spatial_merge_size
-        sizes = np.cumsum(grids.prod(axis=1) // merge**2)[:-1]
-        return mx.split(rows, sizes.tolist())
+        return encode_items(self._tower, tower, merge, self.model_type, modality, items)
 
     def _tower(self, pixels: mx.array, grids: mx.array) -> mx.array:
         """The tower's rows of a batch of items (their patches concatenated)."""
@@ -103,6 +96,26 @@ class Adapter(MultimodalAdapter):
         seconds = 1.0 if seconds is None else float(np.asarray(seconds).reshape(-1)[0])
         per_second = getattr(self.model.config.vision_config, "tokens_per_second", 1.0)
         return [Grid(t, h, w, seconds * per_second)]
+
+
+def encode_items(
+    encode: Callable[[mx.array, mx.array], mx.array],
+    tower: Any,
+    merge: int,
+    model_type: str,
+    modality: str,
+    items: list[dict[str, np.ndarray]],
+) -> list[mx.array]:
+    """Each item's rows: `encode(pixels, grids)` over the items' patches concatenated (in the
+    dtype of `tower`'s patch embedding), split per item (`t*h*w / merge**2` rows each)."""
+    if modality not in _FIELDS:
+        raise ValueError(f"{model_type} encodes {sorted(_FIELDS)}, not {modality}")
+    pixels = np.concatenate([item[_FIELDS[modality][0]] for item in items])
+    grids = np.stack([grid_of(item, modality) for item in items])
+    dtype = tower.patch_embed.proj.weight.dtype
+    rows = encode(mx.array(pixels).astype(dtype), mx.array(grids))
+    sizes = np.cumsum(grids.prod(axis=1) // merge**2)[:-1]
+    return mx.split(rows, sizes.tolist())
 
 
 def grid_of(tensors: Mapping[str, np.ndarray], modality: str) -> np.ndarray:

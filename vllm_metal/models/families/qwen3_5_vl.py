@@ -19,7 +19,6 @@ language model alone is served by `families.qwen3_5`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ import numpy as np
 from mlx import nn
 
 from vllm_metal.models.families import qwen3_5
-from vllm_metal.models.families.qwen2_5_vl import Grid, grid_of, place_tokens
+from vllm_metal.models.families.qwen2_5_vl import Grid, encode_items, place_tokens
+from vllm_metal.models.families.qwen3_vl import timestamped_runs
 from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
@@ -36,10 +36,6 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 KIND = "vision_state_hybrid"
 MODALITIES: tuple[str, ...] = ("image", "video")
 
-_FIELDS = {
-    "image": ("pixel_values", "image_grid_thw"),
-    "video": ("pixel_values_videos", "video_grid_thw"),
-}
 # Tensor-name prefixes of the tower: Hugging Face's layout, then mlx-vlm's converted one.
 _TOWER_PREFIXES = ("model.visual.", "vision_tower.")
 
@@ -154,26 +150,19 @@ class Adapter(qwen3_5.Adapter, MultimodalAdapter):
         }
 
     def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
-        if modality not in _FIELDS or self.vision_tower is None:
-            raise ValueError(f"{self.model_type} encodes {sorted(_FIELDS)}, not {modality}")
-        pixels = np.concatenate([item[_FIELDS[modality][0]] for item in items])
-        grids = np.stack([grid_of(item, modality) for item in items])
-        dtype = self.vision_tower.patch_embed.proj.weight.dtype
-        rows, _ = self.vision_tower(mx.array(pixels).astype(dtype), mx.array(grids))
+        tower = self.vision_tower
+        if tower is None:
+            raise ValueError(f"{self.model_type} encodes {sorted(MODALITIES)}, not {modality}")
         merge = self.vision_config["spatial_merge_size"]
-        sizes = np.cumsum(grids.prod(axis=1) // merge**2)[:-1]
-        return mx.split(rows, sizes.tolist())
+        return encode_items(
+            lambda pixels, grids: tower(pixels, grids)[0],
+            tower, merge, self.model_type, modality, items,
+        )  # fmt: skip
 
     def mrope_positions(
         self, prompt_token_ids: list[int], items: list[tuple[str, dict[str, np.ndarray]]]
     ) -> tuple[np.ndarray, int]:
         runs: dict[int, list[Grid]] = {token: [] for token in self.media_token_ids.values()}
         for modality, tensors in items:
-            runs[self.media_token_ids[modality]].extend(_runs(modality, tensors))
+            runs[self.media_token_ids[modality]].extend(timestamped_runs(modality, tensors))
         return place_tokens(prompt_token_ids, runs, self.vision_config["spatial_merge_size"])
-
-
-def _runs(modality: str, tensors: Mapping[str, np.ndarray]) -> list[Grid]:
-    """One run per grid step, as Qwen3-VL's (`qwen3_vl.Adapter._runs`)."""
-    t, h, w = grid_of(tensors, modality).tolist()
-    return [Grid(1, h, w)] * t

@@ -63,6 +63,10 @@ class Adapter(qwen2_5_vl.Adapter):
         return mx.concatenate([main, *deepstack], axis=-1)
 
     def _runs(self, modality: str, tensors: Mapping[str, np.ndarray]) -> list[Grid]:
-        """One run per grid step: an image's one, a video's `t` (split by timestamp text)."""
-        t, h, w = qwen2_5_vl.grid_of(tensors, modality).tolist()
-        return [Grid(1, h, w)] * t
+        return timestamped_runs(modality, tensors)
+
+
+def timestamped_runs(modality: str, tensors: Mapping[str, np.ndarray]) -> list[Grid]:
+    """One run per grid step: an image's one, a video's `t` (split by timestamp text)."""
+    t, h, w = qwen2_5_vl.grid_of(tensors, modality).tolist()
+    return [Grid(1, h, w)] * t
