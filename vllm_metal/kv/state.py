@@ -143,11 +143,11 @@ class StateBlocks:
     ) -> StateBlocks:
         """From the group's block table `[S, n]`, its block size, and each request's tokens
         computed before the step and after it."""
-        fresh = computed == 0
-        start = np.maximum(computed - 1, 0) // block_size
+        # A request with nothing computed reads column 0 (its state is zeros anyway).
+        start = page_column(np.maximum(computed, 1), block_size)
         rows = np.arange(len(seq_lens))
         return cls(
-            table[rows, start], table[rows, page_column(seq_lens, block_size)], fresh,
+            table[rows, start], table[rows, page_column(seq_lens, block_size)], computed == 0,
             table, computed, block_size,
         )  # fmt: skip
 

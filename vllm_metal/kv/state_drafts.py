@@ -44,8 +44,9 @@ class StepDrafts:
         starts = np.concatenate([[0], np.cumsum(num_scheduled)[:-1]])
         rows: list[int] = []
         back = np.zeros(int(num_scheduled.sum()), dtype=np.int32)  # output row of each row
-        lengths, owner = [], []
+        lengths, owner, first = [], [], []
         for r, (start, n) in enumerate(zip(starts.tolist(), num_scheduled.tolist())):
+            first.append(len(lengths))
             if not self.verifying[r]:
                 back[start : start + n] = np.arange(len(rows), len(rows) + n)
                 rows.extend(range(start, start + n))
@@ -62,8 +63,13 @@ class StepDrafts:
         cu = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu[1:])
         self.cu_seqlens = mx.array(cu)
+        self.num_scheduled = num_scheduled
         self.owner = np.array(owner, dtype=np.int64)  # [S'] request of each sequence
+        self.first = np.array(first, dtype=np.int64)  # [S] each request's first sequence
         self.sequence_verifies = self.verifying[self.owner]
+        # Each state group's pages over the expanded sequences (id of the step's StateBlocks ->
+        # those blocks and their expansion), made once for all the group's layers.
+        self._expanded: dict[int, tuple[StateBlocks, StateBlocks]] = {}
         # Candidate states of the verifying sequences, per state layer.
         self.pending: list[tuple[StateLayerCache, mx.array, mx.array]] = []
 
@@ -75,14 +81,22 @@ class StepDrafts:
         cache: StateLayerCache,
     ) -> mx.array:
         """`call` over the expanded rows; its outputs at the step's rows."""
-        b = cache.blocks
-        o = self.owner
-        expanded = StateBlocks(
-            b.read[o], b.write[o], b.fresh[o], b.table[o], b.computed[o], b.block_size
+        view = StateLayerCache(
+            cache.pool, cache.region, cache.shapes, self._expand(cache.blocks), self.cu_seqlens
         )
-        view = StateLayerCache(cache.pool, cache.region, cache.shapes, expanded, self.cu_seqlens)
         view.drafts = self
         return call(layer, x[self.rows], view)[self.back]
+
+    def _expand(self, b: StateBlocks) -> StateBlocks:
+        """`b` (one entry per request) with one entry per expanded sequence."""
+        made = self._expanded.get(id(b))
+        if made is None:
+            o = self.owner
+            expanded = StateBlocks(
+                b.read[o], b.write[o], b.fresh[o], b.table[o], b.computed[o], b.block_size
+            )
+            made = self._expanded[id(b)] = (b, expanded)
+        return made[1]
 
     def write(self, view: StateLayerCache, conv: mx.array, recurrent: mx.array) -> None:
         """Store the non-verifying sequences' states now; keep the verifying ones' candidates."""
@@ -108,8 +122,8 @@ class StepDrafts:
         picks, pages = [], []  # candidate row (in `pending`), (table row, column) of its page
         base = 0
         for r in np.nonzero(self.verifying)[0].tolist():
-            seq = int(np.nonzero(self.owner == r)[0][0])
-            n = int((self.owner == r).sum())  # its tokens: last sampled + drafts
+            seq = int(self.first[r])
+            n = int(self.num_scheduled[r])  # its tokens: last sampled + drafts
             kept = 1 + min(int(accepted[r]), n - 1)
             done, size = int(blocks.computed[seq]), blocks.block_size
             # Block boundaries the kept tokens cross, then the last kept token.
