@@ -143,16 +143,24 @@ def sample_step(
         sampled, logprobs = _sample(sampler, logits, batch, step.packed.discard)
     for i, state in saved.items():
         batch.generators[i].set_state(state)
-    states.record_sampled(sampled)
+    prompt_logprobs = gather_prompt_logprobs(
+        states, step.packed, step.prompt_logits, sampler, logprobs_mode
+    )
+    return _recorded(states, sampled, logprobs, prompt_logprobs)
 
+
+def _recorded(
+    states: RequestStates, sampled: list[list[int]], logprobs, prompt_logprobs: dict
+) -> ModelRunnerOutput:
+    """Record the step's tokens in the request state; the step's output."""
+    batch = states.input_batch
+    states.record_sampled(sampled)
     return ModelRunnerOutput(
         req_ids=batch.req_ids.copy(),
         req_id_to_index=batch.req_id_to_index.copy(),
         sampled_token_ids=sampled,
         logprobs=logprobs,
-        prompt_logprobs_dict=gather_prompt_logprobs(
-            states, step.packed, step.prompt_logits, sampler, logprobs_mode
-        ),
+        prompt_logprobs_dict=prompt_logprobs,
     )
 
 
@@ -190,17 +198,9 @@ def _moves_argmax(processor) -> bool:
 
 def _greedy_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
     """The step's output from the argmax computed on the device (waits for the forward)."""
-    batch = states.input_batch
     tokens = to_host(step.greedy).tolist()
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
-    states.record_sampled(sampled)
-    return ModelRunnerOutput(
-        req_ids=batch.req_ids.copy(),
-        req_id_to_index=batch.req_id_to_index.copy(),
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-    )
+    return _recorded(states, sampled, None, {})
 
 
 def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
