@@ -36,24 +36,24 @@ def _patterned(block_size: int) -> tuple[list[int], list[int]]:
     return r[:half] + seg + r[half:] + seg[:4], seg[4:] + other + seg[:5]
 
 
-@pytest.fixture(scope="module")
-def taught_qwen3_next(tiny_qwen3_next_dir, tmp_path_factory):
+def _taught(model_dir, family: str, tmp_path_factory):
+    """`model_dir` taught `_patterned`'s answer for its family's block size."""
     from tests.fixtures.teach import teach
 
-    prompt, answer = _patterned(BLOCK_SIZE["qwen3_next"])
-    out = tmp_path_factory.mktemp("taught-qwen3-next") / "qwen3_next"
-    teach(tiny_qwen3_next_dir, out, [prompt], answer)
+    prompt, answer = _patterned(BLOCK_SIZE[family])
+    out = tmp_path_factory.mktemp(f"taught-{family}") / family
+    teach(model_dir, out, [prompt], answer)
     return out
+
+
+@pytest.fixture(scope="module")
+def taught_qwen3_next(tiny_qwen3_next_dir, tmp_path_factory):
+    return _taught(tiny_qwen3_next_dir, "qwen3_next", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def taught_qwen3_5(tiny_qwen3_5_causal_lm_dir, tmp_path_factory):
-    from tests.fixtures.teach import teach
-
-    prompt, answer = _patterned(BLOCK_SIZE["qwen3_5"])
-    out = tmp_path_factory.mktemp("taught-qwen3-5") / "qwen3_5"
-    teach(tiny_qwen3_5_causal_lm_dir, out, [prompt], answer)
-    return out
+    return _taught(tiny_qwen3_5_causal_lm_dir, "qwen3_5", tmp_path_factory)
 
 
 def _continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
