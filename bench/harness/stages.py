@@ -106,6 +106,29 @@ def python_stage(module: str, argv: list[str], timeout: float, log: Path) -> dic
     return data
 
 
+def chosen_families(
+    parser: argparse.ArgumentParser, value: str, families: tuple[str, ...]
+) -> list[str]:
+    """The `--families` subset (comma-separated) of `families`; an unknown name is a usage error."""
+    chosen = [f for f in value.split(",") if f]
+    unknown = set(chosen) - set(families)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; choose from {families}")
+    return chosen
+
+
+def run_families(
+    families: list[str], run: Callable[[str], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """`run(family)` for each family in turn, each result with the `seconds` it took."""
+    results = {}
+    for family in families:
+        started = time.perf_counter()
+        results[family] = run(family)
+        results[family]["seconds"] = round(time.perf_counter() - started, 1)
+    return results
+
+
 def describe_machine_apart(logs: Path) -> dict[str, Any]:
     """`bench.harness.machine`'s description, taken in a process of its own: a benchmark's
     parent process must not run MLX before it starts engines."""

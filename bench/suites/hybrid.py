@@ -64,7 +64,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.decode_rounds import STREAMS, fill_round_defaults, round_parser
-from bench.harness.stages import command_line, runs_peers
+from bench.harness.stages import (
+    chosen_families,
+    command_line,
+    describe_machine_apart,
+    run_families,
+    runs_peers,
+)
 from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybrid_model
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
@@ -188,12 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     fill_round_defaults(args)
     if args.families is None:
         args.families = ",".join(FAMILIES) if runs_peers(args) else "deepseek_v3"
-    families = [f for f in args.families.split(",") if f]
-    unknown = set(families) - set(FAMILIES)
-    if unknown:
-        p.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
-
-    from bench.harness.stages import describe_machine_apart
+    families = chosen_families(p, args.families, FAMILIES)
 
     started = time.perf_counter()
     work = Path(args.work_dir)
@@ -201,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print("[hybrid] machine", flush=True)
     machine = describe_machine_apart(logs)
-    results = {}
-    for family in families:
-        fam_started = time.perf_counter()
-        results[family] = run_family(args, family, logs / family)
-        results[family]["seconds"] = round(time.perf_counter() - fam_started, 1)
+    results = run_families(families, lambda family: run_family(args, family, logs / family))
     report: dict[str, Any] = {
         "settings": {
             "quick": args.quick,

@@ -46,7 +46,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stages import command_line, runs_peers, suite_parser
+from bench.harness.stages import (
+    chosen_families,
+    command_line,
+    describe_machine_apart,
+    run_families,
+    runs_peers,
+    suite_parser,
+)
 from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybrid_model
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
@@ -241,12 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if args.families is None:
         args.families = "qwen3_next" if args.quick else ",".join(FAMILIES)
-    families = [f for f in args.families.split(",") if f]
-    unknown = set(families) - set(FAMILIES)
-    if unknown:
-        p.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
-
-    from bench.harness.stages import describe_machine_apart
+    families = chosen_families(p, args.families, FAMILIES)
 
     started = time.perf_counter()
     started_utc = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -254,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print("[hybrid_prefix] machine", flush=True)
     machine = describe_machine_apart(logs)
-    results = {}
-    for family in families:
-        fam_started = time.perf_counter()
-        results[family] = run_family(args, family, logs / family)
-        results[family]["seconds"] = round(time.perf_counter() - fam_started, 1)
+    results = run_families(families, lambda family: run_family(args, family, logs / family))
     report: dict[str, Any] = {
         "settings": {
             "quick": args.quick,
