@@ -193,6 +193,24 @@ def tiny_lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 4 text checkpoint laid out as E2B/E4B (`tests.fixtures.tiny_gemma4`:
+    two head sizes, shared KV layers, per-layer inputs), once per session."""
+    from tests.fixtures.tiny_gemma4 import write_tiny_gemma4
+
+    return write_tiny_gemma4(tmp_path_factory.mktemp("tiny-gemma4") / "dense", "dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 4 MoE text checkpoint laid out as 26B-A4B (`tests.fixtures.tiny_gemma4`),
+    once per session."""
+    from tests.fixtures.tiny_gemma4 import write_tiny_gemma4
+
+    return write_tiny_gemma4(tmp_path_factory.mktemp("tiny-gemma4-moe") / "moe", "moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random GLM-4.7-Flash (MLA) checkpoint (`tests.fixtures.tiny_glm4_moe_lite`), once
     per session."""
