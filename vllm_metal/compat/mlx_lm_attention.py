@@ -58,10 +58,10 @@ def patch_attention_class(
     original = attention_cls.__call__
 
     @wraps(original)
-    def __call__(self, x, mask=None, cache=None):
+    def __call__(self, x, mask=None, cache=None, **kwargs):
         if isinstance(cache, cache_cls):
             return paged_call(self, x, cache)
-        return original(self, x, mask, cache)
+        return original(self, x, mask, cache, **kwargs)
 
     attention_cls.__call__ = __call__
     setattr(attention_cls, _MARK, True)

@@ -45,6 +45,11 @@ class StepMetadata:
 
 
 class PagedLayerCache:
+    """`page_shape`: (block size, KV heads, head size) the layer reads its region as, where that
+    differs from the region's own shape (`KVPool.page_view`). `writes=False`: the layer attends
+    over another layer's K/V (`LayerKind.kv_source`) and writes none; its `update_and_fetch`
+    stores nothing."""
+
     def __init__(
         self,
         pool: KVPool,
@@ -52,12 +57,20 @@ class PagedLayerCache:
         meta: StepMetadata,
         tables: GroupTables,
         sliding_window: int | None,
+        page_shape: tuple[int, int, int] | None = None,
+        writes: bool = True,
     ):
         self.pool = pool
         self.region = region
         self.meta = meta
         self.tables = tables
         self.sliding_window = sliding_window
+        self.page_shape = page_shape
+        self.writes = writes
+
+    def _pages(self, arrays: list[mx.array]) -> mx.array:
+        array = arrays[self.region]
+        return array if self.page_shape is None else KVPool.page_view(array, *self.page_shape)
 
     @property
     def offset(self) -> mx.array:
@@ -65,13 +78,15 @@ class PagedLayerCache:
         return self.meta.positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if not self.writes:
+            return keys, values
         t, h, _, d = keys.shape  # [T, H_kv, 1, D]
         dtype = self.pool.dtype
         kc, vc = ops.reshape_and_cache(
             keys.reshape(t, h, d).astype(dtype),
             values.reshape(t, h, d).astype(dtype),
-            self.pool.keys[self.region],
-            self.pool.values[self.region],
+            self._pages(self.pool.keys),
+            self._pages(self.pool.values),
             self.tables.slot_mapping,
         )
         self.pool.keys[self.region] = kc
@@ -88,8 +103,8 @@ class PagedLayerCache:
         t, h, _, d = queries.shape  # [T, H_q, 1, D]
         out = ops.paged_attention(
             queries.reshape(t, h, d).astype(self.pool.dtype),
-            self.pool.keys[self.region],
-            self.pool.values[self.region],
+            self._pages(self.pool.keys),
+            self._pages(self.pool.values),
             self.tables.block_tables,
             self.meta.seq_lens,
             self.meta.cu_seqlens_q,

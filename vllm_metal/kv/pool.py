@@ -21,14 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
     MambaSpec,
     UniformTypeKVCacheSpecs,
 )
+
+if TYPE_CHECKING:
+    from vllm_metal.models.layers import LayerKind
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,20 @@ class KVLayout:
         return list(self.group_block_sizes) or [self.block_size] * self.num_groups
 
     @classmethod
-    def single_group(cls, num_layers: int, num_blocks: int, block_size: int) -> KVLayout:
-        """Every layer in its own region, one block table (profiling and warm-up)."""
-        return cls(num_blocks, block_size, tuple(range(num_layers)), (0,) * num_layers)
+    def single_group(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        memory_of: Sequence[int] | None = None,
+    ) -> KVLayout:
+        """Every layer in its own region, one block table (profiling and warm-up); with
+        `memory_of` (the layer whose memory each layer uses), a layer reading another's K/V reads
+        that layer's region."""
+        memory_of = range(num_layers) if memory_of is None else memory_of
+        regions = {layer: r for r, layer in enumerate(sorted(set(memory_of)))}
+        region_of_layer = tuple(regions[layer] for layer in memory_of)
+        return cls(num_blocks, block_size, region_of_layer, (0,) * len(memory_of))
 
     @classmethod
     def from_config(cls, config: KVCacheConfig, layer_names: Sequence[str]) -> KVLayout:
@@ -87,9 +103,11 @@ class KVLayout:
             group_block_sizes.append(spec.block_size)
             for name in group.layer_names:
                 group_of[name] = g
-        if len(block_sizes) != 1:
-            raise ValueError(f"KV-cache groups with different block sizes: {sorted(block_sizes)}")
-        block_size = block_sizes.pop()
+        if not block_sizes:
+            raise ValueError("vLLM's KV-cache config has no attention group")
+        # Groups of narrower rows than the widest hold more tokens per block (vLLM unifies their
+        # page sizes that way); the widest rows' groups keep the configured block size.
+        block_size = min(block_sizes)
 
         offset_of: dict[str, int] = {}
         for tensor in config.kv_cache_tensors:
@@ -127,7 +145,12 @@ def uncommitted(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 class KVPool:
     """K and V arrays per region, `[num_blocks, block_size, num_kv_heads, head_dim]`; with
     `latent`, one array per region in `keys`, `[num_blocks, block_size, head_dim]`, and no
-    `values`."""
+    `values`.
+
+    Layers with their own KV heads and head size (`layer_shapes[i]`, None for the model's or a
+    state layer) read their region in their shape, `[num_blocks, their group's block size, heads,
+    head size]` (`page_view`): vLLM gives every layer sharing a region pages of one size, so only
+    the rows per page differ. A region is allocated in the shape of its first such layer."""
 
     def __init__(
         self,
@@ -137,19 +160,22 @@ class KVPool:
         dtype: mx.Dtype,
         *,
         latent: bool = False,
+        layer_shapes: Sequence[tuple[int, int] | None] = (),
     ):
         self.layout = layout
         self.dtype = dtype
         self.latent = latent
+        self.kv_shape = (num_kv_heads, head_dim)  # the model's: layers without their own
         if latent:
             if num_kv_heads != 1:
                 raise ValueError(f"a latent (MLA) cache has one KV head, got {num_kv_heads}")
-            shape: tuple[int, ...] = (layout.num_blocks, layout.block_size, head_dim)
+            shapes: list[tuple[int, ...]] = [(layout.block_size, head_dim)] * layout.num_regions
         else:
-            shape = (layout.num_blocks, layout.block_size, num_kv_heads, head_dim)
-        regions = range(layout.num_regions)
-        self.keys = [uncommitted(shape, dtype) for _ in regions]
-        self.values = [] if latent else [uncommitted(shape, dtype) for _ in regions]
+            shapes = self._region_shapes(layout, (num_kv_heads, head_dim), layer_shapes)
+        self.keys = [uncommitted((layout.num_blocks, *shape), dtype) for shape in shapes]
+        self.values = (
+            [] if latent else [uncommitted((layout.num_blocks, *shape), dtype) for shape in shapes]
+        )
         self._zero_block(0)
         mx.eval(self.keys, self.values)
 
@@ -168,6 +194,36 @@ class KVPool:
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
 
+    @staticmethod
+    def _region_shapes(
+        layout: KVLayout,
+        default: tuple[int, int],
+        layer_shapes: Sequence[tuple[int, int] | None],
+    ) -> list[tuple[int, int, int]]:
+        shapes: list[tuple[int, int, int] | None] = [None] * layout.num_regions
+        block_sizes = layout.block_sizes()
+        for i, layer_shape in enumerate(layer_shapes):
+            if layer_shape is None:
+                continue
+            region = layout.region_of_layer[i]
+            shape = (block_sizes[layout.group_of_layer[i]], *layer_shape)
+            first = shapes[region]
+            if first is None:
+                shapes[region] = shape
+            elif np.prod(first) != np.prod(shape):
+                raise ValueError(
+                    f"KV layer {i} reads region {region} as {shape} rows per page but the region "
+                    f"holds {first}: vLLM planned pages of different sizes in one region"
+                )
+        return [shape or (layout.block_size, *default) for shape in shapes]
+
+    @staticmethod
+    def page_view(array: mx.array, block_size: int, heads: int, head_dim: int) -> mx.array:
+        """A region's K or V array as `[num_blocks, block_size, heads, head_dim]` (itself when it
+        has that shape; else a reshape of the same memory, which the paged ops write in place)."""
+        shape = (array.shape[0], block_size, heads, head_dim)
+        return array if array.shape == shape else array.reshape(shape)
+
     def _zero_block(self, block: int) -> None:
         """Zero one block in every region, in place (the rest stays uncommitted); a no-op
         without the native extension, whose pools start as zeros."""
@@ -176,9 +232,10 @@ class KVPool:
         native = loaded_native()
         if native is None:
             return
-        slots = mx.arange(block * self.block_size, (block + 1) * self.block_size, dtype=mx.int64)
         for i, keys in enumerate(self.keys):
-            rows = mx.zeros((self.block_size, *keys.shape[2:]), dtype=self.dtype)
+            block_size = keys.shape[1]
+            slots = mx.arange(block * block_size, (block + 1) * block_size, dtype=mx.int64)
+            rows = mx.zeros((block_size, *keys.shape[2:]), dtype=self.dtype)
             if self.latent:
                 self.keys[i] = native.mla_reshape_and_cache(rows, keys, slots)
             else:
@@ -197,3 +254,19 @@ class KVPool:
                 pool[dst_idx] = pool[src_idx]
                 arrays[i] = pool
         mx.eval(self.arrays())
+
+
+def pool_for(
+    layout: KVLayout,
+    kinds: Sequence[LayerKind],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+) -> KVPool:
+    """The pool of a decoder whose layers are `kinds`, laid out by `layout`."""
+    shapes = [
+        None if kind.is_state or kind.latent else kind.kv_shape(num_kv_heads, head_dim)
+        for kind in kinds
+    ]
+    latent = any(kind.latent for kind in kinds)
+    return KVPool(layout, num_kv_heads, head_dim, dtype, latent=latent, layer_shapes=shapes)

@@ -4,7 +4,9 @@ Full-attention layers get `FullAttentionSpec`; sliding-window layers get `Slidin
 vLLM's KV manager frees the blocks that fall out of the window instead of keeping the whole
 context; latent-attention (MLA) layers get an `MLAAttentionSpec` (one latent row per token, no
 separate values: `kv.latent`); state layers get a `MambaSpec` (`kv.state`). Layers of one kind
-form one KV-cache group on vLLM's side.
+form one KV-cache group on vLLM's side. A layer may have its own KV heads and head size
+(`LayerKind.num_kv_heads / head_dim`): vLLM then unifies the groups' page sizes by giving the
+groups of smaller rows more tokens per block, and the pool reads each layer's pages in its shape.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def attention_spec(
             dtype=dtype,
             cache_dtype_str=None if cache_config is None else cache_config.cache_dtype,
         )
+    num_kv_heads, head_dim = kind.kv_shape(num_kv_heads, head_dim)
     if kind.sliding_window is not None:
         return SlidingWindowSpec(
             block_size=block_size,
@@ -68,10 +71,20 @@ def kv_cache_specs(
     dtype: torch.dtype,
     cache_config: CacheConfig | None = None,
 ) -> dict[str, KVCacheSpec]:
-    """One spec per attention (or state) layer, keyed by the layer's real module name."""
+    """One spec per attention (or state) layer with KV memory, keyed by the layer's real module
+    name; a layer reading another's K/V (`LayerKind.kv_source`) has none."""
     if len(layer_names) != len(layer_kinds):
         raise ValueError(f"{len(layer_names)} layer names for {len(layer_kinds)} layer kinds")
     return {
         name: attention_spec(kind, block_size, num_kv_heads, head_dim, dtype, cache_config)
         for name, kind in zip(layer_names, layer_kinds)
+        if kind.kv_source is None
     }
+
+
+def memory_layer_names(layer_names: Sequence[str], layer_kinds: Sequence[LayerKind]) -> list[str]:
+    """Per layer, the name of the layer whose KV memory it uses: its own, or its `kv_source`'s."""
+    return [
+        name if kind.kv_source is None else layer_names[kind.kv_source]
+        for name, kind in zip(layer_names, layer_kinds)
+    ]

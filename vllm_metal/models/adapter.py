@@ -25,6 +25,8 @@ _ATTENTION_ATTRS = ("self_attn", "attention", "attn", "linear_attn", "mamba")
 class ModelAdapter:
     # Whether `forward` takes M-RoPE positions (`multimodal.MultimodalAdapter`).
     uses_mrope = False
+    # Whether `forward` takes the step's token ids (`token_ids=`, `[T, 1]`) beside the embeddings.
+    takes_token_ids = False
 
     def __init__(self, model: Any, config: dict[str, Any]):
         self.model = model  # the mlx-lm `Model`

@@ -5,7 +5,9 @@ transformers 5 saves a checkpoint's RoPE base only inside `rope_parameters` (no 
 `num_experts` an attribute alias that `save_pretrained` does not write). mlx-lm 0.32.2's `ModelArgs`
 read the top-level `rope_theta`, for Qwen3-MoE and Qwen2-MoE `num_experts`, and for GLM-4.7-Flash
 the count of dense layers before the MoE ones, `first_k_dense_replace` (transformers 5 writes the
-per-layer `mlp_layer_types` instead): where the field is
+per-layer `mlp_layer_types` instead), for Gemma 4 the full-attention layers' `global_head_dim` and
+`num_global_key_value_heads` (transformers 5 writes them per layer, `per_layer_config`): where the
+field is
 required the load fails ("missing 2 required positional arguments"), where it has a default
 (Mixtral's and Qwen2-MoE's `rope_theta` = 1e6) the model silently runs with the wrong RoPE base.
 Checkpoints published on the hub carry mlx-lm's names; a checkpoint saved (fine-tuned, converted)
@@ -40,7 +42,48 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     mlp_types = config.get("mlp_layer_types")
     if "first_k_dense_replace" in takes and "first_k_dense_replace" not in config and mlp_types:
         out["first_k_dense_replace"] = _dense_prefix(mlp_types)
+    for field, value in _global_attention(config).items():
+        if field in takes and field not in config:
+            out[field] = value
+    if "text_config" in takes and isinstance(config.get("text_config"), dict):
+        # A wrapper whose mlx-lm class builds its text model's args from `text_config` (Gemma 4).
+        text = config["text_config"]
+        inner = mlx_lm_overrides(text, _text_args_class(config, args_class))
+        if inner:
+            out["text_config"] = {**text, **inner}
     return out
+
+
+def _global_attention(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's full-attention head size and KV heads from transformers 5's `per_layer_config`
+    (layer index -> overrides, the same for every full-attention layer)."""
+    overrides = [layer for layer in (config.get("per_layer_config") or {}).values() if layer]
+    out: dict[str, Any] = {}
+    for field, source in (
+        ("global_head_dim", "head_dim"),
+        ("num_global_key_value_heads", "num_key_value_heads"),
+    ):
+        values = {layer[source] for layer in overrides if source in layer}
+        if len(values) > 1:
+            raise ValueError(
+                f"vllm-metal: per_layer_config gives full-attention layers {source} "
+                f"{sorted(values)}; mlx-lm builds one {field}"
+            )
+        if values:
+            out[field] = values.pop()
+    return out
+
+
+def _text_args_class(config: dict[str, Any], args_class: type) -> type:
+    """The `ModelArgs` of a wrapper's text model (the mlx-lm module of its `text_config`)."""
+    import importlib
+
+    module = importlib.import_module(args_class.__module__)
+    text_type = config["text_config"].get("model_type")
+    text_module = (
+        importlib.import_module(f"{module.__package__}.{text_type}") if text_type else None
+    )
+    return getattr(text_module, "ModelArgs", args_class)
 
 
 def _dense_prefix(mlp_types: list[str]) -> int:

@@ -86,6 +86,13 @@ class LayerKind:
     # Multi-head latent attention: one compressed row per token serves as every head's key and
     # value (no separate values, `kv.latent`).
     latent: bool = False
+    # An attention layer's own KV heads and head size where they differ from the model's (Gemma 4's
+    # full-attention layers); None: the model's (`ModelConfig.get_num_kv_heads / get_head_size`).
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    # The earlier layer whose keys and values this layer attends over, writing none of its own
+    # (Gemma 4's `num_kv_shared_layers`): it has no KV memory, no spec, and reads the source's.
+    kv_source: int | None = None
 
     @property
     def label(self) -> str:
@@ -93,7 +100,16 @@ class LayerKind:
             return "state"
         if self.latent:
             return "latent"
-        return "full" if self.sliding_window is None else f"sliding({self.sliding_window})"
+        label = "full" if self.sliding_window is None else f"sliding({self.sliding_window})"
+        if self.head_dim is not None:
+            label += f" {self.num_kv_heads}x{self.head_dim}"
+        if self.kv_source is not None:
+            label += f" reading layer {self.kv_source}"
+        return label
+
+    def kv_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+        """(KV heads, head size) of an attention layer, given the model's."""
+        return (self.num_kv_heads or num_kv_heads, self.head_dim or head_dim)
 
 
 FULL_ATTENTION = LayerKind()

@@ -21,6 +21,7 @@ MODULES = (
     "glm4_moe_lite",
     "gemma2",
     "gemma3",
+    "gemma4",
     "gpt_oss",
     "granitemoehybrid",
     "idefics3",

@@ -60,8 +60,17 @@ def layer_caches(
         elif kind.latent:
             caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
         else:
+            page_shape = (block_sizes[group], *kind.kv_shape(*pool.kv_shape))
             caches.append(
-                PagedLayerCache(pool, region, meta, meta.groups[group], kind.sliding_window)
+                PagedLayerCache(
+                    pool,
+                    region,
+                    meta,
+                    meta.groups[group],
+                    kind.sliding_window,
+                    page_shape=page_shape,
+                    writes=kind.kv_source is None,
+                )
             )
     return caches
 
@@ -79,15 +88,16 @@ def hidden_states(
     them every token is text, at its index on all three streams); a prefix-LM model the
     `key_ends` of its image tokens (`mm.spans`). Lazy."""
     caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts)
-    embeds = adapter.embed(mx.array(packed.token_ids)[:, None])  # [T, 1, hidden]
-    embeds = merge(embeds, inputs.mm_rows)
+    token_ids = mx.array(packed.token_ids)[:, None]  # [T, 1]
+    embeds = merge(adapter.embed(token_ids), inputs.mm_rows)  # [T, 1, hidden]
+    extra = {"token_ids": token_ids} if adapter.takes_token_ids else {}
     if not isinstance(adapter, MultimodalAdapter):
-        return adapter.forward(embeds, caches)
+        return adapter.forward(embeds, caches, **extra)
     mrope_positions = inputs.mrope_positions
     if adapter.uses_mrope and mrope_positions is None:
         mrope_positions = np.broadcast_to(packed.positions, (3, packed.num_tokens))
     positions = None if mrope_positions is None else mx.array(mrope_positions)[:, :, None]
-    return adapter.forward(embeds, caches, positions=positions, rows=inputs.mm_rows)
+    return adapter.forward(embeds, caches, positions=positions, rows=inputs.mm_rows, **extra)
 
 
 def forward(

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from vllm_metal.backends.mlx.runner.batch import prefill_batch
 from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
-from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 
@@ -50,9 +50,11 @@ class DummyRuns:
         self.vocab_size = vocab_size
 
     def _pool(self, num_blocks: int, block_size: int) -> KVPool:
-        layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size)
-        latent = any(kind.latent for kind in self.kinds)
-        return KVPool(layout, self.num_kv_heads, self.head_dim, self.kv_dtype, latent=latent)
+        memory_of = [
+            i if kind.kv_source is None else kind.kv_source for i, kind in enumerate(self.kinds)
+        ]
+        layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size, memory_of)
+        return pool_for(layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
         packed = prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size)

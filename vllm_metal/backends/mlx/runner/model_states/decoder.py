@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from vllm_metal.backends.mlx.runner.forward import hidden_states
 from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, StepInputs
 from vllm_metal.backends.mlx.runner.warmup import DummyRuns
+from vllm_metal.kv.spec import memory_layer_names
 from vllm_metal.models import ModelAdapter, load_model
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class DecoderState(ModelState):
 
     def kv_layer_names(self) -> list[str]:
         assert self.adapter is not None, "load the model first"
-        return self.adapter.attention_layer_names
+        return memory_layer_names(self.adapter.attention_layer_names, self.layer_kinds)
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         return self._dummy_runs().profile(num_tokens, block_size)

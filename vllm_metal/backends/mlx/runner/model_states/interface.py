@@ -141,10 +141,11 @@ class ModelState:
         """Read what the kind needs from vLLM's KV plan (the runner allocates the pool)."""
 
     def make_kv_pool(self, layout: KVLayout) -> KVPool:
-        from vllm_metal.kv.pool import KVPool
+        from vllm_metal.kv.pool import pool_for
 
-        latent = any(kind.latent for kind in self.layer_kinds)
-        return KVPool(layout, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype, latent=latent)
+        return pool_for(
+            layout, self.layer_kinds, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype
+        )
 
     def _layer_specs(self, names: list[str], block_size: int) -> dict[str, KVCacheSpec]:
         """The specs of decoder layers `names`, one per layer kind."""
