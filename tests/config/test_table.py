@@ -102,7 +102,13 @@ def test_the_table_names_only_kinds_and_features_that_exist():
     assert {d.kind for d in declarations().values()} <= set(BY_NAME)
     hybrids = model_types("state_hybrid") + model_types("vision_state_hybrid")
     assert set(hybrids) == set(STATE_SHAPES)
-    assert model_types("vision_language") == ("gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl")
+    assert model_types("vision_language") == (
+        "gemma3",
+        "gemma4",
+        "idefics3",
+        "qwen2_5_vl",
+        "qwen3_vl",
+    )
     assert model_types("vision_state_hybrid") == ("qwen3_5", "qwen3_5_moe")
 
 
@@ -124,7 +130,7 @@ def test_a_refused_feature_names_kind_feature_setting_and_advice(tiny_idefics3_d
     model = _model_config(tiny_idefics3_dir)
     message = refusal(_config(model, lora_config=LoRAConfig()), "mlx")
     assert message.startswith("vllm-metal (mlx backend) does not serve LoRA adapters with ")
-    assert "vision-language models (gemma3, idefics3, qwen2_5_vl, qwen3_vl)" in message
+    assert "vision-language models (gemma3, gemma4, idefics3, qwen2_5_vl, qwen3_vl)" in message
     assert f"--enable-lora with model={str(tiny_idefics3_dir)!r} (idefics3, " in message
     assert message.endswith("; remove --enable-lora")
     assert refusal(_config(model), "mlx") is None

@@ -168,8 +168,10 @@ def test_qwen3_5_is_served_with_its_towers_only_where_vllms_processor_imports(
     from vllm_metal.models import loads_towers
 
     if sys.platform == "linux":
-        assert not vllm_models.uses_vllm_processor()  # no torchvision beside torch 2.13.0+cpu
-    monkeypatch.setattr(vllm_models, "uses_vllm_processor", lambda: towers_run)
+        assert not vllm_models.uses_vllm_processor(
+            "qwen3_5"
+        )  # no torchvision beside torch 2.13.0+cpu
+    monkeypatch.setattr(vllm_models, "uses_vllm_processor", lambda module: towers_run)
     config = _qwen3_5_config(model_type)
     assert serve_language_model_only(config) is not towers_run
     assert config.model_config.multimodal_config.language_model_only is not towers_run

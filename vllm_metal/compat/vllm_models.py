@@ -1,21 +1,22 @@
-"""vLLM's model classes for the Qwen3.5 architectures (and their MTP drafters), as the MLX runner
-serves them: their static interface only, registered with vLLM's `ModelRegistry` under the
-published architecture names.
+"""vLLM's model classes for the Qwen3.5 architectures (and their MTP drafters) and Gemma 4's
+vision-language wrapper, as the MLX runner serves them: their static interface only, registered
+with vLLM's `ModelRegistry` under the published architecture names.
 
 vLLM 0.32 resolves and inspects a checkpoint's architecture by importing its model module before
-any platform code runs. `vllm.model_executor.models.qwen3_5` imports `qwen3_vl`, which imports
-transformers' torchvision-only image processor; where torchvision does not load (Linux beside
-torch 2.13.0+cpu) vLLM then refuses every Qwen3.5 checkpoint ("failed to be inspected"). The MLX
+any platform code runs. `vllm.model_executor.models.qwen3_5` imports `qwen3_vl`, and
+`gemma4_mm` imports transformers' `Gemma4Processor`; both reach transformers' torchvision-only
+image processors, so where torchvision does not load (Linux beside torch 2.13.0+cpu) vLLM refuses
+every such checkpoint ("failed to be inspected"). The MLX
 runner never builds vLLM's model: vLLM reads from the class only what it is (a generating model,
 a hybrid with inner state, multimodal or not) and the shapes and dtypes of its Gated DeltaNet
 states, which it sizes its state pages by. The classes below answer exactly that, through vLLM's
 own calculators, the same on Linux and macOS.
 
 The wrappers (`*ForConditionalGeneration`) are multimodal to vLLM, as published. Where vLLM's
-own Qwen3.5 module imports (macOS, whose torch and torchvision match), they take its processor
-(Qwen3-VL's, with Qwen3.5's processing info; the import is tried when vLLM first builds a
-wrapper's processor, and only where torchvision is installed) and the runner runs the towers
-(`models/families/qwen3_5_vl.py`). Elsewhere the runner serves their language model
+own module of the family imports (macOS, whose torch and torchvision match), they take its
+processor (the import is tried when vLLM first builds a wrapper's processor, and only where
+torchvision is installed) and the runner runs the towers (`models/families/qwen3_5_vl.py`,
+`models/families/gemma4_vl.py`). Elsewhere the runner serves their language model
 (`config.multimodal` sets vLLM's `language_model_only`), and their processor is the item-count
 check alone, so a request with an image or video gets vLLM's 400 naming the modality ("At most
 0 image(s) ..."). Installed by
@@ -109,8 +110,16 @@ class Qwen3_5MoeForCausalLM(Qwen3_5Base):
 class _MediaInfo(BaseProcessingInfo):
     """The media a wrapper's vLLM processor takes (Qwen3-VL's: images and video, any number)."""
 
+    modalities: ClassVar[tuple[str, ...]] = ("image", "video")
+
     def get_supported_mm_limits(self) -> dict[str, int | None]:
-        return {"image": None, "video": None}
+        return dict.fromkeys(self.modalities)
+
+
+class _Gemma4MediaInfo(_MediaInfo):
+    """Gemma 4's: images, video and (the models with an audio tower) audio."""
+
+    modalities = ("image", "video", "audio")
 
 
 class _ItemCountCheck:
@@ -124,38 +133,46 @@ class _ItemCountCheck:
         self.info = info
 
 
+# The vLLM model module of each wrapper.
+_MODULES = {
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+    "Gemma4ForConditionalGeneration": "gemma4_mm",
+}
+
+
 @cache
-def _vllm_qwen3_5() -> Any:
-    """vLLM's own Qwen3.5 module, or None where it does not import (no working torchvision).
-    Tried only where torchvision is installed, and only once a wrapper is served."""
+def _vllm_module(name: str) -> Any:
+    """vLLM's own model module `name`, or None where it does not import (no working
+    torchvision). Tried only where torchvision is installed, and only once a wrapper is served."""
     if importlib.util.find_spec("torchvision") is None:
         return None
     try:
-        from vllm.model_executor.models import qwen3_5
+        return importlib.import_module(f"vllm.model_executor.models.{name}")
     except (ImportError, RuntimeError):  # torchvision built for another torch
         return None
-    return qwen3_5
 
 
-def uses_vllm_processor() -> bool:
-    """Whether the wrappers take vLLM's Qwen3.5 processor here (and the runner their towers)."""
-    return _vllm_qwen3_5() is not None
+def uses_vllm_processor(module: str) -> bool:
+    """Whether the wrappers of vLLM's model module `module` take vLLM's processor here (and the
+    runner their towers)."""
+    return _vllm_module(module) is not None
 
 
 def _real(name: str) -> Any:
     """vLLM's class `name`, where its module imports."""
-    module = _vllm_qwen3_5()
+    module = _vllm_module(_MODULES[name])
     return None if module is None else getattr(module, name)
 
 
-def _processor_factory(name: str) -> _ProcessorFactories:
+def _processor_factory(name: str, media: type[_MediaInfo] = _MediaInfo) -> _ProcessorFactories:
     """The processor factories of wrapper `name`: vLLM's own where its module imports (decided
     when vLLM first builds a processor, so no other model pays for the import), else the item
-    count check."""
+    count check over the modalities of `media`."""
 
     def info(ctx: Any) -> Any:
         real = _real(name)
-        return _MediaInfo(ctx) if real is None else real._processor_factory.info(ctx)
+        return media(ctx) if real is None else real._processor_factory.info(ctx)
 
     def dummy_inputs(info: Any) -> Any:
         return (
@@ -193,6 +210,19 @@ class Qwen3_5MoeForConditionalGeneration(_Qwen3_5Wrapper):
     _processor_factory = _processor_factory("Qwen3_5MoeForConditionalGeneration")
 
 
+class Gemma4ForConditionalGeneration(nn.Module, SupportsMultiModal):
+    """Gemma 4's vision-language wrapper: multimodal to vLLM, with vLLM's processor where its
+    module imports and the item count check elsewhere (`models/families/gemma4_vl.py`)."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+    _processor_factory = _processor_factory("Gemma4ForConditionalGeneration", _Gemma4MediaInfo)
+    __init__ = Qwen3_5Base.__init__
+    embed_input_ids = Qwen3_5Base.embed_input_ids
+    forward = Qwen3_5Base.forward
+    compute_logits = Qwen3_5Base.compute_logits
+    get_placeholder_str = _Qwen3_5Wrapper.get_placeholder_str
+
+
 class Qwen3_5MTP(nn.Module, SupportsMultiModal):
     """Qwen3.5's multi-token-prediction drafter (`--speculative-config '{"method": "mtp"}'`) as
     vLLM inspects it: a generating model that takes the target's merged embeddings (multimodal,
@@ -217,6 +247,7 @@ CLASSES: tuple[type[nn.Module], ...] = (
     Qwen3_5MoeForConditionalGeneration,
     Qwen3_5MTP,
     Qwen3_5MoeMTP,
+    Gemma4ForConditionalGeneration,
 )
 
 

@@ -77,6 +77,14 @@ def _language_model_only(config: VllmConfig) -> bool:
     return bool(getattr(model_attr(config, "multimodal_config"), "language_model_only", False))
 
 
+def _towers_beside(config: VllmConfig) -> bool:
+    """Whether the family loads its towers beside mlx-lm's language model (which then serves
+    alone without them)."""
+    from vllm_metal.models.families import towers_beside_language_model
+
+    return towers_beside_language_model(model_type(config))
+
+
 KINDS: tuple[ModelKind, ...] = (
     ModelKind(
         "speech_to_text",
@@ -105,7 +113,13 @@ KINDS: tuple[ModelKind, ...] = (
         "vision_language",
         "vision-language models ({vision_language})",
         "serve a text model",
-        _all(_flag("is_multimodal_model"), _declared("vision_language")),
+        # A family whose towers sit beside mlx-lm's language model (Gemma 4) is a text decoder
+        # with `language_model_only` (set where its towers do not run).
+        _all(
+            _flag("is_multimodal_model"),
+            _declared("vision_language"),
+            lambda c: not (_language_model_only(c) and _towers_beside(c)),
+        ),
     ),
     ModelKind(
         "multimodal",

@@ -48,7 +48,8 @@ class PagedLayerCache:
     """`page_shape`: (block size, KV heads, head size) the layer reads its region as, where that
     differs from the region's own shape (`KVPool.page_view`). `writes=False`: the layer attends
     over another layer's K/V (`LayerKind.kv_source`) and writes none; its `update_and_fetch`
-    stores nothing."""
+    stores nothing. `bidirectional=False`: the layer stays causal where the step's media are
+    attended both ways (`StepMetadata.key_ends`)."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class PagedLayerCache:
         sliding_window: int | None,
         page_shape: tuple[int, int, int] | None = None,
         writes: bool = True,
+        bidirectional: bool = True,
     ):
         self.pool = pool
         self.region = region
@@ -67,6 +69,8 @@ class PagedLayerCache:
         self.sliding_window = sliding_window
         self.page_shape = page_shape
         self.writes = writes
+        # Whether the step's key ends (media attended both ways) apply to this layer.
+        self.key_ends = meta.key_ends if bidirectional else None
 
     def _pages(self, arrays: list[mx.array]) -> mx.array:
         array = arrays[self.region]
@@ -112,6 +116,6 @@ class PagedLayerCache:
             sliding_window=self.sliding_window,
             softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
-            key_ends=self.meta.key_ends,
+            key_ends=self.key_ends,
         )
         return out.reshape(t, h, 1, d).astype(queries.dtype)

@@ -29,15 +29,15 @@ __all__ = ["LayerKind", "ModelAdapter", "load_encoder", "load_model", "load_spee
 
 def loads_towers(model: str, model_type: str | None, language_model_only: bool = False) -> bool:
     """Whether `model` loads with its towers: a vision-language family's checkpoint (through
-    mlx-vlm), or a vision-language state hybrid's where its towers run on this host and vLLM
-    takes media items (mlx-lm's language model beside mlx-vlm's tower, else mlx-lm's language
-    model alone); a GGUF file holds the language model only."""
-    from vllm_metal.models.families import model_types, runs_towers
+    mlx-vlm), or, for a family whose towers sit beside mlx-lm's language model (Qwen3.5,
+    Gemma 4), where its towers run on this host and vLLM takes media items (else mlx-lm's
+    language model alone); a GGUF file holds the language model only."""
+    from vllm_metal.models.families import model_types, runs_towers, towers_beside_language_model
     from vllm_metal.models.loaders import is_gguf
 
     if is_gguf(model):
         return False
-    if model_type in model_types("vision_state_hybrid"):
+    if towers_beside_language_model(model_type):
         return not language_model_only and runs_towers(model_type)
     return model_type in model_types("vision_language")
 
@@ -62,19 +62,18 @@ def load_model(
     unavailable and the pooling heads read what they need from the checkpoint. `hf_config`: the
     config vLLM parsed (`--hf-config-path` or the GGUF metadata), which a GGUF file is built from;
     None reads it from the file. Vision-language models (the families of that kind) load
-    through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`; a vision-language state
-    hybrid's language model through mlx-lm, its tower attached to its adapter. `towers`: whether
+    through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`; a family whose towers sit
+    beside the language model (`families.towers_beside_language_model`) loads that through
+    mlx-lm, its towers attached to its adapter. `towers`: whether
     to load the towers (None: as `loads_towers` decides, with vLLM's `language_model_only`)."""
-    from vllm_metal.models.families import model_types
+    from vllm_metal.models.families import towers_beside_language_model
     from vllm_metal.models.loaders import is_gguf, safetensors
 
     model_type = (hf_config or {}).get("model_type")
     if towers is None:
         towers = loads_towers(model, model_type, language_model_only)
-    hybrid_towers = (
-        towers and model_type in model_types("vision_state_hybrid") and not is_gguf(model)
-    )
-    if towers and not hybrid_towers:
+    towers_beside = towers and towers_beside_language_model(model_type) and not is_gguf(model)
+    if towers and not towers_beside:
         from vllm_metal.models.loaders import mlx_vlm
 
         mlx_model, config = mlx_vlm.load(
@@ -101,7 +100,7 @@ def load_model(
             # mlx-lm's text-only class of a vision-language checkpoint (`config.multimodal`): its
             # language model is an ordinary mlx-lm model.
             mlx_model, config = mlx_model.language_model, config.get("text_config", config)
-    if hybrid_towers:
+    if towers_beside:
         from vllm_metal.models.loaders.safetensors import resolve_model_path
 
         adapter = adapter_class(model_type)(mlx_model, config, wrapper["vision_config"])

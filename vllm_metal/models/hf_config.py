@@ -6,8 +6,8 @@ transformers 5 saves a checkpoint's RoPE base only inside `rope_parameters` (no 
 read the top-level `rope_theta`, for Qwen3-MoE and Qwen2-MoE `num_experts`, and for GLM-4.7-Flash
 the count of dense layers before the MoE ones, `first_k_dense_replace` (transformers 5 writes the
 per-layer `mlp_layer_types` instead), for Gemma 4 the full-attention layers' `global_head_dim` and
-`num_global_key_value_heads` (transformers 5 writes them per layer, `per_layer_config`): where the
-field is
+`num_global_key_value_heads` (transformers 5 writes them per layer, `per_layer_config`), and for a
+Gemma 4 wrapper its vocabulary size (only in `text_config`): where the field is
 required the load fails ("missing 2 required positional arguments"), where it has a default
 (Mixtral's and Qwen2-MoE's `rope_theta` = 1e6) the model silently runs with the wrong RoPE base.
 Checkpoints published on the hub carry mlx-lm's names; a checkpoint saved (fine-tuned, converted)
@@ -46,9 +46,13 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
         if field in takes and field not in config:
             out[field] = value
     if "text_config" in takes and isinstance(config.get("text_config"), dict):
-        # A wrapper whose mlx-lm class builds its text model's args from `text_config` (Gemma 4).
+        # A wrapper whose mlx-lm class builds its text model's args from `text_config` (Gemma 4,
+        # whose wrapper args also overwrite the text model's vocabulary size with their own).
         text = config["text_config"]
-        inner = mlx_lm_overrides(text, _text_args_class(config, args_class))
+        if "vocab_size" in takes and "vocab_size" not in config and "vocab_size" in text:
+            out["vocab_size"] = text["vocab_size"]
+        text_args = _text_args_class(text)
+        inner = {} if text_args is None else mlx_lm_overrides(text, text_args)
         if inner:
             out["text_config"] = {**text, **inner}
     return out
@@ -74,16 +78,17 @@ def _global_attention(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text_args_class(config: dict[str, Any], args_class: type) -> type:
-    """The `ModelArgs` of a wrapper's text model (the mlx-lm module of its `text_config`)."""
-    import importlib
+def _text_args_class(text: dict[str, Any]) -> type | None:
+    """The mlx-lm `ModelArgs` of a wrapper's `text_config` (None where mlx-lm has no module for
+    its model type)."""
+    from mlx_lm.utils import _get_classes
 
-    module = importlib.import_module(args_class.__module__)
-    text_type = config["text_config"].get("model_type")
-    text_module = (
-        importlib.import_module(f"{module.__package__}.{text_type}") if text_type else None
-    )
-    return getattr(text_module, "ModelArgs", args_class)
+    from vllm_metal.models.families import family_classes
+
+    try:
+        return family_classes(_get_classes)(text)[1]
+    except ValueError:
+        return None
 
 
 def _dense_prefix(mlp_types: list[str]) -> int:

@@ -36,8 +36,10 @@ class MultimodalAdapter(ModelAdapter):
     # uses_mrope: the language model places tokens with M-RoPE, three position streams (time,
     # height, width) per token instead of one, from `mrope_positions`.
     # The tokens of one media item attend to each other both ways (a prefix LM: vLLM's
-    # `is_mm_prefix_lm`), not only causally.
+    # `is_mm_prefix_lm`), not only causally; with `bidirectional_sliding_only`, only in the
+    # sliding-window layers (Gemma 4), the full-attention ones staying causal.
     bidirectional_media = False
+    bidirectional_sliding_only = False
 
     @property
     def language_model(self) -> Any:

@@ -22,6 +22,7 @@ MODULES = (
     "gemma2",
     "gemma3",
     "gemma4",
+    "gemma4_vl",
     "gpt_oss",
     "granitemoehybrid",
     "idefics3",
@@ -91,6 +92,13 @@ def runs_towers(model_type: str | None) -> bool:
         return False
     name = _adapter_modules().get(declared.model_type)
     return name is None or getattr(_module(name), "towers_run", lambda: True)()
+
+
+def towers_beside_language_model(model_type: str | None) -> bool:
+    """Whether the family of `model_type` attaches its towers to mlx-lm's language model
+    (its adapter's `load_towers`) instead of loading the whole model through mlx-vlm: its
+    language model is then served alone where the towers do not run."""
+    return model_type in _adapter_modules() and hasattr(adapter_class(model_type), "load_towers")
 
 
 def adapter_class(model_type: str | None) -> type[ModelAdapter]:

@@ -1,4 +1,4 @@
-"""Gemma 4's vision tower, for `families/gemma4.py` (the Gemma 4 family adapter, which calls
+"""Gemma 4's vision tower, for `families/gemma4_vl.py` (the Gemma 4 wrapper's adapter, which calls
 `encode_items` from its `embed_multimodal`). A helper module: it declares no `MODEL_TYPES` and is
 not listed in `families.MODULES`.
 

@@ -44,7 +44,7 @@ def towers_run() -> bool:
     """Whether vLLM prepares this family's images and videos here (its processor imports)."""
     from vllm_metal.compat.vllm_models import uses_vllm_processor
 
-    return uses_vllm_processor()
+    return uses_vllm_processor("qwen3_5")
 
 
 class InterleavedMRoPE(nn.Module):

@@ -29,7 +29,10 @@ def layer_caches(
     kinds: Sequence[LayerKind],
     key_ends: np.ndarray | None = None,
     drafts: StepDrafts | None = None,
+    key_ends_sliding_only: bool = False,
 ) -> list[PagedLayerCache | LatentLayerCache | StateLayerCache]:
+    """One cache view per layer of `kinds`; `key_ends` (media attended both ways) apply to every
+    attention layer, or with `key_ends_sliding_only` to the sliding-window ones."""
     meta = StepMetadata(
         positions=mx.array(packed.positions),
         seq_lens=mx.array(packed.seq_lens),
@@ -70,6 +73,7 @@ def layer_caches(
                     kind.sliding_window,
                     page_shape=page_shape,
                     writes=kind.kv_source is None,
+                    bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
                 )
             )
     return caches
@@ -87,7 +91,8 @@ def hidden_states(
     embeddings of their placeholder tokens; an M-RoPE model takes `mrope_positions` (without
     them every token is text, at its index on all three streams); a prefix-LM model the
     `key_ends` of its image tokens (`mm.spans`). Lazy."""
-    caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts)
+    sliding_only = getattr(adapter, "bidirectional_sliding_only", False)
+    caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts, sliding_only)
     token_ids = mx.array(packed.token_ids)[:, None]  # [T, 1]
     embeds = merge(adapter.embed(token_ids), inputs.mm_rows)  # [T, 1, hidden]
     extra = {"token_ids": token_ids} if adapter.takes_token_ids else {}
