@@ -5,7 +5,9 @@ embeddings) and the 26B-A4B-like MoE one (`full`: experts beside the MLP, full l
 are their keys). Greedy tokens and logprobs equal transformers float32 for a mixed batch
 prefilled in chunks smaller than its prompts and longer than the sliding window, from a KV pool so
 small that vLLM preempts requests; then two prompts sharing a prefix, one job after the other: the
-second is served from vLLM's prefix cache and still equals transformers."""
+second is served from vLLM's prefix cache and still equals transformers; then one request of the
+whole context, which fits the pool only because the sliding layers hold no more than their
+window (`LONG_PROMPT`)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,15 @@ PAGE_BYTES = BLOCK_SIZE * 2 * 64 * 2 * 4
 # post-norms), and float32 rounding with them: mlx-lm's own forward is 2e-3 off transformers' in
 # its logits there, 3e-4 in the dense one's.
 LOGPROB_TOL = {"dense": 1e-3, "moe": 5e-3}
+MAX_MODEL_LEN = 96
+POOL_PAGES = 24
+# A request of the whole context (72 + 24 tokens). Had every layer of the dense checkpoint kept its
+# whole context, it would
+# hold 96 / 16 = 6 pages in each of the 4 KV-cache groups (one a layer with KV memory, as vLLM
+# groups 3 sliding layers and 1 full one), all 24 pages of the pool, which also keeps one null
+# page: only the sliding layers' dropping the pages that left their window lets vLLM start the
+# engine at this context length and serve it.
+LONG_PROMPT = MAX_MODEL_LEN - NEW_TOKENS
 
 
 @pytest.fixture(scope="module", params=["dense", pytest.param("moe", marks=pytest.mark.full)])
@@ -52,13 +63,14 @@ def gemma4_run(gemma4_model):
     engine = {
         "max_num_batched_tokens": 16,
         "block_size": BLOCK_SIZE,
-        "kv_cache_memory_bytes": 24 * PAGE_BYTES,
-        "max_model_len": 96,
+        "kv_cache_memory_bytes": POOL_PAGES * PAGE_BYTES,
+        "max_model_len": MAX_MODEL_LEN,
         "disable_log_stats": False,
     }
     jobs = [
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         *({"prompts": [prompt], "params": [greedy(NEW_TOKENS)]} for prompt in shared),
+        {"prompts": random_prompts(34, [LONG_PROMPT]), "params": [greedy(NEW_TOKENS)]},
     ]
     results, metrics = run_engine_job(gemma4_model, jobs, engine=engine, with_metrics="per_job")
     return prompts, shared, results, metrics
@@ -80,6 +92,17 @@ def test_gemma4_greedy_matches_transformers_through_chunks_and_preemption(
 def test_gemma4_prefix_cache_hits_match_transformers(gemma4_model, gemma4_run):
     from tests.fixtures.oracles import hf_greedy
 
-    _, shared, (_, first, second), _ = gemma4_run
+    _, shared, (_, first, second, _), _ = gemma4_run
     assert second[0]["num_cached_tokens"] >= 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
     assert tokens(first + second) == hf_greedy(gemma4_model, shared, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_gemma4_serves_a_whole_context_request_its_sliding_layers_make_room_for(
+    gemma4_model, gemma4_run
+):
+    from tests.fixtures.oracles import hf_greedy
+
+    *_, (long,) = gemma4_run[2]
+    prompt = random_prompts(34, [LONG_PROMPT])
+    assert tokens([long]) == hf_greedy(gemma4_model, prompt, NEW_TOKENS)
