@@ -106,3 +106,29 @@ def test_gemma4_serves_a_whole_context_request_its_sliding_layers_make_room_for(
     *_, (long,) = gemma4_run[2]
     prompt = random_prompts(34, [LONG_PROMPT])
     assert tokens([long]) == hf_greedy(gemma4_model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize(("variant", "bits"), [("dense", 4), ("moe", 8)])
+def test_mlx_quantized_gemma4_matches_mlx_lm(tmp_path, variant, bits):
+    """A 4-bit dense and an 8-bit MoE Gemma 4, quantized by mlx-lm's converter from a checkpoint
+    in the published layout (`global_head_dim`, which the converter's loader needs), give stock
+    mlx-lm's greedy tokens."""
+    import json
+
+    from tests.fixtures.oracles import mlx_lm_greedy
+    from tests.fixtures.tiny_gemma4 import GLOBAL_HEAD_DIM, write_tiny_gemma4
+    from vllm_metal.testing.tiny_models import quantize_tiny_model
+
+    src = write_tiny_gemma4(tmp_path / variant, variant, dtype="bfloat16")
+    config = json.loads((src / "config.json").read_text())
+    config["global_head_dim"] = GLOBAL_HEAD_DIM
+    if variant == "moe":
+        config["num_global_key_value_heads"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    model = quantize_tiny_model(src, tmp_path / f"{variant}-q{bits}", bits=bits, group_size=64)
+    assert json.loads((model / "config.json").read_text())["quantization"]["bits"] == bits
+    prompts = random_prompts(35, [30, 9, 17])
+    (batch,) = run_engine_job(model, [{"prompts": prompts, "params": [greedy(16)]}])
+    assert tokens(batch) == mlx_lm_greedy(model, prompts, 16, dtype="float32")
