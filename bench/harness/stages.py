@@ -129,6 +129,43 @@ def run_families(
     return results
 
 
+def keep_earlier_families(
+    report: dict[str, Any], earlier_path: Path, order: tuple[str, ...], same: tuple[str, ...]
+) -> dict[str, Any]:
+    """`report` (this run's `settings`, `machine` and `families`) with the families of the report
+    already at `earlier_path` that this run did not measure, so that a run of some `--families`
+    updates those rows of a published report instead of dropping the others.
+
+    An earlier family is kept only if it is one of the suite's (`order`, which also orders the
+    result) and the two runs' `settings` agree on every key of `same` (what makes their figures
+    comparable: dtype, lengths, rounds, `--quick`...); otherwise this run's families alone are
+    the report, as without an earlier one, and a line on stderr says why. Each kept family
+    carries `earlier_run`: the command, seconds and machine of the run that measured it (kept
+    through later merges); this run's families carry none."""
+    if not earlier_path.is_file():
+        return report
+    earlier = json.loads(earlier_path.read_text())
+    kept = {f: r for f, r in earlier.get("families", {}).items()
+            if f in order and f not in report["families"]}  # fmt: skip
+    if not kept:
+        return report
+    differ = [k for k in same if earlier["settings"].get(k) != report["settings"].get(k)]
+    if differ:
+        print(f"[stages] not keeping {sorted(kept)} from {earlier_path}: its settings differ in "
+              f"{differ}", file=sys.stderr)  # fmt: skip
+        return report
+    run = {
+        "command": earlier["settings"].get("command"),
+        "total_seconds": earlier["settings"].get("total_seconds"),
+        "machine": earlier.get("machine"),
+    }
+    for r in kept.values():
+        r.setdefault("earlier_run", run)
+    print(f"[stages] kept {sorted(kept)} from {earlier_path}", file=sys.stderr, flush=True)
+    families = {**report["families"], **kept}
+    return {**report, "families": {f: families[f] for f in order if f in families}}
+
+
 def describe_machine_apart(logs: Path) -> dict[str, Any]:
     """`bench.harness.machine`'s description, taken in a process of its own: a benchmark's
     parent process must not run MLX before it starts engines."""

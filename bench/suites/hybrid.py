@@ -1,15 +1,20 @@
-"""Decode throughput of hybrid and latent-attention models: Qwen3-Next (Gated DeltaNet),
-Granite 4.0-H (Mamba-2) and DeepSeek-V3 (multi-head latent attention), one run; and the memory an
-idle engine holds.
+"""Decode throughput of hybrid and latent-attention models: Qwen3-Next and Qwen3.5 (Gated
+DeltaNet), Granite 4.0-H (Mamba-2) and DeepSeek-V3 (multi-head latent attention), one run; and the
+memory an idle engine holds.
 
-Three random-weight checkpoints written locally with the tests' writers at larger shapes
+Four random-weight checkpoints written locally with the tests' writers at larger shapes
 (`write_hybrid_model`), all 8 layers of hidden 1024 in their families' layer patterns, an
-untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, as released) 32,000-row vocabulary, the layers
-followed by MoE blocks of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared expert of 512:
+untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, Qwen3.5, as released) 32,000-row vocabulary,
+the layers followed by MoE blocks of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared
+expert of 512, but for Qwen3.5's dense MLP:
 
 - Qwen3-Next (`Qwen3NextForCausalLM`): 3 Gated DeltaNet layers then 1 gated full attention,
   twice; the linear layers have 8 key and 16 value heads of 128 (a 1 MiB float32 recurrent state
   per layer and request), the attention 8 query / 2 KV heads of 128.
+- Qwen3.5 (the text-only `Qwen3_5ForCausalLM`, dense; the published wrapper's language model is
+  the same): Qwen3.5-0.8B's layers, 8 of them: 3 Gated DeltaNet layers (16 key / 16 value heads
+  of 128, a 1 MiB state per layer and request) then 1 gated full attention (8 query / 2 KV heads
+  of 256, a quarter of each rotated), twice, each with a SwiGLU MLP of 3584.
 - Granite 4.0-H (`GraniteMoeHybridForCausalLM`): 3 Mamba-2 layers then 1 attention layer, twice;
   Mamba-2 with 32 heads of 64 (intermediate 2048), state 128, one group of B/C, the attention 16
   query / 4 KV heads of 64. One group because vLLM's gated RMSNorm (`Mixer2RMSNormGated`)
@@ -38,12 +43,21 @@ serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_co
 bfloat16 inputs, so the engine dies on its first step with "CPU GDN attention requires BF16"), and
 a bfloat16 vLLM against the plugin's float32 would measure two different computations (other
 matmul kernels, other precision, no meaningful agreement check), so there is no like-for-like peer.
+Qwen3.5 runs the plugin alone too: on Linux vLLM cannot even inspect it (its `qwen3_5` model
+module imports `qwen3_vl`, which imports transformers' torchvision-only Qwen2-VL image processor,
+and torchvision does not load beside torch 2.13.0+cpu), so no vLLM engine starts for it, in any
+dtype.
 The KV cache is 1 GiB per engine (`kv_cache_memory_bytes`), far more than 16 requests of 112
 tokens need with their state pages; every worker's log line "Maximum concurrency for N tokens per
 request" is recorded and must be at least 16, so no request is preempted.
 
     python -m bench.run hybrid --out docs/benchmarks             # ~12 min on 2 cores
     python -m bench.run hybrid --quick --out /tmp/hybrid-quick   # tiny model, ~30 s: the harness
+
+`--families qwen3_5,...` runs a subset; with `--out` holding an earlier `hybrid.json` of the same
+settings, the families it does not run are kept from there, with the run that measured them
+(`bench.harness.stages.keep_earlier_families`), so one family's rows can be measured again or
+added without running the others.
 
 `--quick`: DeepSeek-V3 alone on the plugin (the family that drives every path of the suite: rounds,
 idle memory, the report), its idle memory the rounds' engine's at ready (one KV cache size, no
@@ -68,6 +82,7 @@ from bench.harness.stages import (
     chosen_families,
     command_line,
     describe_machine_apart,
+    keep_earlier_families,
     run_families,
     runs_peers,
 )
@@ -76,10 +91,12 @@ from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybri
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
 
-FAMILIES = ("qwen3_next", "granite", "deepseek_v3")
-# vLLM's CPU backend cannot start Qwen3-Next here (module docstring): the plugin runs alone.
+FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3")
+# vLLM's CPU backend cannot start Qwen3-Next or Qwen3.5 here (module docstring): the plugin runs
+# alone.
 BACKENDS = {
     "qwen3_next": ("plugin",),
+    "qwen3_5": ("plugin",),
     "granite": ("plugin", "cpu"),
     "deepseek_v3": ("plugin", "cpu"),
 }
@@ -97,6 +114,9 @@ PEER_DEVIATES = {
         "below is reported, not required."
     ),
 }
+# What must agree between this run and an earlier hybrid.json for its other families to be kept.
+SAME_SETTINGS = ("quick", "dtype", "input_len", "output_len", "streams", "c1_rounds", "c16_rounds",
+                 "seed")  # fmt: skip
 # Idle memory of the MLA engines at these KV cache sizes (by --quick).
 IDLE_KV_BYTES = {False: (2**30, 4 * 2**30), True: (256 * 2**20, 2**30)}
 
@@ -189,7 +209,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = round_parser("hybrid", __doc__, "tiny hybrids: checks the harness")
     p.add_argument("--families", default=None,
-                   help="comma-separated subset: all (deepseek_v3 with --quick, no --peers)")  # fmt: skip
+                   help="comma-separated subset: all (deepseek_v3 with --quick, no --peers); "
+                        "the others are kept from --out's hybrid.json where its settings match")  # fmt: skip
     args = p.parse_args(argv)
     fill_round_defaults(args)
     if args.families is None:
@@ -213,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             "c1_rounds": args.c1_rounds,
             "c16_rounds": args.c16_rounds,
             "seed": args.seed,
-            "backends": {f: list(results[f]["workers"]) for f in families},
             "command": command_line("hybrid", argv),
             "total_seconds": round(time.perf_counter() - started, 1),
         },
         "machine": machine,
         "families": results,
     }
+    report = keep_earlier_families(report, Path(args.out) / "hybrid.json", FAMILIES,
+                                   SAME_SETTINGS)  # fmt: skip
+    report["settings"]["backends"] = {f: list(r["workers"]) for f, r in report["families"].items()}
     report["summary"] = summarize(report)
     from bench.suites.hybrid_report import write_report
 

@@ -1,9 +1,10 @@
-"""The hybrid suite's checkpoints: Qwen3-Next, Granite 4.0-H and DeepSeek-V3 at a benchmark
-size with random weights (the tests' tiny ones with --quick), and their descriptions (parameters,
-state and KV bytes per request)."""
+"""The hybrid suite's checkpoints: Qwen3-Next, Qwen3.5 (dense), Granite 4.0-H and DeepSeek-V3 at
+a benchmark size with random weights (the tests' tiny ones with --quick), and their descriptions
+(parameters, state and KV bytes per request)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -28,6 +29,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
         "vocab_size": VOCAB,
+    },
+    # Qwen3.5-0.8B's layers (its config.json: hidden 1024, 8 query / 2 KV heads of 256 with
+    # M-RoPE sections 11, 11, 10 over the rotated quarter, 16 key / 16 value heads of 128 in the
+    # Gated DeltaNet layers, a dense SwiGLU MLP of 3584, tied embeddings), 8 of them instead of 24
+    # and the suite's 32,000-row vocabulary instead of 248,320.
+    "qwen3_5": {
+        "num_layers": 8,
+        "full_attention_interval": 4,
+        "hidden_size": 1024,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 256,
+        "mrope_section": [11, 11, 10],
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 3584,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
     },
     "granite": {
         "layer_types": ["mamba", "mamba", "mamba", "attention"] * 2,
@@ -65,6 +86,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 # vLLM's CPU MLA kernel takes 576-value latent rows only.
 QUICK_KWARGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {},
+    "qwen3_5": {},
     "granite": {"mamba_n_groups": 1},
     "deepseek_v3": {
         "kv_lora_rank": 512,
@@ -76,6 +98,7 @@ QUICK_KWARGS: dict[str, dict[str, Any]] = {
 WEIGHT_STD = 0.02
 STDS = {
     "qwen3_next": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
+    "qwen3_5": {"weight_std": WEIGHT_STD},
     "granite": {"weight_std": WEIGHT_STD, "embed_std": WEIGHT_STD / 2},
     "deepseek_v3": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
 }
@@ -86,13 +109,15 @@ STDS = {
 
 def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
-    with one group)."""
+    with one group; Qwen3.5 in the text-only `Qwen3_5ForCausalLM` layout)."""
     from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
     from tests.fixtures.tiny_granitemoehybrid import write_tiny_granitemoehybrid
+    from tests.fixtures.tiny_qwen3_5 import write_tiny_qwen3_5
     from tests.fixtures.tiny_qwen3_next import write_tiny_qwen3_next
 
     writer = {
         "qwen3_next": write_tiny_qwen3_next,
+        "qwen3_5": functools.partial(write_tiny_qwen3_5, layout="causal_lm"),
         "granite": write_tiny_granitemoehybrid,
         "deepseek_v3": write_tiny_deepseek_v3,
     }[family]
@@ -118,20 +143,27 @@ def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> P
 def describe_hybrid_model(path: Path) -> dict[str, Any]:
     """Shape, layer pattern, total and active parameters (per token: everything but the experts
     the router skips and, when untied, the embedding, which is only gathered), KV bytes per token
-    and state bytes per request, from config.json and the safetensors header."""
+    and state bytes per request, from config.json and the safetensors header. A dense model
+    (Qwen3.5 here) has `num_experts` None and its MLP's `intermediate_size`."""
     from bench.harness.checkpoints import safetensors_sizes
 
     c = json.loads((path / "config.json").read_text())
     sizes = safetensors_sizes(path / "model.safetensors")
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[c["dtype"]]
-    family = {"qwen3_next": _gated_delta, "granitemoehybrid": _mamba2, "deepseek_v3": _latent}
+    family = {
+        "qwen3_next": _gated_delta,
+        "qwen3_5_text": _gated_delta,
+        "granitemoehybrid": _mamba2,
+        "deepseek_v3": _latent,
+    }
     shape = family[c["model_type"]](c, itemsize)
     sparse = re.compile(r"\.mlp\.experts\.|\.block_sparse_moe\.(input|output)_linear\.")
     expert_bytes = sum(v for n, v in sizes.items() if sparse.search(n))
     other = sum(v for n, v in sizes.items() if not sparse.search(n))
     tied = c.get("tie_word_embeddings", False)
     active = other - (0 if tied else sizes["model.embed_tokens.weight"])
-    active += expert_bytes * c["num_experts_per_tok"] // shape["num_experts"]
+    if shape["num_experts"]:
+        active += expert_bytes * c["num_experts_per_tok"] // shape["num_experts"]
     return {
         "path": str(path),
         "name": path.name,
@@ -140,7 +172,7 @@ def describe_hybrid_model(path: Path) -> dict[str, Any]:
         "num_layers": c["num_hidden_layers"],
         "hidden_size": c["hidden_size"],
         "num_heads": c["num_attention_heads"],
-        "experts_per_token": c["num_experts_per_tok"],
+        "experts_per_token": c.get("num_experts_per_tok"),
         "vocab_size": c["vocab_size"],
         "tied_embeddings": tied,
         "num_parameters": sum(sizes.values()) // itemsize,
@@ -159,11 +191,13 @@ def _gated_delta(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
         "key_head_dim": c["linear_key_head_dim"],
         "value_head_dim": c["linear_value_head_dim"],
     }
+    experts = None  # dense (Qwen3.5)
+    if "num_experts" in c:
+        experts = (c["num_experts"], c["moe_intermediate_size"],
+                   c["shared_expert_intermediate_size"])  # fmt: skip
     return _with_state(
         c, itemsize, "Gated DeltaNet", mixer, c["head_dim"], state,
-        conv=(c["linear_conv_kernel_dim"], 2 * key_dim + value_dim),
-        experts=(c["num_experts"], c["moe_intermediate_size"],
-                 c["shared_expert_intermediate_size"]),
+        conv=(c["linear_conv_kernel_dim"], 2 * key_dim + value_dim), experts=experts,
     )  # fmt: skip
 
 
@@ -185,9 +219,10 @@ def _mamba2(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
 
 def _with_state(c: dict[str, Any], itemsize: int, mixer: str, mixer_shape: dict[str, Any],
                 head_dim: int, state: int, conv: tuple[int, int],
-                experts: tuple[int, int, int]) -> dict[str, Any]:  # fmt: skip
+                experts: tuple[int, int, int] | None) -> dict[str, Any]:  # fmt: skip
     """A hybrid's fields: its state layers (float32 state plus the convolution window) and
-    attention layers."""
+    attention layers; `experts` (count, intermediate, shared intermediate), None for a dense
+    MLP."""
     layer_types = c["layer_types"]
     attention = [t for t in layer_types if t in ("full_attention", "attention")]
     state_layers = len(layer_types) - len(attention)
@@ -200,9 +235,10 @@ def _with_state(c: dict[str, Any], itemsize: int, mixer: str, mixer_shape: dict[
         "attention_layers": len(attention),
         "num_kv_heads": c["num_key_value_heads"],
         "head_dim": head_dim,
-        "num_experts": experts[0],
-        "expert_intermediate_size": experts[1],
-        "shared_intermediate_size": experts[2],
+        "num_experts": experts[0] if experts else None,
+        "expert_intermediate_size": experts[1] if experts else None,
+        "shared_intermediate_size": experts[2] if experts else None,
+        **({} if experts else {"intermediate_size": c["intermediate_size"]}),
         "kv_bytes_per_token": 2 * len(attention) * c["num_key_value_heads"] * head_dim * itemsize,
         "state_bytes_per_request": state_layers * (4 * state + (kernel - 1) * conv_dim * itemsize),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +25,29 @@ from bench.suites.hybrid import PEER_DEVIATES
 QUICK_NOTE = quick_note("the tiny models")
 FAMILY_NAMES = {
     "qwen3_next": "Qwen3-Next",
+    "qwen3_5": "Qwen3.5",
     "granite": "Granite 4.0-H",
     "deepseek_v3": "DeepSeek-V3",
 }
 NOT_MEASURED_PEER = "vLLM CPU: not measured (`--quick` without `--peers` runs the plugin alone)."
-NO_CPU_PEER = (
-    "vLLM's CPU backend is not run for Qwen3-Next: its Gated DeltaNet CPU kernel "
-    "(`cpu_gdn_attention_core`) asserts bfloat16 inputs, so its engine dies on the first step of a "
-    'float32 model ("CPU GDN attention requires BF16"). It does run the model in bfloat16, but '
-    "that is another computation than the plugin's float32 (other matmul kernels and precision, "
-    "no meaningful agreement check), so the plugin runs alone here."
-)
+# Why vLLM's CPU backend is not run, by family (those without a peer in `hybrid.BACKENDS`).
+NO_CPU_PEER = {
+    "qwen3_next": (
+        "vLLM's CPU backend is not run for Qwen3-Next: its Gated DeltaNet CPU kernel "
+        "(`cpu_gdn_attention_core`) asserts bfloat16 inputs, so its engine dies on the first step "
+        'of a float32 model ("CPU GDN attention requires BF16"). It does run the model in '
+        "bfloat16, but that is another computation than the plugin's float32 (other matmul "
+        "kernels and precision, no meaningful agreement check), so the plugin runs alone here."
+    ),
+    "qwen3_5": (
+        "vLLM's CPU backend is not run for Qwen3.5: on Linux vLLM cannot inspect the model at all. "
+        "Its `qwen3_5` model module imports `qwen3_vl`, which imports transformers' "
+        "torchvision-only Qwen2-VL image processor, and torchvision does not load beside torch "
+        "2.13.0+cpu, so `ModelConfig` fails (\"Model architectures ['Qwen3_5ForCausalLM'] failed "
+        'to be inspected"; the published wrapper fails the same way) before any engine starts, '
+        "in any dtype. The plugin runs alone here."
+    ),
+}
 
 
 def _mib(n: int) -> str:
@@ -68,6 +81,20 @@ def _latent_model_line(d: dict[str, Any]) -> str:
     )
 
 
+def _names(names: list[str]) -> str:
+    """Names joined as "A", "A and B", "A, B and C"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _mlp(d: dict[str, Any]) -> str:
+    if d["num_experts"] is None:
+        return f"per layer a dense MLP of intermediate {d['intermediate_size']}"
+    return (
+        f"per layer {d['num_experts']} experts of intermediate {d['expert_intermediate_size']}, "
+        f"top-{d['experts_per_token']}, and a shared expert of {d['shared_intermediate_size']}"
+    )
+
+
 def model_line(d: dict[str, Any]) -> str:
     m = d["mixer_shape"]
     if d["mixer"] == "MLA":
@@ -87,9 +114,7 @@ def model_line(d: dict[str, Any]) -> str:
         f"`{_pattern(d['layer_types'])}`: {mixer} and {d['attention_layers']} attention "
         f"layer{'s' if d['attention_layers'] != 1 else ''} "
         f"({d['num_heads']} query / "
-        f"{d['num_kv_heads']} KV heads of {d['head_dim']}); hidden {d['hidden_size']}; per layer "
-        f"{d['num_experts']} experts of intermediate {d['expert_intermediate_size']}, top-"
-        f"{d['experts_per_token']}, and a shared expert of {d['shared_intermediate_size']}; "
+        f"{d['num_kv_heads']} KV heads of {d['head_dim']}); hidden {d['hidden_size']}; {_mlp(d)}; "
         f"vocabulary {d['vocab_size']:,}{' (tied)' if d['tied_embeddings'] else ''}; "
         f"{millions(d['num_parameters'])} M parameters, "
         f"{millions(d['active_parameters_per_token'])} M active per token; state "
@@ -123,7 +148,12 @@ def _idle_memory_lines(rows: list[dict[str, Any]] | None) -> list[str]:
 def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int) -> list[str]:
     cases, backends = r["cases"], list(r["workers"])
     name = FAMILY_NAMES[family]
-    lines = [f"## {name}", "", f"Model: {model_line(r['model'])}, random weights.", ""]
+    lines = [f"## {name}", ""]
+    run = r.get("earlier_run")
+    if run:
+        commit = ((run.get("machine") or {}).get("git") or {}).get("commit") or "unknown"
+        lines += [f"Kept from an earlier run: `{run['command']}` (commit {commit[:7]}).", ""]
+    lines += [f"Model: {model_line(r['model'])}, random weights.", ""]
     if "cpu" in backends:
         lines += [
             "Plugin / vLLM CPU, side by side in the same run:",
@@ -144,7 +174,7 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
     else:
         peer = "ratios" in s  # the family has a vLLM CPU peer, not run here
         lines += [
-            NOT_MEASURED_PEER if peer else NO_CPU_PEER,
+            NOT_MEASURED_PEER if peer else NO_CPU_PEER[family],
             "",
             "| streams | plugin decode tok/s | plugin TPOT ms |",
             "|---:|---:|---:|",
@@ -192,18 +222,52 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
     return lines
 
 
+def _runs_lines(report: dict[str, Any]) -> list[str]:
+    """Which run measured which family: this one, and any earlier ones whose families were kept
+    (`bench.harness.stages.keep_earlier_families`)."""
+    st, fams = report["settings"], report["families"]
+    command = f"python -m bench.run hybrid{' --quick' if st.get('quick') else ''}"
+    now = [FAMILY_NAMES[f] for f, r in fams.items() if "earlier_run" not in r]
+    earlier: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for f, r in fams.items():
+        if "earlier_run" in r:
+            key = json.dumps(r["earlier_run"], sort_keys=True)
+            earlier.setdefault(key, (r["earlier_run"], []))[1].append(FAMILY_NAMES[f])
+    if not earlier:
+        return [
+            f"Generated by `{command}` in {st['total_seconds']:.0f} s. Raw figures: `hybrid.json`.",
+            "",
+            machine_line(report.get("machine") or {}),
+        ]
+    lines = [
+        (
+            f"Generated by `{command}` in {st['total_seconds']:.0f} s ({_names(now)}); the other "
+            "families are kept from earlier runs of the same settings, below. Raw figures: "
+            "`hybrid.json`."
+        ),
+        "",
+        machine_line(report.get("machine") or {}),
+    ]
+    cpu = (report.get("machine") or {}).get("cpu")
+    for run, names in earlier.values():
+        seconds = f" in {run['total_seconds']:.0f} s" if run.get("total_seconds") else ""
+        other = (run["machine"] or {}).get("cpu") != cpu
+        lines += [
+            "",
+            f"{_names(names)}: `{run['command']}`{seconds}. {machine_line(run['machine'] or {})}"
+            + (" Another CPU than this run's: its rows and this run's do not compare." if other
+               else ""),
+        ]  # fmt: skip
+    return lines
+
+
 def _markdown(report: dict[str, Any]) -> str:
     st, summary, fams = report["settings"], report["summary"], report["families"]
     big = max(st["streams"])
     lines = [
-        "# Hybrid and latent-attention decode: Qwen3-Next, Granite 4.0-H, DeepSeek-V3",
+        f"# Hybrid and latent-attention decode: {', '.join(FAMILY_NAMES[f] for f in fams)}",
         "",
-        (
-            f"Generated by `python -m bench.run hybrid{' --quick' if st.get('quick') else ''}` in "
-            f"{st['total_seconds']:.0f} s. Raw figures: `hybrid.json`."
-        ),
-        "",
-        machine_line(report.get("machine") or {}),
+        *_runs_lines(report),
         "",
         *([QUICK_NOTE, ""] if st.get("quick") else []),
         (
@@ -254,26 +318,30 @@ def _markdown(report: dict[str, Any]) -> str:
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     fams, summary = report["families"], report["summary"]
     streams = report["settings"]["streams"]
-    panels = [(f, n) for f in fams for n in streams]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.9 * len(panels), 4.2), squeeze=False)
+    # One column per family, one row per stream count.
+    fig, axes = plt.subplots(len(streams), len(fams), figsize=(2.9 * len(fams), 3.6 * len(streams)),
+                             squeeze=False)  # fmt: skip
     colors = {"plugin": "tab:blue", "cpu": "tab:gray"}
-    for ax, (family, n) in zip(axes[0], panels):
-        cases = fams[family]["cases"]
-        backends = [be for be in BACKEND_NAMES if f"c{n}_{be}" in cases]
-        values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in backends]
-        bars = ax.bar([BACKEND_NAMES[be] for be in backends], values,
-                      color=[colors[be] for be in backends])  # fmt: skip
-        for bar, v in zip(bars, values):
-            ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
-        label = "1 stream" if n == 1 else f"{n} streams"
-        ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
-        has_peer = "ratios" in summary[family]
-        sub = (f"plugin / CPU {num(ratio, 2)}x" if ratio is not None
-               else "vLLM CPU not measured" if has_peer else "no vLLM CPU peer")  # fmt: skip
-        ax.set_title(f"{FAMILY_NAMES[family]}, {label}\n{sub}", fontsize=9)
-        ax.set_ylim(0, max(values) * 1.18)
-        ax.tick_params(axis="x", labelsize=8)
-    axes[0][0].set_ylabel("decode tok/s (streams / TPOT)")
+    for row, n in enumerate(streams):
+        for col, family in enumerate(fams):
+            ax = axes[row][col]
+            cases = fams[family]["cases"]
+            backends = [be for be in BACKEND_NAMES if f"c{n}_{be}" in cases]
+            values = [cases[f"c{n}_{be}"]["decode_tok_s"] for be in backends]
+            bars = ax.bar([BACKEND_NAMES[be] for be in backends], values,
+                          color=[colors[be] for be in backends])  # fmt: skip
+            for bar, v in zip(bars, values):
+                ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom")
+            label = "1 stream" if n == 1 else f"{n} streams"
+            ratio = summary[family].get("ratios", {}).get(f"c{n}_plugin_vs_cpu")
+            has_peer = "ratios" in summary[family]
+            sub = (f"plugin / CPU {num(ratio, 2)}x" if ratio is not None
+                   else "vLLM CPU not measured" if has_peer else "no vLLM CPU peer")  # fmt: skip
+            ax.set_title(f"{FAMILY_NAMES[family]}, {label}\n{sub}", fontsize=9)
+            ax.set_ylim(0, max(values) * 1.18)
+            ax.tick_params(axis="x", labelsize=8)
+    for row in axes:
+        row[0].set_ylabel("decode tok/s (streams / TPOT)")
     title = "Hybrid and MLA decode (MLX on CPU), plugin vs vLLM CPU"
     if report["settings"].get("quick"):
         title += " (quick run: tiny models)"

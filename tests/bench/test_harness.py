@@ -16,7 +16,7 @@ from bench.harness import servers
 from bench.harness.decode_rounds import agreement
 from bench.harness.report.format import cases_table, machine_line, num, quick_note
 from bench.harness.report.publish import publish, targets_table
-from bench.harness.stages import StageLog, blas_log_lines, kv_bytes
+from bench.harness.stages import StageLog, blas_log_lines, keep_earlier_families, kv_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -133,6 +133,92 @@ def test_summary_compares_the_plugin_with_vllm_cpu_at_32() -> None:
     text = "\n".join(targets_section(summary))
     assert "| output tok/s at 32 concurrent, plugin / vLLM CPU | ≥ 1.0x | 0.80x | missed |" in text
     assert "1.25x short of the goal" in text
+
+
+def test_keep_earlier_families_of_a_hybrid_report(tmp_path: Path) -> None:
+    """A run of some `--families` keeps the other families of the report already in its folder,
+    in the suite's order, each with the run that measured it; a family it ran replaces the
+    earlier one; other settings, or a family the suite no longer has, keep nothing."""
+    order = ("a", "b", "c", "d")
+    same = ("dtype", "streams")
+
+    def report(families: list[str], command: str, **settings: object) -> dict:
+        return {"settings": {"dtype": "float32", "streams": [1, 16], "command": command,
+                             "total_seconds": 10.0, **settings},
+                "machine": {"git": {"commit": command * 7}},
+                "families": {f: {"cases": {"from": command}} for f in families}}  # fmt: skip
+
+    path = tmp_path / "hybrid.json"
+    assert keep_earlier_families(report(["b"], "2"), path, order, same) == report(["b"], "2")
+    path.write_text(json.dumps(report(["a", "b", "c", "gone"], "1")))
+    merged = keep_earlier_families(report(["d", "b"], "2"), path, order, same)
+    assert list(merged["families"]) == ["a", "b", "c", "d"]
+    assert {f: r["cases"]["from"] for f, r in merged["families"].items()} == {
+        "a": "1", "b": "2", "c": "1", "d": "2"}  # fmt: skip
+    run = {"command": "1", "total_seconds": 10.0, "machine": {"git": {"commit": "1111111"}}}
+    assert merged["families"]["a"]["earlier_run"] == run == merged["families"]["c"]["earlier_run"]
+    assert "earlier_run" not in merged["families"]["b"]
+    assert merged["settings"]["command"] == "2" and merged["machine"]["git"]["commit"] == "2" * 7
+    # Merged again later: a family keeps the run that measured it, not the one it was kept by.
+    path.write_text(json.dumps(merged))
+    again = keep_earlier_families(report(["c"], "3"), path, order, same)
+    assert again["families"]["a"]["earlier_run"] == run
+    assert again["families"]["b"]["earlier_run"]["command"] == "2"
+    assert "earlier_run" not in again["families"]["c"]
+    # Settings that make the figures incomparable: this run's families alone.
+    for differ in ({"dtype": "bfloat16"}, {"streams": [1, 32]}):
+        alone = keep_earlier_families(report(["c"], "3", **differ), path, order, same)
+        assert list(alone["families"]) == ["c"], differ
+
+
+def test_hybrid_report_names_the_run_of_each_kept_family(tmp_path: Path) -> None:
+    """The hybrid report of a merged run: a dense Qwen3.5 row measured now beside the committed
+    run's families, each kept family naming the run (and commit) that measured it."""
+    pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib")
+    import copy
+
+    from bench.suites.hybrid import FAMILIES, SAME_SETTINGS, summarize
+    from bench.suites.hybrid_report import NO_CPU_PEER, write_report
+
+    committed = json.loads((ROOT / "docs" / "benchmarks" / "hybrid.json").read_text())
+    earlier = copy.deepcopy(committed)
+    for r in earlier["families"].values():
+        r.pop("earlier_run", None)  # as a report of one run
+    earlier["families"].pop("qwen3_5", None)
+    earlier["settings"].update(command="python -m bench.run hybrid --out old", total_seconds=713.0)
+    earlier["machine"]["git"] = {"commit": "0123456789abcdef", "dirty": False}
+    earlier["machine"]["cpu"] = "the CPU"
+    (tmp_path / "hybrid.json").write_text(json.dumps(earlier))
+    qwen3_5 = copy.deepcopy(earlier["families"]["qwen3_next"])
+    qwen3_5["model"].update(architecture="Qwen3_5ForCausalLM", num_experts=None,
+                            experts_per_token=None, intermediate_size=3584)  # fmt: skip
+    now = {**copy.deepcopy(earlier), "families": {"qwen3_5": qwen3_5}}
+    now["settings"]["command"] = "python -m bench.run hybrid --families qwen3_5"
+    now["machine"]["git"] = {"commit": "fedcba9876543210", "dirty": False}
+    report = keep_earlier_families(now, tmp_path / "hybrid.json", FAMILIES, SAME_SETTINGS)
+    report["summary"] = summarize(report)
+    write_report(report, tmp_path)
+    text = (tmp_path / "hybrid.md").read_text()
+    assert text.startswith("# Hybrid and latent-attention decode: Qwen3-Next, Qwen3.5, Granite")
+    assert "s (Qwen3.5); the other families are kept from earlier runs" in text
+    assert "commit fedcba9." in text
+    assert ("Qwen3-Next, Granite 4.0-H and DeepSeek-V3: `python -m bench.run hybrid --out old` "
+            "in 713 s. Measured on") in text  # fmt: skip
+    assert text.count("Kept from an earlier run: `python -m bench.run hybrid --out old` "
+                      "(commit 0123456).") == 3  # fmt: skip
+    section = text[text.index("## Qwen3.5") : text.index("## Granite")]
+    assert "Kept from" not in section and NO_CPU_PEER["qwen3_5"] in section
+    assert "per layer a dense MLP of intermediate 3584;" in section
+    assert (
+        f"| Qwen3.5 | 16 | {qwen3_5['cases']['c16_plugin']['decode_tok_s']:.1f} | not run | — |"
+        in text
+    )
+    assert (tmp_path / "hybrid.png").read_bytes()[:8] == PNG
+    assert "Another CPU" not in text
+    report["machine"]["cpu"] = "another CPU"
+    write_report(report, tmp_path)
+    text = (tmp_path / "hybrid.md").read_text()
+    assert "at start; commit 0123456. Another CPU than this run's: its rows and this run's" in text
 
 
 def test_torch_backend_bench_command_line_and_report(tmp_path: Path) -> None:
