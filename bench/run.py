@@ -45,7 +45,7 @@ SUITES = (
     Suite("speech", "Whisper speech-to-text through `vllm serve`", ("speech",)),
     Suite("vision", "one-image chat completions through `vllm serve`", ("vision",)),
     Suite("moe", "mixture-of-experts decode, plugin against vLLM CPU", ("moe",)),
-    Suite("hybrid", "Qwen3-Next, Granite 4.0-H and DeepSeek-V3 decode", ("hybrid",)),
+    Suite("hybrid", "Qwen3-Next, Qwen3.5, Granite 4.0-H and DeepSeek-V3 decode", ("hybrid",)),
     Suite("hybrid_prefix", "prefix caching on hybrids: TTFT of a re-sent 4k prompt",
           ("hybrid_prefix",)),
     Suite("gguf", "GGUF and MLX-quantized checkpoints against dense", ("gguf",)),
