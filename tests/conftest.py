@@ -211,6 +211,16 @@ def tiny_gemma4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma4_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 4 wrapper checkpoint (`Gemma4ForConditionalGeneration`,
+    `tests.fixtures.tiny_gemma4_vl`: the dense text model beside a vision tower), once per
+    session."""
+    from tests.fixtures.tiny_gemma4_vl import write_tiny_gemma4_vl
+
+    return write_tiny_gemma4_vl(tmp_path_factory.mktemp("tiny-gemma4-vl") / "gemma4_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random GLM-4.7-Flash (MLA) checkpoint (`tests.fixtures.tiny_glm4_moe_lite`), once
     per session."""

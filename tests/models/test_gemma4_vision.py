@@ -19,7 +19,6 @@ from tests.fixtures.tiny_gemma4_vl import (
     BOI_TOKEN_ID,
     EOI_TOKEN_ID,
     IMAGE_TOKEN_ID,
-    write_tiny_gemma4_vl,
 )
 from tests.fixtures.tiny_idefics3 import tiny_image
 
@@ -30,8 +29,8 @@ IMAGE_SIZES = ((64, 24), (20, 36))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gemma4_vl(tmp_path_factory.mktemp("tiny_gemma4_vl"))
+def checkpoint(tiny_gemma4_vl_dir: Path) -> Path:
+    return tiny_gemma4_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 once and any vision-language adapter: each step packs every unfinished request's next prompt
 chunk (or one decode token), encodes the items the step first reaches, merges their rows, gives
 M-RoPE positions to M-RoPE models and key ends to prefix-LM models, and runs the paged forward
-with the adapter's own layer windows; greedy.
+with the adapter's own layer windows and KV shapes (one block table, as the runner's warm-up
+lays it out); greedy.
 
 `keep_items_whole` is vLLM's `disable_chunked_mm_input` rule (the platform sets it for prefix-LM
 models): a chunk that would start before an item and end inside it stops before the item.
@@ -23,7 +24,7 @@ from vllm_metal.backends.mlx.runner.mm.embeddings import EncoderCache
 from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.backends.mlx.runner.mm.spans import step_key_ends
 from vllm_metal.backends.mlx.runner.model_states import StepInputs
-from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.pool import KVLayout, pool_for
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
@@ -66,11 +67,14 @@ def run_greedy(
     keep_items_whole: bool = False,
     key_ends: bool = True,
     block_size: int = BLOCK_SIZE,
+    prompt_logits: dict[str, np.ndarray] | None = None,
 ) -> dict[str, tuple[list[int], np.ndarray]]:
     """Each request's `new_tokens` greedy tokens and the logits of its prompt's last token.
     `key_ends=False` drops the prefix-LM key ends (every token causal), for negative controls.
     A hybrid's state layers keep their pages in their own regions' blocks (`block_size` large
-    enough that a block's K and V hold a state page)."""
+    enough that a block's K and V hold a state page). A `prompt_logits` dict is filled with each
+    request's logits of every prompt token (`[prompt tokens, vocab]`, the rows vLLM's prompt
+    logprobs read)."""
     req_ids = list(states)
     lengths = [len(states[r].prompt_token_ids) + new_tokens for r in req_ids]
     blocks = [-(-n // block_size) for n in lengths]
@@ -78,8 +82,13 @@ def run_greedy(
     for i, n in enumerate(blocks):
         table[i, :n] = np.arange(sum(blocks[:i]), sum(blocks[: i + 1]))
     attn = next(layer.self_attn for layer in adapter.decoder.layers if hasattr(layer, "self_attn"))
-    pool = KVPool(
-        KVLayout.single_group(adapter.num_layers, sum(blocks), block_size),
+    kinds = adapter.layer_kinds()
+    # A layer reading an earlier layer's K/V (Gemma 4) reads that layer's region; layers with
+    # their own KV heads and head size have regions of their shape.
+    memory_of = [i if kind.kv_source is None else kind.kv_source for i, kind in enumerate(kinds)]
+    pool = pool_for(
+        KVLayout.single_group(adapter.num_layers, sum(blocks), block_size, memory_of),
+        kinds,
         getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads,  # Qwen3-Next's name
         attn.head_dim,
         mx.float32,
@@ -88,7 +97,7 @@ def run_greedy(
     computed = dict.fromkeys(req_ids, 0)
     new = {r: [] for r in req_ids}
     first: dict[str, np.ndarray] = {}
-    kinds = adapter.layer_kinds()
+    prompt_parts: dict[str, list[np.ndarray]] = {r: [] for r in req_ids}
     cache = EncoderCache()
     while active := [r for r in req_ids if len(new[r]) < new_tokens]:
         scheduled = {
@@ -126,7 +135,17 @@ def run_greedy(
         positions = step_positions(packed, states, adapter) if adapter.uses_mrope else None
         ends = step_key_ends(packed, states) if adapter.bidirectional_media and key_ends else None
         inputs = StepInputs(mm_rows=rows, mrope_positions=positions, key_ends=ends)
-        logits, _ = forward(adapter, pool, kinds, packed, {}, inputs)
+        prompt_rows = {}
+        if prompt_logits is not None:
+            cu = packed.cu_seqlens_q
+            prompt_rows = {
+                r: np.arange(cu[i], cu[i + 1])
+                for i, r in enumerate(active)
+                if computed[r] < len(states[r].prompt_token_ids)
+            }
+        logits, rows_logits = forward(adapter, pool, kinds, packed, prompt_rows, inputs)
+        for r, part in rows_logits.items():
+            prompt_parts[r].append(np.array(part))
         for i, r in enumerate(active):
             computed[r] += scheduled[r]
             if computed[r] < len(tokens[r]):
@@ -134,4 +153,6 @@ def run_greedy(
             first.setdefault(r, np.array(logits[i]))
             tokens[r].append(int(mx.argmax(logits[i]).item()))
             new[r].append(tokens[r][-1])
+    if prompt_logits is not None:
+        prompt_logits.update({r: np.concatenate(prompt_parts[r]) for r in req_ids})
     return {r: (new[r], first[r]) for r in req_ids}
