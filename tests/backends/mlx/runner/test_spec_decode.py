@@ -34,13 +34,21 @@ MIXED = REPETITIVE + random_prompts(11, [1, 9, 40])
 # max_tokens 1..5 in one batch: drafts must stop at max_tokens - 1.
 SHORT = [[40, 41, 42, 43] * 5 for _ in range(5)]
 SHORT_PARAMS = [greedy(n) for n in range(1, 6)]
-# Sampling under verification: many seeded requests, tokens 2.. are verified drafts.
+# Sampling under verification: many unseeded requests (a seeded one never drafts), tokens 2.. are
+# verified drafts.
 DIST_PROMPT = [[7, 8, 9, 10, 11, 12]]
 DIST_N = 400
 DIST_PARAMS = [
-    {"max_tokens": 4, "temperature": 1.0, "top_k": 4, "seed": i, "ignore_eos": True}
-    for i in range(DIST_N)
+    {"max_tokens": 4, "temperature": 1.0, "top_k": 4, "ignore_eos": True} for _ in range(DIST_N)
 ]
+# Seeded sampled requests on prompts the n-gram proposer finds matches in, beside a greedy one
+# that drafts: run twice, the seeded ones give the same tokens both times and as without
+# speculation, whatever the back-off decided.
+SEEDED = REPETITIVE * 4 + [REPETITIVE[0]]
+SEEDED_PARAMS = [
+    {"max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 40 + i, "ignore_eos": True}
+    for i in range(len(SEEDED) - 1)
+] + [greedy(16)]
 SAMPLED_PARAMS = [
     {"max_tokens": 16, "temperature": 0.9, "top_p": 0.8, "seed": 1, "ignore_eos": True},
     {"max_tokens": 16, "temperature": 0.7, "top_k": 5, "seed": 2, "ignore_eos": True},
@@ -79,8 +87,19 @@ JOBS = [
     {"prompts": ["Person:", "Code:"], "params": STRUCTURED},
     # The first repetitive prompt again: served from cached blocks, drafted the same.
     {"prompts": [REPETITIVE[0]], "params": [greedy(NEW_TOKENS)]},
+    {"prompts": SEEDED, "params": SEEDED_PARAMS},
+    {"prompts": SEEDED, "params": SEEDED_PARAMS},
 ]
-MIXED_JOB, SHORT_JOB, DIST_JOB, SAMPLED_JOB, STRUCTURED_JOB, CACHED_JOB = range(len(JOBS))
+(
+    MIXED_JOB,
+    SHORT_JOB,
+    DIST_JOB,
+    SAMPLED_JOB,
+    STRUCTURED_JOB,
+    CACHED_JOB,
+    SEEDED_JOB,
+    SEEDED_AGAIN_JOB,
+) = range(len(JOBS))
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +265,22 @@ def test_sampling_settings_and_seeds(request, plain, method):
     # speculation.
     base, _ = plain
     assert [o[0] for o in outs] == [r["outputs"][0]["token_ids"][0] for r in base[SAMPLED_JOB]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "small_draft"])
+def test_seeded_requests_repeat_with_and_without_speculation(request, plain, method):
+    """With the back-off on (its default), a seeded sampled batch gives the same tokens run after
+    run and the tokens it gives without speculation, while the greedy request beside it drafts."""
+    results, metrics = request.getfixturevalue(method)
+    base, _ = plain
+    seeded = tokens(results[SEEDED_JOB])[:-1]
+    assert len(set(map(tuple, seeded))) > 1  # sampled, not one greedy continuation
+    assert seeded == tokens(results[SEEDED_AGAIN_JOB])[:-1]
+    assert seeded == tokens(base[SEEDED_JOB])[:-1]
+    assert tokens(results[SEEDED_JOB])[-1] == tokens(base[SEEDED_JOB])[-1]  # greedy
+    if method == "ngram":
+        counts = _spec_counts(metrics, SEEDED_JOB)
+        assert counts["accepted_tokens"] > 0, counts
 
 
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
@@ -65,8 +66,11 @@ class SpecDecoder:
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
-        drafts nor verifies tokens it cannot return. The back-off then keeps only the rows
-        where drafting pays.
+        drafts nor verifies tokens it cannot return. A seeded sampled request never drafts: the
+        rejection sampler draws from its generator only for the drafts it verifies, so its
+        tokens would depend on when it drafted (which the back-off decides from measured
+        times), where a seed promises the same tokens every run, as without speculation. The
+        back-off then keeps only the rows where drafting pays.
         """
         batch = states.input_batch
         caps = np.zeros(batch.num_reqs, dtype=np.int32)
@@ -74,6 +78,9 @@ class SpecDecoder:
             if not sampled[i]:
                 continue
             state = states.requests[req_id]
+            params = state.sampling_params
+            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+                continue
             cap = min(
                 self.num_speculative_tokens,
                 self.max_model_len - int(batch.num_tokens_no_spec[i]) - 1,
