@@ -65,12 +65,18 @@ def serve_language_model_only(vllm_config: VllmConfig) -> bool:
     logger.warning(
         "vllm-metal does not run the vision/audio towers of model=%r (%s): serving its language "
         "model only; requests with images, video or audio are refused (HTTP 400). Families whose "
-        "towers run: %s",
+        "towers run here: %s",
         model.model,
         model_type,
-        ", ".join(model_types("vision_language")),
+        ", ".join(_families_with_towers_here()),
     )
     return True
+
+
+def _families_with_towers_here() -> list[str]:
+    """The vision-language families whose towers run on this host."""
+    families = model_types("vision_language") + model_types("vision_state_hybrid")
+    return [model_type for model_type in families if runs_towers(model_type)]
 
 
 def limit_to_encoded_modalities(vllm_config: VllmConfig) -> None:
