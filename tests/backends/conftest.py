@@ -9,7 +9,18 @@ import pytest
 from vllm_metal.testing.tiny_models import write_tiny_model
 
 # The dense text families the runner parity tests cover on every backend.
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo2", "olmo3"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "olmo2",
+    "olmo3",
+    "hunyuan_v1_dense",
+    "seed_oss",
+]
 
 
 @pytest.fixture(scope="session")

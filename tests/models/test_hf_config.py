@@ -74,3 +74,27 @@ def test_a_layer_pattern_mlx_lm_cannot_build_is_refused_by_name() -> None:
     )
     with pytest.raises(ValueError, match="mlp_layer_types"):
         _overrides(config)
+
+
+def test_rope_scaling_kept_only_in_rope_parameters_becomes_rope_scaling() -> None:
+    """Llama 3's scaled RoPE saved by transformers 5: without the mapping mlx-lm would build plain
+    RoPE and run long contexts at other positions than transformers."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = _saved("llama", rope_parameters={**scaling, "rope_theta": 500000.0})
+    config.pop("rope_scaling", None)
+    assert _overrides(config) == {"rope_theta": 500000.0, "rope_scaling": scaling}
+
+
+def test_plain_rope_maps_to_no_scaling_only_where_mlx_lm_requires_the_field() -> None:
+    from mlx_lm.models.exaone4 import ModelArgs
+
+    config = _saved("qwen3", rope_theta=4321.0)
+    assert "rope_scaling" not in _overrides(config)  # optional in mlx-lm's Qwen3
+    exaone = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert mlx_lm_overrides(exaone, ModelArgs)["rope_scaling"] is None  # required there

@@ -15,8 +15,10 @@ with transformers 5 carries only the new ones.
 
 `mlx_lm_overrides` fills such a key from its transformers 5 form, only when the config lacks it and
 the architecture's `ModelArgs` takes it; a config that already has the key is left alone. The
-loader hands the result to mlx-lm's `load_model(model_config=...)`. RoPE *scaling* given only in
-`rope_parameters` is not mapped (mlx-lm's Qwen3-MoE ignores `rope_scaling` altogether).
+loader hands the result to mlx-lm's `load_model(model_config=...)`. RoPE scaling kept only in
+`rope_parameters` (its `rope_type` other than "default", with its factors) becomes mlx-lm's
+`rope_scaling`, and None for plain RoPE where mlx-lm requires the field (EXAONE 4.0); mlx-lm's
+Qwen3-MoE ignores `rope_scaling` altogether.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
         base = _rope_base(config.get("rope_parameters"))
         if base is not None:
             out["rope_theta"] = base
+    if "rope_scaling" in takes and "rope_scaling" not in config:
+        scaling = _rope_scaling(config.get("rope_parameters"))
+        if scaling is not None or takes["rope_scaling"].default is inspect.Parameter.empty:
+            out["rope_scaling"] = scaling
     for field, source in _RENAMED.items():
         if field in takes and field not in config and source in config:
             out[field] = config[source]
@@ -101,6 +107,16 @@ def _dense_prefix(mlp_types: list[str]) -> int:
             "'sparse' ones, the only layout mlx-lm builds (first_k_dense_replace)"
         )
     return dense
+
+
+def _rope_scaling(rope: Any) -> dict[str, Any] | None:
+    """mlx-lm's `rope_scaling` from one `rope_parameters` (its scaling type and factors; None for
+    plain RoPE, and for parameters keyed by layer type)."""
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return None
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 def _rope_base(rope: Any) -> float | None:

@@ -130,6 +130,28 @@ ARCHS: dict[str, Family] = {
         },
         _GEMMA_INIT,
     ),
+    # Hunyuan dense (Hunyuan-7B and its small siblings): per-head q/k norms after RoPE.
+    "hunyuan_v1_dense": Family(
+        {
+            "architectures": ["HunYuanDenseV1ForCausalLM"],
+            "model_type": "hunyuan_v1_dense",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    ),
+    # Seed-OSS: biased q/k/v projections, an unbiased output projection.
+    "seed_oss": Family(
+        {
+            "architectures": ["SeedOssForCausalLM"],
+            "model_type": "seed_oss",
+            "hidden_act": "silu",
+            "attention_bias": True,
+            "attention_out_bias": False,
+            "mlp_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    ),
     "olmo2": Family(
         {
             "architectures": ["Olmo2ForCausalLM"],
