@@ -20,6 +20,8 @@ FAMILIES = [
     "olmo3",
     "hunyuan_v1_dense",
     "seed_oss",
+    "glm4",
+    "ernie4_5",
 ]
 
 

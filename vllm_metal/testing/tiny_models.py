@@ -152,6 +152,32 @@ ARCHS: dict[str, Family] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }
     ),
+    # GLM-4 (GLM-4-9B-0414 and its siblings): biased q/k/v, half of each head rotated, norms after
+    # each sublayer.
+    "glm4": Family(
+        {
+            "architectures": ["Glm4ForCausalLM"],
+            "model_type": "glm4",
+            "hidden_act": "silu",
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        }
+    ),
+    # ERNIE 4.5 dense (0.3B): RoPE on interleaved pairs.
+    "ernie4_5": Family(
+        {
+            "architectures": ["Ernie4_5ForCausalLM"],
+            "model_type": "ernie4_5",
+            "hidden_act": "silu",
+            "use_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        }
+    ),
     "olmo2": Family(
         {
             "architectures": ["Olmo2ForCausalLM"],

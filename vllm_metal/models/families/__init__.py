@@ -54,6 +54,17 @@ class Declaration:
 WITHOUT_ADAPTER = (Declaration("lfm2", "short_conv_hybrid"),)
 
 
+# mlx-lm architectures the generic adapter serves as they are (no module here) that the tests
+# check against transformers.
+GENERIC_VERIFIED = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+
+
+def verified(model_type: str | None) -> bool:
+    """Whether this project checks `model_type` against transformers: a family module declares it
+    or the generic adapter serves it (`GENERIC_VERIFIED`)."""
+    return model_type in GENERIC_VERIFIED or model_type in declarations()
+
+
 @cache
 def declarations() -> dict[str, Declaration]:
     """model_type -> its declaration, from every family module and `WITHOUT_ADAPTER`."""

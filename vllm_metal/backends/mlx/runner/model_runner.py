@@ -29,6 +29,7 @@ from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.model_states import FEATURE_FLAGS, ModelState, select
 from vllm_metal.backends.mlx.runner.output import Forward, output_stage_class
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.self_check import startup_stage
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.state_drafts import StepDrafts
@@ -73,7 +74,8 @@ class MLXModelRunner:
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        described = self.state.load()
+        with startup_stage(self.vllm_config, "loading it with mlx-lm"):
+            described = self.state.load()
         if self.lora is not None:
             self.lora.wrap(self.state.get_model())
         if self.spec is not None:
@@ -112,7 +114,8 @@ class MLXModelRunner:
 
     def profile_run(self) -> int:
         num_tokens = max(1, min(self.max_num_tokens, self.model_config.max_model_len))
-        return self.state.profile(num_tokens, self.block_size)
+        with startup_stage(self.vllm_config, "the profiling run's dummy prefill"):
+            return self.state.profile(num_tokens, self.block_size)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         assert self.state.is_loaded(), "load the model first"
@@ -146,7 +149,8 @@ class MLXModelRunner:
             self.connector.bind_pool(self.kv_pool, self.kv_cache_config)
 
     def warm_up(self) -> None:
-        self.state.warm_up(self.block_size, self.max_num_tokens)
+        with startup_stage(self.vllm_config, "the warm-up's dummy prefill and decode steps"):
+            self.state.warm_up(self.block_size, self.max_num_tokens)
 
     # ------------------------------------------------------------ the step
 

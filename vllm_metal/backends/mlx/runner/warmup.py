@@ -12,8 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
-from vllm_metal.backends.mlx.runner.batch import prefill_batch
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, prefill_batch
 from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
 from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
 from vllm_metal.models import ModelAdapter
@@ -57,11 +58,21 @@ class DummyRuns:
         return pool_for(layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
-        packed = prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size)
+        self._run(prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size), pool)
+
+    def _run(self, packed: PackedBatch, pool: KVPool) -> None:
         if self.logits:
             mx.eval(forward(self.adapter, pool, self.kinds, packed, {})[0])
         else:
             mx.eval(hidden_states(self.adapter, pool, self.kinds, packed))
+
+    def _decode(self, position: int, pool: KVPool) -> None:
+        """One token at `position` of the sequence `_prefill` left in blocks 0, 1, ..."""
+        table = np.arange(pool.num_blocks, dtype=np.int32)[None, :]
+        token = np.array([position % max(2, self.vocab_size - 1)])
+        self._run(
+            decode_batch(["dummy"], np.array([position]), token, [table], [pool.block_size]), pool
+        )
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         """Peak bytes a prefill of `num_tokens` needs beyond what is allocated now."""
@@ -75,8 +86,13 @@ class DummyRuns:
         return peak
 
     def warm_up(self, block_size: int, max_num_tokens: int) -> None:
+        """A one-token prefill, a prefill of one block (or the step budget) and a decode step
+        after it that reads those K/V back: the shapes of a first request, and every layer's
+        cache written and read once."""
         pool = self._pool(2, block_size)
-        for n in (1, min(block_size, max_num_tokens)):
-            self._prefill(n, pool)
+        n = min(block_size, max_num_tokens)
+        for length in (1, n):
+            self._prefill(length, pool)
+        self._decode(n, pool)
         del pool
         mx.clear_cache()
