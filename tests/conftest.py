@@ -221,6 +221,15 @@ def tiny_gemma4_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Nemotron-H hybrid checkpoint (`tests.fixtures.tiny_nemotron_h`), once per
+    session."""
+    from tests.fixtures.tiny_nemotron_h import write_tiny_nemotron_h
+
+    return write_tiny_nemotron_h(tmp_path_factory.mktemp("tiny-nemotron-h") / "nemotron_h")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random GLM-4.7-Flash (MLA) checkpoint (`tests.fixtures.tiny_glm4_moe_lite`), once
     per session."""

@@ -233,7 +233,7 @@ def test_drafting_other_than_ngram_on_a_hybrid_is_refused_naming_ngram(tiny_qwen
 
 
 def test_other_hybrids_are_refused_naming_the_architecture():
-    """A Mamba-2 hybrid (Nemotron-H) is checked on the model-config fields the table reads: on
+    """A Mamba-2 hybrid (Falcon-H1) is checked on the model-config fields the table reads: on
     this host vLLM stops earlier for some of them (their classes import kernels it lacks)."""
     from types import SimpleNamespace
 
@@ -241,13 +241,13 @@ def test_other_hybrids_are_refused_naming_the_architecture():
     from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
-        model="nvidia/Nemotron-H-8B",
+        model="tiiuae/Falcon-H1-1.5B-Instruct",
         is_hybrid=True,
-        hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"]),
-        hf_text_config=SimpleNamespace(model_type="nemotron_h"),
+        hf_config=SimpleNamespace(architectures=["FalconH1ForCausalLM"]),
+        hf_text_config=SimpleNamespace(model_type="falcon_h1"),
     )
     config = SimpleNamespace(model_config=model_config)
     assert kind_of(config).name == "hybrid_other"
-    assert "model='nvidia/Nemotron-H-8B' (nemotron_h, NemotronHForCausalLM)" in refusal(
+    assert "model='tiiuae/Falcon-H1-1.5B-Instruct' (falcon_h1, FalconH1ForCausalLM)" in refusal(
         config, "mlx"
     )

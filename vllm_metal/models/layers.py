@@ -58,6 +58,18 @@ def mamba2_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
+def nemotron_h_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Nemotron-H Mamba-2 layer, from its config.json fields."""
+    heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
+    groups, state_size = config["n_groups"], config["ssm_state_size"]
+    conv_dim = heads * head_dim + 2 * groups * state_size
+    return StateShapes(
+        conv=(config["conv_kernel"] - 1, conv_dim),
+        recurrent=(heads, head_dim, state_size),
+        mixer="mamba2",
+    )
+
+
 # model_type -> the state of each of its state layers (all alike within a model).
 STATE_SHAPES = {
     "qwen3_next": gated_delta_state_shapes,
@@ -66,6 +78,7 @@ STATE_SHAPES = {
         ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"), gated_delta_state_shapes
     ),
     "granitemoehybrid": mamba2_state_shapes,
+    "nemotron_h": nemotron_h_state_shapes,
 }
 
 

@@ -28,6 +28,7 @@ MODULES = (
     "idefics3",
     "layer_stack",
     "mistral",
+    "nemotron_h",
     "qwen2_5_vl",
     "qwen2_moe",
     "qwen3_5",

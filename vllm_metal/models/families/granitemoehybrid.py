@@ -29,7 +29,7 @@ MODALITIES: tuple[str, ...] = ()
 class Adapter(ModelAdapter):
     def install_paged_attention(self) -> None:
         super().install_paged_attention()
-        patch_attention_class(GraniteMoeHybridMamba2Mixer, _packed_mamba2_mixer, StateLayerCache)
+        patch_attention_class(GraniteMoeHybridMamba2Mixer, packed_mamba2_mixer, StateLayerCache)
 
     def forward(self, input_embeds: mx.array, caches: list[Any]) -> mx.array:
         # GraniteMoeHybridModel.__call__, which scales the embeddings first.
@@ -37,10 +37,10 @@ class Adapter(ModelAdapter):
 
 
 @state_layer
-def _packed_mamba2_mixer(
-    mixer: GraniteMoeHybridMamba2Mixer, inputs: mx.array, cache: StateLayerCache
-) -> mx.array:
-    """The mixer over packed rows (`[T, 1, hidden]`, each row one token of some request)."""
+def packed_mamba2_mixer(mixer: Any, inputs: mx.array, cache: StateLayerCache) -> mx.array:
+    """The mixer over packed rows (`[T, 1, hidden]`, each row one token of some request): mlx-lm's
+    Mamba-2 mixers of Granite 4.0-H and Nemotron-H, which share their layout (`in_proj` to gate,
+    conv input and dt; a depthwise conv; the scan; a gated RMSNorm; `out_proj`)."""
     t = inputs.shape[0]
     heads, head_dim = mixer.num_heads, mixer.head_dim
     groups, state_size = mixer.n_groups, mixer.ssm_state_size

@@ -1,7 +1,7 @@
 """Hybrid models served by the MLX runner: Qwen3-Next (Gated DeltaNet layers, three to each
 full-attention layer), Qwen3.5 (the same layer mix; dense and MoE, in the published wrapper layout
 and as the text-only `Qwen3_5ForCausalLM`) and Granite 4.0-H (Mamba-2 layers around an attention
-layer). Greedy tokens and logprobs equal transformers float32 for a mixed batch whose prompts are
+layer) and Nemotron-H (Mamba-2, attention, MLP-only and MoE-only blocks). Greedy tokens and logprobs equal transformers float32 for a mixed batch whose prompts are
 prefilled in chunks smaller than themselves (16 tokens; 32 for Qwen3.5; the recurrent state and
 convolution window carried across steps in the state pages), from a KV pool so small that vLLM
 preempts requests (a preempted request restarts from a zero state and recomputes). MLX-quantized
@@ -21,9 +21,9 @@ from tests.backends.mlx.runner.jobs import (
 
 NEW_TOKENS = 24
 # Attention block size the platform picks so that a block holds a state page (`kv.state`):
-# Qwen3-Next's (and the tiny Qwen3.5's) page is 35,840 bytes, Granite's 19,456; an attention
-# token is 512 bytes.
-BLOCK_SIZE = {"qwen3_next": 80, "granitemoehybrid": 48, "qwen3_5": 80}
+# Qwen3-Next's (and the tiny Qwen3.5's) page is 35,840 bytes, Granite's 19,456, Nemotron-H's
+# 10,496; an attention token is 512 bytes.
+BLOCK_SIZE = {"qwen3_next": 80, "granitemoehybrid": 48, "qwen3_5": 80, "nemotron_h": 32}
 # Prefill chunk (max_num_batched_tokens) per family.
 CHUNK = {"qwen3_5": 32}
 # The checkpoint fixture of each case, and its family.
@@ -33,6 +33,7 @@ CASES = {
     "qwen3_5": "qwen3_5",
     "qwen3_5_causal_lm": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
+    "nemotron_h": "nemotron_h",
 }
 
 
@@ -53,6 +54,7 @@ def _mixed(block_size: int) -> list[list[int]]:
         # Loading alone differs from the wrapper: tests/models/test_qwen3_5.py checks it in CI.
         pytest.param("qwen3_5_causal_lm", marks=pytest.mark.full),
         pytest.param("qwen3_5_moe", marks=pytest.mark.full),
+        pytest.param("nemotron_h", marks=pytest.mark.full),
     ],
 )
 def test_hybrid_greedy_matches_transformers_through_chunks_and_preemption(request, case):
