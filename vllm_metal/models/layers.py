@@ -46,27 +46,33 @@ def gated_delta_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
-def mamba2_state_shapes(config: Mapping[str, Any]) -> StateShapes:
-    """The state of a Granite 4.0-H-style Mamba-2 layer, from its config.json fields."""
-    heads, head_dim = config["mamba_n_heads"], config["mamba_d_head"]
-    groups, state_size = config["mamba_n_groups"], config["mamba_d_state"]
+def _mamba2(heads: int, head_dim: int, groups: int, state_size: int, kernel: int) -> StateShapes:
+    """A Mamba-2 layer's state: the conv window over x, B and C, and the heads' SSM states."""
     conv_dim = heads * head_dim + 2 * groups * state_size
     return StateShapes(
-        conv=(config["mamba_d_conv"] - 1, conv_dim),
-        recurrent=(heads, head_dim, state_size),
-        mixer="mamba2",
+        conv=(kernel - 1, conv_dim), recurrent=(heads, head_dim, state_size), mixer="mamba2"
+    )
+
+
+def mamba2_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Granite 4.0-H-style Mamba-2 layer, from its config.json fields."""
+    return _mamba2(
+        config["mamba_n_heads"],
+        config["mamba_d_head"],
+        config["mamba_n_groups"],
+        config["mamba_d_state"],
+        config["mamba_d_conv"],
     )
 
 
 def nemotron_h_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     """The state of a Nemotron-H Mamba-2 layer, from its config.json fields."""
-    heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
-    groups, state_size = config["n_groups"], config["ssm_state_size"]
-    conv_dim = heads * head_dim + 2 * groups * state_size
-    return StateShapes(
-        conv=(config["conv_kernel"] - 1, conv_dim),
-        recurrent=(heads, head_dim, state_size),
-        mixer="mamba2",
+    return _mamba2(
+        config["mamba_num_heads"],
+        config["mamba_head_dim"],
+        config["n_groups"],
+        config["ssm_state_size"],
+        config["conv_kernel"],
     )
 
 

@@ -226,3 +226,39 @@ def token_id(token: str) -> int:
         if t["content"] == token:
             return int(t["id"])
     raise KeyError(token)
+
+
+def media_chat_template(image: str, video: str | None = None) -> str:
+    """A ChatML template for vision-language checkpoints: a list content is written part by part,
+    an image part (OpenAI-style "image_url" parts too) as `image`, a video part as `video` (with
+    `video` given), a text part as its text; a string content as it is (vLLM then writes the
+    media markup into the text itself)."""
+    parts = [
+        "            {%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}",
+        "                {{- '" + image + "' -}}",
+    ]
+    if video is not None:
+        parts += [
+            "            {%- elif part['type'] == 'video' or 'video' in part -%}",
+            "                {{- '" + video + "' -}}",
+        ]
+    lines = [
+        "{%- for message in messages -%}",
+        "    {{- '<|im_start|>' + message['role'] + '\\n' -}}",
+        "    {%- if message['content'] is string -%}",
+        "        {{- message['content'] -}}",
+        "    {%- else -%}",
+        "        {%- for part in message['content'] -%}",
+        *parts,
+        "            {%- elif 'text' in part -%}",
+        "                {{- part['text'] -}}",
+        "            {%- endif -%}",
+        "        {%- endfor -%}",
+        "    {%- endif -%}",
+        "    {{- '<|im_end|>\\n' -}}",
+        "{%- endfor -%}",
+        "{%- if add_generation_prompt -%}",
+        "    {{- '<|im_start|>assistant\\n' -}}",
+        "{%- endif -%}",
+    ]
+    return "\n".join(lines) + "\n"
