@@ -17,8 +17,16 @@ from tests.serving.conftest import backend_env, greedy_completion
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
-# qwen3 first: it is the main server's checkpoint, so that server is reused for it.
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "gemma3"]
+# qwen3 first: it is the main server's checkpoint, so that server is reused for it. GLM-4 (one of
+# the families without an input-embeddings decoder in mlx-lm) in the `full` tier.
+FAMILIES = [
+    "qwen3",
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma3",
+    pytest.param("glm4", marks=pytest.mark.full),
+]
 
 
 @pytest.fixture
