@@ -22,6 +22,7 @@ FAMILIES = [
     "seed_oss",
     "glm4",
     "ernie4_5",
+    "ministral3",
 ]
 
 

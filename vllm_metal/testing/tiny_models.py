@@ -178,6 +178,28 @@ ARCHS: dict[str, Family] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
         }
     ),
+    # Ministral 3 (the language model of Mistral Small 3.2 / Devstral Small 2): YaRN RoPE and
+    # Llama 4's position-dependent query scale, both from an original context of 64 tokens (times
+    # the factor, 32: the 2048 positions of the tiny models), so the tests' longer sequences cross
+    # one of its steps.
+    "ministral3": Family(
+        {
+            "architectures": ["Ministral3ForCausalLM"],
+            "model_type": "ministral3",
+            "hidden_act": "silu",
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },
+        }
+    ),
     "olmo2": Family(
         {
             "architectures": ["Olmo2ForCausalLM"],

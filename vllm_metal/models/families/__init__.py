@@ -27,6 +27,7 @@ MODULES = (
     "granitemoehybrid",
     "idefics3",
     "layer_stack",
+    "ministral3",
     "mistral",
     "nemotron_h",
     "qwen2_5_vl",
