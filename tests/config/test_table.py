@@ -100,7 +100,11 @@ def test_the_table_names_only_kinds_and_features_that_exist():
     assert set(table.SUPPORTED) == set(BACKENDS) == set(table.SPECULATIVE_METHODS)
     assert table.check_table() == []
     assert {d.kind for d in declarations().values()} <= set(BY_NAME)
-    hybrids = model_types("state_hybrid") + model_types("vision_state_hybrid")
+    hybrids = (
+        model_types("state_hybrid")
+        + model_types("vision_state_hybrid")
+        + model_types("short_conv_hybrid")
+    )
     assert set(hybrids) == set(STATE_SHAPES)
     assert model_types("vision_language") == (
         "gemma3",

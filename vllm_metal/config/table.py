@@ -34,6 +34,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "latent_attention": _MLX_ANY,
         "state_hybrid": _MLX_ANY | {"speculative_decoding"},
         "vision_state_hybrid": _MLX_ANY,
+        "short_conv_hybrid": _MLX_ANY,
     },
     # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
     # layers (`backends/torch/short_conv.py`).

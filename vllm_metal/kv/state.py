@@ -105,7 +105,7 @@ def _check_prefix_match_unit(cache: CacheConfig) -> None:
         )
 
 
-_MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2"}
+_MAMBA_TYPES = {"gated_delta": "GDN_ATTN", "mamba2": "MAMBA2", "short_conv": "SHORT_CONV"}
 
 
 def mamba_spec(shapes: StateShapes, dtype: Any, cache: CacheConfig):
@@ -115,9 +115,11 @@ def mamba_spec(shapes: StateShapes, dtype: Any, cache: CacheConfig):
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    # A short convolution's state is its window alone (vLLM's `short_conv_state_shape`).
+    recurrent = ((shapes.recurrent, torch.float32),) if shapes.recurrent else ()
     return MambaSpec(
-        shapes=(shapes.conv, shapes.recurrent),
-        dtypes=(dtype, torch.float32),
+        shapes=(shapes.conv, *(shape for shape, _ in recurrent)),
+        dtypes=(dtype, *(dt for _, dt in recurrent)),
         block_size=cache.mamba_block_size,
         page_size_padded=cache.mamba_page_size_padded,
         mamba_type=MambaAttentionBackendEnum[_MAMBA_TYPES[shapes.mixer]],
@@ -222,12 +224,17 @@ class StateLayerCache:
         if v_rows:
             page = mx.concatenate([page, words(self.pool.values[self.region], v_rows)], axis=1)
         split = self.shapes.recurrent_bytes() // _WORD.size
-        recurrent = mx.view(page[:, :split], RECURRENT_DTYPE).reshape(num, *self.shapes.recurrent)
+        if self.shapes.recurrent:
+            recurrent = mx.view(page[:, :split], RECURRENT_DTYPE)
+            recurrent = recurrent.reshape(num, *self.shapes.recurrent)
+        else:  # a short convolution: the window alone
+            recurrent = mx.zeros((num, 0), dtype=RECURRENT_DTYPE)
         conv = mx.view(page[:, split : split + conv_words], self.pool.dtype)
         conv = conv[:, : int(np.prod(self.shapes.conv))].reshape(num, *self.shapes.conv)
         if self.blocks.fresh.any():
             keep = mx.array(~self.blocks.fresh)
-            recurrent = mx.where(keep[:, None, None, None], recurrent, 0)
+            if self.shapes.recurrent:
+                recurrent = mx.where(keep[:, None, None, None], recurrent, 0)
             conv = mx.where(keep[:, None, None], conv, 0)
         return conv, recurrent
 
@@ -251,10 +258,9 @@ class StateLayerCache:
         pad = conv_words * _WORD.size // self.pool.dtype.size - conv.shape[1]
         if pad:
             conv = mx.concatenate([conv, mx.zeros((num, pad), dtype=conv.dtype)], axis=1)
-        parts = [
-            mx.view(recurrent.astype(RECURRENT_DTYPE), _WORD).reshape(num, -1),
-            mx.view(conv, _WORD),
-        ]
+        parts = [mx.view(conv, _WORD)]
+        if self.shapes.recurrent:
+            parts.insert(0, mx.view(recurrent.astype(RECURRENT_DTYPE), _WORD).reshape(num, -1))
         # K and V take the same slots, so the V part is padded to the K rows.
         used = sum(p.shape[1] for p in parts)
         parts.append(mx.zeros((num, (k_rows + k_rows) * row_words - used), dtype=_WORD))

@@ -25,12 +25,12 @@ class StateShapes:
 
     conv: tuple[int, int]  # (kernel_size - 1, conv_dim), in the cache dtype
     # float32: Gated DeltaNet (num_v_heads, head_v_dim, head_k_dim); Mamba-2 (num_heads,
-    # head_dim, state_size)
-    recurrent: tuple[int, int, int]
-    mixer: str = "gated_delta"  # "gated_delta" or "mamba2"
+    # head_dim, state_size); () for a layer that is only a short convolution (LFM2)
+    recurrent: tuple[int, ...]
+    mixer: str = "gated_delta"  # "gated_delta", "mamba2" or "short_conv"
 
     def recurrent_bytes(self) -> int:
-        return int(np.prod(self.recurrent)) * RECURRENT_DTYPE.size
+        return int(np.prod(self.recurrent)) * RECURRENT_DTYPE.size if self.recurrent else 0
 
     def page_bytes(self, conv_itemsize: int) -> int:
         return self.recurrent_bytes() + int(np.prod(self.conv)) * conv_itemsize
@@ -76,6 +76,14 @@ def nemotron_h_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
+def short_conv_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of an LFM2 short-convolution layer (its window of gated inputs alone), from its
+    config.json fields."""
+    return StateShapes(
+        conv=(config["conv_L_cache"] - 1, config["hidden_size"]), recurrent=(), mixer="short_conv"
+    )
+
+
 # model_type -> the state of each of its state layers (all alike within a model).
 STATE_SHAPES = {
     "qwen3_next": gated_delta_state_shapes,
@@ -85,6 +93,7 @@ STATE_SHAPES = {
     ),
     "granitemoehybrid": mamba2_state_shapes,
     "nemotron_h": nemotron_h_state_shapes,
+    "lfm2": short_conv_state_shapes,
 }
 
 

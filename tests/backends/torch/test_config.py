@@ -105,16 +105,15 @@ def test_lfm2_window_dtypes_other_than_the_model_dtype_are_refused(torch_env, ti
         _engine_config(tiny_lfm2_dir, dtype="float32", mamba_cache_dtype="float16")
 
 
-def test_lfm2_is_refused_on_the_mlx_backend_by_name(torch_env, tiny_lfm2_dir):
+def test_lfm2_on_the_mlx_backend_keeps_its_windows_in_attention_blocks(torch_env, tiny_lfm2_dir):
+    """The MLX backend serves LFM2 too (`models/families/lfm2.py`), with prefix caching: a
+    window per cached block, in the bytes of the attention blocks ("align" mode)."""
     torch_env.setenv("VLLM_METAL_BACKEND", "mlx")
-    with pytest.raises(ValueError) as info:
-        _engine_config(tiny_lfm2_dir)
-    message = str(info.value)
-    assert (
-        "vllm-metal (mlx backend) does not serve short-convolution hybrid models (lfm2)" in message
-    )
-    assert f"model='{tiny_lfm2_dir}' (lfm2, " in message
-    assert "VLLM_METAL_BACKEND=mps" in message
+    config = _engine_config(tiny_lfm2_dir, enable_prefix_caching=True)
+    cache = config.cache_config
+    assert cache.enable_prefix_caching
+    assert cache.mamba_cache_mode == "align"
+    assert cache.mamba_block_size == cache.block_size
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])

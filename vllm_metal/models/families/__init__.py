@@ -27,6 +27,7 @@ MODULES = (
     "granitemoehybrid",
     "idefics3",
     "layer_stack",
+    "lfm2",
     "ministral3",
     "mistral",
     "nemotron_h",
@@ -51,9 +52,8 @@ class Declaration:
 
 
 # The architectures served without a module here that the capability table must still tell
-# apart: LFM2's short convolutions run in vLLM's own model class on the torch backend
-# (`backends/torch/short_conv.py`). Any other mlx-lm architecture is a plain text decoder.
-WITHOUT_ADAPTER = (Declaration("lfm2", "short_conv_hybrid"),)
+# apart (none today); any other mlx-lm architecture is a plain text decoder.
+WITHOUT_ADAPTER: tuple[Declaration, ...] = ()
 
 
 # mlx-lm architectures the generic adapter serves as they are (no module here) that the tests

@@ -20,8 +20,10 @@ def causal_conv1d(
     conv_state: mx.array,
     cu_seqlens: mx.array,
     bias: mx.array | None = None,
+    silu: bool = True,
 ) -> tuple[mx.array, mx.array]:
-    """SiLU of a causal depthwise convolution of each sequence, continued from its window.
+    """SiLU of a causal depthwise convolution of each sequence, continued from its window (the
+    sums themselves with ``silu=False``, LFM2's gated short convolution).
 
     ``x`` ``[T, C]`` packs ``S`` sequences by ``cu_seqlens`` (``[S+1]`` int32); ``weight``
     ``[C, K]``; ``conv_state`` ``[S, K-1, C]`` holds each sequence's last ``K-1`` inputs before
@@ -32,6 +34,8 @@ def causal_conv1d(
     ``[S, K-1, C]`` (the last ``K-1`` entries of each ``u``) in the dtype of ``conv_state``.
     """
     check_causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
+    if not silu:  # the native kernels apply SiLU; the reference's one gather serves without
+        return reference.causal_conv1d(x, weight, conv_state, cu_seqlens, bias, silu=False)
     native = _backend.native()
     impl = native if native is not None and hasattr(native, "causal_conv1d") else reference
     return impl.causal_conv1d(x, weight, conv_state, cu_seqlens, bias)

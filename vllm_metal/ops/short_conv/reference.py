@@ -40,6 +40,7 @@ def causal_conv1d(
     conv_state: mx.array,
     cu_seqlens: mx.array,
     bias: mx.array | None = None,
+    silu: bool = True,
 ) -> tuple[mx.array, mx.array]:
     num_seqs, keep, channels = conv_state.shape
     taps, windows = window_indices(np.asarray(cu_seqlens), keep + 1)
@@ -49,6 +50,7 @@ def causal_conv1d(
     y = (buffer[mx.array(taps)] * weight.astype(mx.float32).T[None]).sum(axis=1)
     if bias is not None:
         y = y + bias.astype(mx.float32)
-    y = y * mx.sigmoid(y)
+    if silu:
+        y = y * mx.sigmoid(y)
     new_state = buffer[mx.array(windows)].astype(conv_state.dtype)
     return y.astype(x.dtype), new_state

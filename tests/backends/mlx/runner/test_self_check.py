@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_metal.config.errors import MetalConfigError
+from vllm_metal.backends.mlx.runner.self_check import UnverifiedModelError
 
 SIZES = {
     "hidden_size": 64,
@@ -72,7 +72,7 @@ def test_an_unverified_architecture_that_fails_is_refused_by_name(broken, model_
         model=str(broken[model_type]), max_model_len=128, max_num_seqs=2
     ).create_engine_config()
     runner = MLXModelRunner(config)
-    with pytest.raises(MetalConfigError) as refused:
+    with pytest.raises(UnverifiedModelError) as refused:
         runner.load_model()
         runner.warm_up()
     message = str(refused.value)
