@@ -56,8 +56,8 @@ def test_gated_delta_rule_reference_matches_mlx_lm_per_sequence():
         )
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence(with_bias):
+@pytest.mark.parametrize(("with_bias", "silu"), [(False, True), (True, True), (True, False)])
+def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence(with_bias, silu):
     cu_mx, cu = _cu()
     channels, width = 8, 4
     rng = np.random.default_rng(1)
@@ -65,7 +65,12 @@ def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence(with_bias):
     weight = mx.array(rng.standard_normal((channels, width)).astype(np.float32))
     window = mx.array(rng.standard_normal((len(LENGTHS), width - 1, channels)).astype(np.float32))
     bias = mx.array(rng.standard_normal(channels).astype(np.float32)) if with_bias else None
-    y, new_window = reference.causal_conv1d(x, weight, window, cu_mx, bias)
+    y, new_window = reference.causal_conv1d(x, weight, window, cu_mx, bias, silu=silu)
+    if not silu:  # the op's entry routes the sums (LFM2's) to this same reference
+        from vllm_metal import ops
+
+        entry = ops.causal_conv1d(x, weight, window, cu_mx, bias, silu=False)
+        np.testing.assert_array_equal(np.array(entry[0]), np.array(y))
     conv = nn.Conv1d(channels, channels, width, groups=channels, bias=with_bias)
     conv.weight = weight[:, :, None]  # MLX's [out, kernel, in / groups]
     if with_bias:
@@ -74,7 +79,8 @@ def test_causal_conv1d_reference_matches_mlx_conv1d_per_sequence(with_bias):
         a, b = cu[s], cu[s + 1]
         u = mx.concatenate([window[s], x[a:b]])
         if b > a:
-            want = nn.silu(conv(u[None]))[0]
+            want = conv(u[None])[0]
+            want = nn.silu(want) if silu else want
             np.testing.assert_allclose(np.array(y[a:b]), np.array(want), atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(np.array(new_window[s]), np.array(u[-(width - 1) :]))
 
