@@ -20,7 +20,8 @@ import pytest
 
 from tests.serving.conftest import greedy_completion
 
-pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
+# The `full` tier: CI's budget holds Qwen3.5's server of the same language-model-only path.
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server, pytest.mark.full]
 
 SERVED = "tiny-gemma4"
 

@@ -53,6 +53,9 @@ ANSWER = (
     '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
 )
 
+# The `full` tier: teaching the checkpoint takes a minute of CI's two busy cores.
+pytestmark = pytest.mark.full
+
 
 @dataclass(frozen=True)
 class Taught:
