@@ -1,12 +1,13 @@
-"""Decode throughput of hybrid and latent-attention models: Qwen3-Next and Qwen3.5 (Gated
-DeltaNet), Granite 4.0-H (Mamba-2) and DeepSeek-V3 (multi-head latent attention), one run; and the
-memory an idle engine holds.
+"""Decode throughput of hybrid, latent-attention and sliding-window models: Qwen3-Next and Qwen3.5
+(Gated DeltaNet), Granite 4.0-H (Mamba-2), DeepSeek-V3 (multi-head latent attention) and Gemma 4
+(sliding and full attention layers with two head sizes), one run; and the memory an idle engine
+holds.
 
-Four random-weight checkpoints written locally with the tests' writers at larger shapes
-(`write_hybrid_model`), all 8 layers of hidden 1024 in their families' layer patterns, an
-untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, Qwen3.5, as released) 32,000-row vocabulary,
-the layers followed by MoE blocks of 8 experts (SwiGLU, intermediate 512, top-2) plus a shared
-expert of 512, but for Qwen3.5's dense MLP:
+Five random-weight checkpoints written locally with the tests' writers at larger shapes
+(`write_hybrid_model`), all of hidden 1024 in their families' layer patterns (8 layers; Gemma 4
+10), an untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, Qwen3.5, Gemma 4, as released)
+32,000-row vocabulary, the layers followed by MoE blocks of 8 experts (SwiGLU, intermediate 512,
+top-2) plus a shared expert of 512, but for Qwen3.5's and Gemma 4's dense MLPs:
 
 - Qwen3-Next (`Qwen3NextForCausalLM`): 3 Gated DeltaNet layers then 1 gated full attention,
   twice; the linear layers have 8 key and 16 value heads of 128 (a 1 MiB float32 recurrent state
@@ -25,9 +26,19 @@ expert of 512, but for Qwen3.5's dense MLP:
   LoRA rank 384; latent 512 plus a rotary part of 64, so 576 values cached per token and layer;
   nope and value head dims 128), the first layer dense (intermediate 2048), the other 7 MoE with
   sigmoid routing.
+- Gemma 4 (the text-only `Gemma4ForCausalLM`, dense): E2B's layer layout, 10 layers at hidden
+  1024: 4 sliding-window layers (window 512, one KV head of 256) then 1 full-attention layer (one
+  KV head of 512, a quarter of it rotated), twice, 8 query heads; the last 5 layers compute no K/V
+  and read layer 3's (sliding) or layer 4's (full), with a double-wide MLP (8192 against 4096);
+  per-layer inputs of 256 (a 32,000 x 10 x 256 per-layer embedding); final logits softcapped at
+  30. It is here for that layer mix: no state layers, but two kinds of attention layers with
+  their own head sizes, which vLLM puts in KV-cache groups of their own (as it does a hybrid's
+  attention and state layers), plus layers that own no KV. At this suite's lengths (32 + 64
+  tokens) every sliding layer still attends over its whole context: the window never slides.
 
 Weights are drawn from N(0, 0.02) (the embedding of the tied Granite from N(0, 0.01), as its
-muP multiplier scales it by 12), so 8 layers' activations stay tame. The tokenizer is the
+muP multiplier scales it by 12; Gemma 4's embeddings and norm scales from the tests' Gemma init),
+so the layers' activations stay tame. The tokenizer is the
 project's tiny BPE tokenizer padded to the vocabulary (`bench.harness.checkpoints.pad_tokenizer`).
 
 Each (family, backend) is one `vllm.LLM` (greedy, EOS ignored, float32, the same engine
@@ -37,8 +48,9 @@ is up and idle, with the KV cache allocated; the rounds are `bench.harness.decod
 then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
 and 64 output tokens; decode tok/s = streams / median TPOT. Granite runs the plugin and vLLM's own
 CPU backend (`VLLM_TARGET_DEVICE=cpu`) side by side, the same rounds in turn, and compares their
-greedy tokens of one 16-stream round; so does DeepSeek-V3 (vLLM's CPU MLA kernel is built for
-576-value rows only, which these shapes have). Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
+greedy tokens of one 16-stream round; so do DeepSeek-V3 (vLLM's CPU MLA kernel is built for
+576-value rows only, which these shapes have) and Gemma 4 (vLLM's CPU attention takes head sizes
+256 and 512). Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
 serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_core`, asserts
 bfloat16 inputs, so the engine dies on its first step with "CPU GDN attention requires BF16"), and
 a bfloat16 vLLM against the plugin's float32 would measure two different computations (other
@@ -51,7 +63,7 @@ The KV cache is 1 GiB per engine (`kv_cache_memory_bytes`), far more than 16 req
 tokens need with their state pages; every worker's log line "Maximum concurrency for N tokens per
 request" is recorded and must be at least 16, so no request is preempted.
 
-    python -m bench.run hybrid --out docs/benchmarks             # ~12 min on 2 cores
+    python -m bench.run hybrid --out docs/benchmarks             # ~20 min on 2 cores
     python -m bench.run hybrid --quick --out /tmp/hybrid-quick   # tiny model, ~30 s: the harness
 
 `--families qwen3_5,...` runs a subset; with `--out` holding an earlier `hybrid.json` of the same
@@ -63,7 +75,8 @@ added without running the others.
 idle memory, the report), its idle memory the rounds' engine's at ready (one KV cache size, no
 engine of its own); `--quick --peers` adds the other families, vLLM CPU and the idle engines at two
 sizes. ~30 s on 2 cores, most of it the MLA engine's start. Either way: the tests' tiny checkpoints (hidden 128; Granite with one group, as above; DeepSeek-V3
-with the 512 + 64 latent vLLM's CPU kernel needs),
+with the 512 + 64 latent vLLM's CPU kernel needs; Gemma 4 the tests' E2B-like one, hidden 64,
+window 8),
 8 output tokens, one round per case, `enforce_eager` on every engine (vLLM's CPU backend then
 skips its torch.compile warm-up), and DeepSeek-V3's idle memory measured on the plugin's engine
 only (vLLM CPU's idle engine is started by the same worker code that just ran its rounds).
@@ -91,7 +104,7 @@ from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybri
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
 
-FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3")
+FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3", "gemma4")
 # vLLM's CPU backend cannot start Qwen3-Next or Qwen3.5 here (module docstring): the plugin runs
 # alone.
 BACKENDS = {
@@ -99,6 +112,7 @@ BACKENDS = {
     "qwen3_5": ("plugin",),
     "granite": ("plugin", "cpu"),
     "deepseek_v3": ("plugin", "cpu"),
+    "gemma4": ("plugin", "cpu"),
 }
 KV_CACHE_BYTES = {False: 2**30, True: 256 * 2**20}  # by --quick
 # Families whose vLLM CPU peer is known to compute other tokens than transformers float32 (which

@@ -1,5 +1,5 @@
-"""The hybrid suite's checkpoints: Qwen3-Next, Qwen3.5 (dense), Granite 4.0-H and DeepSeek-V3 at
-a benchmark size with random weights (the tests' tiny ones with --quick), and their descriptions
+"""The hybrid suite's checkpoints: Qwen3-Next, Qwen3.5 (dense), Granite 4.0-H, DeepSeek-V3 and
+Gemma 4 (text) at a benchmark size with random weights (the tests' tiny ones with --quick), and their descriptions
 (parameters, state and KV bytes per request)."""
 
 from __future__ import annotations
@@ -82,6 +82,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         "intermediate_size": 2048,
         "vocab_size": VOCAB,
     },
+    # Gemma 4 E2B's layers (mlx-lm's `gemma4_text` defaults: 4 sliding layers then 1 full, window
+    # 512, 8 query heads, one KV head of 256 in the sliding layers and of 512 in the full ones, the
+    # last 20 of 35 layers reading the K/V of the last earlier layer of their kind with a
+    # double-wide MLP, per-layer inputs of 256, tied embeddings, an MLP 4x the hidden size), 10 of
+    # them at hidden 1024: the last 5 read layer 3's (sliding) and layer 4's (full) K/V, as E2B's
+    # shared layers follow its 15th layer, a full one. `Gemma4TextConfig` fields.
+    "gemma4": {
+        "num_hidden_layers": 10,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
+        "sliding_window": 512,
+        "num_kv_shared_layers": 5,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size": VOCAB,
+    },
 }
 # vLLM's CPU MLA kernel takes 576-value latent rows only.
 QUICK_KWARGS: dict[str, dict[str, Any]] = {
@@ -94,6 +114,7 @@ QUICK_KWARGS: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 128,
         "v_head_dim": 128,
     },
+    "gemma4": {},
 }
 WEIGHT_STD = 0.02
 STDS = {
@@ -101,6 +122,15 @@ STDS = {
     "qwen3_5": {"weight_std": WEIGHT_STD},
     "granite": {"weight_std": WEIGHT_STD, "embed_std": WEIGHT_STD / 2},
     "deepseek_v3": {"weight_std": WEIGHT_STD, "router_std": WEIGHT_STD},
+    # Matrices from N(0, 0.02); embeddings and norm scales from the tests' Gemma init (the
+    # embedding's N(0, 0.05), scaled by sqrt(hidden) in the model; post-sublayer norms around 7)
+    # but the query and key norms' scales, N(0.5, 0.05) instead of the tests' N(2, 0.3). Gemma 4
+    # does not scale attention logits (scale 1): with scales of 2 a logit over 256-wide heads has
+    # a spread of ~64, every softmax is nearly an argmax, and the model is so ill-conditioned that
+    # transformers' own float32 and float64 forwards of it differ by up to 0.23 in a next token's
+    # logprob and pick other greedy tokens; with 0.5 (spread ~4 and ~6 on the 512-wide heads)
+    # they differ by 1e-4 and 64 greedy tokens are 64 distinct ones.
+    "gemma4": {"weight_std": WEIGHT_STD, "init": [[r"self_attn\.[qk]_norm", 0.5, 0.05]]},
 }
 
 
@@ -109,8 +139,10 @@ STDS = {
 
 def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
     """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
-    with one group; Qwen3.5 in the text-only `Qwen3_5ForCausalLM` layout)."""
+    with one group; Qwen3.5 in the text-only `Qwen3_5ForCausalLM` layout; Gemma 4 the E2B-like
+    dense `Gemma4ForCausalLM`)."""
     from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
+    from tests.fixtures.tiny_gemma4 import write_tiny_gemma4
     from tests.fixtures.tiny_granitemoehybrid import write_tiny_granitemoehybrid
     from tests.fixtures.tiny_qwen3_5 import write_tiny_qwen3_5
     from tests.fixtures.tiny_qwen3_next import write_tiny_qwen3_next
@@ -120,6 +152,7 @@ def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> P
         "qwen3_5": functools.partial(write_tiny_qwen3_5, layout="causal_lm"),
         "granite": write_tiny_granitemoehybrid,
         "deepseek_v3": write_tiny_deepseek_v3,
+        "gemma4": functools.partial(write_tiny_gemma4, variant="dense"),
     }[family]
     name = f"{family}-tiny" if quick else f"{family}-hybrid-random"
     path = Path(work) / "models" / f"{name}-{DTYPE}"
@@ -144,7 +177,8 @@ def describe_hybrid_model(path: Path) -> dict[str, Any]:
     """Shape, layer pattern, total and active parameters (per token: everything but the experts
     the router skips and, when untied, the embedding, which is only gathered), KV bytes per token
     and state bytes per request, from config.json and the safetensors header. A dense model
-    (Qwen3.5 here) has `num_experts` None and its MLP's `intermediate_size`."""
+    (Qwen3.5, Gemma 4 here) has `num_experts` None and its MLP's `intermediate_size`. Gemma 4's
+    per-layer embedding (`embed_tokens_per_layer`) is only gathered, so it is not active."""
     from bench.harness.checkpoints import safetensors_sizes
 
     c = json.loads((path / "config.json").read_text())
@@ -155,6 +189,7 @@ def describe_hybrid_model(path: Path) -> dict[str, Any]:
         "qwen3_5_text": _gated_delta,
         "granitemoehybrid": _mamba2,
         "deepseek_v3": _latent,
+        "gemma4_text": _sliding,
     }
     shape = family[c["model_type"]](c, itemsize)
     sparse = re.compile(r"\.mlp\.experts\.|\.block_sparse_moe\.(input|output)_linear\.")
@@ -162,6 +197,7 @@ def describe_hybrid_model(path: Path) -> dict[str, Any]:
     other = sum(v for n, v in sizes.items() if not sparse.search(n))
     tied = c.get("tie_word_embeddings", False)
     active = other - (0 if tied else sizes["model.embed_tokens.weight"])
+    active -= sizes.get("model.embed_tokens_per_layer.weight", 0)
     if shape["num_experts"]:
         active += expert_bytes * c["num_experts_per_tok"] // shape["num_experts"]
     return {
@@ -271,3 +307,63 @@ def _latent(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
         "kv_bytes_per_token": layers * row * itemsize,
         "state_bytes_per_request": 0,
     }
+
+
+def _sliding(c: dict[str, Any], itemsize: int) -> dict[str, Any]:
+    """Gemma 4's fields: sliding and full attention layers with their own head size and KV heads,
+    the last `num_kv_shared_layers` layers computing no K/V (they read the last earlier layer of
+    their kind's), each with a double-wide MLP where `use_double_wide_mlp`. `kv_bytes_per_token`
+    counts the layers that compute K/V, each for every token: a sliding layer holds at most its
+    window of them, more than any request of this suite holds (no state)."""
+    layer_types = c["layer_types"]
+    full_kv, full_head = _gemma4_full_kv_shape(c)
+    shared = c.get("num_kv_shared_layers", 0)
+    computing = layer_types[: len(layer_types) - shared]
+    sliding = sum(t == "sliding_attention" for t in layer_types)
+    row = {"sliding_attention": c["num_key_value_heads"] * c["head_dim"],
+           "full_attention": full_kv * full_head}  # fmt: skip
+    return {
+        "layer_types": layer_types,
+        "mixer": "sliding window",
+        "mixer_shape": {
+            "window": c["sliding_window"],
+            "sliding_layers": sliding,
+            "full_layers": len(layer_types) - sliding,
+            "sliding_kv_heads": c["num_key_value_heads"],
+            "sliding_head_dim": c["head_dim"],
+            "full_kv_heads": full_kv,
+            "full_head_dim": full_head,
+            "kv_shared_layers": shared,
+            "double_wide_mlp": bool(c.get("use_double_wide_mlp")) and shared > 0,
+            "per_layer_input": c.get("hidden_size_per_layer_input") or 0,
+        },
+        "state_layers": 0,
+        "attention_layers": len(layer_types),
+        "num_kv_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "num_experts": None,
+        "expert_intermediate_size": None,
+        "shared_intermediate_size": None,
+        "intermediate_size": c["intermediate_size"],
+        "kv_bytes_per_token": sum(2 * row[t] * itemsize for t in computing),
+        "state_bytes_per_request": 0,
+    }
+
+
+def _gemma4_full_kv_shape(c: dict[str, Any]) -> tuple[int, int]:
+    """The full layers' KV heads and head size as mlx-lm reads them: `global_head_dim` as
+    published, `num_global_key_value_heads` where the full layers' values are their keys
+    (`attention_k_eq_v`); or the `per_layer_config` entries transformers 5 writes for the full
+    layers instead."""
+    full = [str(i) for i, t in enumerate(c["layer_types"]) if t == "full_attention"]
+    per_layer = c.get("per_layer_config") or {}
+
+    def field(published: str | None, name: str) -> int:
+        if published and c.get(published):
+            return c[published]
+        values = {per_layer[i][name] for i in full if name in per_layer.get(i, {})}
+        return values.pop() if len(values) == 1 else c[name]
+
+    k_eq_v = c.get("attention_k_eq_v")
+    heads = field("num_global_key_value_heads" if k_eq_v else None, "num_key_value_heads")
+    return heads, field("global_head_dim", "head_dim")

@@ -28,6 +28,17 @@ FAMILY_NAMES = {
     "qwen3_5": "Qwen3.5",
     "granite": "Granite 4.0-H",
     "deepseek_v3": "DeepSeek-V3",
+    "gemma4": "Gemma 4",
+}
+# Why a family that is neither a hybrid nor latent attention is in this suite.
+FAMILY_NOTES = {
+    "gemma4": (
+        "Gemma 4 (text) is in this suite for its layer mix, not for a state: sliding-window and "
+        "full-attention layers with their own KV heads and head sizes, which vLLM puts in KV-cache "
+        "groups of their own as it does a hybrid's attention and state layers, and layers that "
+        "compute no K/V and read an earlier layer's. At these lengths every sliding layer attends "
+        "over its whole context (the window never slides)."
+    ),
 }
 NOT_MEASURED_PEER = "vLLM CPU: not measured (`--quick` without `--peers` runs the plugin alone)."
 # Why vLLM's CPU backend is not run, by family (those without a peer in `hybrid.BACKENDS`).
@@ -61,6 +72,7 @@ def _pattern(types: list[str]) -> str:
         "mamba": "M",
         "attention": "A",
         "mla": "A",
+        "sliding_attention": "S",
     }
     return "".join(short.get(t, "?") for t in types)
 
@@ -95,10 +107,33 @@ def _mlp(d: dict[str, Any]) -> str:
     )
 
 
+def _sliding_model_line(d: dict[str, Any]) -> str:
+    m = d["mixer_shape"]
+    shared = m["kv_shared_layers"]
+    wide = " (twice as wide in the layers that compute no K/V)" if m["double_wide_mlp"] else ""
+    return (
+        f"`{d['name']}` ({d['architecture']}, {d['num_layers']} layers "
+        f"`{_pattern(d['layer_types'])}`: {m['sliding_layers']} sliding-window layers (window "
+        f"{m['window']}, {m['sliding_kv_heads']} KV head{'s' if m['sliding_kv_heads'] != 1 else ''} "
+        f"of {m['sliding_head_dim']}) and {m['full_layers']} full-attention layers "
+        f"({m['full_kv_heads']} KV head{'s' if m['full_kv_heads'] != 1 else ''} of "
+        f"{m['full_head_dim']}), {d['num_heads']} query heads; the last {shared} layers compute no "
+        f"K/V and read the last earlier layer's of their kind; hidden {d['hidden_size']}; "
+        f"per-layer inputs of {m['per_layer_input']}; {_mlp(d)}{wide}; vocabulary "
+        f"{d['vocab_size']:,}{' (tied)' if d['tied_embeddings'] else ''}; "
+        f"{millions(d['num_parameters'])} M parameters, "
+        f"{millions(d['active_parameters_per_token'])} M active per token (the per-layer "
+        f"embedding is only gathered); KV {d['kv_bytes_per_token'] / 1024:g} KiB per token while "
+        f"within the window; {d['dtype']})"
+    )
+
+
 def model_line(d: dict[str, Any]) -> str:
     m = d["mixer_shape"]
     if d["mixer"] == "MLA":
         return _latent_model_line(d)
+    if d["mixer"] == "sliding window":
+        return _sliding_model_line(d)
     if d["mixer"] == "Gated DeltaNet":
         mixer = (
             f"{d['state_layers']} Gated DeltaNet layers ({m['key_heads']} key heads of "
@@ -154,6 +189,8 @@ def _family_section(family: str, r: dict[str, Any], s: dict[str, Any], big: int)
         commit = ((run.get("machine") or {}).get("git") or {}).get("commit") or "unknown"
         lines += [f"Kept from an earlier run: `{run['command']}` (commit {commit[:7]}).", ""]
     lines += [f"Model: {model_line(r['model'])}, random weights.", ""]
+    if family in FAMILY_NOTES:
+        lines += [FAMILY_NOTES[family], ""]
     if "cpu" in backends:
         lines += [
             "Plugin / vLLM CPU, side by side in the same run:",
@@ -261,11 +298,18 @@ def _runs_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _title(fams: dict[str, Any]) -> str:
+    kinds = "Hybrid and latent-attention"
+    if any(f in FAMILY_NOTES for f in fams):
+        kinds = "Hybrid, latent-attention and sliding-window"
+    return f"{kinds} decode"
+
+
 def _markdown(report: dict[str, Any]) -> str:
     st, summary, fams = report["settings"], report["summary"], report["families"]
     big = max(st["streams"])
     lines = [
-        f"# Hybrid and latent-attention decode: {', '.join(FAMILY_NAMES[f] for f in fams)}",
+        f"# {_title(fams)}: {', '.join(FAMILY_NAMES[f] for f in fams)}",
         "",
         *_runs_lines(report),
         "",
@@ -281,8 +325,9 @@ def _markdown(report: dict[str, Any]) -> str:
             "tokens / wall time of a round (prefill included). Where two backends run, their "
             "workers run side by side and get each round in turn (the first backend alternating); "
             "a round starts once the previous round's worker is idle again. Random weights "
-            "(N(0, 0.02)): these figures are about the machinery, not any released checkpoint's "
-            "quality. MLX here runs on the CPU: nothing in this report is an Apple GPU figure."
+            "(matrices from N(0, 0.02)): these figures are about the machinery, not any released "
+            "checkpoint's quality. MLX here runs on the CPU: nothing in this report is an Apple "
+            "GPU figure."
         ),
         "",
         (
@@ -342,7 +387,7 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
             ax.tick_params(axis="x", labelsize=8)
     for row in axes:
         row[0].set_ylabel("decode tok/s (streams / TPOT)")
-    title = "Hybrid and MLA decode (MLX on CPU), plugin vs vLLM CPU"
+    title = f"{_title(fams).replace('latent-attention', 'MLA')} (MLX on CPU), plugin vs vLLM CPU"
     if report["settings"].get("quick"):
         title += " (quick run: tiny models)"
     fig.suptitle(title)

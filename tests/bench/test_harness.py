@@ -199,13 +199,14 @@ def test_hybrid_report_names_the_run_of_each_kept_family(tmp_path: Path) -> None
     report["summary"] = summarize(report)
     write_report(report, tmp_path)
     text = (tmp_path / "hybrid.md").read_text()
-    assert text.startswith("# Hybrid and latent-attention decode: Qwen3-Next, Qwen3.5, Granite")
+    assert text.startswith("# Hybrid, latent-attention and sliding-window decode: Qwen3-Next, "
+                           "Qwen3.5, Granite 4.0-H, DeepSeek-V3, Gemma 4\n")  # fmt: skip
     assert "s (Qwen3.5); the other families are kept from earlier runs" in text
     assert "commit fedcba9." in text
-    assert ("Qwen3-Next, Granite 4.0-H and DeepSeek-V3: `python -m bench.run hybrid --out old` "
-            "in 713 s. Measured on") in text  # fmt: skip
+    assert ("Qwen3-Next, Granite 4.0-H, DeepSeek-V3 and Gemma 4: `python -m bench.run hybrid "
+            "--out old` in 713 s. Measured on") in text  # fmt: skip
     assert text.count("Kept from an earlier run: `python -m bench.run hybrid --out old` "
-                      "(commit 0123456).") == 3  # fmt: skip
+                      "(commit 0123456).") == 4  # fmt: skip
     section = text[text.index("## Qwen3.5") : text.index("## Granite")]
     assert "Kept from" not in section and NO_CPU_PEER["qwen3_5"] in section
     assert "per layer a dense MLP of intermediate 3584;" in section
@@ -219,6 +220,48 @@ def test_hybrid_report_names_the_run_of_each_kept_family(tmp_path: Path) -> None
     write_report(report, tmp_path)
     text = (tmp_path / "hybrid.md").read_text()
     assert "at start; commit 0123456. Another CPU than this run's: its rows and this run's" in text
+
+
+def test_hybrid_gemma4_shape_is_e2b_like() -> None:
+    """The hybrid suite's Gemma 4: E2B's layout at hidden 1024 (4 sliding layers of one 256-wide
+    KV head then a full one of 512, the layers after the first full-attention block sharing K/V),
+    described from its config: only the 5 layers that compute K/V count in its KV bytes."""
+    from bench.suites.hybrid_models import SHAPES, _sliding
+    from bench.suites.hybrid_report import model_line
+    from tests.fixtures.tiny_gemma4 import tiny_gemma4_text_config
+
+    config = tiny_gemma4_text_config("dense", **SHAPES["gemma4"])
+    assert "global_head_dim" not in config  # transformers 5: the full layers' size per layer
+    d = _sliding(config, 4)
+    assert d["mixer_shape"] == {
+        "window": 512, "sliding_layers": 8, "full_layers": 2, "sliding_kv_heads": 1,
+        "sliding_head_dim": 256, "full_kv_heads": 1, "full_head_dim": 512, "kv_shared_layers": 5,
+        "double_wide_mlp": True, "per_layer_input": 256,
+    }  # fmt: skip
+    assert d["kv_bytes_per_token"] == (4 * 2 * 256 + 2 * 512) * 4  # 4 sliding + 1 full compute K/V
+    d |= {"name": "g", "architecture": "Gemma4ForCausalLM", "dtype": "float32", "num_layers": 10,
+          "hidden_size": 1024, "num_heads": 8, "vocab_size": 32000, "tied_embeddings": True,
+          "num_parameters": 365_000_000, "active_parameters_per_token": 283_000_000}  # fmt: skip
+    line = model_line(d)
+    assert "10 layers `SSSSASSSSA`: 8 sliding-window layers (window 512, 1 KV head of 256)" in line
+    assert "2 full-attention layers (1 KV head of 512), 8 query heads" in line
+    assert "the last 5 layers compute no K/V" in line and "KV 12 KiB per token" in line
+
+
+def test_hybrid_gemma4_quick_checkpoint_description(tmp_path: Path) -> None:
+    """The `--quick` Gemma 4 (the tests' tiny one) described from its files: tied, its per-layer
+    embedding counted in the parameters but not the active ones."""
+    from bench.suites.hybrid_models import describe_hybrid_model, write_hybrid_model
+
+    d = describe_hybrid_model(write_hybrid_model(tmp_path, "gemma4", quick=True))
+    assert d["architecture"] == "Gemma4ForCausalLM" and d["tied_embeddings"]
+    assert d["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    assert d["num_experts"] is None and d["intermediate_size"] == 128
+    assert d["state_bytes_per_request"] == 0
+    per_layer = d["vocab_size"] * 6 * 16  # embed_tokens_per_layer
+    assert d["num_parameters"] - d["active_parameters_per_token"] == per_layer
+    # 3 sliding layers (2 KV heads of 32) and 1 full (2 of 64) compute K/V; the last 2 read them
+    assert d["kv_bytes_per_token"] == (3 * 2 * 2 * 32 + 2 * 2 * 64) * 4
 
 
 def test_torch_backend_bench_command_line_and_report(tmp_path: Path) -> None:
