@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_metal.kv.state import mamba_spec
-from vllm_metal.models.layers import LayerKind
+from vllm_metal.models.layers import LayerKind, memory_layers
 
 
 def attention_spec(
@@ -83,8 +83,5 @@ def kv_cache_specs(
 
 
 def memory_layer_names(layer_names: Sequence[str], layer_kinds: Sequence[LayerKind]) -> list[str]:
-    """Per layer, the name of the layer whose KV memory it uses: its own, or its `kv_source`'s."""
-    return [
-        name if kind.kv_source is None else layer_names[kind.kv_source]
-        for name, kind in zip(layer_names, layer_kinds)
-    ]
+    """Per layer, the name of the layer whose KV memory it uses (`layers.memory_layers`)."""
+    return [layer_names[i] for i in memory_layers(layer_kinds)]

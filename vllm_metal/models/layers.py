@@ -8,7 +8,7 @@ both at startup (`kv.state.align_block_size`, before the model loads) and by the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,11 @@ class LayerKind:
 FULL_ATTENTION = LayerKind()
 STATE = LayerKind(is_state=True)
 LATENT = LayerKind(latent=True)
+
+
+def memory_layers(kinds: Sequence[LayerKind]) -> list[int]:
+    """Per layer, the index of the layer whose KV memory it uses: its own, or its `kv_source`'s."""
+    return [i if kind.kv_source is None else kind.kv_source for i, kind in enumerate(kinds)]
 
 
 def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:

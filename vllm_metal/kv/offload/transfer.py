@@ -85,7 +85,9 @@ class MLXTransfer(OffloadingWorker):
             )
             for group in group_ids
         ]
-        page = pool.block_size * pool.keys[0].shape[2] * pool.keys[0].shape[3]
+        # Elements of one block of one region: every region's page has vLLM's one page size,
+        # whatever its layers' rows per block (Gemma 4's groups hold different block sizes).
+        page = int(np.prod(pool.keys[0].shape[1:]))
         self.group_bytes = [2 * len(rs) * page * pool.dtype.size for rs in self.regions]
         self.chunk_bytes = max(self.group_bytes, default=0)
         # Pages are committed by the OS as chunks are first written.

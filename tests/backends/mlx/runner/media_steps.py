@@ -25,6 +25,7 @@ from vllm_metal.backends.mlx.runner.mm.mrope import step_positions
 from vllm_metal.backends.mlx.runner.mm.spans import step_key_ends
 from vllm_metal.backends.mlx.runner.model_states import StepInputs
 from vllm_metal.kv.pool import KVLayout, pool_for
+from vllm_metal.models.layers import memory_layers
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
@@ -85,7 +86,7 @@ def run_greedy(
     kinds = adapter.layer_kinds()
     # A layer reading an earlier layer's K/V (Gemma 4) reads that layer's region; layers with
     # their own KV heads and head size have regions of their shape.
-    memory_of = [i if kind.kv_source is None else kind.kv_source for i, kind in enumerate(kinds)]
+    memory_of = memory_layers(kinds)
     pool = pool_for(
         KVLayout.single_group(adapter.num_layers, sum(blocks), block_size, memory_of),
         kinds,

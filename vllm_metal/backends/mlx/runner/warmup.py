@@ -18,7 +18,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pref
 from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
 from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
 from vllm_metal.models import ModelAdapter
-from vllm_metal.models.layers import LayerKind
+from vllm_metal.models.layers import LayerKind, memory_layers
 
 
 def activation_peak(run: Callable[[], None]) -> int:
@@ -51,9 +51,7 @@ class DummyRuns:
         self.vocab_size = vocab_size
 
     def _pool(self, num_blocks: int, block_size: int) -> KVPool:
-        memory_of = [
-            i if kind.kv_source is None else kind.kv_source for i, kind in enumerate(self.kinds)
-        ]
+        memory_of = memory_layers(self.kinds)
         layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size, memory_of)
         return pool_for(layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
