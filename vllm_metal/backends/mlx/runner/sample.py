@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
-import torch
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
@@ -20,6 +19,7 @@ from vllm.v1.sample.logits_processor.builtin import (
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -131,18 +131,14 @@ def sample_step(
 
         apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
 
-    # The sampler draws random numbers for rows mid-prefill too, whose token is dropped; their
-    # seeded generators are put back so the request sees the stream of vLLM's other backends.
-    saved = _generator_states(batch, step.packed.discard)
+    seeded.reseed(states)
     if step.packed.num_draft_tokens.any():
         assert rejection_sampler is not None, "drafts scheduled without speculative decoding"
         from vllm_metal.backends.mlx.runner.spec_decode.verify import verify
 
-        sampled, logprobs = verify(rejection_sampler, logits, step.packed, batch, states.vocab_size)
+        sampled, logprobs = verify(rejection_sampler, logits, step.packed, states)
     else:
         sampled, logprobs = _sample(sampler, logits, batch, step.packed.discard)
-    for i, state in saved.items():
-        batch.generators[i].set_state(state)
     prompt_logprobs = gather_prompt_logprobs(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode
     )
@@ -214,10 +210,3 @@ def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
         logprobs = sampler_output.logprobs_tensors.tolists()
     return sampled, logprobs
 
-
-def _generator_states(batch, discard: np.ndarray) -> dict[int, torch.Tensor]:
-    return {
-        int(i): batch.generators[int(i)].get_state()
-        for i in np.nonzero(discard)[0]
-        if int(i) in batch.generators
-    }

@@ -12,6 +12,7 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 
+from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
 
@@ -66,11 +67,11 @@ class SpecDecoder:
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
-        drafts nor verifies tokens it cannot return. A seeded sampled request never drafts: the
-        rejection sampler draws from its generator only for the drafts it verifies, so its
-        tokens would depend on when it drafted (which the back-off decides from measured
-        times), where a seed promises the same tokens every run, as without speculation. The
-        back-off then keeps only the rows where drafting pays.
+        drafts nor verifies tokens it cannot return. A seeded sampled request drafts only where
+        its drafts can be verified by position (`seeded.drafts_by_position`), which keeps its
+        tokens those of decoding without drafts whenever the back-off lets it draft: a seed
+        promises the same tokens every run. The back-off then keeps only the rows where
+        drafting pays.
         """
         batch = states.input_batch
         caps = np.zeros(batch.num_reqs, dtype=np.int32)
@@ -79,7 +80,8 @@ class SpecDecoder:
                 continue
             state = states.requests[req_id]
             params = state.sampling_params
-            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+            seeded_row = params is not None and params.sampling_type == SamplingType.RANDOM_SEED
+            if seeded_row and not seeded.drafts_by_position(params):
                 continue
             cap = min(
                 self.num_speculative_tokens,

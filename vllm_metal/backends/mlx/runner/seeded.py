@@ -1,0 +1,174 @@
+"""Seeded requests draw their randomness by position.
+
+vLLM gives a seeded request one generator and lets every sampling call advance it, so the tokens
+depend on how many random numbers were drawn before: a request whose drafts were verified (the
+rejection sampler draws for each draft it checks, and the back-off decides from measured times
+whether a row drafts) would not repeat. Here, before a step samples, each seeded row's generator
+is reseeded from its seed and the position of the token being sampled (`reseed`), so the noise
+that picks a token is a function of (seed, position) alone: a seeded request's tokens depend on
+its seed, its prompt and its logits, never on batching, chunking, preemption or speculation.
+
+That also lets a seeded request draft: a point-mass draft (n-gram, a greedy draft model) is
+accepted when it equals the token the target samples at its position with that position's noise
+(`resample_drafts`), and the first mismatch is replaced by that sample. The output is exactly
+the tokens decoding without speculation gives, and it has the target's distribution: a draft d
+is kept with probability p(d), and a rejected position holds a sample of p conditioned on != d,
+as in rejection sampling with a point-mass draft. Rows whose sampling reads more than their
+logits (penalties, logit bias, min tokens or min-p, allowed or bad words, logprobs, a grammar)
+do not draft (`drafts_by_position`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from vllm_metal.backends.mlx.runner.request_state import RequestStates
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for the token at `position` of a request seeded with `seed`
+    (splitmix64's finalizer over both, so neighbouring seeds and positions are unrelated)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _seed(states: RequestStates, index: int) -> int:
+    params = states.requests[states.input_batch.req_ids[index]].sampling_params
+    assert params is not None and params.seed is not None, "a generator without a seed"
+    return params.seed
+
+
+def reseed(states: RequestStates) -> None:
+    """Key each seeded row's generator to the position its next token takes (the row's token
+    count without drafts), before the step's sampler draws."""
+    batch = states.input_batch
+    for i, generator in batch.generators.items():
+        generator.manual_seed(position_seed(_seed(states, i), int(batch.num_tokens_no_spec[i])))
+
+
+def drafts_by_position(params: SamplingParams | None) -> bool:
+    """Whether a seeded sampled request's drafts can be verified by position: its token is a
+    function of its logits, temperature, top-k and top-p alone."""
+    if params is None or params.sampling_type != SamplingType.RANDOM_SEED:
+        return False
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and params.min_p == 0.0
+        and not params.min_tokens
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.bad_words
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and getattr(params, "thinking_token_budget", None) is None
+    )
+
+
+def resample_drafts(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    metadata: SpecDecodeMetadata,
+    sampled: torch.Tensor,
+    states: RequestStates,
+) -> None:
+    """Replace, in the rejection sampler's `sampled` (`[rows, max drafts + 1]`, -1 after the
+    last kept token), the tokens of every seeded row that drafted: its drafts while each equals
+    the token sampled at its position, then that position's sample."""
+    batch = states.input_batch
+    rows = [
+        i
+        for i, n in enumerate(metadata.num_draft_tokens)
+        if n and i in batch.generators and drafts_by_position(_params(states, i))
+    ]
+    if not rows:
+        return
+    num_draft = np.asarray(metadata.num_draft_tokens)
+    first = np.asarray(metadata.cu_num_sampled_tokens) - num_draft - 1
+    drafts = metadata.draft_token_ids.tolist()
+    draft_start = np.asarray(metadata.cu_num_draft_tokens) - num_draft
+    logit_rows, owners, generators = [], [], {}
+    for i in rows:
+        seed, start = _seed(states, i), int(batch.num_tokens_no_spec[i])
+        for j in range(int(num_draft[i]) + 1):
+            generator = torch.Generator(device=logits.device)
+            generator.manual_seed(position_seed(seed, start + j))
+            generators[len(logit_rows)] = generator
+            logit_rows.append(int(first[i]) + j)
+            owners.append(i)
+    tokens = sampler(logits[logit_rows], _metadata(states, owners, generators)).sampled_token_ids
+    tokens = tokens.view(-1).tolist()
+    at = 0
+    for i in rows:
+        k, own = int(num_draft[i]), drafts[int(draft_start[i]) : int(draft_start[i] + num_draft[i])]
+        row = [-1] * sampled.shape[1]
+        for j in range(k + 1):
+            row[j] = tokens[at + j]
+            if j == k or tokens[at + j] != own[j]:
+                break
+        sampled[i] = torch.tensor(row, dtype=sampled.dtype)
+        at += k + 1
+
+
+def _params(states: RequestStates, index: int) -> SamplingParams | None:
+    return states.requests[states.input_batch.req_ids[index]].sampling_params
+
+
+def _metadata(
+    states: RequestStates, owners: list[int], generators: dict[int, torch.Generator]
+) -> SamplingMetadata:
+    """Sampling metadata for logits rows of the given batch rows (one row per position), with
+    each row's temperature, top-k and top-p and nothing else (`drafts_by_position`)."""
+    batch: InputBatch = states.input_batch
+    index = torch.tensor(owners, dtype=torch.long)
+    return sampling_metadata(
+        batch.temperature_cpu_tensor[index].float(),
+        generators,
+        top_k=None if batch.no_top_k else batch.top_k_cpu_tensor[index],
+        top_p=None if batch.no_top_p else batch.top_p_cpu_tensor[index],
+    )
+
+
+def sampling_metadata(
+    temperature: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> SamplingMetadata:
+    """vLLM's metadata for seeded random rows that read nothing but their logits, temperature,
+    top-k and top-p."""
+    empty = torch.empty(0)
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=False,
+        all_random=True,
+        top_p=top_p,
+        top_k=top_k,
+        generators=generators,
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=empty,
+        presence_penalties=empty,
+        repetition_penalties=empty,
+        output_token_ids=[],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
