@@ -1,18 +1,23 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
 to vLLM's host `Sampler` on the same logits and without copying them; anything that moves the
-argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler."""
+argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Unseeded random
+rows with a temperature, top-k and top-p are drawn on the device too, from the distribution
+vLLM's `Sampler` draws from (chi-square against its own draws)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import Sampler
 
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
 from vllm_metal.backends.mlx.runner import sample
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, sample_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
 
 VOCAB = 64  # logits columns used (the rest of the tiny model's vocabulary is -inf)
@@ -36,11 +41,11 @@ def _run(vllm_config, params: dict[str, SamplingParams], on_device: bool, monkey
     table = np.full((3, vocab), -np.inf, np.float32)
     table[:, :VOCAB] = rng.standard_normal((3, VOCAB))
     logits = mx.array(table)
-    greedy = mx.argmax(logits, axis=-1) if on_device else None
+    tokens = DeviceSampler(0).tokens(logits, states.input_batch) if on_device else None
     copied = []
     real = sample.to_torch
     monkeypatch.setattr(sample, "to_torch", lambda a: copied.append(a) or real(a))
-    state = StepState(sched, packed, logits, {}, greedy=greedy)
+    state = StepState(sched, packed, logits, {}, device_tokens=tokens)
     output = sample.sample_step(state, states, Sampler(), "raw_logprobs")
     by_req = dict(zip(output.req_ids, output.sampled_token_ids))
     return by_req, bool(copied)
@@ -73,3 +78,81 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
     assert device == host
     if odd.logit_bias:
         assert device["c"] == [5]
+
+
+def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
+    """Random rows beside a greedy one: no logits copied, the greedy row's argmax, the random
+    rows' tokens among their top 3; a logprobs request beside them sends the step to the host."""
+    params = {
+        "a": SamplingParams(temperature=0.8, top_k=3),
+        "b": SamplingParams(temperature=1.0, top_p=0.5),
+        "c": SamplingParams(temperature=0.0),
+    }
+    device, copied = _run(vllm_config, params, True, monkeypatch)
+    greedy, _ = _run(
+        vllm_config, {r: SamplingParams(temperature=0.0) for r in "abc"}, True, monkeypatch
+    )
+    assert not copied
+    assert device["b"] == [] and device["c"] == greedy["c"]
+    table = np.random.default_rng(0).standard_normal((3, VOCAB))
+    assert device["a"][0] in np.argsort(-table[0])[:3]
+    _, copied = _run(
+        vllm_config, {**params, "c": SamplingParams(temperature=0.0, logprobs=1)}, True, monkeypatch
+    )
+    assert copied
+
+
+def _chi2_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample chi-square p-value over the categories both samples see often enough."""
+    cats = np.union1d(a, b)
+    table = np.array([[np.sum(a == c) for c in cats], [np.sum(b == c) for c in cats]], float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    keep = expected.min(0) >= 5
+    table = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = torch.tensor((table.shape[1] - 1) / 2.0)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2.0)))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(0.8, None, None), (1.0, 3, None), (0.7, None, 0.8), (1.3, 5, 0.6), (0.5, 2, 0.99)],
+)
+def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, top_p):
+    n, vocab = 4000, 10
+    logits = torch.tensor(
+        np.random.default_rng(1).standard_normal(vocab) * 1.5, dtype=torch.float32
+    )
+    rows = logits.repeat(n, 1)
+    t = np.full(n, temperature, np.float32)
+    k = None if top_k is None else np.full(n, top_k, np.int32)
+    p = None if top_p is None else np.full(n, top_p, np.float32)
+    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3)))
+    metadata = sampling_metadata(
+        torch.from_numpy(t),
+        {},
+        top_k=None if k is None else torch.from_numpy(k),
+        top_p=None if p is None else torch.from_numpy(p),
+    )
+    torch.manual_seed(0)
+    host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
+    assert set(drawn.tolist()) <= set(host.tolist())  # the same support (top-k, top-p)
+    assert _chi2_pvalue(drawn, host) > 1e-3
+
+
+def test_the_distribution_check_catches_a_wrong_temperature():
+    n, vocab = 4000, 10
+    logits = torch.tensor(
+        np.random.default_rng(1).standard_normal(vocab) * 1.5, dtype=torch.float32
+    )
+    rows = logits.repeat(n, 1)
+    drawn = np.array(
+        sample_rows(
+            mx.array(rows.numpy()), np.full(n, 0.7, np.float32), None, None, mx.random.key(3)
+        )
+    )
+    metadata = sampling_metadata(torch.full((n,), 1.0), {})
+    host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
+    assert _chi2_pvalue(drawn, host) < 1e-3

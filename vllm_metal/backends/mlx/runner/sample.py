@@ -1,9 +1,10 @@
 """Sampling, the output stage of generating models (`output.py`): a step's logits are queued on
 the device and sampled with vLLM's own `Sampler` (grammar bitmask included), or its
 `RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); a step whose rows
-all sample greedily with nothing that moves the argmax takes the argmax computed on the device
-instead, and its logits never reach the host (`greedy_on_device`); token write-back into the
-request state, and the step's `ModelRunnerOutput`."""
+read nothing but their logits, temperature, top-k and top-p (greedy, or unseeded) takes the
+tokens drawn on the device instead, and its logits never reach the host (`tokens_on_device`,
+`device_sampling.py`); token write-back into the request state, and the step's
+`ModelRunnerOutput`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner import seeded
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, samples_random_rows
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -50,6 +52,7 @@ class Sampling:
         self.states = states
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
         self.sampler = Sampler(logprobs_mode=self.logprobs_mode)
+        self.device = DeviceSampler(vllm_config.model_config.seed)
         async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.pipeline = StepPipeline(self._sample, async_scheduling)
         self.spec = make_spec_decoder(
@@ -74,17 +77,17 @@ class Sampling:
         packed = forward.packed
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
-        greedy = mx.argmax(logits, axis=-1) if logits.size else None
+        tokens = self.device.tokens(logits, self.states.input_batch) if logits.size else None
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
-        mx.async_eval(*pending, *([] if greedy is None else [greedy]))
+        mx.async_eval(*pending, *([] if tokens is None else [tokens]))
         connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
             scheduler_output,
             packed,
             logits,
             prompt_logits,
-            greedy=greedy,
+            device_tokens=tokens,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
@@ -123,8 +126,8 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
 ) -> ModelRunnerOutput:
     batch = states.input_batch
-    if not states.num_prompt_logprobs and greedy_on_device(step, batch.sampling_metadata):
-        return _greedy_output(step, states)
+    if not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata):
+        return _device_output(step, states)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -160,18 +163,19 @@ def _recorded(
     )
 
 
-def greedy_on_device(step: StepState, metadata) -> bool:
-    """Whether the step's tokens are its rows' argmax (`step.greedy`) as vLLM's `Sampler` would
-    pick them: every row greedy, no logprobs, no grammar, no drafts, no prompt logprobs, and
-    nothing applied before the argmax (allowed or bad words, penalties, a logit bias, min
-    tokens, a thinking budget, custom logits processors)."""
-    if step.greedy is None or step.grammar_output is not None or step.prompt_logits:
+def tokens_on_device(step: StepState, metadata) -> bool:
+    """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
+    row's argmax, or unseeded samples beside greedy rows, `device_sampling.py`) as vLLM's
+    `Sampler` would pick them: no logprobs, no grammar, no drafts, no prompt logprobs, and
+    nothing applied to the logits before sampling (allowed or bad words, penalties, a logit
+    bias, min tokens, a thinking budget, custom logits processors)."""
+    if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
         return False
     if step.packed.num_draft_tokens.any():
         return False
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     return bool(
-        metadata.all_greedy
+        (metadata.all_greedy or samples_random_rows(metadata))
         and metadata.max_num_logprobs is None
         and not metadata.logprob_token_ids
         and metadata.allowed_token_ids_mask is None
@@ -192,9 +196,9 @@ def _moves_argmax(processor) -> bool:
     return True
 
 
-def _greedy_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
-    """The step's output from the argmax computed on the device (waits for the forward)."""
-    tokens = to_host(step.greedy).tolist()
+def _device_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
+    """The step's output from the tokens drawn on the device (waits for the forward)."""
+    tokens = to_host(step.device_tokens).tolist()
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
     return _recorded(states, sampled, None, {})
 
@@ -209,4 +213,3 @@ def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
     if sampler_output.logprobs_tensors is not None:
         logprobs = sampler_output.logprobs_tensors.tolists()
     return sampled, logprobs
-

@@ -29,10 +29,10 @@ class StepState:
     packed: PackedBatch
     logits: mx.array  # [S + drafts, V] float32 at packed.logits_indices (being evaluated)
     prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
-    # [S + drafts] argmax of each logits row, computed on the device with the logits: the
-    # step's tokens when every row samples greedily with nothing that changes the argmax
-    # (`sample.greedy_on_device`), so the logits never reach the host.
-    greedy: mx.array | None = None
+    # [S] tokens drawn on the device with the logits (`device_sampling.py`): the step's tokens
+    # when nothing reads its logits but their argmax, temperature, top-k and top-p
+    # (`sample.tokens_on_device`), so the logits never reach the host. None: the host samples.
+    device_tokens: mx.array | None = None
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None

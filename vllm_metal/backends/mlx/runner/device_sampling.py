@@ -1,0 +1,96 @@
+"""Tokens sampled on the device, queued with the step's logits so the logits never reach the host.
+
+A step whose rows all sample greedily takes each row's argmax. A step whose rows sample with
+nothing but a temperature, top-k and top-p (unseeded; greedy rows may sit beside them) takes a
+sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the row's
+temperature; top-k keeps the k largest; top-p keeps, in descending order, each token whose
+preceding mass (after top-k) is below p, so the smallest set holding at least p survives, as
+vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept (Gumbel-max).
+Greedy rows (temperature below vLLM's epsilon) keep their argmax. Whether the step may use these
+tokens is decided when it is sampled (`sample.tokens_on_device`): a grammar, logprobs or anything
+else that reads the logits sends it to vLLM's `Sampler` on the host instead. Seeded rows stay on
+the host, where their randomness is keyed by position (`seeded.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+
+def samples_random_rows(metadata: SamplingMetadata) -> bool:
+    """Whether the step's random rows can be sampled on the device: none is seeded and none has
+    a min-p (what else reads the logits is checked when the step is sampled)."""
+    if metadata.all_greedy or metadata.generators:
+        return False
+    return not any(
+        isinstance(p, MinPLogitsProcessor) and p.min_p_count
+        for p in metadata.logitsprocs.argmax_invariant
+    )
+
+
+class DeviceSampler:
+    """Draws the device tokens of a step; its random keys come from the engine's seed."""
+
+    def __init__(self, seed: int | None):
+        self._rng = np.random.default_rng(seed)
+
+    def tokens(self, logits: mx.array, batch: InputBatch) -> mx.array | None:
+        """`[rows]` int tokens for `logits` (`[rows, V]` float32, one row per request of
+        `batch`): every row's argmax when all are greedy, a sample of the random rows beside
+        the greedy rows' argmax where `samples_random_rows` allows; else None."""
+        n, metadata = batch.num_reqs, batch.sampling_metadata
+        if logits.shape[0] != n or n == 0:
+            return None
+        greedy = mx.argmax(logits, axis=-1)
+        if metadata.all_greedy:
+            return greedy
+        if not samples_random_rows(metadata):
+            return None
+        key = mx.random.key(int(self._rng.integers(2**63)))
+        temperature = batch.temperature_cpu[:n]
+        top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
+        top_p = None if batch.no_top_p else batch.top_p_cpu[:n]
+        drawn = sample_rows(logits, temperature, top_k, top_p, key)
+        return mx.where(mx.array(temperature < _SAMPLING_EPS), greedy, drawn)
+
+
+def sample_rows(
+    logits: mx.array,
+    temperature: np.ndarray,
+    top_k: np.ndarray | None,
+    top_p: np.ndarray | None,
+    key: mx.array,
+) -> mx.array:
+    """One draw per row from softmax(logits / temperature) after top-k and top-p (vLLM's
+    semantics, above); `top_k` of the vocabulary size or more and `top_p` of 1 keep every
+    token. Rows with a temperature below epsilon are drawn at temperature 1 (the caller keeps
+    their argmax)."""
+    t = np.where(temperature < _SAMPLING_EPS, 1.0, temperature).astype(np.float32)
+    scaled = logits / mx.array(t)[:, None]
+    noise = mx.random.gumbel(shape=scaled.shape, key=key)
+    if top_k is None and top_p is None:
+        return mx.argmax(scaled + noise, axis=-1)
+    vocab = scaled.shape[-1]
+    order = mx.argsort(-scaled, axis=-1)  # descending
+    ranked = mx.take_along_axis(scaled, order, axis=-1)
+    keep = mx.ones(ranked.shape, dtype=mx.bool_)
+    if top_k is not None:
+        k = mx.array(np.minimum(top_k, vocab).astype(np.int32))
+        keep = mx.arange(vocab)[None, :] < k[:, None]
+        ranked = mx.where(keep, ranked, -mx.inf)
+    if top_p is not None:
+        probs = mx.softmax(ranked, axis=-1, precise=True)
+        before = mx.cumsum(probs, axis=-1) - probs
+        p = mx.array(top_p.astype(np.float32))
+        keep = keep & ((before < p[:, None]) | (mx.arange(vocab)[None, :] == 0))
+    choice = mx.argmax(mx.where(keep, ranked, -mx.inf) + noise, axis=-1)
+    return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
