@@ -22,7 +22,7 @@ checkpoints converted by mlx-lm alike):
   folds it into the queries and keys only: values are scaled here;
 - multipliers of a projection's output are folded into its weight, not its bias (`o_proj`,
   `out_proj`, the MLP's `gate_proj` and `down_proj`, the mixer's `in_proj`): biases are scaled
-  here (the published models have none);
+  here (the configs' bias flags are off by default);
 - the gated RMSNorm after the scan (`mamba_rms_norm`) normalises the whole width where
   transformers (and vLLM) normalise each group's slice: `GroupedGatedRMSNorm` replaces it.
 vLLM 0.32's own model departs from transformers elsewhere (what is served here is transformers'):
@@ -30,8 +30,8 @@ it gives the attention and MLP projections no biases (`attention_bias`, `mlp_bia
 `out_proj` a bias by `mamba_proj_bias` instead of `projectors_bias`, and applies the gate before
 the norm whatever `mamba_norm_before_gate` says.
 
-A config.json must carry every multiplier: mlx-lm's defaults for missing ones are Falcon-H1-0.5B's
-values, transformers' are 1.
+A config.json must carry every multiplier: mlx-lm's defaults for missing ones are not
+transformers' (1).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Adapter(ModelAdapter):
         if missing:
             raise ValueError(
                 f"vllm-metal: this Falcon-H1 config.json lacks {', '.join(missing)}; mlx-lm would "
-                "use its own defaults (Falcon-H1-0.5B's), transformers 1: write them into it"
+                "use its own defaults where transformers uses 1: write them into it"
             )
         self._match_transformers()
 
