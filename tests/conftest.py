@@ -230,6 +230,15 @@ def tiny_nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_falcon_h1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Falcon-H1 hybrid checkpoint (`tests.fixtures.tiny_falcon_h1`), once per
+    session."""
+    from tests.fixtures.tiny_falcon_h1 import write_tiny_falcon_h1
+
+    return write_tiny_falcon_h1(tmp_path_factory.mktemp("tiny-falcon-h1") / "falcon_h1")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random GLM-4.7-Flash (MLA) checkpoint (`tests.fixtures.tiny_glm4_moe_lite`), once
     per session."""

@@ -77,7 +77,7 @@ def _fields(hf_config, **flags) -> SimpleNamespace:
 
 
 def test_unserved_shapes_are_their_own_kinds():
-    from transformers import DeepseekV2Config, FalconH1Config, T5Config
+    from transformers import BambaConfig, DeepseekV2Config, T5Config
     from vllm.transformers_utils.config import is_encoder_decoder
 
     from vllm_metal.config.kinds import kind_of
@@ -87,7 +87,7 @@ def test_unserved_shapes_are_their_own_kinds():
         "encoder_decoder"
     )
     assert kind_of(_fields(DeepseekV2Config(), use_mla=True)).name == "latent_attention_other"
-    assert kind_of(_fields(FalconH1Config(), is_hybrid=True)).name == "hybrid_other"
+    assert kind_of(_fields(BambaConfig(), is_hybrid=True)).name == "hybrid_other"
 
 
 def test_the_table_names_only_kinds_and_features_that_exist():

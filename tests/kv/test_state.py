@@ -124,7 +124,14 @@ def _engine_config(model: Path, **kwargs):
     # State page: Qwen3-Next 2 value heads x 64 x 64 float32 + 3 x 256 conv window float32 =
     # 35,840 bytes; Granite 4.0-H 4 heads x 32 x 32 float32 + 3 x 256 = 19,456 bytes. An
     # attention token is 2 x 1 KV head x 64 x 4 bytes = 512: 70 -> 80 and 38 -> 48 tokens (16s).
-    [("qwen3_next", 80), ("granitemoehybrid", 48), ("qwen3_5", 80), ("qwen3_5_moe", 80)],
+    # Falcon-H1: 8 heads x 16 x 16 float32 + 3 x 192 = 10,496 bytes: 21 -> 32 tokens.
+    [
+        ("qwen3_next", 80),
+        ("granitemoehybrid", 48),
+        ("qwen3_5", 80),
+        ("qwen3_5_moe", 80),
+        ("falcon_h1", 32),
+    ],
 )
 def test_blocks_hold_a_state_page_and_prefix_caching_saves_states_per_block(
     request, family, block_size
@@ -189,6 +196,60 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(
     assert vllm_spec.page_size_bytes == ours.page_size_bytes == cache.block_size * 512
 
 
+def test_falcon_h1_layers_hold_attention_and_state_memory_as_vllm_plans_them(tiny_falcon_h1_dir):
+    """Two memory layers per decoder layer (attention, then its Mamba-2 mixer): vLLM's own hybrid
+    grouping takes their specs (the state spec element for element what vLLM's Falcon-H1 class
+    computes), puts attention and mixers in two groups and overlays attention layer i and mixer i
+    on one region; the pool lays that plan out, a state page within its block's bytes."""
+    import torch
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from vllm_metal.kv import KV_CACHE_LAYOUT
+    from vllm_metal.kv.pool import pool_for
+    from vllm_metal.kv.spec import kv_cache_specs
+    from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, state_shapes_of
+
+    config = _engine_config(tiny_falcon_h1_dir, enable_prefix_caching=True)
+    model_config, cache = config.model_config, config.cache_config
+    text = model_config.hf_text_config
+    state = LayerKind(is_state=True, state=state_shapes_of(text.model_type, text.to_dict()))
+    kinds = [FULL_ATTENTION, state] * 2
+    names = [f"model.layers.{i}.{part}" for i in range(2) for part in ("self_attn", "mamba")]
+    specs = kv_cache_specs(
+        names, kinds, block_size=cache.block_size, num_kv_heads=1, head_dim=64,
+        dtype=torch.float32, cache_config=cache,
+    )  # fmt: skip
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    theirs = MambaSpec(
+        shapes=cls.get_mamba_state_shape_from_config(config),
+        dtypes=cls.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+    )
+    ours = specs["model.layers.0.mamba"]
+    assert [math.prod(s) for s in theirs.shapes] == [math.prod(s) for s in ours.shapes]
+    assert theirs.dtypes == ours.dtypes == (torch.float32, torch.float32)
+    assert ours.page_size_bytes == specs["model.layers.0.self_attn"].page_size_bytes == 32 * 512
+
+    cache.kv_cache_layout = KV_CACHE_LAYOUT  # what the engine core resolves before planning
+    groups = get_kv_cache_groups(config, specs)
+    plan = get_kv_cache_config_from_groups(config, groups, available_memory=40 * 32 * 512)
+    members = [(type(g.kv_cache_spec), g.layer_names) for g in plan.kv_cache_groups]
+    assert sorted(members, key=lambda m: m[0].__name__) == [
+        (FullAttentionSpec, ["model.layers.0.self_attn", "model.layers.1.self_attn"]),
+        (MambaSpec, ["model.layers.0.mamba", "model.layers.1.mamba"]),
+    ]
+    layout = KVLayout.from_config(plan, names)
+    assert layout.region_of_layer == (0, 0, 1, 1)
+    assert layout.group_of_layer[0::2] != layout.group_of_layer[1::2]
+    assert len(set(layout.group_of_layer[0::2])) == len(set(layout.group_of_layer[1::2])) == 1
+    pool = pool_for(layout, kinds, 1, 64, mx.float32)
+    assert pool.keys[0].shape == (plan.num_blocks, 32, 1, 64)
+    assert pool.nbytes == 2 * plan.num_blocks * 32 * 512 <= 40 * 32 * 512
+
+
 def test_qwen3_5_mtp_drafter_is_inspected_and_refused_by_the_platform(tiny_qwen3_5_dir):
     """vLLM builds the MTP drafter's config from the plugin's class (its own would import
     torchvision), so the refusal is the platform's, naming the flag and the method."""
@@ -233,7 +294,7 @@ def test_drafting_other_than_ngram_on_a_hybrid_is_refused_naming_ngram(tiny_qwen
 
 
 def test_other_hybrids_are_refused_naming_the_architecture():
-    """A Mamba-2 hybrid (Falcon-H1) is checked on the model-config fields the table reads: on
+    """A Mamba-2 hybrid (Bamba) is checked on the model-config fields the table reads: on
     this host vLLM stops earlier for some of them (their classes import kernels it lacks)."""
     from types import SimpleNamespace
 
@@ -241,13 +302,11 @@ def test_other_hybrids_are_refused_naming_the_architecture():
     from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
-        model="tiiuae/Falcon-H1-1.5B-Instruct",
+        model="ibm-ai-platform/Bamba-9B-v1",
         is_hybrid=True,
-        hf_config=SimpleNamespace(architectures=["FalconH1ForCausalLM"]),
-        hf_text_config=SimpleNamespace(model_type="falcon_h1"),
+        hf_config=SimpleNamespace(architectures=["BambaForCausalLM"]),
+        hf_text_config=SimpleNamespace(model_type="bamba"),
     )
     config = SimpleNamespace(model_config=model_config)
     assert kind_of(config).name == "hybrid_other"
-    assert "model='tiiuae/Falcon-H1-1.5B-Instruct' (falcon_h1, FalconH1ForCausalLM)" in refusal(
-        config, "mlx"
-    )
+    assert "model='ibm-ai-platform/Bamba-9B-v1' (bamba, BambaForCausalLM)" in refusal(config, "mlx")

@@ -50,7 +50,9 @@ class ModelAdapter:
 
     @cached_property
     def attention_layer_names(self) -> list[str]:
-        """The module name of each layer's attention, as in the checkpoint's weights."""
+        """The module name of each memory layer (a layer's attention or state mixer: one per
+        decoder layer here; a family may declare none or several per layer, `layers.py`), as in
+        the checkpoint's weights, in the order of `layer_kinds`."""
         path_of = {id(m): name for name, m in self.model.named_modules()}
         names = []
         for i, layer in enumerate(self.model.layers):

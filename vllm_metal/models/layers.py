@@ -1,7 +1,11 @@
 """What kind of memory each decoder layer needs: full attention, a sliding window, a latent (MLA)
 cache, or a state.
 
-Adapters report one `LayerKind` per layer; `vllm_metal.kv` turns them into vLLM KV-cache specs.
+Adapters report one `LayerKind` per memory layer (a module with KV memory of its own, named in the
+adapter's `attention_layer_names`, in the same order); `vllm_metal.kv` turns them into vLLM
+KV-cache specs. A decoder layer holds one memory layer in most models, none in some (Nemotron-H's
+MLP-only and MoE-only blocks) and two in Falcon-H1, whose attention and Mamba-2 mixer run side by
+side: the adapter names each and its `forward` hands each decoder layer its caches.
 A state layer's shapes are read from the checkpoint's config by its model type (`STATE_SHAPES`),
 both at startup (`kv.state.align_block_size`, before the model loads) and by the family adapter.
 """
@@ -76,6 +80,20 @@ def nemotron_h_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
+def falcon_h1_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Falcon-H1 layer's Mamba-2 mixer, from its config.json fields (its width is
+    `mamba_d_ssm`, or `mamba_expand` x the hidden size; the head size may be "auto": the width
+    over the heads)."""
+    heads = config["mamba_n_heads"]
+    head_dim = config["mamba_d_head"]
+    if head_dim == "auto":
+        width = config.get("mamba_d_ssm") or config["mamba_expand"] * config["hidden_size"]
+        head_dim = width // heads
+    return _mamba2(
+        heads, head_dim, config["mamba_n_groups"], config["mamba_d_state"], config["mamba_d_conv"]
+    )
+
+
 def short_conv_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     """The state of an LFM2 short-convolution layer (its window of gated inputs alone), from its
     config.json fields."""
@@ -93,6 +111,7 @@ STATE_SHAPES = {
     ),
     "granitemoehybrid": mamba2_state_shapes,
     "nemotron_h": nemotron_h_state_shapes,
+    "falcon_h1": falcon_h1_state_shapes,
     "lfm2": short_conv_state_shapes,
 }
 

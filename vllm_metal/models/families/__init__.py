@@ -18,6 +18,7 @@ from vllm_metal.models.adapter import ModelAdapter
 MODULES = (
     "bert",
     "deepseek_v3",
+    "falcon_h1",
     "glm4_moe_lite",
     "gemma2",
     "gemma3",

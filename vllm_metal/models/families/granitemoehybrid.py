@@ -41,6 +41,17 @@ def packed_mamba2_mixer(mixer: Any, inputs: mx.array, cache: StateLayerCache) ->
     """The mixer over packed rows (`[T, 1, hidden]`, each row one token of some request): mlx-lm's
     Mamba-2 mixers of Granite 4.0-H and Nemotron-H, which share their layout (`in_proj` to gate,
     conv input and dt; a depthwise conv; the scan; a gated RMSNorm; `out_proj`)."""
+    y, gate = packed_mamba2_scan(mixer, inputs, cache)
+    return mixer.out_proj(mixer.norm(y, gate))
+
+
+def packed_mamba2_scan(
+    mixer: Any, inputs: mx.array, cache: StateLayerCache
+) -> tuple[mx.array, mx.array]:
+    """A Mamba-2 mixer up to its gate over packed rows: the scan's output and the gate, both
+    `[T, 1, intermediate]`, each request's window and state carried in its pages. Reads mlx-lm's
+    mixer attributes (`in_proj`, `conv1d`, `dt_bias`, `time_step_limit`, `A_log`, `D` and the
+    sizes), which Granite 4.0-H, Nemotron-H and Falcon-H1 share."""
     t = inputs.shape[0]
     heads, head_dim = mixer.num_heads, mixer.head_dim
     groups, state_size = mixer.n_groups, mixer.ssm_state_size
@@ -65,5 +76,4 @@ def packed_mamba2_mixer(mixer: Any, inputs: mx.array, cache: StateLayerCache) ->
         cache.cu_seqlens,
     )
     cache.write(window, state)
-    y = mixer.norm(y.reshape(t, 1, inner), gate.reshape(t, 1, inner))
-    return mixer.out_proj(y)
+    return y.reshape(t, 1, inner), gate.reshape(t, 1, inner)

@@ -1,7 +1,9 @@
 """Hybrid models served by the MLX runner: Qwen3-Next (Gated DeltaNet layers, three to each
 full-attention layer), Qwen3.5 (the same layer mix; dense and MoE, in the published wrapper layout
 and as the text-only `Qwen3_5ForCausalLM`) and Granite 4.0-H (Mamba-2 layers around an attention
-layer) and Nemotron-H (Mamba-2, attention, MLP-only and MoE-only blocks). Greedy tokens and logprobs equal transformers float32 for a mixed batch whose prompts are
+layer), Nemotron-H (Mamba-2, attention, MLP-only and MoE-only blocks) and Falcon-H1 (a Mamba-2
+mixer beside attention in every layer: two memory layers per decoder layer). Greedy tokens and
+logprobs equal transformers float32 for a mixed batch whose prompts are
 prefilled in chunks smaller than themselves (16 tokens; 32 for Qwen3.5; the recurrent state and
 convolution window carried across steps in the state pages), from a KV pool so small that vLLM
 preempts requests (a preempted request restarts from a zero state and recomputes). MLX-quantized
@@ -21,9 +23,19 @@ from tests.backends.mlx.runner.jobs import (
 
 NEW_TOKENS = 24
 # Attention block size the platform picks so that a block holds a state page (`kv.state`):
-# Qwen3-Next's (and the tiny Qwen3.5's) page is 35,840 bytes, Granite's 19,456, Nemotron-H's
-# 10,496; an attention token is 512 bytes.
-BLOCK_SIZE = {"qwen3_next": 80, "granitemoehybrid": 48, "qwen3_5": 80, "nemotron_h": 32}
+# Qwen3-Next's (and the tiny Qwen3.5's) page is 35,840 bytes, Granite's 19,456, Nemotron-H's and
+# Falcon-H1's 10,496; an attention token is 512 bytes.
+BLOCK_SIZE = {
+    "qwen3_next": 80,
+    "granitemoehybrid": 48,
+    "qwen3_5": 80,
+    "nemotron_h": 32,
+    "falcon_h1": 32,
+}
+# KV tensors vLLM allocates per block id (the layers of its largest group): one for the families
+# whose state layers outnumber their attention layers, one per layer for Falcon-H1, whose
+# attention and Mamba-2 groups are the same size.
+TENSORS = {"falcon_h1": 2}
 # Prefill chunk (max_num_batched_tokens) per family.
 CHUNK = {"qwen3_5": 32}
 # The checkpoint fixture of each case, and its family.
@@ -34,6 +46,7 @@ CASES = {
     "qwen3_5_causal_lm": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
     "nemotron_h": "nemotron_h",
+    "falcon_h1": "falcon_h1",
 }
 
 
@@ -55,6 +68,7 @@ def _mixed(block_size: int) -> list[list[int]]:
         pytest.param("qwen3_5_causal_lm", marks=pytest.mark.full),
         pytest.param("qwen3_5_moe", marks=pytest.mark.full),
         pytest.param("nemotron_h", marks=pytest.mark.full),
+        pytest.param("falcon_h1", marks=pytest.mark.full),
     ],
 )
 def test_hybrid_greedy_matches_transformers_through_chunks_and_preemption(request, case):
@@ -68,7 +82,7 @@ def test_hybrid_greedy_matches_transformers_through_chunks_and_preemption(reques
         "max_num_batched_tokens": CHUNK.get(family, 16),
         # 13 blocks: three requests run (3 state blocks + 1 attention block each) and cannot all
         # take their second attention block.
-        "kv_cache_memory_bytes": 13 * block_size * 512,
+        "kv_cache_memory_bytes": 13 * block_size * 512 * TENSORS.get(family, 1),
         "max_model_len": 256,
         "disable_log_stats": False,
     }

@@ -55,6 +55,7 @@ def _pairs(block_size: int, continuations: list[list[int]]) -> tuple[list, list,
         pytest.param("granitemoehybrid", marks=pytest.mark.full),
         pytest.param("qwen3_5", marks=pytest.mark.full),  # Qwen3-Next's layer after its projections
         pytest.param("nemotron_h", marks=pytest.mark.full),  # Granite's mixer, cacheless blocks
+        pytest.param("falcon_h1", marks=pytest.mark.full),  # a mixer beside attention per layer
     ],
 )
 def test_prefix_hits_give_the_tokens_of_an_uncached_run(request, family):

@@ -73,6 +73,7 @@ def _continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
         pytest.param("tiny_qwen3_5_dir", False, marks=pytest.mark.full),
         pytest.param("taught_qwen3_5", True, marks=pytest.mark.full),
         pytest.param("tiny_nemotron_h_dir", False, marks=pytest.mark.full),
+        pytest.param("tiny_falcon_h1_dir", False, marks=pytest.mark.full),
     ],
 )
 def test_ngram_on_a_hybrid_gives_the_tokens_of_plain_decoding(request, model, taught):
@@ -80,7 +81,9 @@ def test_ngram_on_a_hybrid_gives_the_tokens_of_plain_decoding(request, model, ta
     from tests.fixtures.oracles import hf_greedy
 
     path = request.getfixturevalue(model)
-    family = next((f for f in ("granitemoehybrid", "nemotron_h") if f in model), "qwen3_next")
+    family = next(
+        (f for f in ("granitemoehybrid", "nemotron_h", "falcon_h1") if f in model), "qwen3_next"
+    )
     bs = BLOCK_SIZE[family]
     patterned, answer = _patterned(bs)
     prompts = [patterned, *random_prompts(41, [1, 9, bs - 5])]
