@@ -29,9 +29,14 @@ def oracle(checkpoint: Path):
 
 @pytest.fixture(scope="module")
 def tower(checkpoint: Path):
+    import json
+
+    import mlx.core as mx
+
     from vllm_metal.models.families.qwen3_asr import load_tower
 
-    return load_tower(str(checkpoint))
+    config = json.loads((checkpoint / "config.json").read_text())
+    return load_tower(checkpoint, config, mx.float32)
 
 
 def _expected(oracle, features: np.ndarray, frames: int) -> np.ndarray:

@@ -7,22 +7,32 @@ which get a sinusoidal position within their chunk. The valid rows of all chunks
 the transformer layers attend both ways inside windows of `n_window_infer` frames' worth of rows.
 The projector maps each row to one audio placeholder token's embedding of the Qwen3 decoder.
 
-The serving path is not built yet: the capability table refuses the model (kind
-`audio_language`, `config/kinds.py`), and on hosts where vLLM's own Qwen3-ASR module does not
-import, `compat/vllm_models.py` lets vLLM inspect the architecture so that the refusal is ours.
+The language model is mlx-lm's `qwen3` over the checkpoint's `text_config` (lifted to the top
+by `models/hf_config.py`; `sanitize` maps `model.language_model.*` to mlx-lm's names), paged like
+any decoder; the tower sits beside it (`load_towers`) and the runner's multimodal kind writes a
+clip's rows over its placeholder tokens. vLLM's side (processor, transcription prompt) is
+`compat/qwen3_asr.py`.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+import numpy as np
+from mlx import nn
+
+from vllm_metal.models.adapter import ModelAdapter
+from vllm_metal.models.multimodal import MultimodalAdapter, TokenRows
 
 MODEL_TYPES = ("qwen3_asr",)
 KIND = "audio_language"
 MODALITIES = ("audio",)
+# mlx-lm reads the language model as a plain Qwen3.
+MLX_LM_MODULES = {"qwen3_asr": "qwen3"}
+_LANGUAGE_MODEL = "model.language_model."
 
 # Rows one chunk of `2 * n_window` frames keeps after the three convolutions (n_window = 50).
 _CONVOLUTIONS = 3
@@ -133,7 +143,10 @@ class AudioEncoder(nn.Module):
         chunk_rows = [post_conv_length(f) for f in chunk_frames]
         x = mx.concatenate([x[i, :rows] for i, rows in enumerate(chunk_rows) if rows])
         window_ids = mx.concatenate(
-            [mx.full((rows,), i, dtype=mx.int32) for i, rows in enumerate(self._windows(chunk_rows))]
+            [
+                mx.full((rows,), i, dtype=mx.int32)
+                for i, rows in enumerate(self._windows(chunk_rows))
+            ]
         )
         mask = (window_ids[:, None] == window_ids[None, :])[None, None]
         for layer in self.layers:
@@ -179,18 +192,59 @@ def tower_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def load_tower(model_dir: str, dtype: mx.Dtype = mx.float32) -> AudioTower:
-    """The audio tower of the checkpoint in `model_dir`, its weights in `dtype`."""
-    import glob
-    import json
-    import os
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
+def load_tower(path: str | Path, config: dict[str, Any], dtype: mx.Dtype) -> AudioTower:
+    """The audio tower of the checkpoint in `path` (`config`: its config.json), in `dtype`."""
     tower = AudioTower(config["audio_config"])
     weights: dict[str, mx.array] = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        weights |= tower_weights(mx.load(path))
+    for file in sorted(Path(path).glob("*.safetensors")):
+        weights |= tower_weights(mx.load(str(file)))
     tower.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(tower.parameters())
-    return tower
+    return tower.eval()
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The language model's tensors under mlx-lm's `qwen3` names; the tower's are left out."""
+    out = {}
+    for name, value in weights.items():
+        if name.startswith(_LANGUAGE_MODEL):
+            out["model." + name.removeprefix(_LANGUAGE_MODEL)] = value
+        elif name.startswith("lm_head."):
+            out[name] = value
+    return out
+
+
+class Adapter(MultimodalAdapter):
+    """mlx-lm's Qwen3 decoder with the audio tower beside it."""
+
+    modalities = MODALITIES
+
+    def __init__(self, model: Any, config: dict[str, Any], _vision_config: Any = None):
+        super().__init__(model, config)
+        self.tower: AudioTower | None = None
+        self.dtype = mx.float32
+
+    language_model = property(lambda self: self.model)
+    decoder = property(lambda self: self.model.model)
+    num_layers = property(lambda self: len(self.model.layers))
+
+    def forward(
+        self,
+        input_embeds: mx.array,
+        caches: list[Any],
+        positions: mx.array | None = None,
+        rows: TokenRows | None = None,
+    ) -> mx.array:
+        # One position stream: audio tokens are placed as text is (transformers' Qwen3ASR).
+        return ModelAdapter.forward(self, input_embeds, caches)
+
+    def load_towers(self, path: Path, config: dict[str, Any], compute_dtype: mx.Dtype) -> None:
+        self.dtype = compute_dtype
+        self.tower = load_tower(path, config, compute_dtype)
+
+    def embed_multimodal(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[mx.array]:
+        if self.tower is None or modality != "audio":
+            raise ValueError(f"{self.model_type} encodes audio, not {modality}")
+        return [
+            self.tower(mx.array(item["input_audio_features"]).astype(self.dtype)) for item in items
+        ]

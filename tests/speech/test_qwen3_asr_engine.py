@@ -1,0 +1,92 @@
+"""Qwen3-ASR on the MLX runner through vLLM's engine, against transformers float32.
+
+Transcription-style prompts (the chat turns vLLM's transcription endpoint writes, one audio
+placeholder each) run one by one, all at once (several clips encoded in one step) and with two
+clips in one prompt; a second engine with a small token budget splits each prompt's audio span
+across prefill chunks. Greedy tokens equal `Qwen3ASRForConditionalGeneration.generate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.backends.mlx.runner.jobs import run_engine_job
+from tests.fixtures.qwen3_asr_oracle import qwen3_asr_generate
+from tests.fixtures.tiny_qwen3_asr import AUDIO_PAD, audio_clip, transcription_prompt
+
+pytestmark = [pytest.mark.slow, pytest.mark.full]
+
+CLIPS = [(0, 1.5), (2, 3.5), (3, 4.5)]  # (seed, seconds): 20 .. 59 audio tokens
+MAX_TOKENS = 16
+ENGINE = {"max_model_len": 1024}
+# Two clips in one user turn.
+TWO_CLIPS = transcription_prompt().replace(AUDIO_PAD, AUDIO_PAD + "\n" + AUDIO_PAD)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
+
+    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("qwen3-asr") / "qwen3_asr")
+
+
+def _prompt(text: str, clips: list[tuple[int, float]]) -> dict:
+    return {"prompt": text, "audios": [list(c) for c in clips]}
+
+
+def _tokens(batch: list[dict]) -> list[list[int]]:
+    return [r["outputs"][0]["token_ids"] for r in batch]
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint: Path) -> dict:
+    one = [
+        qwen3_asr_generate(checkpoint, transcription_prompt(), [audio_clip(*c)], MAX_TOKENS)
+        for c in CLIPS
+    ]
+    two = qwen3_asr_generate(checkpoint, TWO_CLIPS, [audio_clip(*c) for c in CLIPS[:2]], MAX_TOKENS)
+    return {"one": one, "two": two}
+
+
+def _jobs() -> list[dict]:
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    single = [_prompt(transcription_prompt(), [c]) for c in CLIPS]
+    jobs = [{"prompts": [p], "params": [greedy]} for p in single]
+    jobs.append({"prompts": single, "params": [greedy]})
+    jobs.append({"prompts": [_prompt(TWO_CLIPS, CLIPS[:2])], "params": [greedy]})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint: Path) -> list:
+    return run_engine_job(checkpoint, _jobs(), engine=ENGINE)
+
+
+@pytest.fixture(scope="module")
+def chunked(checkpoint: Path) -> list:
+    engine = {**ENGINE, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
+    return run_engine_job(checkpoint, _jobs()[len(CLIPS) :], engine=engine)
+
+
+def test_one_by_one_equals_transformers(results, oracle) -> None:
+    assert [_tokens(batch)[0] for batch in results[: len(CLIPS)]] == oracle["one"]
+
+
+def test_concurrent_equals_transformers(results, oracle) -> None:
+    assert _tokens(results[len(CLIPS)]) == oracle["one"]
+
+
+def test_two_clips_in_one_prompt(results, oracle) -> None:
+    assert _tokens(results[len(CLIPS) + 1]) == [oracle["two"]]
+
+
+def test_audio_split_across_prefill_chunks(chunked, oracle) -> None:
+    assert _tokens(chunked[0]) == oracle["one"]
+    assert _tokens(chunked[1]) == [oracle["two"]]
+
+
+def test_clips_differ(oracle) -> None:
+    # The checks above mean something only if the audio decides the tokens.
+    assert len({tuple(t) for t in oracle["one"]}) == len(CLIPS)
