@@ -218,6 +218,7 @@ class Adapter(MultimodalAdapter):
     """mlx-lm's Qwen3 decoder with the audio tower beside it."""
 
     modalities = MODALITIES
+    transcribes = True  # vLLM's `/v1/audio/transcriptions` (`MultimodalState.generation_tasks`)
 
     def __init__(self, model: Any, config: dict[str, Any], _vision_config: Any = None):
         super().__init__(model, config)

@@ -1,0 +1,101 @@
+"""Qwen3-ASR through `vllm serve` on the MLX runner: WAV uploads to `/v1/audio/transcriptions`
+(the official `openai` client) give transformers float32's greedy transcript.
+
+Oracle: `Qwen3ASRForConditionalGeneration.generate` on the chat turns Qwen3-ASR transcribes with
+(the user turn holding the clip; with a language, the assistant turn opened by
+`language <Name><asr_text>`), decoded with the checkpoint's tokenizer without special tokens and
+cut after the model's own `<asr_text>` tag where it wrote one.
+"""
+
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.fixtures.qwen3_asr_oracle import qwen3_asr_generate
+from tests.fixtures.tiny_qwen3_asr import ASR_TEXT, audio_clip, transcription_prompt, wav_bytes
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.full, pytest.mark.own_server]
+
+SERVED = "tiny-qwen3-asr"
+MAX_TOKENS = 16
+CLIPS = [(0, 1.5), (2, 3.5), (3, 4.5)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
+
+    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("qwen3-asr") / "qwen3_asr")
+
+
+@pytest.fixture
+def server(server_slot, checkpoint):
+    return server_slot.get(
+        ("qwen3_asr", str(checkpoint)),
+        checkpoint,
+        served_name=SERVED,
+        api_key=None,
+        extra_args=["--max-model-len", "1024"],
+    )
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+
+
+def _text(text: str) -> str:
+    """The random model emits byte tokens: vLLM's detokenizer holds back an incomplete UTF-8
+    sequence at the end, where a one-shot decode writes replacement characters."""
+    return text.rstrip("\ufffd").strip()
+
+
+def _as_sent(clip: np.ndarray) -> np.ndarray:
+    """The clip as the server decodes it from `wav_bytes` (16-bit PCM)."""
+    import soundfile
+
+    samples, _ = soundfile.read(io.BytesIO(wav_bytes(clip)), dtype="float32")
+    return samples
+
+
+def _oracle_text(checkpoint, clip: np.ndarray, header: str = "") -> str:
+    tokens = qwen3_asr_generate(
+        checkpoint, transcription_prompt() + header, [_as_sent(clip)], MAX_TOKENS
+    )
+    text = AutoTokenizer.from_pretrained(checkpoint).decode(tokens, skip_special_tokens=True)
+    if ASR_TEXT in text:
+        text = text.rsplit(ASR_TEXT, 1)[1]
+    return _text(text)
+
+
+def _transcribe(client, clip: np.ndarray, **kwargs):
+    return client.audio.transcriptions.create(
+        model=SERVED,
+        file=("clip.wav", wav_bytes(clip), "audio/wav"),
+        temperature=0.0,
+        extra_body={"max_completion_tokens": MAX_TOKENS, "ignore_eos": True},
+        **kwargs,
+    )
+
+
+def test_transcriptions_equal_transformers(client, checkpoint) -> None:
+    clips = [audio_clip(*c) for c in CLIPS]
+    want = [_oracle_text(checkpoint, c) for c in clips]
+    assert len(set(want)) == len(clips)  # the audio decides the text
+    assert [_text(_transcribe(client, c).text) for c in clips] == want
+    with ThreadPoolExecutor(len(clips)) as pool:
+        concurrent = list(pool.map(lambda c: _transcribe(client, c), clips))
+    assert [_text(r.text) for r in concurrent] == want
+
+
+def test_language_opens_the_answer(client, checkpoint) -> None:
+    clip = audio_clip(*CLIPS[1])
+    want = _oracle_text(checkpoint, clip, header=f"language English{ASR_TEXT}")
+    assert want != _oracle_text(checkpoint, clip)
+    assert _text(_transcribe(client, clip, language="en").text) == want
