@@ -13,30 +13,23 @@ pytest.importorskip("transformers.models.qwen3_asr")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
-
-    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("qwen3-asr") / "qwen3_asr")
-
-
-@pytest.fixture(scope="module")
-def oracle(checkpoint: Path):
+def oracle(tiny_qwen3_asr_dir: Path):
     from transformers import Qwen3ASRForConditionalGeneration
 
-    model = Qwen3ASRForConditionalGeneration.from_pretrained(checkpoint, dtype="float32")
+    model = Qwen3ASRForConditionalGeneration.from_pretrained(tiny_qwen3_asr_dir, dtype="float32")
     return model.eval()
 
 
 @pytest.fixture(scope="module")
-def tower(checkpoint: Path):
+def tower(tiny_qwen3_asr_dir: Path):
     import json
 
     import mlx.core as mx
 
     from vllm_metal.models.families.qwen3_asr import load_tower
 
-    config = json.loads((checkpoint / "config.json").read_text())
-    return load_tower(checkpoint, config, mx.float32)
+    config = json.loads((tiny_qwen3_asr_dir / "config.json").read_text())
+    return load_tower(tiny_qwen3_asr_dir, config, mx.float32)
 
 
 def _expected(oracle, features: np.ndarray, frames: int) -> np.ndarray:
@@ -69,13 +62,15 @@ def test_tower_matches_transformers_on_random_features(oracle, tower, frames: in
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_tower_matches_transformers_on_processor_features(checkpoint: Path, oracle, tower) -> None:
+def test_tower_matches_transformers_on_processor_features(
+    tiny_qwen3_asr_dir: Path, oracle, tower
+) -> None:
     import mlx.core as mx
     from transformers import AutoProcessor
 
     from tests.fixtures.tiny_qwen3_asr import audio_clip, transcription_prompt
 
-    processor = AutoProcessor.from_pretrained(checkpoint)
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_asr_dir)
     inputs = processor(
         text=[transcription_prompt()], audio=[audio_clip(3, 3.1)], return_tensors="pt"
     )

@@ -27,18 +27,11 @@ MAX_TOKENS = 16
 CLIPS = [(0, 1.5), (2, 3.5), (3, 4.5)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
-
-    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("qwen3-asr") / "qwen3_asr")
-
-
 @pytest.fixture
-def server(server_slot, checkpoint):
+def server(server_slot, tiny_qwen3_asr_dir):
     return server_slot.get(
-        ("qwen3_asr", str(checkpoint)),
-        checkpoint,
+        ("qwen3_asr", str(tiny_qwen3_asr_dir)),
+        tiny_qwen3_asr_dir,
         served_name=SERVED,
         api_key=None,
         extra_args=["--max-model-len", "1024"],
@@ -64,11 +57,13 @@ def _as_sent(clip: np.ndarray) -> np.ndarray:
     return samples
 
 
-def _oracle_text(checkpoint, clip: np.ndarray, header: str = "") -> str:
+def _oracle_text(tiny_qwen3_asr_dir, clip: np.ndarray, header: str = "") -> str:
     tokens = qwen3_asr_generate(
-        checkpoint, transcription_prompt() + header, [_as_sent(clip)], MAX_TOKENS
+        tiny_qwen3_asr_dir, transcription_prompt() + header, [_as_sent(clip)], MAX_TOKENS
     )
-    text = AutoTokenizer.from_pretrained(checkpoint).decode(tokens, skip_special_tokens=True)
+    text = AutoTokenizer.from_pretrained(tiny_qwen3_asr_dir).decode(
+        tokens, skip_special_tokens=True
+    )
     if ASR_TEXT in text:
         text = text.rsplit(ASR_TEXT, 1)[1]
     return _text(text)
@@ -84,9 +79,9 @@ def _transcribe(client, clip: np.ndarray, **kwargs):
     )
 
 
-def test_transcriptions_equal_transformers(client, checkpoint) -> None:
+def test_transcriptions_equal_transformers(client, tiny_qwen3_asr_dir) -> None:
     clips = [audio_clip(*c) for c in CLIPS]
-    want = [_oracle_text(checkpoint, c) for c in clips]
+    want = [_oracle_text(tiny_qwen3_asr_dir, c) for c in clips]
     assert len(set(want)) == len(clips)  # the audio decides the text
     assert [_text(_transcribe(client, c).text) for c in clips] == want
     with ThreadPoolExecutor(len(clips)) as pool:
@@ -94,8 +89,8 @@ def test_transcriptions_equal_transformers(client, checkpoint) -> None:
     assert [_text(r.text) for r in concurrent] == want
 
 
-def test_language_opens_the_answer(client, checkpoint) -> None:
+def test_language_opens_the_answer(client, tiny_qwen3_asr_dir) -> None:
     clip = audio_clip(*CLIPS[1])
-    want = _oracle_text(checkpoint, clip, header=f"language English{ASR_TEXT}")
-    assert want != _oracle_text(checkpoint, clip)
+    want = _oracle_text(tiny_qwen3_asr_dir, clip, header=f"language English{ASR_TEXT}")
+    assert want != _oracle_text(tiny_qwen3_asr_dir, clip)
     assert _text(_transcribe(client, clip, language="en").text) == want

@@ -25,13 +25,6 @@ ENGINE = {"max_model_len": 1024}
 TWO_CLIPS = transcription_prompt().replace(AUDIO_PAD, AUDIO_PAD + "\n" + AUDIO_PAD)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
-
-    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("qwen3-asr") / "qwen3_asr")
-
-
 def _prompt(text: str, clips: list[tuple[int, float]]) -> dict:
     return {"prompt": text, "audios": [list(c) for c in clips]}
 
@@ -41,12 +34,14 @@ def _tokens(batch: list[dict]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(checkpoint: Path) -> dict:
+def oracle(tiny_qwen3_asr_dir: Path) -> dict:
     one = [
-        qwen3_asr_generate(checkpoint, transcription_prompt(), [audio_clip(*c)], MAX_TOKENS)
+        qwen3_asr_generate(tiny_qwen3_asr_dir, transcription_prompt(), [audio_clip(*c)], MAX_TOKENS)
         for c in CLIPS
     ]
-    two = qwen3_asr_generate(checkpoint, TWO_CLIPS, [audio_clip(*c) for c in CLIPS[:2]], MAX_TOKENS)
+    two = qwen3_asr_generate(
+        tiny_qwen3_asr_dir, TWO_CLIPS, [audio_clip(*c) for c in CLIPS[:2]], MAX_TOKENS
+    )
     return {"one": one, "two": two}
 
 
@@ -60,14 +55,14 @@ def _jobs() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(checkpoint: Path) -> list:
-    return run_engine_job(checkpoint, _jobs(), engine=ENGINE)
+def results(tiny_qwen3_asr_dir: Path) -> list:
+    return run_engine_job(tiny_qwen3_asr_dir, _jobs(), engine=ENGINE)
 
 
 @pytest.fixture(scope="module")
-def chunked(checkpoint: Path) -> list:
+def chunked(tiny_qwen3_asr_dir: Path) -> list:
     engine = {**ENGINE, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
-    return run_engine_job(checkpoint, _jobs()[len(CLIPS) :], engine=engine)
+    return run_engine_job(tiny_qwen3_asr_dir, _jobs()[len(CLIPS) :], engine=engine)
 
 
 def test_one_by_one_equals_transformers(results, oracle) -> None:
