@@ -1,9 +1,10 @@
 """Qwen3-ASR on the MLX runner through vLLM's engine, against transformers float32.
 
 Transcription-style prompts (the chat turns vLLM's transcription endpoint writes, one audio
-placeholder each) run one by one, all at once (several clips encoded in one step) and with two
-clips in one prompt; a second engine with a small token budget splits each prompt's audio span
-across prefill chunks. Greedy tokens equal `Qwen3ASRForConditionalGeneration.generate`.
+placeholder each) run one by one, all at once (several clips encoded in one step, the prompts'
+first blocks prefix-cache hits of the runs before) and with two clips in one prompt; a second
+engine with a small token budget splits each prompt's audio span across prefill chunks. Greedy
+tokens equal `Qwen3ASRForConditionalGeneration.generate`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def test_one_by_one_equals_transformers(results, oracle) -> None:
 
 def test_concurrent_equals_transformers(results, oracle) -> None:
     assert _tokens(results[len(CLIPS)]) == oracle["one"]
+
+
+def test_repeated_prompts_hit_the_prefix_cache(results) -> None:
+    # The batch repeats the prompts sent one by one (same text, same clips): their cached blocks,
+    # audio rows included, are reused, and the tokens above still equal transformers'.
+    cached = [r["num_cached_tokens"] for r in results[len(CLIPS)]]
+    assert all(n >= 16 for n in cached), cached
 
 
 def test_two_clips_in_one_prompt(results, oracle) -> None:
