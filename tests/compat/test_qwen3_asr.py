@@ -1,6 +1,6 @@
 """The plugin's vLLM view of Qwen3-ASR (`compat/qwen3_asr.py`): the transcription prompt it
 writes for a request (context, language, translation target), with control tokens of the
-request's own text removed, and the transcript cut from the model's answer."""
+request's own text removed, and the transcript cut from the model's answer (whole or streamed)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,19 @@ def test_the_transcript_follows_the_answers_header() -> None:
 
     assert Model.post_process_output("language English<asr_text>hello there") == "hello there"
     assert Model.post_process_output("no header") == "no header"
+
+
+def _streamed(deltas: list[str]) -> str:
+    from vllm_metal.compat.qwen3_asr import Qwen3ASRForConditionalGeneration as Model
+
+    post = Model.get_streaming_post_processor_cls()()
+    last = len(deltas) - 1
+    return "".join(post.process_delta(d, i == last) for i, d in enumerate(deltas))
+
+
+def test_a_stream_leaves_out_the_answers_header() -> None:
+    assert _streamed(["lang", "uage Eng", "lish<asr", "_text>hel", "lo ", "there"]) == "hello there"
+    # Without a header everything is sent, also text that began like one.
+    assert _streamed(["la", "ter today"]) == "later today"
+    assert _streamed(["hello", " there"]) == "hello there"
+    assert _streamed(["language"]) == "language"

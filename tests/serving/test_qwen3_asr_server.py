@@ -94,3 +94,28 @@ def test_language_opens_the_answer(client, tiny_qwen3_asr_dir) -> None:
     want = _oracle_text(tiny_qwen3_asr_dir, clip, header=f"language English{ASR_TEXT}")
     assert want != _oracle_text(tiny_qwen3_asr_dir, clip)
     assert _text(_transcribe(client, clip, language="en").text) == want
+
+
+def test_streamed_transcription_equals_the_oracle(server, tiny_qwen3_asr_dir) -> None:
+    """`stream=true`: server-sent chunks whose deltas add up to the transcript."""
+    import json
+
+    clip = audio_clip(*CLIPS[2])
+    data = {
+        "model": SERVED,
+        "temperature": "0",
+        "max_completion_tokens": str(MAX_TOKENS),
+        "ignore_eos": "true",
+        "stream": "true",
+    }
+    files = {"file": ("clip.wav", wav_bytes(clip), "audio/wav")}
+    response = server.post("/v1/audio/transcriptions", None, files=files, data=data, stream=True)
+    assert response.status_code == 200, response.text
+    deltas = []
+    for line in response.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line.removeprefix("data: "))
+        deltas.extend(c["delta"].get("content") or "" for c in chunk["choices"])
+    assert len(deltas) > 1
+    assert _text("".join(deltas)) == _oracle_text(tiny_qwen3_asr_dir, clip)

@@ -26,7 +26,11 @@ from torch import nn
 from transformers.feature_extraction_utils import BatchFeature
 from vllm.config import ModelConfig, SpeechToTextConfig
 from vllm.inputs import TokensPrompt
-from vllm.model_executor.models.interfaces import SupportsMultiModal, SupportsTranscription
+from vllm.model_executor.models.interfaces import (
+    StreamingTranscriptionPostProcessor,
+    SupportsMultiModal,
+    SupportsTranscription,
+)
 from vllm.model_executor.models.whisper import ISO639_1_SUPPORTED_LANGS
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
@@ -45,6 +49,10 @@ AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
 ASR_TEXT_TAG = "<asr_text>"
 # ChatML-like control tokens a request's own text must not smuggle into the prompt.
 _CONTROL = re.compile(r"<\|[^|]+\|>")
+# The answer's header, `language <Name><asr_text>`: its first word, and how long it may grow
+# before a stream gives up waiting for the tag.
+_HEADER_START = "language "
+_HEADER_MAX_CHARS = 50
 
 
 class _Info(BaseProcessingInfo):
@@ -152,6 +160,36 @@ def _plain(text: str | None) -> str:
     return text
 
 
+class _StreamedTranscript(StreamingTranscriptionPostProcessor):
+    """A streamed answer without its header: deltas are held back while the answer so far may
+    still be a `language <Name>` header, then sent from after its `<asr_text>` tag (from the
+    start where the answer has no header)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # characters of `text` already handled
+        self.start: int | None = None  # where the transcript begins, once known
+
+    def _maybe_header(self) -> bool:
+        head = self.text.lstrip()
+        if _HEADER_START.startswith(head):
+            return True
+        return head.startswith(_HEADER_START) and len(head) < _HEADER_MAX_CHARS and "\n" not in head
+
+    def process_delta(self, text_delta: str, finished: bool) -> str:
+        self.text += text_delta
+        if self.start is None:
+            if ASR_TEXT_TAG in self.text:
+                self.start = self.text.index(ASR_TEXT_TAG) + len(ASR_TEXT_TAG)
+            elif self._maybe_header() and not finished:
+                return ""
+            else:
+                self.start = 0
+        out = self.text[max(self.start, self.sent) :]
+        self.sent = len(self.text)
+        return out
+
+
 @MULTIMODAL_REGISTRY.register_processor(_Processor, info=_Info, dummy_inputs=_DummyInputs)
 class Qwen3ASRForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsTranscription):
     """Qwen3-ASR as vLLM inspects it; the MLX runner runs it (`models/families/qwen3_asr.py`)."""
@@ -213,6 +251,10 @@ class Qwen3ASRForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsTr
             prompt_token_ids=tokenizer.encode(text, add_special_tokens=True),
             multi_modal_data={"audio": stt_params.audio},
         )
+
+    @classmethod
+    def get_streaming_post_processor_cls(cls) -> type[StreamingTranscriptionPostProcessor]:
+        return _StreamedTranscript
 
     @classmethod
     def post_process_output(cls, text: str) -> str:
