@@ -139,9 +139,10 @@ class _Processor(BaseMultiModalProcessor[_Info]):
         token_id = self.info.get_tokenizer().get_vocab()[processor.audio_token]
         lengths = out_mm_kwargs.get_data().get("audio_feature_lengths")
         frames = [] if lengths is None else [int(n) for n in lengths]
+        n_window = getattr(processor.feature_extractor, "n_window", 50)
 
         def rows(item: int) -> list[int]:
-            count = output_length(frames[item])
+            count = output_length(frames[item], n_window)
             if count == 0:
                 raise ValueError(f"audio item {item} is too short for the model to encode")
             return [token_id] * count

@@ -34,7 +34,7 @@ MODALITIES = ("audio",)
 MLX_LM_MODULES = {"qwen3_asr": "qwen3"}
 _LANGUAGE_MODEL = "model.language_model."
 
-# Rows one chunk of `2 * n_window` frames keeps after the three convolutions (n_window = 50).
+# The stride-2 convolutions of the tower's downsampling stack.
 _CONVOLUTIONS = 3
 
 
@@ -105,7 +105,6 @@ class AudioEncoder(nn.Module):
         mels = config["num_mel_bins"]
         self.n_window = config["n_window"]
         self.n_window_infer = config["n_window_infer"]
-        self.embed_scale = math.sqrt(dim) if config.get("scale_embedding") else 1.0
         self.conv2d1 = nn.Conv2d(1, channels, 3, 2, padding=1)
         self.conv2d2 = nn.Conv2d(channels, channels, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(channels, channels, 3, 2, padding=1)
