@@ -92,6 +92,14 @@ def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_asr_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen3-ASR checkpoint (`tests.fixtures.tiny_qwen3_asr`), once per session."""
+    from tests.fixtures.tiny_qwen3_asr import write_tiny_qwen3_asr
+
+    return write_tiny_qwen3_asr(tmp_path_factory.mktemp("tiny-qwen3-asr") / "qwen3_asr")
+
+
+@pytest.fixture(scope="session")
 def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Idefics3 checkpoint (`tests.fixtures.tiny_idefics3`), once per session."""
     from tests.fixtures.tiny_idefics3 import write_tiny_idefics3

@@ -1,6 +1,6 @@
-"""Startup checks for speech-to-text models: Whisper is served by the MLX backend's speech
-runner; what that runner does not run beside it, and speech models of other shapes, are refused
-while vLLM builds its config, naming the setting or the architecture."""
+"""Startup checks for speech models: Whisper is served by the MLX backend's speech runner,
+Qwen3-ASR as an audio-language decoder; what either is not served with is refused while vLLM
+builds its config, naming the setting."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 def _engine_config(model: Path, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=str(model), max_model_len=448, **kwargs).create_engine_config()
+    return EngineArgs(model=str(model), **{"max_model_len": 448, **kwargs}).create_engine_config()
 
 
 def test_whisper_is_accepted_as_a_transcription_model(tiny_whisper_dir) -> None:
@@ -46,26 +46,38 @@ def test_what_the_speech_runner_lacks_is_refused_by_name(tiny_whisper_dir, kwarg
         assert name in message
 
 
-def test_qwen3_asr_is_refused_naming_its_architecture() -> None:
-    """Qwen3-ASR is a decoder with an audio tower whose embeddings are merged into the prompt,
-    not an encoder-decoder model: the speech runner cannot serve it, and the multimodal kind
-    refuses it by architecture. On Linux vLLM stops earlier (inspecting the class imports
-    torchvision), so the table is checked on the model-config fields it reads."""
-    from types import SimpleNamespace
-
+def test_qwen3_asr_is_an_audio_language_model(tiny_qwen3_asr_dir) -> None:
+    """Qwen3-ASR is a decoder with an audio tower whose rows replace the prompt's audio
+    placeholders, not an encoder-decoder model: vLLM builds its config on any host (the
+    plugin's own view of the architecture, `compat/qwen3_asr.py`) and it is the audio-language
+    kind, its towers loaded (no `language_model_only`)."""
     from vllm_metal.config.kinds import kind_of
-    from vllm_metal.config.table import refusal
 
-    model_config = SimpleNamespace(
-        model="Qwen/Qwen3-ASR-1.7B",
-        is_multimodal_model=True,
-        is_encoder_decoder=False,
-        hf_config=SimpleNamespace(
-            model_type="qwen3_asr", architectures=["Qwen3ASRForConditionalGeneration"]
+    config = _engine_config(tiny_qwen3_asr_dir, max_model_len=1024)
+    assert not config.model_config.is_encoder_decoder
+    assert config.model_config.is_multimodal_model
+    assert not config.model_config.multimodal_config.language_model_only
+    assert kind_of(config).name == "audio_language"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"enable_lora": True}, ["--enable-lora", "qwen3_asr"]),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            ["--speculative-config", "qwen3_asr"],
         ),
-    )
-    config = SimpleNamespace(model_config=model_config)
-    assert kind_of(config).name == "multimodal"
-    assert "model='Qwen/Qwen3-ASR-1.7B' (qwen3_asr, Qwen3ASRForConditionalGeneration)" in (
-        refusal(config, "mlx")
-    )
+    ],
+    ids=["lora", "speculative"],
+)
+def test_what_qwen3_asr_is_not_served_with_is_refused_by_name(
+    tiny_qwen3_asr_dir, kwargs, names
+) -> None:
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_qwen3_asr_dir, max_model_len=1024, **kwargs)
+    message = str(info.value)
+    assert "vllm-metal" in message
+    assert "audio-language" in message
+    for name in names:
+        assert name in message

@@ -136,6 +136,34 @@ PATCHES: tuple[Patch, ...] = (
         "vllm_metal.compat.vllm_models._Qwen3_5Wrapper",
         ("info", "processor", "dummy_inputs"),
     ),
+    # Qwen3-ASR as vLLM sees it (`compat.qwen3_asr`): its processor overrides these hooks of
+    # vLLM's multimodal processor, and the class answers vLLM's transcription interface.
+    *(
+        Patch(
+            f"vllm.multimodal.processing.BaseMultiModalProcessor.{name}",
+            "Qwen3-ASR's processor, as vLLM's own qwen3_asr module (which needs torchvision) has it",
+            VLLM,
+            "when vLLM's qwen3_asr module imports on every host vLLM supports",
+            "vllm_metal.compat.qwen3_asr._Processor",
+            params,
+        )
+        for name, params in (
+            ("_call_hf_processor", ("self", "hf_data", "hf_kwargs")),
+            ("_get_hf_mm_text", ("self", "mm_counts")),
+            (
+                "_get_prompt_updates",
+                ("self", "mm_items", "hf_processor_mm_kwargs", "out_mm_kwargs"),
+            ),
+        )
+    ),
+    Patch(
+        "vllm.model_executor.models.interfaces.SupportsTranscription.get_generation_prompt",
+        "Qwen3-ASR's transcription prompt, from the request's parameters",
+        VLLM,
+        "with the entries above",
+        "vllm_metal.compat.qwen3_asr.Qwen3ASRForConditionalGeneration",
+        ("stt_params",),
+    ),
     Patch(
         "vllm.model_executor.layers.quantization.mxfp4.GptOssMxfp4Config.get_supported_act_dtypes",
         "GPT-OSS MXFP4 checkpoints are read by the MLX loader in any platform dtype",

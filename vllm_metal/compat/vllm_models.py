@@ -251,12 +251,19 @@ CLASSES: tuple[type[nn.Module], ...] = (
 )
 
 
+def _classes() -> tuple[type[nn.Module], ...]:
+    # Qwen3-ASR's class lives in its own module (`compat/qwen3_asr.py`).
+    from vllm_metal.compat.qwen3_asr import Qwen3ASRForConditionalGeneration
+
+    return (*CLASSES, Qwen3ASRForConditionalGeneration)
+
+
 def install() -> None:
     """Register the classes with vLLM's `ModelRegistry` under their names (idempotent)."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     if getattr(ModelRegistry, _INSTALLED, False):
         return
-    for cls in CLASSES:
+    for cls in _classes():
         ModelRegistry.register_model(cls.__name__, cls)
     setattr(ModelRegistry, _INSTALLED, True)

@@ -122,6 +122,12 @@ KINDS: tuple[ModelKind, ...] = (
         ),
     ),
     ModelKind(
+        "audio_language",
+        "audio-language models ({audio_language})",
+        "serve a text model, or a speech-to-text one",
+        _all(_flag("is_multimodal_model"), _declared("audio_language")),
+    ),
+    ModelKind(
         "multimodal",
         "multimodal models (image, video, audio inputs) other than the vision-language "
         "families ({vision_language})",

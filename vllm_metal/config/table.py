@@ -31,6 +31,8 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "pooling": _MLX_ANY | {"pooling"},
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,
+        # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
+        "audio_language": frozenset(),
         "latent_attention": _MLX_ANY,
         "state_hybrid": _MLX_ANY | {"speculative_decoding"},
         "vision_state_hybrid": _MLX_ANY,

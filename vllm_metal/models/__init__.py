@@ -103,7 +103,7 @@ def load_model(
     if towers_beside:
         from vllm_metal.models.loaders.safetensors import resolve_model_path
 
-        adapter = adapter_class(model_type)(mlx_model, config, wrapper["vision_config"])
+        adapter = adapter_class(model_type)(mlx_model, config, wrapper.get("vision_config"))
         adapter.load_towers(
             resolve_model_path(model, revision, download_dir), wrapper, compute_dtype
         )

@@ -34,6 +34,12 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     """The keys to add to `config` before mlx-lm builds `args_class` from it (often none)."""
     takes = inspect.signature(args_class).parameters
     out: dict[str, Any] = {}
+    text = config.get("text_config")
+    if "text_config" not in takes and isinstance(text, dict) and "hidden_size" not in config:
+        # A wrapper whose language model mlx-lm reads as a text model (Qwen3-ASR as `qwen3`):
+        # the text model's keys at the top level.
+        out = {k: v for k, v in text.items() if k in takes and k not in config}
+        return out | mlx_lm_overrides({**config, **out}, args_class)
     if "rope_theta" in takes and "rope_theta" not in config:
         base = _rope_base(config.get("rope_parameters"))
         if base is not None:

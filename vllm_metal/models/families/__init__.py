@@ -36,6 +36,7 @@ MODULES = (
     "qwen2_moe",
     "qwen3_5",
     "qwen3_5_vl",
+    "qwen3_asr",
     "qwen3_next",
     "qwen3_vl",
     "whisper",
@@ -126,6 +127,7 @@ SANITIZERS = {
     "gpt_oss": "gpt_oss",
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",
+    "qwen3_asr": "qwen3_asr",
 }
 
 

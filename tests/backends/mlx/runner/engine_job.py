@@ -115,7 +115,9 @@ def _prompt(p):
     """Text, token ids, {"prompt": text, "images": [[seed, width, height], ...]}: images of
     `tests.fixtures.tiny_idefics3.tiny_image` for the prompt's `<image>` markers, or
     {"audio": [seed, seconds], "decoder_prompt": text}: a clip of
-    `tests.fixtures.tiny_whisper.audio_clip` as an encoder-decoder prompt."""
+    `tests.fixtures.tiny_whisper.audio_clip` as an encoder-decoder prompt, or
+    {"prompt": text, "audios": [[seed, seconds], ...]}: such clips for a decoder prompt's audio
+    placeholders."""
     if isinstance(p, str):
         return {"prompt": p}
     if isinstance(p, dict) and "images" in p:
@@ -123,6 +125,11 @@ def _prompt(p):
 
         images = [tiny_image(seed, (width, height)) for seed, width, height in p["images"]]
         return {"prompt": p["prompt"], "multi_modal_data": {"image": images}}
+    if isinstance(p, dict) and "audios" in p:
+        from tests.fixtures.tiny_whisper import SAMPLE_RATE, audio_clip
+
+        clips = [(audio_clip(seed, seconds), SAMPLE_RATE) for seed, seconds in p["audios"]]
+        return {"prompt": p["prompt"], "multi_modal_data": {"audio": clips}}
     if isinstance(p, dict):
         from tests.fixtures.tiny_whisper import SAMPLE_RATE, audio_clip
 

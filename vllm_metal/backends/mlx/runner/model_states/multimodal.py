@@ -18,6 +18,7 @@ from vllm_metal.models.multimodal import MultimodalAdapter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.tasks import GenerationTask
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from vllm_metal.backends.mlx.runner.batch import PackedBatch
@@ -40,6 +41,12 @@ class MultimodalState(DecoderState):
                 f"with its towers (got {type(self.adapter).__name__})"
             )
         return described
+
+    def generation_tasks(self) -> tuple[GenerationTask, ...]:
+        # A speech model whose audio rows enter a decoder (Qwen3-ASR) also transcribes.
+        if getattr(self.adapter, "transcribes", False):
+            return ("generate", "transcription")
+        return ("generate",)
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         # A step encodes its images before the decoder runs.
