@@ -1,9 +1,9 @@
 """Decode throughput of hybrid, latent-attention and sliding-window models: Qwen3-Next and Qwen3.5
-(Gated DeltaNet), Granite 4.0-H (Mamba-2), DeepSeek-V3 (multi-head latent attention) and Gemma 4
-(sliding and full attention layers with two head sizes), one run; and the memory an idle engine
-holds.
+(Gated DeltaNet), Granite 4.0-H (Mamba-2), DeepSeek-V3 (multi-head latent attention), Gemma 4
+(sliding and full attention layers with two head sizes) and LFM2 (gated short convolutions), one
+run; and the memory an idle engine holds.
 
-Five random-weight checkpoints written locally with the tests' writers at larger shapes
+Six random-weight checkpoints written locally with the tests' writers at larger shapes
 (`write_hybrid_model`), all of hidden 1024 in their families' layer patterns (8 layers; Gemma 4
 10), an untied (Qwen3-Next, DeepSeek-V3) or tied (Granite, Qwen3.5, Gemma 4, as released)
 32,000-row vocabulary, the layers followed by MoE blocks of 8 experts (SwiGLU, intermediate 512,
@@ -35,6 +35,10 @@ top-2) plus a shared expert of 512, but for Qwen3.5's and Gemma 4's dense MLPs:
   their own head sizes, which vLLM puts in KV-cache groups of their own (as it does a hybrid's
   attention and state layers), plus layers that own no KV. At this suite's lengths (32 + 64
   tokens) every sliding layer still attends over its whole context: the window never slides.
+- LFM2 (`Lfm2ForCausalLM`, dense): LFM2-350M's first 8 layers at its width: gated
+  short-convolution layers (window 3, hidden-wide, no biases) and attention layers (16 query / 8
+  KV heads of 64, query and key norms) in the pattern conv, conv, attention, twice, then two
+  convolutions, each followed by a SwiGLU feed-forward of 4608 (6656 as LFM2 adjusts it).
 
 Weights are drawn from N(0, 0.02) (the embedding of the tied Granite from N(0, 0.01), as its
 muP multiplier scales it by 12; Gemma 4's embeddings and norm scales from the tests' Gemma init),
@@ -48,7 +52,7 @@ is up and idle, with the KV cache allocated; the rounds are `bench.harness.decod
 then single stream (1 request) and 16 concurrent streams (16 requests at once), 32-token prompts
 and 64 output tokens; decode tok/s = streams / median TPOT. Granite runs the plugin and vLLM's own
 CPU backend (`VLLM_TARGET_DEVICE=cpu`) side by side, the same rounds in turn, and compares their
-greedy tokens of one 16-stream round; so do DeepSeek-V3 (vLLM's CPU MLA kernel is built for
+greedy tokens of one 16-stream round; so do LFM2, DeepSeek-V3 (vLLM's CPU MLA kernel is built for
 576-value rows only, which these shapes have) and Gemma 4 (vLLM's CPU attention takes head sizes
 256 and 512). Qwen3-Next runs the plugin alone: vLLM's CPU backend does not
 serve a float32 Qwen3-Next (its Gated DeltaNet CPU kernel, `cpu_gdn_attention_core`, asserts
@@ -99,12 +103,13 @@ from bench.harness.stages import (
     run_families,
     runs_peers,
 )
-from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybrid_model
+from bench.suites.hybrid_describe import describe_hybrid_model
+from bench.suites.hybrid_models import DTYPE, write_hybrid_model
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).
 
-FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3", "gemma4")
+FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3", "gemma4", "lfm2")
 # vLLM's CPU backend cannot start Qwen3-Next or Qwen3.5 here (module docstring): the plugin runs
 # alone.
 BACKENDS = {
@@ -113,6 +118,7 @@ BACKENDS = {
     "granite": ("plugin", "cpu"),
     "deepseek_v3": ("plugin", "cpu"),
     "gemma4": ("plugin", "cpu"),
+    "lfm2": ("plugin", "cpu"),
 }
 KV_CACHE_BYTES = {False: 2**30, True: 256 * 2**20}  # by --quick
 # Families whose vLLM CPU peer is known to compute other tokens than transformers float32 (which

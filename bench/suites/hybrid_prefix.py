@@ -54,7 +54,8 @@ from bench.harness.stages import (
     runs_peers,
     suite_parser,
 )
-from bench.suites.hybrid_models import DTYPE, describe_hybrid_model, write_hybrid_model
+from bench.suites.hybrid_describe import describe_hybrid_model
+from bench.suites.hybrid_models import DTYPE, write_hybrid_model
 
 # Nothing here imports the plugin or MLX at module level: the parent must not run MLX before it
 # starts engines (the workers are `bench.harness.workers`).

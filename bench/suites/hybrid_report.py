@@ -29,6 +29,7 @@ FAMILY_NAMES = {
     "granite": "Granite 4.0-H",
     "deepseek_v3": "DeepSeek-V3",
     "gemma4": "Gemma 4",
+    "lfm2": "LFM2",
 }
 # Why a family that is neither a hybrid nor latent attention is in this suite.
 FAMILY_NOTES = {
@@ -73,6 +74,7 @@ def _pattern(types: list[str]) -> str:
         "attention": "A",
         "mla": "A",
         "sliding_attention": "S",
+        "conv": "C",
     }
     return "".join(short.get(t, "?") for t in types)
 
@@ -138,6 +140,11 @@ def model_line(d: dict[str, Any]) -> str:
         mixer = (
             f"{d['state_layers']} Gated DeltaNet layers ({m['key_heads']} key heads of "
             f"{m['key_head_dim']}, {m['value_heads']} value heads of {m['value_head_dim']})"
+        )
+    elif d["mixer"] == "short convolution":
+        mixer = (
+            f"{d['state_layers']} gated short-convolution layers (window {m['window']}, "
+            f"{m['channels']} channels)"
         )
     else:
         mixer = (

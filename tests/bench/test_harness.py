@@ -226,7 +226,8 @@ def test_hybrid_gemma4_shape_is_e2b_like() -> None:
     """The hybrid suite's Gemma 4: E2B's layout at hidden 1024 (4 sliding layers of one 256-wide
     KV head then a full one of 512, the layers after the first full-attention block sharing K/V),
     described from its config: only the 5 layers that compute K/V count in its KV bytes."""
-    from bench.suites.hybrid_models import SHAPES, _sliding
+    from bench.suites.hybrid_describe import _sliding
+    from bench.suites.hybrid_models import SHAPES
     from bench.suites.hybrid_report import model_line
     from tests.fixtures.tiny_gemma4 import tiny_gemma4_text_config
 
@@ -251,7 +252,8 @@ def test_hybrid_gemma4_shape_is_e2b_like() -> None:
 def test_hybrid_gemma4_quick_checkpoint_description(tmp_path: Path) -> None:
     """The `--quick` Gemma 4 (the tests' tiny one) described from its files: tied, its per-layer
     embedding counted in the parameters but not the active ones."""
-    from bench.suites.hybrid_models import describe_hybrid_model, write_hybrid_model
+    from bench.suites.hybrid_describe import describe_hybrid_model
+    from bench.suites.hybrid_models import write_hybrid_model
 
     d = describe_hybrid_model(write_hybrid_model(tmp_path, "gemma4", quick=True))
     assert d["architecture"] == "Gemma4ForCausalLM" and d["tied_embeddings"]
