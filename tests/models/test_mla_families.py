@@ -103,3 +103,22 @@ def test_a_quantized_kv_b_proj_is_dequantized_at_load(tiny_deepseek_v2_lite_dir,
             bits=4,
         )
         _absorbed_equals_expanded(layer.self_attn, dense)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_minicpm3_logits_scale_the_hidden_states_before_either_head(tmp_path, tied):
+    """transformers divides by `hidden_size / dim_model_base` before a tied head too (mlx-lm's
+    class only before an untied one)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.tiny_minicpm3 import write_tiny_minicpm3
+    from vllm_metal.models import load_model
+
+    model = write_tiny_minicpm3(tmp_path / "minicpm3", tie_word_embeddings=tied)
+    adapter = load_model(str(model), compute_dtype=mx.float32)
+    hidden = np.random.default_rng(1).standard_normal((3, 1, 128)).astype(np.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf.lm_head(torch.from_numpy(hidden) / hf.config.logits_scaling).numpy()
+    logits = np.array(adapter.logits(mx.array(hidden)))
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
