@@ -5,7 +5,9 @@ its `sanitize` cuts from `kv_b_proj`). Here every attention layer runs in the ab
 the paged latent cache (`kv.latent`): the query's non-rotary part is carried into the latent
 space by `embed_q` and joined with its rotary part, the step's latent rows (normed latent, then
 the rotary key) are written, `ops.mla_attention` mixes the cached latents, and `unembed_out`
-maps each head's mix to its values. Mirrors mlx-lm 0.32.2 (`models/deepseek_v3.py`).
+maps each head's mix to its values. The other MLA families reuse that call, their layers' shape
+(`latent_kind`) and, where mlx-lm keeps the whole `kv_b_proj`, its split (`absorb_kv_b_proj`).
+Mirrors mlx-lm 0.32.2 (`models/deepseek_v3.py`).
 """
 
 from __future__ import annotations
