@@ -122,3 +122,34 @@ def test_minicpm3_logits_scale_the_hidden_states_before_either_head(tmp_path, ti
         expected = hf.lm_head(torch.from_numpy(hidden) / hf.config.logits_scaling).numpy()
     logits = np.array(adapter.logits(mx.array(hidden)))
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_minicpm3_rotates_by_the_short_factors_within_the_original_length(tmp_path):
+    """Where LongRoPE's short and long factors differ, positions below
+    `original_max_position_embeddings` rotate as transformers' rotary embedding does (mlx-lm's
+    class takes the long factors everywhere)."""
+    from transformers import AutoConfig
+    from transformers.models.minicpm3.modeling_minicpm3 import (
+        MiniCPM3RotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from tests.fixtures.tiny_minicpm3 import write_tiny_minicpm3
+    from vllm_metal.models import load_model
+
+    short = [1.0, 1.0, 1.0, 1.1, 1.1, 1.2, 1.3, 1.4]
+    model = write_tiny_minicpm3(tmp_path / "minicpm3", short_factor=short)
+    adapter = load_model(str(model), compute_dtype=mx.float32)
+    rope = adapter.model.layers[0].self_attn.rope
+    positions = np.array([0, 1, 7, 300, 1500, 2047])
+    x = np.random.default_rng(2).standard_normal((len(positions), 4, 1, 16)).astype(np.float32)
+    rotated = np.array(rope(mx.array(x), mx.array(positions.astype(np.int32))))
+
+    config = AutoConfig.from_pretrained(model)
+    cos, sin = MiniCPM3RotaryEmbedding(config)(torch.zeros(1), torch.from_numpy(positions)[None])
+    q = torch.from_numpy(x[:, :, 0]).permute(1, 0, 2)[None]  # [1, H, T, D]
+    expected, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    expected = expected[0].permute(1, 0, 2).numpy()  # [T, H, D]
+    np.testing.assert_allclose(rotated[:, :, 0], expected, rtol=1e-4, atol=1e-4)
+    long = np.array(rope.long(mx.array(x), mx.array(positions.astype(np.int32))))
+    assert not np.allclose(long[:, :, 0], expected, atol=1e-3)  # the factors matter here
