@@ -262,3 +262,32 @@ def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
 
     return write_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3") / "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random DeepSeek-V2 (MLA) checkpoint shaped like V2-Lite (no query LoRA, greedy
+    softmax routing: `tests.fixtures.tiny_deepseek_v2`), once per session."""
+    from tests.fixtures.tiny_deepseek_v2 import write_tiny_deepseek_v2
+
+    out = tmp_path_factory.mktemp("tiny-deepseek-v2-lite") / "deepseek_v2"
+    return write_tiny_deepseek_v2(out, variant="lite")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_grouped_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random DeepSeek-V2 (MLA) checkpoint with a query LoRA and group-limited routing
+    (`tests.fixtures.tiny_deepseek_v2`), once per session."""
+    from tests.fixtures.tiny_deepseek_v2 import write_tiny_deepseek_v2
+
+    out = tmp_path_factory.mktemp("tiny-deepseek-v2-grouped") / "deepseek_v2"
+    return write_tiny_deepseek_v2(out, variant="grouped")
+
+
+@pytest.fixture(scope="session")
+def tiny_minicpm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random MiniCPM3 (MLA) checkpoint (`tests.fixtures.tiny_minicpm3`), once per
+    session."""
+    from tests.fixtures.tiny_minicpm3 import write_tiny_minicpm3
+
+    return write_tiny_minicpm3(tmp_path_factory.mktemp("tiny-minicpm3") / "minicpm3")

@@ -180,3 +180,17 @@ def test_head_size_without_a_kernel_is_served_with_a_warning(
     seen.clear()
     _engine_config(tiny_model_dir("qwen3"))  # a kernel head size: nothing to say
     assert not any("head size" in m for m in seen), seen
+
+
+def test_mla_models_are_not_warned_of_their_head_size(
+    tiny_minicpm3_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM reports MiniCPM3's rotary head size (16 here), but its layers attend over latent rows
+    through the MLA op, which takes any width."""
+    from vllm_metal.config import startup as metal_platform
+
+    seen: list[str] = []
+    monkeypatch.setattr(metal_platform.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    config = _engine_config(tiny_minicpm3_dir)
+    assert config.model_config.get_head_size() == 16
+    assert not any("head size" in m for m in seen), seen

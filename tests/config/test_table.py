@@ -52,6 +52,8 @@ def moe_dir(tmp_path_factory) -> Path:
         ("tiny_qwen3_next_dir", {}, "state_hybrid"),
         ("tiny_deepseek_v3_dir", {}, "latent_attention"),
         ("tiny_glm4_moe_lite_dir", {}, "latent_attention"),
+        ("tiny_deepseek_v2_lite_dir", {}, "latent_attention"),
+        ("tiny_minicpm3_dir", {}, "latent_attention"),
         ("tiny_lfm2_dir", {}, "short_conv_hybrid"),
     ],
 )
@@ -77,7 +79,7 @@ def _fields(hf_config, **flags) -> SimpleNamespace:
 
 
 def test_unserved_shapes_are_their_own_kinds():
-    from transformers import BambaConfig, DeepseekV2Config, T5Config
+    from transformers import BambaConfig, DeepseekV32Config, T5Config
     from vllm.transformers_utils.config import is_encoder_decoder
 
     from vllm_metal.config.kinds import kind_of
@@ -86,7 +88,7 @@ def test_unserved_shapes_are_their_own_kinds():
     assert kind_of(_fields(t5, is_encoder_decoder=is_encoder_decoder(t5))).name == (
         "encoder_decoder"
     )
-    assert kind_of(_fields(DeepseekV2Config(), use_mla=True)).name == "latent_attention_other"
+    assert kind_of(_fields(DeepseekV32Config(), use_mla=True)).name == "latent_attention_other"
     assert kind_of(_fields(BambaConfig(), is_hybrid=True)).name == "hybrid_other"
 
 

@@ -127,19 +127,19 @@ def test_what_the_mla_path_lacks_is_refused_by_name(tiny_deepseek_v3_dir, kwargs
 
 
 def test_other_mla_models_are_refused_naming_the_architecture():
-    """DeepSeek-V2 is MLA too, but mlx-lm's class attends with expanded heads; the row reads
-    only the model-config fields below."""
+    """DeepSeek-V3.2 is MLA too, but its sparse attention is not implemented; the row reads only
+    the model-config fields below."""
     from vllm_metal.config.kinds import kind_of
     from vllm_metal.config.table import refusal
 
     model_config = SimpleNamespace(
-        model="deepseek-ai/DeepSeek-V2-Lite",
+        model="deepseek-ai/DeepSeek-V3.2",
         use_mla=True,
-        hf_config=SimpleNamespace(architectures=["DeepseekV2ForCausalLM"]),
-        hf_text_config=SimpleNamespace(model_type="deepseek_v2"),
+        hf_config=SimpleNamespace(architectures=["DeepseekV32ForCausalLM"]),
+        hf_text_config=SimpleNamespace(model_type="deepseek_v32"),
     )
     config = SimpleNamespace(model_config=model_config)
     assert kind_of(config).name == "latent_attention_other"
-    assert "model='deepseek-ai/DeepSeek-V2-Lite' (deepseek_v2, DeepseekV2ForCausalLM)" in (
+    assert "model='deepseek-ai/DeepSeek-V3.2' (deepseek_v32, DeepseekV32ForCausalLM)" in (
         refusal(config, "mlx")
     )

@@ -139,12 +139,13 @@ KINDS: tuple[ModelKind, ...] = (
         "latent_attention",
         "multi-head latent attention (MLA) models ({latent_attention})",
         "serve a model with standard attention",
-        _all(_flag("use_mla"), _declared("latent_attention", text=True)),
+        # By the family alone: vLLM's config does not call every MLA model one (MiniCPM3).
+        _declared("latent_attention", text=True),
     ),
     ModelKind(
         "latent_attention_other",
-        "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V2, "
-        "DeepSeek-V3.2's sparse attention, Kimi, MiniCPM3, ...)",
+        "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V3.2's "
+        "sparse attention, Kimi, ...)",
         "serve one of those models or one with standard attention",
         _flag("use_mla"),
     ),

@@ -90,8 +90,14 @@ def _warn_about_head_sizes(vllm_config: VllmConfig, backend: Backend) -> None:
     spec = vllm_config.speculative_config
     draft = spec.draft_model_config if spec is not None and spec.uses_draft_model() else None
     head_sizes = backend.head_sizes()
-    # Encoder-only pooling models attend without the paged kernels (no KV cache).
-    paged = [m for m in (model, draft) if m is not None and m.attn_type != "encoder_only"]
+    # Encoder-only pooling models attend without the paged kernels (no KV cache); MLA models
+    # attend over latent rows (`ops.mla_attention`, any width), whatever head size vLLM reports.
+    latent = kind_of(vllm_config).name == "latent_attention"
+    paged = [
+        m
+        for m in (model, draft)
+        if m is not None and m.attn_type != "encoder_only" and not (m is model and latent)
+    ]
     for checked in paged:
         if checked.get_head_size() not in head_sizes:
             logger.warning(

@@ -268,5 +268,10 @@ def pool_for(
         None if kind.is_state or kind.latent else kind.kv_shape(num_kv_heads, head_dim)
         for kind in kinds
     ]
-    latent = any(kind.latent for kind in kinds)
-    return KVPool(layout, num_kv_heads, head_dim, dtype, latent=latent, layer_shapes=shapes)
+    latent = next((kind for kind in kinds if kind.latent), None)
+    if latent is not None:
+        # A latent cache's rows are its layers' own shape (`kv.latent`), where they declare one.
+        num_kv_heads, head_dim = latent.kv_shape(num_kv_heads, head_dim)
+    return KVPool(
+        layout, num_kv_heads, head_dim, dtype, latent=latent is not None, layer_shapes=shapes
+    )

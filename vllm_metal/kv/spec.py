@@ -39,7 +39,10 @@ def attention_spec(
             raise ValueError("a state layer needs its shapes and vLLM's cache config")
         return mamba_spec(kind.state, dtype, cache_config)
     if kind.latent:
-        # vLLM gives MLA models one KV head whose head size is the latent row's width.
+        # One KV head whose head size is the latent row's width: the layer's own shape where it
+        # declares one (vLLM's MLA config gives the same for DeepSeek; MiniCPM3 it sizes as
+        # plain attention), else vLLM's.
+        num_kv_heads, head_dim = kind.kv_shape(num_kv_heads, head_dim)
         return MLAAttentionSpec(
             block_size=block_size,
             num_kv_heads=num_kv_heads,

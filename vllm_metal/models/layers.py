@@ -134,7 +134,8 @@ class LayerKind:
     # value (no separate values, `kv.latent`).
     latent: bool = False
     # An attention layer's own KV heads and head size where they differ from the model's (Gemma 4's
-    # full-attention layers); None: the model's (`ModelConfig.get_num_kv_heads / get_head_size`).
+    # full-attention layers; a latent layer's one head of latent width, `families.deepseek_v3`);
+    # None: the model's (`ModelConfig.get_num_kv_heads / get_head_size`).
     num_kv_heads: int | None = None
     head_dim: int | None = None
     # The earlier layer whose keys and values this layer attends over, writing none of its own

@@ -17,6 +17,7 @@ from vllm_metal.models.adapter import ModelAdapter
 # `models/encoder.py`; speech-to-text, `WhisperAdapter`) are served by their own loaders.
 MODULES = (
     "bert",
+    "deepseek_v2",
     "deepseek_v3",
     "falcon_h1",
     "glm4_moe_lite",
@@ -29,6 +30,7 @@ MODULES = (
     "idefics3",
     "layer_stack",
     "lfm2",
+    "minicpm3",
     "ministral3",
     "mistral",
     "nemotron_h",

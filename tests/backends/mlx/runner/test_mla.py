@@ -1,6 +1,8 @@
-"""Multi-head latent attention (MLA) models served by the MLX runner: GLM-4.7-Flash (in CI) and
-DeepSeek-V3 (`full`; the same runner path at other sizes), whose layers cache one latent row per
-token (`kv.latent`) and attend in the absorbed form. Greedy tokens and
+"""Multi-head latent attention (MLA) models served by the MLX runner: GLM-4.7-Flash (in CI), and
+DeepSeek-V3, DeepSeek-V2 (V2-Lite's shape without a query LoRA, and one with a query LoRA and
+group-limited routing) and MiniCPM3 (`full`; the same runner path at other sizes, the last two
+with `kv_b_proj` split at load), whose layers cache one latent row per token (`kv.latent`) and
+attend in the absorbed form. Greedy tokens and
 logprobs equal transformers float32 (which expands the latent into per-head keys and values) for a
 mixed batch prefilled in chunks smaller than its prompts, from a KV pool so small that vLLM
 preempts requests; then two prompts sharing a prefix, one job after the other: the second is
@@ -21,13 +23,19 @@ from tests.backends.mlx.runner.jobs import (
 
 NEW_TOKENS = 24
 BLOCK_SIZE = 16
-# A latent row is 64 + 16 float32 values in both tiny checkpoints; 3 layers: 960 bytes a token.
+# A latent row is 64 + 16 float32 values in every tiny checkpoint; 3 layers: 960 bytes a token.
 TOKEN_BYTES = 3 * (64 + 16) * 4
 
 
 @pytest.fixture(
     scope="module",
-    params=["glm4_moe_lite", pytest.param("deepseek_v3", marks=pytest.mark.full)],
+    params=[
+        "glm4_moe_lite",
+        *(
+            pytest.param(name, marks=pytest.mark.full)
+            for name in ("deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "minicpm3")
+        ),
+    ],
 )
 def mla_model(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
