@@ -251,3 +251,16 @@ def test_other_hybrids_are_refused_naming_the_architecture():
     assert "model='tiiuae/Falcon-H1-1.5B-Instruct' (falcon_h1, FalconH1ForCausalLM)" in refusal(
         config, "mlx"
     )
+
+
+def test_kimi_linear_is_refused_naming_its_latent_and_delta_layers(tiny_kimi_linear_dir):
+    """Kimi-Linear's MLA layers sit between Kimi Delta Attention layers (a per-channel decay
+    gate, which the gated delta rule here does not take): vLLM builds its config (a real
+    checkpoint written by transformers), and the platform refuses it at startup by name."""
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_kimi_linear_dir)
+    message = str(info.value)
+    assert "(kimi_linear, KimiLinearForCausalLM)" in message
+    assert "multi-head latent attention (MLA) beside linear-attention state layers" in message
+    assert "Kimi Delta Attention: a per-channel decay gate" in message
+    assert "qwen3_next" in message and "deepseek_v3" in message  # what is served instead

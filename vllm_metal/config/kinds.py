@@ -136,6 +136,16 @@ KINDS: tuple[ModelKind, ...] = (
         _all(_flag("use_mla"), _declared("latent_attention", text=True)),
     ),
     ModelKind(
+        # Kimi-Linear: MLA layers between Kimi Delta Attention layers, whose gated delta rule
+        # decays each key channel on its own (the served hybrids decay per head), and whose
+        # state pages would share the latent cache's one-array regions.
+        "latent_state_hybrid",
+        "hybrid models with multi-head latent attention (MLA) beside linear-attention state "
+        "layers (Kimi-Linear's Kimi Delta Attention: a per-channel decay gate)",
+        "serve one of the served hybrids ({state_hybrid}) or MLA models ({latent_attention})",
+        _all(_flag("use_mla"), _flag("is_hybrid")),
+    ),
+    ModelKind(
         "latent_attention_other",
         "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V2, "
         "DeepSeek-V3.2's sparse attention, Kimi, MiniCPM3, ...)",
