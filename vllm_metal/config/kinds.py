@@ -136,14 +136,13 @@ KINDS: tuple[ModelKind, ...] = (
         _all(_flag("use_mla"), _declared("latent_attention", text=True)),
     ),
     ModelKind(
-        # Kimi-Linear: MLA layers between Kimi Delta Attention layers, whose gated delta rule
-        # decays each key channel on its own (the served hybrids decay per head), and whose
-        # state pages would share the latent cache's one-array regions.
+        # Kimi-Linear: MLA layers between Kimi Delta Attention layers (a gated delta rule that
+        # decays each key channel on its own); their state pages share the latent cache.
         "latent_state_hybrid",
-        "hybrid models with multi-head latent attention (MLA) beside linear-attention state "
-        "layers (Kimi-Linear's Kimi Delta Attention: a per-channel decay gate)",
-        "serve one of the served hybrids ({state_hybrid}) or MLA models ({latent_attention})",
-        _all(_flag("use_mla"), _flag("is_hybrid")),
+        "hybrid models with multi-head latent attention (MLA) beside Kimi Delta Attention state "
+        "layers ({latent_state_hybrid})",
+        "serve a model with attention layers only",
+        _all(_flag("use_mla"), _flag("is_hybrid"), _declared("latent_state_hybrid", text=True)),
     ),
     ModelKind(
         "latent_attention_other",
