@@ -256,6 +256,15 @@ def tiny_glm4_moe_lite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_linear_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Kimi-Linear (MLA + KDA hybrid) checkpoint
+    (`tests.fixtures.tiny_kimi_linear`), once per session."""
+    from tests.fixtures.tiny_kimi_linear import write_tiny_kimi_linear
+
+    return write_tiny_kimi_linear(tmp_path_factory.mktemp("tiny-kimi-linear") / "kimi_linear")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random DeepSeek-V3 (MLA) checkpoint (`tests.fixtures.tiny_deepseek_v3`), once
     per session."""

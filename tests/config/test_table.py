@@ -55,6 +55,7 @@ def moe_dir(tmp_path_factory) -> Path:
         ("tiny_deepseek_v2_lite_dir", {}, "latent_attention"),
         ("tiny_minicpm3_dir", {}, "latent_attention"),
         ("tiny_lfm2_dir", {}, "short_conv_hybrid"),
+        ("tiny_kimi_linear_dir", {}, "latent_state_hybrid"),
     ],
 )
 def test_each_served_kind_is_detected_from_vllms_config(
@@ -106,6 +107,7 @@ def test_the_table_names_only_kinds_and_features_that_exist():
         model_types("state_hybrid")
         + model_types("vision_state_hybrid")
         + model_types("short_conv_hybrid")
+        + model_types("latent_state_hybrid")
     )
     assert set(hybrids) == set(STATE_SHAPES)
     assert model_types("vision_language") == (

@@ -1,5 +1,5 @@
 """State pages of hybrid models: a state layer's pages live in the K/V pools of the region it
-shares with attention layers, bytes as they are; a step reads the page where the previous step
+shares with attention layers (the latent rows alone beside MLA layers), bytes as they are; a step reads the page where the previous step
 left the state and writes the page of its last token (vLLM's "align" mode with prefix caching,
 one page per request without); the platform sizes KV blocks so a block holds a page and pads
 vLLM's state page to the attention page; what the hybrid path does not run is refused by name."""
@@ -65,6 +65,27 @@ def test_pages_round_trip_bit_for_bit_and_leave_other_blocks(dtype, shapes):
     for b in (0, 2, 4):
         np.testing.assert_array_equal(_bytes(pool.keys[0])[b], before_k[b])
         np.testing.assert_array_equal(_bytes(pool.values[0])[b], before_v[b])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_pages_round_trip_in_a_latent_pool(dtype):
+    """A latent (MLA) pool has one array per region and no values: the page is its K rows."""
+    # One page: 16 tokens * 48 dims * 2 bytes = 1536 bytes in float16 (SHAPES takes 1264).
+    pool = KVPool(KVLayout.single_group(1, 5, 16), 1, 48, dtype, latent=True)
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, size=(2, *SHAPES.recurrent), dtype=np.uint32)
+    recurrent = mx.view(mx.array(bits), mx.float32)
+    conv = mx.array(rng.standard_normal((2, *SHAPES.conv)).astype(np.float32)).astype(dtype)
+    before = _bytes(pool.keys[0])
+
+    _cache(pool, [3, 1], [False, False]).write(conv, recurrent)
+    got_conv, got_recurrent = _cache(pool, [1, 3], [False, False]).read()
+
+    assert pool.values == []
+    np.testing.assert_array_equal(np.array(mx.view(got_recurrent, mx.uint32)), bits[::-1])
+    np.testing.assert_array_equal(_bytes(got_conv), _bytes(conv)[::-1])
+    for b in (0, 2, 4):
+        np.testing.assert_array_equal(_bytes(pool.keys[0])[b], before[b])
 
 
 def test_fresh_requests_read_zeros_whatever_their_block_holds():
@@ -310,3 +331,56 @@ def test_other_hybrids_are_refused_naming_the_architecture():
     config = SimpleNamespace(model_config=model_config)
     assert kind_of(config).name == "hybrid_other"
     assert "model='ibm-ai-platform/Bamba-9B-v1' (bamba, BambaForCausalLM)" in refusal(config, "mlx")
+
+
+def test_kimi_linear_state_pages_fit_latent_blocks_as_vllm_sizes_them(tiny_kimi_linear_dir):
+    """Kimi-Linear's KDA state pages share the latent (MLA) cache's blocks, whose token is one
+    latent row (64 + 16 float32 values, 320 bytes) and no values: the page (2 heads x 64 x 64
+    float32 + a 3 x 384 window, 37,376 bytes) raises the block to 128 tokens. vLLM's own
+    Kimi-Linear class sizes the state as `kv.state.mamba_spec` does, element for element."""
+    import torch
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_metal.config.kinds import kind_of
+    from vllm_metal.kv.state import mamba_spec
+    from vllm_metal.models.layers import state_shapes_of
+
+    config = _engine_config(tiny_kimi_linear_dir, enable_prefix_caching=True)
+    model_config, cache = config.model_config, config.cache_config
+    assert kind_of(config).name == "latent_state_hybrid"
+    assert model_config.use_mla and model_config.is_hybrid
+    assert cache.block_size == 128 and cache.mamba_page_size_padded == 128 * 320
+    assert cache.mamba_cache_mode == "align" and cache.mamba_block_size == 128
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    vllm_spec = MambaSpec(
+        shapes=cls.get_mamba_state_shape_from_config(config),
+        dtypes=cls.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+    )
+    text = model_config.hf_text_config
+    ours = mamba_spec(state_shapes_of(text.model_type, text.to_dict()), torch.float32, cache)
+    assert [math.prod(s) for s in vllm_spec.shapes] == [math.prod(s) for s in ours.shapes]
+    assert vllm_spec.dtypes == ours.dtypes == (torch.float32, torch.float32)
+    assert vllm_spec.page_size_bytes == ours.page_size_bytes == 128 * 320
+
+    off = _engine_config(tiny_kimi_linear_dir, enable_prefix_caching=False).cache_config
+    assert off.block_size == 128 and off.mamba_cache_mode == "none"
+
+
+def test_a_kimi_linear_config_without_linear_attn_config_is_refused_by_that_key(tmp_path):
+    """transformers 5 alone writes the layer pattern as `layer_types`, which neither vLLM's
+    Kimi-Linear config class nor mlx-lm reads."""
+    import json
+
+    from tests.fixtures.tiny_kimi_linear import write_tiny_kimi_linear
+
+    model = write_tiny_kimi_linear(tmp_path / "kimi_linear")
+    config = json.loads((model / "config.json").read_text())
+    for key in ("linear_attn_config", "first_k_dense_replace", "mla_use_nope", "rope_theta"):
+        del config[key]  # the keys the fixture adds to what save_pretrained writes
+    assert config["layer_types"][:2] == ["linear_attention", "full_attention"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="needs `linear_attn_config`"):
+        _engine_config(model)

@@ -20,8 +20,13 @@ def _cu() -> tuple[mx.array, np.ndarray]:
     return mx.array(cu), cu
 
 
-def test_gated_delta_rule_reference_matches_mlx_lm_per_sequence():
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gated_delta_rule_reference_matches_mlx_lm_per_sequence(per_channel):
+    """Per-head decay (Qwen3-Next) and per-key-channel decay (Kimi Delta Attention), the second
+    through the op's entry (the native kernel takes only the first)."""
     from mlx_lm.models.gated_delta import gated_delta_ops
+
+    from vllm_metal import ops
 
     cu_mx, cu = _cu()
     t, hk, hv, dk, dv = int(cu[-1]), 1, 2, 16, 8
@@ -33,9 +38,11 @@ def test_gated_delta_rule_reference_matches_mlx_lm_per_sequence():
         return mx.array(rng.uniform(lo, hi, shape).astype(np.float32))
 
     q, k, v = rand(t, hk, dk), rand(t, hk, dk) * 0.3, rand(t, hv, dv)
-    g, beta = rand(t, hv, lo=0.5, hi=1.0), rand(t, hv, lo=0.0, hi=1.0)
+    g = rand(t, hv, dk, lo=0.3, hi=1.0) if per_channel else rand(t, hv, lo=0.5, hi=1.0)
+    beta = rand(t, hv, lo=0.0, hi=1.0)
     state = rand(len(LENGTHS), hv, dv, dk)
-    y, new_state = reference.gated_delta_rule(q, k, v, g, beta, state, cu_mx)
+    run = ops.gated_delta_rule if per_channel else reference.gated_delta_rule
+    y, new_state = run(q, k, v, g, beta, state, cu_mx)
     assert y.shape == (t, hv, dv)
     for s in range(len(LENGTHS)):
         a, b = cu[s], cu[s + 1]

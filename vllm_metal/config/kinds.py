@@ -143,9 +143,18 @@ KINDS: tuple[ModelKind, ...] = (
         _declared("latent_attention", text=True),
     ),
     ModelKind(
+        # Kimi-Linear: MLA layers between Kimi Delta Attention layers (a gated delta rule that
+        # decays each key channel on its own); their state pages share the latent cache.
+        "latent_state_hybrid",
+        "hybrid models with multi-head latent attention (MLA) beside Kimi Delta Attention state "
+        "layers ({latent_state_hybrid})",
+        "serve a model with attention layers only",
+        _all(_flag("use_mla"), _flag("is_hybrid"), _declared("latent_state_hybrid", text=True)),
+    ),
+    ModelKind(
         "latent_attention_other",
         "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V3.2's "
-        "sparse attention, Kimi, ...)",
+        "sparse attention, Kimi K2, ...)",
         "serve one of those models or one with standard attention",
         _flag("use_mla"),
     ),

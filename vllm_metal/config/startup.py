@@ -117,7 +117,7 @@ def check_state_dtypes(vllm_config: VllmConfig) -> None:
     cache = vllm_config.cache_config
     kind = kind_of(vllm_config).name
     if (
-        kind in ("state_hybrid", "vision_state_hybrid")
+        kind in ("state_hybrid", "vision_state_hybrid", "latent_state_hybrid")
         and cache.mamba_ssm_cache_dtype not in STATE_SSM_DTYPES
     ):
         raise MetalConfigError(

@@ -37,6 +37,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "state_hybrid": _MLX_ANY | {"speculative_decoding"},
         "vision_state_hybrid": _MLX_ANY,
         "short_conv_hybrid": _MLX_ANY,
+        "latent_state_hybrid": _MLX_ANY,
     },
     # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
     # layers (`backends/torch/short_conv.py`).

@@ -8,7 +8,8 @@ region it shares: block `b`'s page is the bytes of `keys[region][b]` followed by
 `values[region][b]`, holding the float32 recurrent state (`StateShapes.recurrent`) and then the
 convolution window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows
 and written with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copies
-bytes as they are, in place.
+bytes as they are, in place. Beside MLA layers (Kimi-Linear) the region is the latent cache's one
+array: the page is its rows alone, written with `ops.mla_reshape_and_cache`.
 
 Which page a step reads and which it writes follow vLLM's two mamba cache modes, through one
 rule: a request's state after `n` tokens lives in column `ceil(n / B) - 1` of its state group's
@@ -67,8 +68,12 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     hf = model.hf_text_config.to_dict()
     shapes = state_shapes_of(hf.get("model_type", ""), hf)
     itemsize = get_dtype_size(model.dtype)
+    # An MLA model's attention page holds one latent row per token and no values.
+    rows_per_token = 1 if model.use_mla else 2
     token_bytes = (
-        2 * model.get_num_kv_heads(vllm_config.parallel_config) * (model.get_head_size() * itemsize)
+        rows_per_token
+        * model.get_num_kv_heads(vllm_config.parallel_config)
+        * (model.get_head_size() * itemsize)
     )
     state_bytes = shapes.page_bytes(itemsize)
     align = _BLOCK_ALIGN * token_bytes
@@ -202,12 +207,16 @@ class StateLayerCache:
     # then as many V rows as the rest needs (the padding vLLM counts is left alone).
 
     def _layout(self) -> tuple[int, int, int, int]:
-        """Words per token row, token rows holding state in K and in V, conv window words."""
-        _, block_size, heads, head_dim = self.pool.keys[self.region].shape
-        row_words = heads * head_dim * self.pool.dtype.size // _WORD.size
+        """Words per token row, token rows holding state in K and in V, conv window words (a
+        latent pool's page is its K rows alone: it has no V)."""
+        keys = self.pool.keys[self.region]
+        block_size = keys.shape[1]
+        row_words = int(np.prod(keys.shape[2:])) * self.pool.dtype.size // _WORD.size
         conv_words = -(-int(np.prod(self.shapes.conv)) * self.pool.dtype.size // _WORD.size)
         used = self.shapes.recurrent_bytes() // _WORD.size + conv_words
         rows = -(-used // row_words)
+        if self.pool.latent and rows > block_size:
+            raise ValueError(f"a state page of {used} words does not fit a latent block")
         return row_words, min(rows, block_size), max(0, rows - block_size), conv_words
 
     def read(self) -> tuple[mx.array, mx.array]:
@@ -251,8 +260,8 @@ class StateLayerCache:
         num = len(blocks)
         if num == 0:
             return
-        keys, values = self.pool.keys[self.region], self.pool.values[self.region]
-        _, block_size, heads, head_dim = keys.shape
+        keys = self.pool.keys[self.region]
+        block_size = keys.shape[1]
         row_words, k_rows, _, conv_words = self._layout()
         conv = conv.astype(self.pool.dtype).reshape(num, -1)
         pad = conv_words * _WORD.size // self.pool.dtype.size - conv.shape[1]
@@ -261,18 +270,24 @@ class StateLayerCache:
         parts = [mx.view(conv, _WORD)]
         if self.shapes.recurrent:
             parts.insert(0, mx.view(recurrent.astype(RECURRENT_DTYPE), _WORD).reshape(num, -1))
-        # K and V take the same slots, so the V part is padded to the K rows.
+        # K and V take the same slots, so the V part is padded to the K rows (a latent pool
+        # has no V part).
+        halves = 1 if self.pool.latent else 2
         used = sum(p.shape[1] for p in parts)
-        parts.append(mx.zeros((num, (k_rows + k_rows) * row_words - used), dtype=_WORD))
+        parts.append(mx.zeros((num, halves * k_rows * row_words - used), dtype=_WORD))
         page = mx.concatenate(parts, axis=1)
 
         def rows(part: mx.array) -> mx.array:
-            return mx.view(part, self.pool.dtype).reshape(num * k_rows, heads, head_dim)
+            return mx.view(part, self.pool.dtype).reshape(num * k_rows, *keys.shape[2:])
 
         half = k_rows * row_words
         slots = blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
+        slots = mx.array(slots.reshape(-1))
+        if self.pool.latent:
+            self.pool.keys[self.region] = ops.mla_reshape_and_cache(rows(page), keys, slots)
+            return
         kc, vc = ops.reshape_and_cache(
-            rows(page[:, :half]), rows(page[:, half:]), keys, values, mx.array(slots.reshape(-1))
+            rows(page[:, :half]), rows(page[:, half:]), keys, self.pool.values[self.region], slots
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc

@@ -50,6 +50,26 @@ def gated_delta_state_shapes(config: Mapping[str, Any]) -> StateShapes:
     )
 
 
+def kda_state_shapes(config: Mapping[str, Any]) -> StateShapes:
+    """The state of a Kimi Delta Attention layer (Kimi-Linear), from its `linear_attn_config`:
+    one window over q, k and v side by side (vLLM's `kda_state_shape`) and a square state per
+    head, decayed per key channel."""
+    kda = config.get("linear_attn_config")
+    if not kda:
+        # transformers 5 writes `layer_types` and `linear_*` keys instead; vLLM's config class and
+        # mlx-lm read the layer pattern and the KDA sizes from this dict alone.
+        raise ValueError(
+            "a Kimi-Linear config.json needs `linear_attn_config` (num_heads, head_dim, "
+            "short_conv_kernel_size, kda_layers, full_attn_layers) as the published checkpoints "
+            "have it; a config saved by transformers 5 alone lacks it"
+        )
+    heads, head_dim = kda["num_heads"], kda["head_dim"]
+    return StateShapes(
+        conv=(kda["short_conv_kernel_size"] - 1, 3 * heads * head_dim),
+        recurrent=(heads, head_dim, head_dim),
+    )
+
+
 def _mamba2(heads: int, head_dim: int, groups: int, state_size: int, kernel: int) -> StateShapes:
     """A Mamba-2 layer's state: the conv window over x, B and C, and the heads' SSM states."""
     conv_dim = heads * head_dim + 2 * groups * state_size
@@ -113,6 +133,7 @@ STATE_SHAPES = {
     "nemotron_h": nemotron_h_state_shapes,
     "falcon_h1": falcon_h1_state_shapes,
     "lfm2": short_conv_state_shapes,
+    "kimi_linear": kda_state_shapes,
 }
 
 

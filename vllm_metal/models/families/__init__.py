@@ -28,6 +28,7 @@ MODULES = (
     "gpt_oss",
     "granitemoehybrid",
     "idefics3",
+    "kimi_linear",
     "layer_stack",
     "lfm2",
     "minicpm3",

@@ -1,5 +1,5 @@
 """gated_delta_rule: the Gated DeltaNet recurrence over a packed varlen batch (Qwen3-Next's and
-Qwen3.5's linear-attention layers).
+Qwen3.5's linear-attention layers, and Kimi Delta Attention's, whose decay is per key channel).
 
 Defined (docstring) and validated here once; implemented by reference.py (and natively where the
 extension provides it).
@@ -27,9 +27,11 @@ def gated_delta_rule(
 
     ``q``/``k`` ``[T, Hk, Dk]`` and ``v_`` ``[T, Hv, Dv]`` (one float dtype) hold the packed
     tokens of ``S`` sequences, sequence ``s`` owning rows ``cu_seqlens[s] .. cu_seqlens[s+1]``
-    (``[S+1]`` int32). ``g`` (decay factor) and ``beta`` (write strength) are ``[T, Hv]``
-    float32; ``state`` ``[S, Hv, Dv, Dk]`` float32 is each sequence's state before its first
-    token. Value head ``h`` reads query/key head ``h // (Hv // Hk)``. Per token, in float32::
+    (``[S+1]`` int32). ``g`` (decay factor, per head ``[T, Hv]`` or per key channel
+    ``[T, Hv, Dk]``) and ``beta`` (write strength, ``[T, Hv]``) are float32; ``state``
+    ``[S, Hv, Dv, Dk]`` float32 is each sequence's state before its first token. Value head ``h``
+    reads query/key head ``h // (Hv // Hk)``. Per token, in float32 (a per-channel ``g`` scales
+    the state's key columns)::
 
         S = g * S;  S += beta * (v - S k) k^T;  y = S q
 
@@ -38,7 +40,13 @@ def gated_delta_rule(
     """
     check_gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens)
     native = _backend.native()
-    impl = native if native is not None and hasattr(native, "gated_delta_rule") else reference
+    # The native kernel takes a per-head decay; a per-channel one runs the reference.
+    per_head = g.ndim == 2
+    impl = (
+        native
+        if per_head and native is not None and hasattr(native, "gated_delta_rule")
+        else reference
+    )
     return impl.gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens)
 
 
@@ -57,9 +65,15 @@ def check_gated_delta_rule(
     v.float_dtype("q", q)
     v.same_dtype("k", k, "q", q)
     v.same_dtype("v", v_, "q", q)
+    g_shapes = ((t, hv), (t, hv, dk))
+    if tuple(v.array("g", g).shape) not in g_shapes:
+        v.fail(
+            f"g must have shape [num_tokens, num_v_heads] = {g_shapes[0]} or "
+            f"[num_tokens, num_v_heads, head_k_dim] = {g_shapes[1]}, got {tuple(g.shape)}"
+        )
+    if tuple(v.shape("beta", beta, 2, "[num_tokens, num_v_heads]")) != (t, hv):
+        v.fail(f"beta must have shape [num_tokens, num_v_heads] = {(t, hv)}")
     for name, x in (("g", g), ("beta", beta)):
-        if tuple(v.shape(name, x, 2, "[num_tokens, num_v_heads]")) != (t, hv):
-            v.fail(f"{name} must have shape [num_tokens, num_v_heads] = {(t, hv)}")
         if x.dtype != mx.float32:
             v.fail(f"{name} must be float32, got {v.dtype_name(x.dtype)}")
     s = v.shape("state", state, 4, "[num_seqs, num_v_heads, head_v_dim, head_k_dim]")[0]

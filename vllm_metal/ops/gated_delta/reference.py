@@ -35,7 +35,9 @@ def gated_delta_rule(
     for i in range(rows.shape[1]):
         r = mx.array(rows[:, i])
         q_i, k_i, v_i = qs[r], ks[r], vs[r]  # [S, Hv, D*]
-        decayed = state * g[r][:, :, None, None]
+        # A per-head decay scales the whole state, a per-channel one its key columns.
+        decay = g[r][:, :, None, None] if g.ndim == 2 else g[r][:, :, None, :]
+        decayed = state * decay
         remembered = (decayed * k_i[:, :, None, :]).sum(axis=-1)  # [S, Hv, Dv]
         delta = (v_i - remembered) * beta[r][:, :, None]
         updated = decayed + delta[:, :, :, None] * k_i[:, :, None, :]
