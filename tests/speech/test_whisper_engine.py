@@ -64,14 +64,14 @@ def test_translation_prompt(results, oracle):
     assert _tokens(results[len(CLIPS) + 1]) == oracle[TRANSLATE][:2]
 
 
-def test_sampling_follows_the_seed(results, oracle):
+def test_sampling_follows_the_seed(results):
     """temperature > 0 samples (with vLLM's sampler): a seed repeats its tokens in another
-    batch, another seed gives others, and neither is the greedy transcription."""
+    batch, and another seed gives others, so the tokens are drawn, not the argmax (the tiny
+    model is sharp enough that one seed's draw may be the greedy transcription)."""
     seed7, seed8 = _tokens(results[len(CLIPS) + 2])
     (again,) = _tokens(results[len(CLIPS) + 3])
     assert seed7 == again
     assert seed7 != seed8
-    assert oracle["transcribe"][0] not in (seed7, seed8)
 
 
 def test_clips_differ(oracle):

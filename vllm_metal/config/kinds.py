@@ -154,7 +154,7 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind(
         "latent_attention_other",
         "multi-head latent attention (MLA) models other than {latent_attention} (DeepSeek-V3.2's "
-        "sparse attention, Kimi K2, ...)",
+        "sparse attention, ...)",
         "serve one of those models or one with standard attention",
         _flag("use_mla"),
     ),

@@ -25,7 +25,8 @@ from vllm_metal.models.adapter import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 
 # What this family is to the capability table (`vllm_metal.config.kinds`).
-MODEL_TYPES = ("deepseek_v3",)
+# Kimi K2 is DeepSeek-V3 under its own model_type (vLLM and mlx-lm read it as deepseek_v3).
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 KIND = "latent_attention"
 MODALITIES: tuple[str, ...] = ()
 

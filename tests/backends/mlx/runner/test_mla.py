@@ -1,7 +1,8 @@
 """Multi-head latent attention (MLA) models served by the MLX runner: GLM-4.7-Flash (in CI), and
 DeepSeek-V3, DeepSeek-V2 (V2-Lite's shape without a query LoRA, and one with a query LoRA and
-group-limited routing) and MiniCPM3 (`full`; the same runner path at other sizes, the last two
-with `kv_b_proj` split at load), whose layers cache one latent row per token (`kv.latent`) and
+group-limited routing), MiniCPM3 and Kimi K2 (`full`; the same runner path at other sizes,
+DeepSeek-V2 and MiniCPM3 with `kv_b_proj` split at load, Kimi K2 as DeepSeek-V3 under its own
+model_type), whose layers cache one latent row per token (`kv.latent`) and
 attend in the absorbed form. Greedy tokens and
 logprobs equal transformers float32 (which expands the latent into per-head keys and values) for a
 mixed batch prefilled in chunks smaller than its prompts, from a KV pool so small that vLLM
@@ -10,6 +11,9 @@ served from vLLM's prefix cache and still equals transformers (a cache-on round 
 equal the cache-free oracle)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -33,12 +37,42 @@ TOKEN_BYTES = 3 * (64 + 16) * 4
         "glm4_moe_lite",
         *(
             pytest.param(name, marks=pytest.mark.full)
-            for name in ("deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "minicpm3")
+            for name in (
+                "deepseek_v3",
+                "deepseek_v2_lite",
+                "deepseek_v2_grouped",
+                "minicpm3",
+                "kimi_k2",
+            )
         ),
     ],
 )
 def mla_model(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def tiny_kimi_k2_dir(tiny_deepseek_v3_dir, tmp_path_factory):
+    """Kimi K2 as its checkpoints are: DeepSeek-V3's architecture under model_type `kimi_k2`
+    (which vLLM reads with DeepSeek-V3's config class and mlx-lm remaps to deepseek_v3); the
+    tiny DeepSeek-V3's files with that model_type. transformers knows no `kimi_k2`, so its oracle
+    is the DeepSeek-V3 checkpoint itself (`_oracle`)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("tiny-kimi-k2")
+    path = root / "kimi_k2"
+    shutil.copytree(tiny_deepseek_v3_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    (path / "config.json").write_text(json.dumps(config))
+    (root / "oracle").symlink_to(tiny_deepseek_v3_dir)
+    return path
+
+
+def _oracle(model: Path) -> Path:
+    """The checkpoint transformers runs for `model`: itself, or Kimi K2's DeepSeek-V3 twin."""
+    twin = model.parent / "oracle"
+    return twin if model.name == "kimi_k2" and twin.exists() else model
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +104,8 @@ def test_mla_greedy_matches_transformers_through_chunks_and_preemption(mla_model
 
     prompts, _, (batch, *_), metrics = mla_run
     assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
-    assert tokens(batch) == hf_greedy(mla_model, prompts, NEW_TOKENS)
-    assert_logprobs_match_hf(mla_model, prompts, batch)
+    assert tokens(batch) == hf_greedy(_oracle(mla_model), prompts, NEW_TOKENS)
+    assert_logprobs_match_hf(_oracle(mla_model), prompts, batch)
 
 
 @pytest.mark.slow
@@ -80,4 +114,4 @@ def test_mla_prefix_cache_hits_match_transformers(mla_model, mla_run):
 
     _, shared, (_, first, second), _ = mla_run
     assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
-    assert tokens(first + second) == hf_greedy(mla_model, shared, NEW_TOKENS)
+    assert tokens(first + second) == hf_greedy(_oracle(mla_model), shared, NEW_TOKENS)
