@@ -44,6 +44,12 @@ class MetalWorker(WorkerBase):
         is_driver_worker: bool = False,
     ):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        # vLLM inspects model classes in the engine process too (its multimodal budget asks the
+        # registry before the scheduler starts); a spawned engine process has not run
+        # `pre_register_and_update`, so the classes vLLM should see are registered here as well.
+        from vllm_metal.compat import vllm_models
+
+        vllm_models.install()
         self.backend = get_backend()
         self.model_runner: ModelRunner | None = None
 

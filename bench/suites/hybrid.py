@@ -80,7 +80,7 @@ idle memory, the report), its idle memory the rounds' engine's at ready (one KV 
 engine of its own); `--quick --peers` adds the other families, vLLM CPU and the idle engines at two
 sizes. ~30 s on 2 cores, most of it the MLA engine's start. Either way: the tests' tiny checkpoints (hidden 128; Granite with one group, as above; DeepSeek-V3
 with the 512 + 64 latent vLLM's CPU kernel needs; Gemma 4 the tests' E2B-like one, hidden 64,
-window 8),
+window 8; LFM2 the tests' one with weights from N(0, 0.02)),
 8 output tokens, one round per case, `enforce_eager` on every engine (vLLM's CPU backend then
 skips its torch.compile warm-up), and DeepSeek-V3's idle memory measured on the plugin's engine
 only (vLLM CPU's idle engine is started by the same worker code that just ran its rounds).

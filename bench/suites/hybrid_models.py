@@ -127,7 +127,9 @@ QUICK_KWARGS: dict[str, dict[str, Any]] = {
         "v_head_dim": 128,
     },
     "gemma4": {},
-    "lfm2": {},
+    # The tests' tiny LFM2 with the suite's weight spread: with the tests' N(0, 0.3) the plugin and
+    # vLLM's CPU backend picked other first tokens for 2 of 16 random prompts (a quick run here).
+    "lfm2": {"weight_std": 0.02, "embed_std": 0.02},
 }
 WEIGHT_STD = 0.02
 STDS = {

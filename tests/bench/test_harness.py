@@ -200,13 +200,13 @@ def test_hybrid_report_names_the_run_of_each_kept_family(tmp_path: Path) -> None
     write_report(report, tmp_path)
     text = (tmp_path / "hybrid.md").read_text()
     assert text.startswith("# Hybrid, latent-attention and sliding-window decode: Qwen3-Next, "
-                           "Qwen3.5, Granite 4.0-H, DeepSeek-V3, Gemma 4\n")  # fmt: skip
+                           "Qwen3.5, Granite 4.0-H, DeepSeek-V3, Gemma 4, LFM2\n")  # fmt: skip
     assert "s (Qwen3.5); the other families are kept from earlier runs" in text
     assert "commit fedcba9." in text
-    assert ("Qwen3-Next, Granite 4.0-H, DeepSeek-V3 and Gemma 4: `python -m bench.run hybrid "
+    assert ("Qwen3-Next, Granite 4.0-H, DeepSeek-V3, Gemma 4 and LFM2: `python -m bench.run hybrid "
             "--out old` in 713 s. Measured on") in text  # fmt: skip
     assert text.count("Kept from an earlier run: `python -m bench.run hybrid --out old` "
-                      "(commit 0123456).") == 4  # fmt: skip
+                      "(commit 0123456).") == 5  # fmt: skip
     section = text[text.index("## Qwen3.5") : text.index("## Granite")]
     assert "Kept from" not in section and NO_CPU_PEER["qwen3_5"] in section
     assert "per layer a dense MLP of intermediate 3584;" in section

@@ -63,7 +63,10 @@ def results(tiny_qwen3_asr_dir: Path) -> list:
 @pytest.fixture(scope="module")
 def chunked(tiny_qwen3_asr_dir: Path) -> list:
     engine = {**ENGINE, "max_num_batched_tokens": 24, "enable_chunked_prefill": True}
-    return run_engine_job(tiny_qwen3_asr_dir, _jobs()[len(CLIPS) :], engine=engine)
+    # A spawned engine process, as on macOS: it must register the model classes vLLM inspects
+    # itself (the parent's registry does not reach it).
+    spawn = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    return run_engine_job(tiny_qwen3_asr_dir, _jobs()[len(CLIPS) :], engine=engine, env=spawn)
 
 
 def test_one_by_one_equals_transformers(results, oracle) -> None:
