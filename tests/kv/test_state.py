@@ -178,6 +178,34 @@ def test_a_prefix_match_unit_inside_a_block_is_refused_by_name(tiny_qwen3_next_d
         _engine_config(tiny_qwen3_next_dir, enable_prefix_caching=True, prefix_match_unit=16)
 
 
+def _vllm_state_spec(config):
+    """The model class vLLM resolves for `config` and the state spec that class computes."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    model_config, cache = config.model_config, config.cache_config
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    spec = MambaSpec(
+        shapes=cls.get_mamba_state_shape_from_config(config),
+        dtypes=cls.get_mamba_state_dtype_from_config(config),
+        block_size=cache.mamba_block_size,
+        page_size_padded=cache.mamba_page_size_padded,
+    )
+    return cls, spec
+
+
+def _our_state_spec(config):
+    """`kv.state.mamba_spec` of the state shapes the runner keeps for `config`'s model."""
+    import torch
+
+    from vllm_metal.kv.state import mamba_spec
+    from vllm_metal.models.layers import state_shapes_of
+
+    text = config.model_config.hf_text_config
+    shapes = state_shapes_of(text.model_type, text.to_dict())
+    return mamba_spec(shapes, torch.float32, config.cache_config)
+
+
 @pytest.mark.parametrize(
     ("layout", "multimodal"),
     [("wrapper", True), ("causal_lm", False), ("moe_wrapper", True), ("moe_causal_lm", False)],
@@ -189,12 +217,8 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(
     import torchvision) and gets the state the runner keeps: the same page bytes and dtypes as
     `kv.state.mamba_spec` from `models.layers.STATE_SHAPES`, element for element."""
     import torch
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     from vllm_metal.config.kinds import kind_of
-    from vllm_metal.kv.state import mamba_spec
-    from vllm_metal.models.layers import state_shapes_of
 
     config = _engine_config(tiny_qwen3_5_dirs(layout))
     model_config, cache = config.model_config, config.cache_config
@@ -202,16 +226,9 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(
     # A wrapper is multimodal to vLLM and served as its language model (images are refused).
     assert model_config.is_multimodal_model is multimodal
     assert bool(multimodal and model_config.multimodal_config.language_model_only) is multimodal
-    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+    cls, vllm_spec = _vllm_state_spec(config)
     assert cls.__module__ == "vllm_metal.compat.vllm_models"
-    vllm_spec = MambaSpec(
-        shapes=cls.get_mamba_state_shape_from_config(config),
-        dtypes=cls.get_mamba_state_dtype_from_config(config),
-        block_size=cache.mamba_block_size,
-        page_size_padded=cache.mamba_page_size_padded,
-    )
-    text = model_config.hf_text_config
-    ours = mamba_spec(state_shapes_of(text.model_type, text.to_dict()), torch.float32, cache)
+    ours = _our_state_spec(config)
     assert [math.prod(s) for s in vllm_spec.shapes] == [math.prod(s) for s in ours.shapes]
     assert vllm_spec.dtypes == ours.dtypes == (torch.float32, torch.float32)
     assert vllm_spec.page_size_bytes == ours.page_size_bytes == cache.block_size * 512
@@ -223,7 +240,6 @@ def test_falcon_h1_layers_hold_attention_and_state_memory_as_vllm_plans_them(tin
     computes), puts attention and mixers in two groups and overlays attention layer i and mixer i
     on one region; the pool lays that plan out, a state page within its block's bytes."""
     import torch
-    from vllm.model_executor.models.registry import ModelRegistry
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -242,13 +258,7 @@ def test_falcon_h1_layers_hold_attention_and_state_memory_as_vllm_plans_them(tin
         names, kinds, block_size=cache.block_size, num_kv_heads=1, head_dim=64,
         dtype=torch.float32, cache_config=cache,
     )  # fmt: skip
-    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    theirs = MambaSpec(
-        shapes=cls.get_mamba_state_shape_from_config(config),
-        dtypes=cls.get_mamba_state_dtype_from_config(config),
-        block_size=cache.mamba_block_size,
-        page_size_padded=cache.mamba_page_size_padded,
-    )
+    _, theirs = _vllm_state_spec(config)
     ours = specs["model.layers.0.mamba"]
     assert [math.prod(s) for s in theirs.shapes] == [math.prod(s) for s in ours.shapes]
     assert theirs.dtypes == ours.dtypes == (torch.float32, torch.float32)
@@ -339,12 +349,8 @@ def test_kimi_linear_state_pages_fit_latent_blocks_as_vllm_sizes_them(tiny_kimi_
     float32 + a 3 x 384 window, 37,376 bytes) raises the block to 128 tokens. vLLM's own
     Kimi-Linear class sizes the state as `kv.state.mamba_spec` does, element for element."""
     import torch
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     from vllm_metal.config.kinds import kind_of
-    from vllm_metal.kv.state import mamba_spec
-    from vllm_metal.models.layers import state_shapes_of
 
     config = _engine_config(tiny_kimi_linear_dir, enable_prefix_caching=True)
     model_config, cache = config.model_config, config.cache_config
@@ -352,15 +358,8 @@ def test_kimi_linear_state_pages_fit_latent_blocks_as_vllm_sizes_them(tiny_kimi_
     assert model_config.use_mla and model_config.is_hybrid
     assert cache.block_size == 128 and cache.mamba_page_size_padded == 128 * 320
     assert cache.mamba_cache_mode == "align" and cache.mamba_block_size == 128
-    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    vllm_spec = MambaSpec(
-        shapes=cls.get_mamba_state_shape_from_config(config),
-        dtypes=cls.get_mamba_state_dtype_from_config(config),
-        block_size=cache.mamba_block_size,
-        page_size_padded=cache.mamba_page_size_padded,
-    )
-    text = model_config.hf_text_config
-    ours = mamba_spec(state_shapes_of(text.model_type, text.to_dict()), torch.float32, cache)
+    _, vllm_spec = _vllm_state_spec(config)
+    ours = _our_state_spec(config)
     assert [math.prod(s) for s in vllm_spec.shapes] == [math.prod(s) for s in ours.shapes]
     assert vllm_spec.dtypes == ours.dtypes == (torch.float32, torch.float32)
     assert vllm_spec.page_size_bytes == ours.page_size_bytes == 128 * 320

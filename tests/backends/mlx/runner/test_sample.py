@@ -14,6 +14,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import Sampler
 
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
+from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
 from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, sample_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
@@ -102,20 +103,6 @@ def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     assert copied
 
 
-def _chi2_pvalue(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sample chi-square p-value over the categories both samples see often enough."""
-    cats = np.union1d(a, b)
-    table = np.array([[np.sum(a == c) for c in cats], [np.sum(b == c) for c in cats]], float)
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    keep = expected.min(0) >= 5
-    table = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
-    table = table[:, table.sum(0) > 0]
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    stat = float(((table - expected) ** 2 / expected).sum())
-    dof = torch.tensor((table.shape[1] - 1) / 2.0)
-    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2.0)))
-
-
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
     [(0.8, None, None), (1.0, 3, None), (0.7, None, 0.8), (1.3, 5, 0.6), (0.5, 2, 0.99)],
@@ -139,7 +126,7 @@ def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, 
     torch.manual_seed(0)
     host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
     assert set(drawn.tolist()) <= set(host.tolist())  # the same support (top-k, top-p)
-    assert _chi2_pvalue(drawn, host) > 1e-3
+    assert chi2_pvalue(drawn.tolist(), host.tolist()) > 1e-3
 
 
 def test_the_distribution_check_catches_a_wrong_temperature():
@@ -155,4 +142,4 @@ def test_the_distribution_check_catches_a_wrong_temperature():
     )
     metadata = sampling_metadata(torch.full((n,), 1.0), {})
     host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
-    assert _chi2_pvalue(drawn, host) < 1e-3
+    assert chi2_pvalue(drawn.tolist(), host.tolist()) < 1e-3

@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from tests.backends.mlx.runner.jobs import (
     PERSON_SCHEMA,
@@ -20,6 +19,7 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
+from tests.backends.mlx.runner.stats import chi2_pvalue
 from tests.fixtures.oracles import hf_greedy
 from vllm_metal.testing.tiny_models import write_tiny_model
 
@@ -214,30 +214,13 @@ def test_max_tokens_1_to_5_exact_lengths(request, method):
         assert _spec_counts(metrics, SHORT_JOB)["draft_tokens"] == 6
 
 
-def _chi2_pvalue(a: list, b: list) -> float:
-    """p-value of Pearson's chi-square test that samples a and b share one distribution;
-    categories expected fewer than 5 times in either are pooled."""
-    cats = sorted(set(a) | set(b))
-    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]], dtype=float)
-    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    rare = expected.min(0) < 5
-    if rare.any():
-        table = np.concatenate([table[:, ~rare], table[:, rare].sum(1, keepdims=True)], axis=1)
-        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
-    stat = float(((table - expected) ** 2 / expected).sum())
-    dof = table.shape[1] - 1
-    if dof == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
-
-
 def test_chi2_pvalue_detects_a_shifted_distribution():
     rng = np.random.default_rng(0)
     a = rng.choice(4, size=400, p=[0.4, 0.3, 0.2, 0.1]).tolist()
     same = rng.choice(4, size=400, p=[0.4, 0.3, 0.2, 0.1]).tolist()
     shifted = rng.choice(4, size=400, p=[0.55, 0.25, 0.12, 0.08]).tolist()
-    assert _chi2_pvalue(a, same) > 0.01
-    assert _chi2_pvalue(a, shifted) < 1e-3
+    assert chi2_pvalue(a, same) > 0.01
+    assert chi2_pvalue(a, shifted) < 1e-3
 
 
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
@@ -248,7 +231,7 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(request, pla
     ref = [r["outputs"][0]["token_ids"] for r in base[DIST_JOB]]
     assert all(len(t) == 4 for t in spec)
     for pos in range(1, 4):  # the first token comes from the prefill, the rest were drafted
-        p = _chi2_pvalue([tuple(t[: pos + 1]) for t in spec], [tuple(t[: pos + 1]) for t in ref])
+        p = chi2_pvalue([tuple(t[: pos + 1]) for t in spec], [tuple(t[: pos + 1]) for t in ref])
         assert p > 1e-3, (pos, p)
     if method == "self_draft":
         # Sampled verification both accepted and rejected drafts (the argmax of the target).

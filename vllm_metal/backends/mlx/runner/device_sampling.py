@@ -50,9 +50,8 @@ class DeviceSampler:
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
-        greedy = mx.argmax(logits, axis=-1)
         if metadata.all_greedy:
-            return greedy
+            return mx.argmax(logits, axis=-1)
         if not samples_random_rows(metadata):
             return None
         key = mx.random.key(int(self._rng.integers(2**63)))
@@ -60,7 +59,10 @@ class DeviceSampler:
         top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
         top_p = None if batch.no_top_p else batch.top_p_cpu[:n]
         drawn = sample_rows(logits, temperature, top_k, top_p, key)
-        return mx.where(mx.array(temperature < _SAMPLING_EPS), greedy, drawn)
+        greedy_rows = temperature < _SAMPLING_EPS
+        if not greedy_rows.any():
+            return drawn
+        return mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
 
 
 def sample_rows(

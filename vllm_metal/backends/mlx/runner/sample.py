@@ -21,7 +21,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner import seeded
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, samples_random_rows
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -165,8 +165,8 @@ def _recorded(
 
 def tokens_on_device(step: StepState, metadata) -> bool:
     """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
-    row's argmax, or unseeded samples beside greedy rows, `device_sampling.py`) as vLLM's
-    `Sampler` would pick them: no logprobs, no grammar, no drafts, no prompt logprobs, and
+    row's argmax, or unseeded samples beside greedy rows; `DeviceSampler.tokens` draws them only
+    for such steps) as vLLM's `Sampler` would pick them: no logprobs, no grammar, no drafts, no prompt logprobs, and
     nothing applied to the logits before sampling (allowed or bad words, penalties, a logit
     bias, min tokens, a thinking budget, custom logits processors)."""
     if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
@@ -175,8 +175,7 @@ def tokens_on_device(step: StepState, metadata) -> bool:
         return False
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     return bool(
-        (metadata.all_greedy or samples_random_rows(metadata))
-        and metadata.max_num_logprobs is None
+        metadata.max_num_logprobs is None
         and not metadata.logprob_token_ids
         and metadata.allowed_token_ids_mask is None
         and not metadata.bad_words_token_ids

@@ -5,8 +5,8 @@ A request verifying k drafts has k+1 logits rows, in request order: the rows of
 sampler accepts drafts by vLLM's rules (greedy: while the draft is the argmax; random: with
 probability min(1, p_target/p_draft), else a token from the residual distribution), which keeps
 the output distribution of non-speculative sampling. Seeded sampled rows are then verified by
-position (`seeded.py`), which keeps their tokens those of decoding without drafts. Its Triton kernels run as the torch
-implementations in `kernels.py`.
+position (`seeded.py`), which keeps their tokens those of decoding without drafts. Its Triton
+kernels run as the torch implementations in `kernels.py`.
 """
 
 from __future__ import annotations
