@@ -1,5 +1,5 @@
-"""Qwen3.5's MTP head in MLX (`families/qwen3_5_mtp.py`) over the paged cache equals the head in
-transformers' float32 modules: a prompt in two chunks (the second attending to the first's K/V
+"""Qwen3.5's MTP head in MLX (`families/qwen3_5_mtp.py`, dense and MoE) over the paged cache equals
+the head in transformers' float32 modules: a prompt in two chunks (the second attending to the first's K/V
 through the pages), then a chained draft step fed the head's own output; and a checkpoint
 without the head is refused by name."""
 
@@ -20,11 +20,13 @@ from vllm_metal.models.layers import FULL_ATTENTION
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def mtp_dir(tiny_qwen3_5_causal_lm_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["causal_lm", "moe_causal_lm"])
+def mtp_dir(request, tiny_qwen3_5_dirs, tmp_path_factory):
+    """A text-only tiny Qwen3.5 (dense, MoE) with a random MTP head."""
     from tests.fixtures.tiny_qwen3_5_mtp import add_mtp_head
 
-    return add_mtp_head(tiny_qwen3_5_causal_lm_dir, tmp_path_factory.mktemp("mtp") / "m")
+    src = tiny_qwen3_5_dirs(request.param)
+    return add_mtp_head(src, tmp_path_factory.mktemp("mtp") / request.param)
 
 
 def _target_hidden(model_dir, tokens: list[int]) -> torch.Tensor:
