@@ -3,11 +3,13 @@
 without speculation (transformers float32) on a mixed batch in 32-token chunks, after a prefix
 hit, and for max_tokens 1 to 5.
 
-Two heads: a random one (its drafts are nearly all rejected, so the target's state layers roll
-back on most verifications) and a self-drafting one (`tests.fixtures.tiny_qwen3_5_mtp`: the head
-computes what the target will, so at least 90% of its drafts are accepted, which only holds if
-the head reads the right hidden states, tokens and positions across chunks, steps and chained
-drafts)."""
+Two heads: a random one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`; its drafts are
+nearly all rejected, so the target's state layers roll back on most verifications), and a
+self-drafting one (`tests.fixtures.tiny_qwen3_5_mtp`: the head computes what the target will, so
+at least 90% of its drafts are accepted, which only holds if the head reads the right hidden
+states, tokens and positions across chunks, steps and chained drafts), with the back-off on (the
+default): there a seeded sampled batch gives the same tokens twice and the tokens an engine
+without speculation gives."""
 
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ from tests.backends.mlx.runner.test_hybrid import BLOCK_SIZE
 
 NEW_TOKENS = 16
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+SEEDED_PARAMS = [
+    {"max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 40 + i, "ignore_eos": True}
+    for i in range(4)
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +57,25 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, head):
     # Prompts that go on from the long ones' answers: prefix hits on the first job's blocks.
     resend = [p + o[:12] + [30, 31, 32] for p, o in zip(prompts, expected) if len(p) > bs]
     short = prompts[1]
+    seeded = {"prompts": [prompts[1], prompts[2]] * 2, "params": SEEDED_PARAMS}
     jobs = [
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         {"prompts": resend, "params": [greedy(8)]},
         {"prompts": [short] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        seeded,
+        seeded,
     ]
-    engine = {
-        "max_num_batched_tokens": 32,
-        "disable_log_stats": False,
-        "speculative_config": SPEC,
-    }
-    (batch, resent, shorts), counters = run_engine_job(
+    engine = {"max_num_batched_tokens": 32}
+    # The random head drafts on every step, whatever it costs; the other runs the back-off.
+    backoff = {"VLLM_METAL_SPEC_BACKOFF": "0" if head == "random" else "1"}
+    (batch, resent, shorts, sampled, again), per_job = run_engine_job(
         path,
         jobs,
-        engine=engine,
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},  # draft on every step, whatever it costs
+        engine={**engine, "disable_log_stats": False, "speculative_config": SPEC},
+        with_metrics="per_job",
+        env=backoff,
     )
+    counters = per_job[2]  # after the greedy jobs (sampled requests reject drafts by chance)
 
     assert tokens(batch) == expected
     assert_logprobs_match_hf(path, prompts, batch)
@@ -79,3 +87,6 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, head):
     assert proposed > 0, counters
     if head == "self_drafting":
         assert accepted >= 0.9 * proposed, counters
+        (plain,) = run_engine_job(path, [seeded], engine=engine)
+        assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
+        assert tokens(sampled) == tokens(again) == tokens(plain)
