@@ -175,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             "bench.suites.spec_decode", argv_case, args.timeout, logs / f"{case['name']}.log"
         )
         results[case["name"]]["backoff"] = backoff
+        done = results[case["name"]]
+        # Each case's figures as it ends: a run cut short still leaves them in its output.
+        print(
+            f"[mtp] {case['name']}: TPOT {done['median_tpot_ms']:.2f} ms, "
+            f"{done['output_tok_s']:.2f} tok/s, acceptance {done.get('acceptance_rate')}",
+            flush=True,
+        )
     os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
     report = {
         "settings": {
