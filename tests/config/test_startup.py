@@ -47,6 +47,15 @@ def test_lora_settings_are_accepted(qwen3_dir: Path) -> None:
     assert (config.lora_config.max_loras, config.lora_config.max_lora_rank) == (3, 32)
 
 
+def test_data_parallel_replicas_are_served_each_with_its_share_of_memory(qwen3_dir: Path) -> None:
+    from vllm_metal.config.startup import MEMORY_SHARE_KEY
+
+    config = _engine_config(qwen3_dir, data_parallel_size=2)
+    assert config.parallel_config.data_parallel_size == 2
+    assert config.additional_config[MEMORY_SHARE_KEY] == 2  # two replicas on this host
+    assert _engine_config(qwen3_dir).additional_config[MEMORY_SHARE_KEY] == 1
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
     assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size
@@ -55,9 +64,8 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
 @pytest.mark.parametrize(
     "kwargs, names",
     [
-        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
+        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "all-reduce", "--pipeline"]),
         ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2"]),
-        ({"data_parallel_size": 2}, ["data_parallel_size=2"]),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
         ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype", "fp8"]),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
@@ -105,7 +113,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
     ids=[
         "tp",
         "pp",
-        "dp",
         "block_size",
         "kv_cache_dtype",
         "quantization",

@@ -166,4 +166,17 @@ def test_a_parallel_setting_is_refused_on_every_backend(tiny_model_dir):
     for backend in ("mlx", "mps"):
         message = refusal(config, backend)
         assert "tensor parallelism" in message and "tensor_parallel_size=2" in message
-        assert message.endswith("use --tensor-parallel-size 1")
+        assert "all-reduce" in message and "use --tensor-parallel-size 1" in message
+
+
+def test_data_parallel_is_served_by_the_mlx_backend_only(tiny_model_dir):
+    from vllm.config import ParallelConfig
+
+    from vllm_metal.config.table import refusal
+
+    config = _config(
+        _model_config(tiny_model_dir("qwen3")),
+        parallel_config=ParallelConfig(data_parallel_size=2),
+    )
+    assert refusal(config, "mlx") is None
+    assert "data_parallel_size=2" in refusal(config, "mps")

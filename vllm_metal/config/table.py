@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
-_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode"})
+_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
 _MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload"}
 
 SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
