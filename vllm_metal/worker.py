@@ -168,7 +168,26 @@ class MetalWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         with self._step_lock:
-            return self.model_runner.execute_model(scheduler_output)
+            if self.parallel_config.pipeline_parallel_size == 1:
+                return self.model_runner.execute_model(scheduler_output)
+            return self._execute_stage(scheduler_output)
+
+    def _execute_stage(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A pipeline stage's step: after the first, it starts from the hidden states the
+        previous stage sends; before the last, it sends its own on and returns nothing (vLLM
+        takes the step's output from the last stage)."""
+        from vllm.distributed.parallel_state import get_pp_group
+        from vllm.sequence import IntermediateTensors
+
+        pipeline = get_pp_group()
+        received = None
+        if scheduler_output.total_num_scheduled_tokens > 0 and not pipeline.is_first_rank:
+            received = IntermediateTensors(pipeline.recv_tensor_dict())
+        output = self.model_runner.execute_model(scheduler_output, received)
+        if isinstance(output, IntermediateTensors):
+            pipeline.send_tensor_dict(output.tensors)
+            return None
+        return output
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None

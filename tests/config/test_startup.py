@@ -56,6 +56,14 @@ def test_data_parallel_replicas_are_served_each_with_its_share_of_memory(qwen3_d
     assert _engine_config(qwen3_dir).additional_config[MEMORY_SHARE_KEY] == 1
 
 
+def test_pipeline_stages_are_served_each_with_its_share_of_memory(qwen3_dir: Path) -> None:
+    from vllm_metal.config.startup import MEMORY_SHARE_KEY
+
+    config = _engine_config(qwen3_dir, pipeline_parallel_size=2)
+    assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM's choice, kept
+    assert config.additional_config[MEMORY_SHARE_KEY] == 2  # both stages on this host
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
     assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size
@@ -65,7 +73,18 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
     "kwargs, names",
     [
         ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "all-reduce", "--pipeline"]),
-        ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2"]),
+        (
+            {"pipeline_parallel_size": 2, "enable_lora": True},
+            [
+                "pipeline parallelism with LoRA adapters",
+                "--enable-lora",
+                "--pipeline-parallel-size 1",
+            ],
+        ),
+        (
+            {"pipeline_parallel_size": 2, "data_parallel_size": 2},
+            ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
+        ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
         ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype", "fp8"]),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
@@ -112,7 +131,8 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
     ],
     ids=[
         "tp",
-        "pp",
+        "pp_lora",
+        "pp_dp",
         "block_size",
         "kv_cache_dtype",
         "quantization",
