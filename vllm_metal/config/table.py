@@ -15,8 +15,7 @@ from vllm_metal.config.errors import MetalConfigError
 from vllm_metal.config.features import BY_NAME as FEATURES_BY_NAME
 from vllm_metal.config.features import FEATURES
 from vllm_metal.config.kinds import BY_NAME as KINDS_BY_NAME
-from vllm_metal.config import kinds
-from vllm_metal.config.kinds import kind_of, model_label
+from vllm_metal.config.kinds import kind_of, model_label, model_type
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,10 +103,10 @@ def pipeline_refusal(config: VllmConfig, backend: str) -> str | None:
     if setting is None:
         return None
     prefix = f"vllm-metal ({backend} backend) does not serve pipeline parallelism"
-    model_type = kinds.model_type(config)
-    if model_type not in PIPELINE_STAGE_TYPES:
+    served_type = model_type(config)
+    if served_type not in PIPELINE_STAGE_TYPES:
         return (
-            f"{prefix} with model_type {model_type!r}: {setting} with {model_label(config)}; "
+            f"{prefix} with model_type {served_type!r}: {setting} with {model_label(config)}; "
             f"a stage runs a slice of the decoder layers of {', '.join(PIPELINE_STAGE_TYPES)}; "
             f"{pipeline.advice}"
         )
