@@ -64,6 +64,26 @@ def test_pipeline_stages_are_served_each_with_its_share_of_memory(qwen3_dir: Pat
     assert config.additional_config[MEMORY_SHARE_KEY] == 2  # both stages on this host
 
 
+@pytest.mark.parametrize(
+    "field, flag",
+    [
+        ("distributed_executor_backend", "--distributed-executor-backend"),
+        ("data_parallel_backend", "--data-parallel-backend"),
+    ],
+)
+def test_ray_is_refused_by_its_flag(qwen3_dir: Path, field: str, flag: str) -> None:
+    # vLLM refuses "ray" itself while the package is missing (this venv); with it installed the
+    # platform's check is what stops it, so the check runs here on a config set afterwards.
+    from vllm_metal.config.errors import MetalConfigError
+    from vllm_metal.config.startup import refuse_ray
+
+    config = _engine_config(qwen3_dir, pipeline_parallel_size=2)
+    refuse_ray(config)  # mp: served
+    setattr(config.parallel_config, field, "ray")
+    with pytest.raises(MetalConfigError, match=f"{flag} ray is not supported.*use mp"):
+        refuse_ray(config)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
     assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size

@@ -63,6 +63,7 @@ def check_config(vllm_config: VllmConfig) -> Backend:
     the backend that serves the rest."""
     backend = selected_backend()
     refuse_unsupported(vllm_config, backend.name)
+    refuse_ray(vllm_config)
     model = vllm_config.model_config
     if model is not None:
         if model.dtype not in SUPPORTED_DTYPES:
@@ -85,6 +86,22 @@ def check_config(vllm_config: VllmConfig) -> Backend:
             f"{align} (e.g. 16 or 32)"
         )
     return backend
+
+
+def refuse_ray(vllm_config: VllmConfig) -> None:
+    """vLLM's Ray executors place workers by the platform's Ray device resource; this platform
+    declares none (`Platform.ray_device_key`), so Ray is refused here, by its flag (without the
+    `ray` package vLLM refuses it first, on its own)."""
+    parallel = vllm_config.parallel_config
+    for flag, value in (
+        ("--distributed-executor-backend", parallel.distributed_executor_backend),
+        ("--data-parallel-backend", parallel.data_parallel_backend),
+    ):
+        if value == "ray":
+            raise MetalConfigError(
+                f"vllm-metal: {flag} ray is not supported (the platform declares no Ray device "
+                "resource); use mp, vLLM's multiprocessing executor (the default)"
+            )
 
 
 def _warn_about_head_sizes(vllm_config: VllmConfig, backend: Backend) -> None:

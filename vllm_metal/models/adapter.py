@@ -43,7 +43,17 @@ class LayerRange:
 
 class AbsentLayer:
     """Stands in a decoder's layer list for a layer another pipeline stage runs: it holds no
-    weights (mlx-lm's module tree skips plain objects)."""
+    weights (mlx-lm's module tree skips plain objects), only the layer's plain attributes, which
+    mlx-lm's `make_cache` reads (Llama's `use_sliding`)."""
+
+    def __init__(self, layer: Any):
+        self._attributes = {k: v for k, v in vars(layer).items() if not k.startswith("_")}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_attributes"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("this decoder layer belongs to another pipeline stage")
@@ -57,7 +67,7 @@ def keep_layers(model: Any, layers: LayerRange) -> None:
         raise ValueError(f"the model has {len(stack)} layers, the stage plan {layers.total}")
     for i in range(layers.total):
         if not layers.start <= i < layers.end:
-            stack[i] = AbsentLayer()
+            stack[i] = AbsentLayer(stack[i])
 
 
 class ModelAdapter:
