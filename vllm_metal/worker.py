@@ -199,6 +199,8 @@ class MetalWorker(WorkerBase):
         return output
 
     def execute_dummy_batch(self) -> None:
+        # vLLM's DP engine steps an idle replica of a mixture-of-experts model with a dummy batch
+        # so that the replicas' collectives inside the model line up; the MLX runner has none.
         return None
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

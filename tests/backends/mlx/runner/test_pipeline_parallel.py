@@ -44,12 +44,30 @@ def _stage_weight_bytes(model: Path, layers: range) -> int:
     return total
 
 
+@pytest.fixture
+def three_layers(tiny_model_dir, tmp_path):
+    """Factory: a 3-layer tiny checkpoint of `arch` (an uneven split: stages of 2 and 1 layers)."""
+
+    def make(arch: str) -> Path:
+        if arch == "qwen3_moe":
+            from tests.fixtures.tiny_moe import write_tiny_moe
+
+            return write_tiny_moe(tmp_path / arch, arch, num_layers=3)
+        return tiny_model_dir(arch, num_layers=3)
+
+    return make
+
+
 @pytest.mark.parametrize(
     "arch",
-    ["qwen3", pytest.param("llama", marks=pytest.mark.full)],
+    [
+        "qwen3",
+        pytest.param("llama", marks=pytest.mark.full),
+        pytest.param("qwen3_moe", marks=pytest.mark.full),
+    ],
 )
-def test_two_stages_give_one_process_greedy_tokens(tiny_model_dir, arch):
-    model = tiny_model_dir(arch, num_layers=3)  # an uneven split: stages of 2 and 1 layers
+def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
+    model = three_layers(arch)
     num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert num_layers == 3
     engine = {
