@@ -128,3 +128,24 @@ def test_killing_one_replica_ends_every_request_and_the_server(dp_server, server
     assert "EngineCore_DP1 died unexpectedly" in server.tail(200), server.context()
     assert any(o != "complete" for o in outcomes), outcomes  # some were cut by the kill
     server_slot.close()
+
+
+@pytest.mark.full
+def test_moe_replicas_step_together_and_give_one_process_greedy_tokens(
+    server_slot, tmp_path_factory
+):
+    # A mixture-of-experts model runs vLLM's DP engine: the replicas keep in step over a gloo
+    # group and an idle one runs dummy steps (`MetalWorker.execute_dummy_batch`).
+    from tests.fixtures.tiny_moe import write_tiny_moe
+
+    model = write_tiny_moe(tmp_path_factory.mktemp("dp-moe") / "qwen3_moe", "qwen3_moe")
+    args = ["--data-parallel-size", "2", "--max-num-batched-tokens", "16",
+            "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+    server = server_slot.get(
+        ("data-parallel-moe", str(model)), model, served_name="tiny", api_key=None, extra_args=args
+    )
+    assert _concurrently(server, MIXED, NEW_TOKENS) == hf_greedy(model, MIXED, NEW_TOKENS)
+    assert "rank 1 in world size 2 is assigned as DP rank 1" in server.tail(10_000)
+    served = _per_engine(server, "vllm:request_success_total")
+    assert sorted(served) == ["0", "1"] and all(n > 0 for n in served.values()), served
+    server_slot.close()
