@@ -64,23 +64,18 @@ def test_pipeline_stages_are_served_each_with_its_share_of_memory(qwen3_dir: Pat
     assert config.additional_config[MEMORY_SHARE_KEY] == 2  # both stages on this host
 
 
-@pytest.mark.parametrize(
-    "field, flag",
-    [
-        ("distributed_executor_backend", "--distributed-executor-backend"),
-        ("data_parallel_backend", "--data-parallel-backend"),
-    ],
-)
-def test_ray_is_refused_by_its_flag(qwen3_dir: Path, field: str, flag: str) -> None:
+def test_ray_data_parallel_engines_are_refused_by_their_flag(qwen3_dir: Path) -> None:
     # vLLM refuses "ray" itself while the package is missing (this venv); with it installed the
     # platform's check is what stops it, so the check runs here on a config set afterwards.
     from vllm_metal.config.errors import MetalConfigError
     from vllm_metal.config.startup import refuse_ray
+    from vllm_metal.platform import MetalPlatform
 
-    config = _engine_config(qwen3_dir, pipeline_parallel_size=2)
+    assert MetalPlatform.ray_device_key == "GPU"  # Ray's executor places stages on Ray GPUs
+    config = _engine_config(qwen3_dir, data_parallel_size=2)
     refuse_ray(config)  # mp: served
-    setattr(config.parallel_config, field, "ray")
-    with pytest.raises(MetalConfigError, match=f"{flag} ray is not supported.*use mp"):
+    config.parallel_config.data_parallel_backend = "ray"
+    with pytest.raises(MetalConfigError, match="--data-parallel-backend ray is not supported"):
         refuse_ray(config)
 
 

@@ -89,19 +89,15 @@ def check_config(vllm_config: VllmConfig) -> Backend:
 
 
 def refuse_ray(vllm_config: VllmConfig) -> None:
-    """vLLM's Ray executors place workers by the platform's Ray device resource; this platform
-    declares none (`Platform.ray_device_key`), so Ray is refused here, by its flag (without the
-    `ray` package vLLM refuses it first, on its own)."""
+    """Ray serves pipeline stages (`--distributed-executor-backend ray`, each worker on a Ray
+    "GPU", `MetalPlatform.ray_device_key`); Ray-managed data-parallel engines are not tested and
+    are refused by their flag."""
     parallel = vllm_config.parallel_config
-    for flag, value in (
-        ("--distributed-executor-backend", parallel.distributed_executor_backend),
-        ("--data-parallel-backend", parallel.data_parallel_backend),
-    ):
-        if value == "ray":
-            raise MetalConfigError(
-                f"vllm-metal: {flag} ray is not supported (the platform declares no Ray device "
-                "resource); use mp, vLLM's multiprocessing executor (the default)"
-            )
+    if parallel.data_parallel_backend == "ray":
+        raise MetalConfigError(
+            "vllm-metal: --data-parallel-backend ray is not supported; use mp (the default): "
+            "data-parallel replicas as processes, across Macs with --data-parallel-address"
+        )
 
 
 def _warn_about_head_sizes(vllm_config: VllmConfig, backend: Backend) -> None:
@@ -163,6 +159,8 @@ def record_memory_share(vllm_config: VllmConfig) -> None:
         return  # recorded when the API server built the config
     replicas = parallel.data_parallel_size_local or 1
     stages_here = max(1, parallel.world_size // max(1, parallel.nnodes))
+    if parallel.distributed_executor_backend == "ray":
+        stages_here = 1  # one stage per Ray GPU, which each Mac declares once (docs/parallel.md)
     vllm_config.additional_config[MEMORY_SHARE_KEY] = replicas * stages_here
 
 

@@ -4,18 +4,31 @@ samples. Greedy tokens and prompt logprobs equal transformers float32 (one proce
 the same in tests/backends/test_parity.py) through a mixed batch with 16-token prefill chunks, a
 prefix-cache round and preemption.
 
-Cost: one two-stage engine (Qwen3 in CI), about 30 s of one CI worker.
+The same stages through vLLM's Ray executor and a local Ray cluster (the `ray` extra) run in the
+`full` tier.
+
+Cost: one two-stage engine (Qwen3 in CI), about 40 s of one CI worker.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from tests.backends.mlx.runner.jobs import greedy, kv_block_bytes, run_engine_job, tokens
+from bench.harness.servers import free_port
+from tests.backends.mlx.runner.jobs import (
+    REPO_ROOT,
+    greedy,
+    kv_block_bytes,
+    run_engine_job,
+    tokens,
+)
 from tests.backends.test_parity import (
     MIXED,
     NEW_TOKENS,
@@ -101,6 +114,44 @@ def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
     for prompt, result in zip(PROMPT_LOGPROB_PROMPTS, prompt_lp):
         assert_prompt_logprobs_match_hf(model, prompt, result["prompt_logprobs"])
     # vLLM's split of 3 layers over 2 stages: each stage holds only its own layers' weights.
+    assert [m["weights"] for m in memory] == [
+        _stage_weight_bytes(model, range(2)),
+        _stage_weight_bytes(model, range(2, 3)),
+    ]
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A local Ray cluster started the usual way (`ray start`), declaring two GPUs (the two
+    stages' devices); its address. Skipped where the `ray` extra is not installed."""
+    pytest.importorskip("ray")
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run(
+        [*ray, "start", "--head", "--port", str(port), "--num-gpus", "2", "--num-cpus", "2",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        env=env, check=True, capture_output=True, timeout=180,
+    )  # fmt: skip
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([*ray, "stop"], env=env, check=False, capture_output=True, timeout=120)
+
+
+@pytest.mark.full
+def test_two_stages_through_a_ray_cluster_give_one_process_greedy_tokens(ray_cluster, three_layers):
+    model = three_layers("qwen3")
+    engine = {
+        "pipeline_parallel_size": 2,
+        "distributed_executor_backend": "ray",
+        "max_num_batched_tokens": 16,
+        "max_model_len": 256,
+    }
+    jobs = [{"action": "memory_usage"}, {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]}]
+    memory, mixed = run_engine_job(model, jobs, engine=engine, env={"RAY_ADDRESS": ray_cluster})
+    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
     assert [m["weights"] for m in memory] == [
         _stage_weight_bytes(model, range(2)),
         _stage_weight_bytes(model, range(2, 3)),
