@@ -56,9 +56,9 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "mps": (),
 }
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
-    # Verification through state layers is tested with n-gram drafts (a draft model beside a
-    # hybrid target is not).
-    "state_hybrid": ("ngram",),
+    # Verification through state layers is tested with n-gram drafts and the target's own MTP
+    # head (a draft model beside a hybrid target is not).
+    "state_hybrid": ("ngram", "mtp"),
 }
 
 
@@ -131,6 +131,8 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
             + " or ".join(repr(m) for m in methods)
         )
+    if spec.method == "mtp":
+        _refuse_missing_mtp_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -140,6 +142,27 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             raise MetalConfigError(
                 f"{prefix} {name}={value!r} is not supported; use {wanted!r} (the default)"
             )
+
+
+def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
+    """method 'mtp' drafts with the target's own head: its family must have one built here and
+    the checkpoint must declare its layers (the weights are checked when it loads)."""
+    from vllm_metal.models.families import MTP_MODULES, mtp_module
+
+    text_type = model_type(config, text=True)
+    module = mtp_module(text_type)
+    if module is None:
+        raise MetalConfigError(
+            f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head, "
+            f"built for {', '.join(sorted(MTP_MODULES))}; not for {model_label(config)}. Use "
+            "method 'ngram'"
+        )
+    text_config = config.model_config.hf_text_config.to_dict()
+    if module.num_layers(text_config) < 1:
+        raise MetalConfigError(
+            f"{prefix} method='mtp': {model_label(config)} declares no MTP layers "
+            f"({module.NUM_LAYERS_KEY}); use method 'ngram'"
+        )
 
 
 def check_table() -> list[str]:

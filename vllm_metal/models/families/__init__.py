@@ -128,6 +128,17 @@ def adapter_class(model_type: str | None) -> type[ModelAdapter]:
     return ModelAdapter if name is None else _module(name).Adapter
 
 
+# model_type -> module in this package whose `load_head` builds the model's own
+# multi-token-prediction drafter (`--speculative-config method=mtp`).
+MTP_MODULES = {"qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe_text": "qwen3_5_mtp"}
+
+
+def mtp_module(model_type: str | None):
+    """The MTP head module of `model_type`, or None where this project builds none."""
+    name = MTP_MODULES.get(model_type or "")
+    return None if name is None else _module(name)
+
+
 # model_type -> module in this package defining `sanitize(weights) -> weights`, run on the
 # checkpoint's tensors before mlx-lm's own `sanitize` (layouts mlx-lm does not read).
 SANITIZERS = {
