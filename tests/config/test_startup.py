@@ -62,6 +62,11 @@ def test_pipeline_stages_are_served_each_with_its_share_of_memory(qwen3_dir: Pat
     config = _engine_config(qwen3_dir, pipeline_parallel_size=2)
     assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM's choice, kept
     assert config.additional_config[MEMORY_SHARE_KEY] == 2  # both stages on this host
+    # The stages before the last read the sampled tokens the scheduler sends back, which it does
+    # only without async scheduling: vLLM turns it off, and refuses it when asked for.
+    assert not config.scheduler_config.async_scheduling
+    with pytest.raises(ValueError, match="pipeline parallelism with async scheduling"):
+        _engine_config(qwen3_dir, pipeline_parallel_size=2, async_scheduling=True)
 
 
 def test_ray_data_parallel_engines_are_refused_by_their_flag(qwen3_dir: Path) -> None:
