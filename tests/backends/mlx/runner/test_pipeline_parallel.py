@@ -1,7 +1,8 @@
 """Pipeline parallelism with vLLM's multiprocessing executor: two MLX workers, each loading only
 its decoder layers and its own KV pool, hand hidden states on as `IntermediateTensors`; the last
 samples. Greedy tokens and prompt logprobs equal transformers float32 (one process is held to
-the same in tests/backends/test_parity.py) through a mixed batch with 16-token prefill chunks, a
+the same in tests/backends/test_parity.py) for every model type a stage serves
+(`PIPELINE_STAGE_TYPES`) through a mixed batch with 16-token prefill chunks, a
 prefix-cache round and preemption.
 
 The same stages through vLLM's Ray executor and a local Ray cluster (the `ray` extra) run in the
@@ -62,7 +63,7 @@ def three_layers(tiny_model_dir, tmp_path):
     """Factory: a 3-layer tiny checkpoint of `arch` (an uneven split: stages of 2 and 1 layers)."""
 
     def make(arch: str) -> Path:
-        if arch == "qwen3_moe":
+        if arch in ("qwen3_moe", "mixtral"):
             from tests.fixtures.tiny_moe import write_tiny_moe
 
             return write_tiny_moe(tmp_path / arch, arch, num_layers=3)
@@ -71,13 +72,13 @@ def three_layers(tiny_model_dir, tmp_path):
     return make
 
 
+# Every model type a stage serves; CI runs the first.
+STAGE_ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "mixtral")
+
+
 @pytest.mark.parametrize(
     "arch",
-    [
-        "qwen3",
-        pytest.param("llama", marks=pytest.mark.full),
-        pytest.param("qwen3_moe", marks=pytest.mark.full),
-    ],
+    [STAGE_ARCHS[0], *(pytest.param(a, marks=pytest.mark.full) for a in STAGE_ARCHS[1:])],
 )
 def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
     model = three_layers(arch)
@@ -138,6 +139,12 @@ def ray_cluster(tmp_path):
         yield f"127.0.0.1:{port}"
     finally:
         subprocess.run([*ray, "stop"], env=env, check=False, capture_output=True, timeout=120)
+
+
+def test_every_stage_type_is_tested():
+    from vllm_metal.models.families import PIPELINE_STAGE_TYPES
+
+    assert sorted(PIPELINE_STAGE_TYPES) == sorted(STAGE_ARCHS)
 
 
 @pytest.mark.full
