@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
-_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode"})
+_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
 _MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload"}
+# What a pipeline stage serves beside its layers (`pipeline_refusal`); the rest is refused there.
+PIPELINE_FEATURES = frozenset({"pipeline_parallel"})
 
 SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
     "mlx": {
-        "text": _MLX_DECODER,
-        "moe": _MLX_DECODER,
+        # Pipeline stages: the families of `models.families.PIPELINE_STAGE_TYPES`.
+        "text": _MLX_DECODER | {"pipeline_parallel"},
+        "moe": _MLX_DECODER | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,
@@ -83,11 +86,38 @@ def refusal(config: VllmConfig, backend: str) -> str | None:
 
 def refuse_unsupported(config: VllmConfig, backend: str) -> None:
     """Raise MetalConfigError for the first cell `config` asks for that `backend` lacks."""
-    message = refusal(config, backend)
+    message = refusal(config, backend) or pipeline_refusal(config, backend)
     if message is not None:
         raise MetalConfigError(message)
     if config.speculative_config is not None:
         _refuse_unsupported_speculation(config, backend)
+
+
+def pipeline_refusal(config: VllmConfig, backend: str) -> str | None:
+    """Under pipeline parallelism: the message for a model whose decoder a stage cannot split,
+    or for the first other feature a stage does not serve; None where it is served."""
+    from vllm_metal.models.families import PIPELINE_STAGE_TYPES
+
+    pipeline = FEATURES_BY_NAME["pipeline_parallel"]
+    setting = pipeline.requested(config)
+    if setting is None:
+        return None
+    prefix = f"vllm-metal ({backend} backend) does not serve pipeline parallelism"
+    served_type = model_type(config)
+    if served_type not in PIPELINE_STAGE_TYPES:
+        return (
+            f"{prefix} with model_type {served_type!r}: {setting} with {model_label(config)}; "
+            f"a stage runs a slice of the decoder layers of {', '.join(PIPELINE_STAGE_TYPES)}; "
+            f"{pipeline.advice}"
+        )
+    for feature in FEATURES:
+        requested = None if feature.name in PIPELINE_FEATURES else feature.requested(config)
+        if requested:
+            return (
+                f"{prefix} with {feature.what}: {setting} with {requested}; {feature.advice}, "
+                f"or {pipeline.advice}"
+            )
+    return None
 
 
 def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:

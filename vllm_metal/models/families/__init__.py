@@ -64,6 +64,10 @@ WITHOUT_ADAPTER: tuple[Declaration, ...] = ()
 # mlx-lm architectures the generic adapter serves as they are (no module here) that the tests
 # check against transformers.
 GENERIC_VERIFIED = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+# Generic-adapter families whose mlx-lm decoder is embeddings -> layers -> final norm and nothing
+# else (no embedding scale, no per-layer inputs), so a pipeline stage runs a slice of its layers
+# (`ModelAdapter.forward_stage`).
+PIPELINE_STAGE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def verified(model_type: str | None) -> bool:
