@@ -11,6 +11,9 @@ bound what a trained head gives:
 - *random*: the head's drafts are almost never accepted: what a useless head costs, with the
   back-off on (the default) and off.
 
+Speculative decoding runs with async scheduling off, so each plain case runs twice: as the engine
+defaults (async on) and with it off (`_sync`); the `_vs_sync` ratios isolate what MTP does.
+
 Each case is one `vllm.LLM` in a fresh process (`bench.suites.spec_decode`'s case runner), greedy,
 128-token prompts; ratios are taken against the plain case of the same target in the same run.
 
@@ -42,8 +45,11 @@ def cases(concurrency: list[int]) -> list[dict[str, Any]]:
         for n in concurrency:
             out += [
                 {"name": f"plain_{head}_c{n}", "head": head, "spec": None, "concurrency": n},
+                # Speculative decoding runs with async scheduling off: plain decoding so too.
+                {"name": f"plain_{head}_c{n}_sync", "head": head, "spec": None,
+                 "concurrency": n, "engine": {"async_scheduling": False}},
                 {"name": f"mtp_{head}_c{n}", "head": head, "spec": SPEC, "concurrency": n},
-            ]
+            ]  # fmt: skip
     out.append({"name": "mtp_random_c1_no_backoff", "head": "random", "spec": SPEC,
                 "concurrency": 1, "backoff": False})  # fmt: skip
     return [{**c, "params": GREEDY} for c in out]
@@ -65,17 +71,21 @@ def write_models(work: Path, quick: bool) -> dict[str, Path]:
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """MTP over plain decoding of the same target, with async scheduling as the engine defaults
+    to (`plain_*`) and off as under speculation (`plain_*_sync`, suffix `_vs_sync`)."""
     ratios = {}
     for name, case in results.items():
         if not name.startswith("mtp_"):
             continue
-        plain = results.get(f"plain_{case['head']}_c{case['concurrency']}", {})
-        mtp_tpot, plain_tpot = case.get("median_tpot_ms"), plain.get("median_tpot_ms")
-        if mtp_tpot and plain_tpot:
-            ratios[f"{name}_tpot_speedup"] = round(plain_tpot / mtp_tpot, 3)
-        mtp_rate, plain_rate = case.get("output_tok_s"), plain.get("output_tok_s")
-        if mtp_rate and plain_rate and case["concurrency"] > 1:
-            ratios[f"{name}_throughput_speedup"] = round(mtp_rate / plain_rate, 3)
+        for suffix in ("", "_sync"):
+            plain = results.get(f"plain_{case['head']}_c{case['concurrency']}{suffix}", {})
+            tag = f"{name}{'_vs_sync' if suffix else ''}"
+            mtp_tpot, plain_tpot = case.get("median_tpot_ms"), plain.get("median_tpot_ms")
+            if mtp_tpot and plain_tpot:
+                ratios[f"{tag}_tpot_speedup"] = round(plain_tpot / mtp_tpot, 3)
+            mtp_rate, plain_rate = case.get("output_tok_s"), plain.get("output_tok_s")
+            if mtp_rate and plain_rate and case["concurrency"] > 1:
+                ratios[f"{tag}_throughput_speedup"] = round(mtp_rate / plain_rate, 3)
     return {"speedups": ratios}
 
 
