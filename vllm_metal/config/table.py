@@ -154,7 +154,7 @@ def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
     if module is None:
         raise MetalConfigError(
             f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head, "
-            f"built for {', '.join(sorted(MTP_MODULES))}; not for {model_label(config)}. Use "
+            f"built for {', '.join(sorted(MTP_MODULES))}, not for {model_label(config)}; use "
             "method 'ngram'"
         )
     text_config = config.model_config.hf_text_config.to_dict()
