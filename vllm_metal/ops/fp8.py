@@ -119,6 +119,10 @@ class KVQuant:
     def values(self, codes: mx.array, dtype: mx.Dtype) -> mx.array:
         return dequantize(codes, self.fmt, self.v_scale, dtype)
 
+    def options(self) -> dict[str, object]:
+        """The paged ops' keyword arguments that select this storage."""
+        return {"kv_cache_dtype": self.fmt.name, "k_scale": self.k_scale, "v_scale": self.v_scale}
+
 
 def kv_quant(kv_cache_dtype: str, k_scale: float, v_scale: float) -> KVQuant | None:
     fmt = format_of(kv_cache_dtype)
