@@ -9,49 +9,12 @@ import pytest
 from paged_batch import assert_close, make_batch, to_numpy
 from test_reference_ops import naive_attention
 
+from tests.fixtures.fp8_reference import dequantize64, exact_values, quantize64
 from vllm_metal import ops
 from vllm_metal.ops import _native, fp8
 from vllm_metal.ops.attention import batched, reference
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2"]
-
-
-def exact_values(name: str) -> np.ndarray:
-    """Every byte's value, from the OCP 8-bit float specification's rules (float64)."""
-    e_bits, m_bits, bias = (4, 3, 7) if name == "fp8_e4m3" else (5, 2, 15)
-    values = np.empty(256)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        e = (code >> m_bits) & ((1 << e_bits) - 1)
-        m = code & ((1 << m_bits) - 1)
-        if e == 0:
-            values[code] = sign * m * 2.0 ** (1 - bias - m_bits)
-        else:
-            values[code] = sign * (1 + m / 2**m_bits) * 2.0 ** (e - bias)
-        if name == "fp8_e4m3" and e == 15 and m == 7:
-            values[code] = np.nan
-        if name == "fp8_e5m2" and e == 31:
-            values[code] = sign * np.inf if m == 0 else np.nan
-    return values
-
-
-def quantize64(x: np.ndarray, name: str, scale: float) -> np.ndarray:
-    """vLLM's store rule in float64 by brute force: the nearest finite byte to x / scale (ties to
-    the even mantissa), beyond the largest finite value that value (saturation), NaN to 0x7f."""
-    table = exact_values(name)
-    codes = np.nonzero(np.isfinite(table))[0]
-    top = np.nanmax(table[codes])
-    a = np.clip(np.asarray(x, np.float64) / scale, -top, top)
-    dist = np.abs(a[..., None] - table[codes])
-    nearest = dist == dist.min(-1, keepdims=True)
-    even = nearest & (codes % 2 == 0)
-    pick = np.where(even.any(-1, keepdims=True), even, nearest)
-    out = codes[np.argmax(pick, axis=-1)].astype(np.uint8)
-    return np.where(np.isnan(a), 0x7F, out).astype(np.uint8)
-
-
-def dequantize64(codes: np.ndarray, name: str, scale: float) -> np.ndarray:
-    return exact_values(name)[codes] * scale
 
 
 @pytest.mark.parametrize("name", FORMATS)
