@@ -167,3 +167,25 @@ def test_a_parallel_setting_is_refused_on_every_backend(tiny_model_dir):
         message = refusal(config, backend)
         assert "tensor parallelism" in message and "tensor_parallel_size=2" in message
         assert message.endswith("use --tensor-parallel-size 1")
+
+
+@pytest.mark.parametrize(
+    ("fixture", "words"),
+    [
+        ("tiny_deepseek_v3_dir", "multi-head latent attention (MLA) models"),
+        ("tiny_qwen3_next_dir", "hybrid models with Gated DeltaNet or Mamba-2 state layers"),
+        ("tiny_idefics3_dir", "vision-language models"),
+    ],
+)
+def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words):
+    """MLA latent caches, state-page hybrids and towers' models keep unquantized caches: an fp8
+    cache is refused naming the kind and the flag; text decoders are served."""
+    from vllm.config import CacheConfig
+
+    from vllm_metal.config.table import refusal
+
+    model = _model_config(request.getfixturevalue(fixture))
+    message = refusal(_config(model, cache_config=CacheConfig(cache_dtype="fp8")), "mlx")
+    assert message is not None
+    assert f"fp8 KV caches with {words}" in message
+    assert "--kv-cache-dtype fp8" in message and "use --kv-cache-dtype auto" in message
