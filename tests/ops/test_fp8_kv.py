@@ -228,3 +228,17 @@ def test_fp8_arguments_are_checked() -> None:
         )
     with pytest.raises(ValueError, match="key must be one of"):
         ops.reshape_and_cache(kc[0], vc[0], kc, vc, mx.zeros((16,), mx.int64), kv_cache_dtype="fp8")
+
+
+def test_the_native_op_refuses_pools_it_would_misread(native) -> None:
+    """The C++ builder (CPU body and Metal kernels alike) refuses pools whose dtype is not the
+    query's, so fp8 bytes cannot be read as floats even by a caller that skips the checks."""
+    rng = np.random.default_rng(2)
+    batch = make_batch(
+        rng, q_lens=[1], ctx_lens=[4], num_heads=2, num_kv_heads=2, head_size=64, block_size=16
+    )
+    kc, vc = fp8_pools(batch, "fp8_e4m3", 1.0, 1.0)
+    with pytest.raises(ValueError, match="query's dtype"):
+        native.paged_attention(batch.query, kc, vc, *batch.args[3:], scale=0.1)
+    with pytest.raises(ValueError, match="query's dtype"):
+        native.paged_attention(batch.query.astype(mx.bfloat16), *batch.args[1:], scale=0.1)

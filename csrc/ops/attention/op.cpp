@@ -3,6 +3,7 @@
 #include "ops/attention/op.h"
 
 #include <memory>
+#include <stdexcept>
 #include <utility>
 
 #include "common/array_utils.h"
@@ -19,6 +20,14 @@ mx::array paged_attention(const mx::array& query, const mx::array& key_cache,
                           const mx::array& seq_lens, const mx::array& cu_seqlens_q, float scale,
                           std::optional<int> sliding_window, std::optional<float> softcap,
                           std::optional<mx::array> sinks, mx::StreamOrDevice s) {
+  // The kernels read the pools in the query's dtype. vllm_metal.ops checks dtypes before it calls
+  // here; this guard stays so that no caller can have fp8 bytes (uint8 pools, which the ops read
+  // through MLX) or any other mismatched pool read as floats.
+  if (key_cache.dtype() != query.dtype() || value_cache.dtype() != query.dtype()) {
+    throw std::invalid_argument(
+        "paged_attention: key_cache and value_cache must have the query's dtype (fp8 pools are "
+        "read by vllm_metal.ops.paged_attention, never by the native kernels)");
+  }
   auto stream = mx::to_stream(s);
   std::vector<mx::array> inputs = {query, key_cache, value_cache, block_tables, seq_lens,
                                    cu_seqlens_q};
