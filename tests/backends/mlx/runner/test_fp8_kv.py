@@ -137,3 +137,22 @@ def test_agreement_is_at_least_vllm_cpus(model, fp8_run, dtype) -> None:
           f"plugin {our_error:.4f} vLLM CPU {cpu_error:.4f}")  # fmt: skip
     assert our_share >= MIN_AGREEMENT[dtype] and our_error <= MAX_MEAN_ERROR[dtype]
     assert our_share >= cpu_share
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_windows_read_fp8_like_the_oracle(tiny_model_dir, arch) -> None:
+    """Windows over fp8 pages: Mistral (every layer windowed) and Gemma 3 (sliding and full layers
+    in two KV-cache groups over shared regions), prompts longer than the window."""
+    model = tiny_model_dir(arch)
+    prompts = random_prompts(44, [40, 70, 9])
+    jobs = [{"prompts": prompts, "params": [greedy(16, logprobs=1)]}]
+    (batch,) = run_engine_job(model, jobs, engine={"kv_cache_dtype": "fp8"})
+    oracle = functools.partial(hf_fp8_kv_logprobs, name="fp8_e4m3")
+    for prompt, result in zip(prompts, batch):
+        sample = result["outputs"][0]
+        ref = oracle(model, prompt + sample["token_ids"])
+        for step, token in enumerate(sample["token_ids"]):
+            row = ref[len(prompt) - 1 + step]
+            assert abs(sample["logprobs"][step][str(token)] - row[token]) <= ORACLE_TOL
+            assert row.max() - row[token] <= ORACLE_TOL
