@@ -69,7 +69,7 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
                 "kv_cache_dtype": "fp8",
                 "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
             },
-            ["--kv-cache-dtype fp8", "draft model", "method='ngram'"],
+            ["--kv-cache-dtype fp8", "method='draft_model'", "method='ngram'"],
         ),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
         (
@@ -150,6 +150,9 @@ def test_unsupported_settings_are_refused_by_name(
 def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> None:
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
     assert config.cache_config.cache_dtype == dtype
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=ngram)
+    assert config.speculative_config.method == "ngram"
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])

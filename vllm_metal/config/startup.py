@@ -83,17 +83,18 @@ def check_config(vllm_config: VllmConfig) -> Backend:
 def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
     serves fp8 KV caches, fp8 / fp8_e4m3 / fp8_e5m2 (`kv.quant`); every other format is refused
-    by name, and so is fp8 beside a draft model (its own pool is not quantized)."""
+    by name, and so is fp8 beside any drafter with KV memory of its own (only n-gram drafts,
+    which have none, are verified over an fp8 cache)."""
     from vllm_metal.kv.quant import requested
 
     dtype = vllm_config.cache_config.cache_dtype
     if requested(dtype):
         spec = vllm_config.speculative_config
-        if spec is not None and spec.uses_draft_model():
+        if spec is not None and spec.method != "ngram":
             raise MetalConfigError(
-                f"vllm-metal: --kv-cache-dtype {dtype} is not supported with a draft model "
-                "(--speculative-config method='draft_model'); use --kv-cache-dtype auto, or "
-                "method='ngram'"
+                f"vllm-metal: --kv-cache-dtype {dtype} is not supported with "
+                f"--speculative-config method={spec.method!r} (a drafter's own KV cache is not "
+                "quantized); use --kv-cache-dtype auto, or method='ngram'"
             )
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
