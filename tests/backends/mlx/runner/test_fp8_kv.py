@@ -156,3 +156,17 @@ def test_sliding_windows_read_fp8_like_the_oracle(tiny_model_dir, arch) -> None:
             row = ref[len(prompt) - 1 + step]
             assert abs(sample["logprobs"][step][str(token)] - row[token]) <= ORACLE_TOL
             assert row.max() - row[token] <= ORACLE_TOL
+
+
+@pytest.mark.full
+def test_ngram_verification_over_fp8_pages_is_lossless(model) -> None:
+    """Verification rows (1 + drafts per sequence) read the fp8 pages as decode rows do: greedy
+    tokens with n-gram drafts equal those without."""
+    prompts = [p + p[:12] + p for p in random_prompts(45, [20, 33])]  # drafts find matches
+    jobs = [{"prompts": prompts, "params": [greedy(24)]}]
+    (plain,) = run_engine_job(model, jobs, engine={"kv_cache_dtype": "fp8"})
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    engine = {"kv_cache_dtype": "fp8", "speculative_config": spec, "disable_log_stats": False}
+    (drafted,), metrics = run_engine_job(model, jobs, engine=engine, with_metrics=True)
+    assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) >= 1, metrics
+    assert tokens(drafted) == tokens(plain)
