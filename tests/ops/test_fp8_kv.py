@@ -111,9 +111,10 @@ def test_attention_reads_fp8(name, dtype, scales, case, option) -> None:
         sinks=None if sinks is None else np.asarray(sinks),
     )
     assert_close(got, mx.array(want.astype(np.float32)), dtype)
-    # The per-sequence reference reads the same bytes the same way.
-    ref = reference.paged_attention(*args, scale=0.125, quant=fp8.kv_quant(**quant), **kwargs)
-    assert_close(ref, mx.array(want.astype(np.float32)), dtype)
+    # The per-sequence reference and the batched MLX op (a GPU's path) read the bytes the same way.
+    for impl in (reference, batched):
+        ref = impl.paged_attention(*args, scale=0.125, quant=fp8.kv_quant(**quant), **kwargs)
+        assert_close(ref, mx.array(want.astype(np.float32)), dtype)
 
 
 def test_key_ends_rows_read_fp8() -> None:
@@ -169,31 +170,19 @@ def test_cache_write_stores_fp8_bytes(name: str) -> None:
     np.testing.assert_array_equal(np.asarray(vc).reshape(-1, heads, dim), want_v)
 
 
-def test_fp8_pools_never_reach_the_native_kernels(monkeypatch) -> None:
-    """The native kernels read pools as floats: fp8 bytes must take MLX's own ops."""
+def test_fp8_writes_never_reach_the_native_kernels(monkeypatch) -> None:
+    """The native cache write copies rows as they are: fp8 rows are quantized and written by
+    MLX's own ops on every device."""
 
     def refuse(*args, **kwargs):
-        raise AssertionError("fp8 pools handed to a native kernel")
+        raise AssertionError("fp8 pools handed to a native cache write")
 
-    monkeypatch.setattr(_native, "paged_attention", refuse)
     monkeypatch.setattr(_native, "reshape_and_cache", refuse)
-    rng = np.random.default_rng(5)
-    batch = make_batch(
-        rng,
-        q_lens=[1, 3],
-        ctx_lens=[9, 3],
-        num_heads=4,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=16,
-    )
-    kc, vc = fp8_pools(batch, "fp8_e4m3", 1.0, 1.0)
-    rows = batch.query[:, :2]
-    kc, vc = ops.reshape_and_cache(
-        rows, rows, kc, vc, mx.array(np.array([0, 1, 2, 3], np.int64)), kv_cache_dtype="fp8"
-    )
-    out = ops.paged_attention(batch.query, kc, vc, *batch.args[3:], scale=0.1, kv_cache_dtype="fp8")
-    assert np.isfinite(to_numpy(out)).all()
+    kc = vc = mx.zeros((2, 16, 2, 64), mx.uint8)
+    rows = mx.ones((3, 2, 64), mx.bfloat16)
+    slots = mx.array(np.array([0, 17, -1], np.int64))
+    kc, vc = ops.reshape_and_cache(rows, rows, kc, vc, slots, kv_cache_dtype="fp8")
+    assert int(np.asarray(kc)[0, 0, 0, 0]) == 0x38  # 1.0 in E4M3
 
 
 def test_fp8_arguments_are_checked() -> None:
@@ -228,17 +217,3 @@ def test_fp8_arguments_are_checked() -> None:
         )
     with pytest.raises(ValueError, match="key must be one of"):
         ops.reshape_and_cache(kc[0], vc[0], kc, vc, mx.zeros((16,), mx.int64), kv_cache_dtype="fp8")
-
-
-def test_the_native_op_refuses_pools_it_would_misread(native) -> None:
-    """The C++ builder (CPU body and Metal kernels alike) refuses pools whose dtype is not the
-    query's, so fp8 bytes cannot be read as floats even by a caller that skips the checks."""
-    rng = np.random.default_rng(2)
-    batch = make_batch(
-        rng, q_lens=[1], ctx_lens=[4], num_heads=2, num_kv_heads=2, head_size=64, block_size=16
-    )
-    kc, vc = fp8_pools(batch, "fp8_e4m3", 1.0, 1.0)
-    with pytest.raises(ValueError, match="query's dtype"):
-        native.paged_attention(batch.query, kc, vc, *batch.args[3:], scale=0.1)
-    with pytest.raises(ValueError, match="query's dtype"):
-        native.paged_attention(batch.query.astype(mx.bfloat16), *batch.args[1:], scale=0.1)
