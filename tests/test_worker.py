@@ -1,13 +1,18 @@
 """Proves the worker keeps to its side of the seams: it sizes the KV cache from what the backend and
 the runner report (the explicit size, the utilization budget, the one-request refusal), and passes
-sleep, discard, LoRA and lifecycle calls through the `ModelRunner` protocol unchanged, in
+sleep, discard, LoRA and lifecycle calls through the `ModelRunner` protocol unchanged, and keeps
+a step's async output from being read while the next step runs, in
 milliseconds: a stub backend and a stub runner stand in for the device, vLLM's config is real."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.worker import HEADROOM_BYTES, MetalWorker
@@ -210,3 +215,52 @@ def test_shutdown_reaches_the_runner_then_frees_the_device_cache(vllm_config_fac
     assert runner.calls == [("shutdown",)]
     assert backend.calls == [("release",)]
 
+
+def test_data_parallel_replicas_on_one_host_split_the_budget(vllm_config_factory) -> None:
+    # Two replicas of a 4 GiB device at 0.5 utilization: 1 GiB each, minus weights and peak.
+    config = vllm_config_factory(gpu_memory_utilization=0.5, data_parallel_size=2)
+    worker = _worker(config, StubBackend(total=4 * GIB), StubRunner(GIB // 2, GIB // 4))
+    assert worker.determine_available_memory() == GIB // 4
+
+
+class _SlowStepRunner(StubRunner):
+    """A runner whose step waits for `release` and whose output records when it is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.events: list[str] = []
+
+    def execute_model(self, scheduler_output) -> None:
+        self.events.append("step started")
+        self.release.wait(5)
+        self.events.append("step done")
+
+    def sample_tokens(self, grammar_output):
+        runner = self
+
+        class Output(AsyncModelRunnerOutput):
+            def get_output(self):
+                runner.events.append("output read")
+                return "output"
+
+        return Output()
+
+
+def test_an_async_output_is_read_between_steps_not_during_one(vllm_config_factory) -> None:
+    # vLLM's multiprocessing executor reads a step's output on its own thread while the next
+    # step runs on the main thread; the worker keeps the two apart.
+    runner = _SlowStepRunner()
+    worker = _worker(vllm_config_factory(), StubBackend(), runner)
+    output = worker.sample_tokens(None)
+    step = threading.Thread(target=worker.execute_model, args=(None,))
+    step.start()
+    while not runner.events:
+        time.sleep(0.01)
+    reader = threading.Thread(target=output.get_output)
+    reader.start()
+    time.sleep(0.2)
+    runner.release.set()
+    step.join(5)
+    reader.join(5)
+    assert runner.events == ["step started", "step done", "output read"]

@@ -38,6 +38,9 @@ class MetalPlatform(Platform):
     dispatch_key: str = _torch_device_type().upper()
     dist_backend: str = "gloo"
     device_control_env_var: str = "VLLM_METAL_VISIBLE_DEVICES"
+    # vLLM's Ray executor places one worker per Ray "GPU": a Mac's GPU, which Ray does not detect
+    # on macOS, so each node declares it (`ray start --num-gpus 1`, docs/parallel.md).
+    ray_device_key: str = "GPU"
     simple_compile_backend: str = "eager"
     supported_quantization: list[str] = []
 

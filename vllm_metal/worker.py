@@ -7,11 +7,13 @@ runner; this class answers vLLM's engine and talks to the runner only through it
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.utils.mem_utils import format_gib
+from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_metal._logging import init_logger
@@ -52,6 +54,9 @@ class MetalWorker(WorkerBase):
         vllm_models.install()
         self.backend = get_backend()
         self.model_runner: ModelRunner | None = None
+        # vLLM's multiprocessing executor reads a step's async output on a thread of its own
+        # while the next step runs on the main thread; the runner's steps are not thread-safe.
+        self._step_lock = threading.RLock()
 
     # --------------------------------------------------------------- device
 
@@ -107,18 +112,20 @@ class MetalWorker(WorkerBase):
         weights = self.model_runner.memory().weights
         utilization = self.cache_config.gpu_memory_utilization
         total = self.backend.total_memory_bytes()
-        budget = int(total * utilization)
+        replicas = memory_share(self.vllm_config)
+        budget = int(total * utilization) // replicas
         free_now = available_memory_bytes()
         kv_bytes = min(
             budget - weights - activation_peak, free_now - activation_peak - HEADROOM_BYTES
         )
         per_request = self._one_request_kv_bytes()
         logger.info(
-            "Memory: %s GiB total, budget %s GiB (utilization %.2f), weights %s GiB, "
-            "activation peak %s GiB, free now %s GiB -> KV cache %s GiB",
+            "Memory: %s GiB total, budget %s GiB (utilization %.2f, %d process(es) on this "
+            "host), weights %s GiB, activation peak %s GiB, free now %s GiB -> KV cache %s GiB",
             format_gib(total),
             format_gib(budget),
             utilization,
+            replicas,
             format_gib(weights),
             format_gib(activation_peak),
             format_gib(free_now),
@@ -160,12 +167,40 @@ class MetalWorker(WorkerBase):
     # ----------------------------------------------------------------- step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+        with self._step_lock:
+            if self.parallel_config.pipeline_parallel_size == 1:
+                return self.model_runner.execute_model(scheduler_output)
+            return self._execute_stage(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self.model_runner.sample_tokens(grammar_output)
+    def _execute_stage(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A pipeline stage's step: after the first, it starts from the hidden states the
+        previous stage sends; before the last, it sends its own on and returns nothing (vLLM
+        takes the step's output from the last stage)."""
+        from vllm.distributed.parallel_state import get_pp_group
+        from vllm.sequence import IntermediateTensors
+
+        pipeline = get_pp_group()
+        received = None
+        if scheduler_output.total_num_scheduled_tokens > 0 and not pipeline.is_first_rank:
+            received = IntermediateTensors(pipeline.recv_tensor_dict())
+        output = self.model_runner.execute_model(scheduler_output, received)
+        if isinstance(output, IntermediateTensors):
+            pipeline.send_tensor_dict(output.tensors)
+            return None
+        return output
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        with self._step_lock:
+            output = self.model_runner.sample_tokens(grammar_output)
+        if isinstance(output, AsyncModelRunnerOutput):
+            return _LockedOutput(output, self._step_lock)
+        return output
 
     def execute_dummy_batch(self) -> None:
+        # vLLM's DP engine steps an idle replica of a mixture-of-experts model with a dummy batch
+        # so that the replicas' collectives inside the model line up; the MLX runner has none.
         return None
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -237,3 +272,27 @@ class MetalWorker(WorkerBase):
         if self.model_runner is not None:
             self.model_runner.shutdown()
         self.backend.release_cached_memory()
+
+
+class _LockedOutput(AsyncModelRunnerOutput):
+    """An async step output read under the worker's step lock (see `MetalWorker.__init__`)."""
+
+    def __init__(self, output: AsyncModelRunnerOutput, lock: threading.RLock):
+        self._output = output
+        self._lock = lock
+
+    def get_output(self) -> ModelRunnerOutput:
+        with self._lock:
+            return self._output.get_output()
+
+
+def memory_share(vllm_config: VllmConfig) -> int:
+    """How many engine processes on this host share its memory budget: the data-parallel
+    replicas started here (`config.startup` records it before vLLM makes each replica a DP=1
+    engine); pipeline stages on one host load only their layers and split it the same way."""
+    from vllm_metal.config.startup import MEMORY_SHARE_KEY
+
+    recorded = vllm_config.additional_config
+    if isinstance(recorded, dict):
+        return max(1, int(recorded.get(MEMORY_SHARE_KEY, 1)))
+    return 1

@@ -86,6 +86,19 @@ def test_spec_decode_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+def test_mtp_quick(run_suite) -> None:
+    run = run_suite("mtp")
+    data = run.results()
+    assert set(data["cases"]) == {"mtp_self_drafting_c1"}
+    case = data["cases"]["mtp_self_drafting_c1"]
+    assert case["median_tpot_ms"] > 0 and case["output_tok_s"] > 0
+    assert case["spec"]["method"] == "mtp" and case["spec_counters"]["num_drafts"] > 0
+    assert case["acceptance_rate"] >= 0.9  # the self-drafting head
+    assert data["summary"]["speedups"] == {}  # no plain peer in --quick
+    assert "mtp_self_drafting_c1" in run.report()
+
+
+@pytest.mark.slow
 @pytest.mark.full
 def test_spec_decode_with_peers(run_suite) -> None:
     from bench.suites.spec_decode import QUICK_CASES

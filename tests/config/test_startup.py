@@ -47,6 +47,43 @@ def test_lora_settings_are_accepted(qwen3_dir: Path) -> None:
     assert (config.lora_config.max_loras, config.lora_config.max_lora_rank) == (3, 32)
 
 
+def test_data_parallel_replicas_are_served_each_with_its_share_of_memory(qwen3_dir: Path) -> None:
+    from vllm_metal.config.startup import MEMORY_SHARE_KEY
+
+    config = _engine_config(qwen3_dir, data_parallel_size=2)
+    assert config.parallel_config.data_parallel_size == 2
+    assert config.additional_config[MEMORY_SHARE_KEY] == 2  # two replicas on this host
+    assert _engine_config(qwen3_dir).additional_config[MEMORY_SHARE_KEY] == 1
+
+
+def test_pipeline_stages_are_served_each_with_its_share_of_memory(qwen3_dir: Path) -> None:
+    from vllm_metal.config.startup import MEMORY_SHARE_KEY
+
+    config = _engine_config(qwen3_dir, pipeline_parallel_size=2)
+    assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM's choice, kept
+    assert config.additional_config[MEMORY_SHARE_KEY] == 2  # both stages on this host
+    # The stages before the last read the sampled tokens the scheduler sends back, which it does
+    # only without async scheduling: vLLM turns it off, and refuses it when asked for.
+    assert not config.scheduler_config.async_scheduling
+    with pytest.raises(ValueError, match="pipeline parallelism with async scheduling"):
+        _engine_config(qwen3_dir, pipeline_parallel_size=2, async_scheduling=True)
+
+
+def test_ray_data_parallel_engines_are_refused_by_their_flag(qwen3_dir: Path) -> None:
+    # vLLM refuses "ray" itself while the package is missing (this venv); with it installed the
+    # platform's check is what stops it, so the check runs here on a config set afterwards.
+    from vllm_metal.config.errors import MetalConfigError
+    from vllm_metal.config.startup import refuse_ray
+    from vllm_metal.platform import MetalPlatform
+
+    assert MetalPlatform.ray_device_key == "GPU"  # Ray's executor places stages on Ray GPUs
+    config = _engine_config(qwen3_dir, data_parallel_size=2)
+    refuse_ray(config)  # mp: served
+    config.parallel_config.data_parallel_backend = "ray"
+    with pytest.raises(MetalConfigError, match="--data-parallel-backend ray is not supported"):
+        refuse_ray(config)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_size: int) -> None:
     assert _engine_config(qwen3_dir, block_size=block_size).cache_config.block_size == block_size
@@ -55,9 +92,19 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
 @pytest.mark.parametrize(
     "kwargs, names",
     [
-        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2"]),
-        ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2"]),
-        ({"data_parallel_size": 2}, ["data_parallel_size=2"]),
+        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "all-reduce", "--pipeline"]),
+        (
+            {"pipeline_parallel_size": 2, "enable_lora": True},
+            [
+                "pipeline parallelism with LoRA adapters",
+                "--enable-lora",
+                "--pipeline-parallel-size 1",
+            ],
+        ),
+        (
+            {"pipeline_parallel_size": 2, "data_parallel_size": 2},
+            ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
+        ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
         ({"kv_cache_dtype": "int8_per_token_head"}, ["kv_cache_dtype", "int8_per_token_head"]),
         ({"kv_cache_dtype": "int4_per_token_head"}, ["kv_cache_dtype", "int4_per_token_head"]),
@@ -115,8 +162,8 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
     ],
     ids=[
         "tp",
-        "pp",
-        "dp",
+        "pp_lora",
+        "pp_dp",
         "block_size",
         "kv_int8_per_token_head",
         "kv_int4_per_token_head",

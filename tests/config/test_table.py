@@ -166,7 +166,39 @@ def test_a_parallel_setting_is_refused_on_every_backend(tiny_model_dir):
     for backend in ("mlx", "mps"):
         message = refusal(config, backend)
         assert "tensor parallelism" in message and "tensor_parallel_size=2" in message
-        assert message.endswith("use --tensor-parallel-size 1")
+        assert "all-reduce" in message and "use --tensor-parallel-size 1" in message
+
+
+def test_data_parallel_is_served_by_the_mlx_backend_only(tiny_model_dir):
+    from vllm.config import ParallelConfig
+
+    from vllm_metal.config.table import refusal
+
+    config = _config(
+        _model_config(tiny_model_dir("qwen3")),
+        parallel_config=ParallelConfig(data_parallel_size=2),
+    )
+    assert refusal(config, "mlx") is None
+    assert "data_parallel_size=2" in refusal(config, "mps")
+
+
+def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny_model_dir):
+    from vllm.config import ParallelConfig
+
+    from vllm_metal.config.table import pipeline_refusal, refusal
+
+    def config(arch):
+        return _config(
+            _model_config(tiny_model_dir(arch)),
+            parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        )
+
+    assert refusal(config("qwen3"), "mlx") is None
+    assert pipeline_refusal(config("qwen3"), "mlx") is None
+    message = pipeline_refusal(config("gemma2"), "mlx")
+    assert "pipeline parallelism with model_type 'gemma2'" in message
+    assert "pipeline_parallel_size=2" in message and "use --pipeline-parallel-size 1" in message
+    assert "pipeline_parallel_size=2" in refusal(config("qwen3"), "mps")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.lora.request import LoRARequest
+    from vllm.sequence import IntermediateTensors
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -45,7 +46,15 @@ class ModelRunner(Protocol):
     def warm_up(self) -> None: ...
 
     # -- the step
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """A step; under pipeline parallelism, from and to the neighbouring stages' hidden
+        states (a stage before the last returns its `IntermediateTensors`)."""
+        ...
+
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput: ...

@@ -92,19 +92,20 @@ def _speculative(config: VllmConfig) -> str | None:
     return None if spec is None else f"--speculative-config method={spec.method!r}"
 
 
-ONE_DEVICE = "(vllm-metal serves on one device)"
 NO_OFFLOAD = "remove --kv-offloading-size / VLLM_METAL_SSD_CACHE_DIR"
 
 FEATURES: tuple[Feature, ...] = (
     Feature(
         "tensor_parallel",
-        f"tensor parallelism {ONE_DEVICE}",
-        "use --tensor-parallel-size 1",
+        "tensor parallelism (a Mac is one device, and no link between Macs is fast enough for "
+        "the all-reduce every layer of a tensor-parallel step needs)",
+        "use --tensor-parallel-size 1; spread a model's layers over processes or Macs with "
+        "--pipeline-parallel-size, or its traffic with --data-parallel-size",
         _parallel("tensor_parallel_size"),
     ),
     Feature(
         "pipeline_parallel",
-        f"pipeline parallelism {ONE_DEVICE}",
+        "pipeline parallelism",
         "use --pipeline-parallel-size 1",
         _parallel("pipeline_parallel_size"),
     ),

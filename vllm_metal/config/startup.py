@@ -26,6 +26,8 @@ logger = init_logger(__name__)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WORKER_QUALNAME = "vllm_metal.worker.MetalWorker"
+# `additional_config` key: engine processes on this host (`record_memory_share`).
+MEMORY_SHARE_KEY = "vllm_metal_processes_per_host"
 # The state layers' recurrent state is kept in float32 (`kv/state.py`).
 STATE_SSM_DTYPES = ("auto", "float32")
 
@@ -61,6 +63,7 @@ def check_config(vllm_config: VllmConfig) -> Backend:
     the backend that serves the rest."""
     backend = selected_backend()
     refuse_unsupported(vllm_config, backend.name)
+    refuse_ray(vllm_config)
     model = vllm_config.model_config
     if model is not None:
         if model.dtype not in SUPPORTED_DTYPES:
@@ -104,6 +107,18 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         "fp8, TurboQuant, NVFP4 and other quantized formats are not built); use 'auto', or "
         "'fp8' / 'fp8_e4m3' / 'fp8_e5m2' on the MLX backend"
     )
+
+
+def refuse_ray(vllm_config: VllmConfig) -> None:
+    """Ray serves pipeline stages (`--distributed-executor-backend ray`, each worker on a Ray
+    "GPU", `MetalPlatform.ray_device_key`); Ray-managed data-parallel engines are not tested and
+    are refused by their flag."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_backend == "ray":
+        raise MetalConfigError(
+            "vllm-metal: --data-parallel-backend ray is not supported; use mp (the default): "
+            "data-parallel replicas as processes, across Macs with --data-parallel-address"
+        )
 
 
 def _warn_about_head_sizes(vllm_config: VllmConfig, backend: Backend) -> None:
@@ -153,6 +168,23 @@ def check_state_dtypes(vllm_config: VllmConfig) -> None:
         )
 
 
+def record_memory_share(vllm_config: VllmConfig) -> None:
+    """Record how many engine processes this host runs (data-parallel replicas x pipeline stages
+    here), so each worker sizes its KV cache from its share of the utilization budget
+    (`worker.memory_share`). vLLM turns each dense DP replica into a DP=1 engine before its
+    worker starts, so the count is taken here, where the whole deployment is still visible."""
+    parallel = vllm_config.parallel_config
+    if not isinstance(vllm_config.additional_config, dict):
+        return
+    if MEMORY_SHARE_KEY in vllm_config.additional_config:
+        return  # recorded when the API server built the config
+    replicas = parallel.data_parallel_size_local or 1
+    stages_here = max(1, parallel.world_size // max(1, parallel.nnodes))
+    if parallel.distributed_executor_backend == "ray":
+        stages_here = 1  # one stage per Ray GPU, which each Mac declares once (docs/parallel.md)
+    vllm_config.additional_config[MEMORY_SHARE_KEY] = replicas * stages_here
+
+
 def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
     """Choose the worker and executor and turn off what only CUDA graphs/torch.compile use."""
     from vllm.config import CompilationMode, CUDAGraphMode
@@ -163,6 +195,7 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
     if parallel.distributed_executor_backend in (None, "auto"):
         parallel.distributed_executor_backend = "uni"
     parallel.disable_custom_all_reduce = True
+    record_memory_share(vllm_config)
     if getattr(parallel, "enable_dbo", False):
         parallel.enable_dbo = False
 

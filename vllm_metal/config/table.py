@@ -15,19 +15,22 @@ from vllm_metal.config.errors import MetalConfigError
 from vllm_metal.config.features import BY_NAME as FEATURES_BY_NAME
 from vllm_metal.config.features import FEATURES
 from vllm_metal.config.kinds import BY_NAME as KINDS_BY_NAME
-from vllm_metal.config.kinds import kind_of, model_label
+from vllm_metal.config.kinds import kind_of, model_label, model_type
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
-_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode"})
+_MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
 _MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload", "fp8_kv_cache"}
+# What a pipeline stage serves beside its layers (`pipeline_refusal`); the rest is refused there.
+PIPELINE_FEATURES = frozenset({"pipeline_parallel"})
 
 SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
     "mlx": {
-        "text": _MLX_DECODER,
-        "moe": _MLX_DECODER,
+        # Pipeline stages: the families of `models.families.PIPELINE_STAGE_TYPES`.
+        "text": _MLX_DECODER | {"pipeline_parallel"},
+        "moe": _MLX_DECODER | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,
@@ -53,9 +56,9 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "mps": (),
 }
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
-    # Verification through state layers is tested with n-gram drafts (a draft model beside a
-    # hybrid target is not).
-    "state_hybrid": ("ngram",),
+    # Verification through state layers is tested with n-gram drafts and the target's own MTP
+    # head (a draft model beside a hybrid target is not).
+    "state_hybrid": ("ngram", "mtp"),
 }
 
 
@@ -83,11 +86,38 @@ def refusal(config: VllmConfig, backend: str) -> str | None:
 
 def refuse_unsupported(config: VllmConfig, backend: str) -> None:
     """Raise MetalConfigError for the first cell `config` asks for that `backend` lacks."""
-    message = refusal(config, backend)
+    message = refusal(config, backend) or pipeline_refusal(config, backend)
     if message is not None:
         raise MetalConfigError(message)
     if config.speculative_config is not None:
         _refuse_unsupported_speculation(config, backend)
+
+
+def pipeline_refusal(config: VllmConfig, backend: str) -> str | None:
+    """Under pipeline parallelism: the message for a model whose decoder a stage cannot split,
+    or for the first other feature a stage does not serve; None where it is served."""
+    from vllm_metal.models.families import PIPELINE_STAGE_TYPES
+
+    pipeline = FEATURES_BY_NAME["pipeline_parallel"]
+    setting = pipeline.requested(config)
+    if setting is None:
+        return None
+    prefix = f"vllm-metal ({backend} backend) does not serve pipeline parallelism"
+    served_type = model_type(config)
+    if served_type not in PIPELINE_STAGE_TYPES:
+        return (
+            f"{prefix} with model_type {served_type!r}: {setting} with {model_label(config)}; "
+            f"a stage runs a slice of the decoder layers of {', '.join(PIPELINE_STAGE_TYPES)}; "
+            f"{pipeline.advice}"
+        )
+    for feature in FEATURES:
+        requested = None if feature.name in PIPELINE_FEATURES else feature.requested(config)
+        if requested:
+            return (
+                f"{prefix} with {feature.what}: {setting} with {requested}; {feature.advice}, "
+                f"or {pipeline.advice}"
+            )
+    return None
 
 
 def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
@@ -101,6 +131,8 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
             + " or ".join(repr(m) for m in methods)
         )
+    if spec.method == "mtp":
+        _refuse_missing_mtp_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -110,6 +142,27 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             raise MetalConfigError(
                 f"{prefix} {name}={value!r} is not supported; use {wanted!r} (the default)"
             )
+
+
+def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
+    """method 'mtp' drafts with the target's own head: its family must have one built here and
+    the checkpoint must declare its layers (the weights are checked when it loads)."""
+    from vllm_metal.models.families import MTP_MODULES, mtp_module
+
+    text_type = model_type(config, text=True)
+    module = mtp_module(text_type)
+    if module is None:
+        raise MetalConfigError(
+            f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head, "
+            f"built for {', '.join(sorted(MTP_MODULES))}; not for {model_label(config)}. Use "
+            "method 'ngram'"
+        )
+    text_config = config.model_config.hf_text_config.to_dict()
+    if module.num_layers(text_config) < 1:
+        raise MetalConfigError(
+            f"{prefix} method='mtp': {model_label(config)} declares no MTP layers "
+            f"({module.NUM_LAYERS_KEY}); use method 'ngram'"
+        )
 
 
 def check_table() -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm_metal.models.adapter import ModelAdapter
+from vllm_metal.models.adapter import LayerRange, ModelAdapter
 from vllm_metal.models.families import adapter_class
 from vllm_metal.models.layers import LayerKind
 
@@ -54,6 +54,7 @@ def load_model(
     hf_config: dict[str, Any] | None = None,
     towers: bool | None = None,
     language_model_only: bool = False,
+    layers: LayerRange | None = None,
 ) -> ModelAdapter:
     """Load `model` (a local directory, a Hugging Face id or a `.gguf` file) and wrap it for the
     runner.
@@ -65,7 +66,9 @@ def load_model(
     through mlx-vlm, their adapter a `multimodal.MultimodalAdapter`; a family whose towers sit
     beside the language model (`families.towers_beside_language_model`) loads that through
     mlx-lm, its towers attached to its adapter. `towers`: whether
-    to load the towers (None: as `loads_towers` decides, with vLLM's `language_model_only`)."""
+    to load the towers (None: as `loads_towers` decides, with vLLM's `language_model_only`).
+    `layers`: a pipeline stage's share of the decoder layers, the only ones loaded (safetensors
+    checkpoints of `families.PIPELINE_STAGE_TYPES`; the startup refuses the others)."""
     from vllm_metal.models.families import towers_beside_language_model
     from vllm_metal.models.loaders import is_gguf, safetensors
 
@@ -94,6 +97,7 @@ def load_model(
             trust_remote_code=trust_remote_code,
             dequantize=dequantize,
             lm_head=lm_head,
+            layers=layers,
         )
         wrapper = config  # a vision-language checkpoint's whole config (its `vision_config`)
         if "language_model" in mlx_model and "model" not in mlx_model:
@@ -109,6 +113,7 @@ def load_model(
         )
     else:
         adapter = adapter_class(config.get("model_type"))(mlx_model, config)
+    adapter.stage = layers
     adapter.install_paged_attention()
     return adapter
 

@@ -9,6 +9,7 @@ subclasses it in `families/<model_type>.py`. Mirrors mlx-lm 0.32.2.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -22,6 +23,53 @@ from vllm_metal.models.loaders import parameter_bytes
 _ATTENTION_ATTRS = ("self_attn", "attention", "attn", "linear_attn", "mamba")
 
 
+@dataclass(frozen=True)
+class LayerRange:
+    """The decoder layers one pipeline stage runs, `start` to `end` of `total`: the first stage
+    embeds the tokens, the last applies the final norm and the head."""
+
+    start: int
+    end: int
+    total: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.total
+
+
+class AbsentLayer:
+    """Stands in a decoder's layer list for a layer another pipeline stage runs: it holds no
+    weights (mlx-lm's module tree skips plain objects), only the layer's plain attributes, which
+    mlx-lm's `make_cache` reads (Llama's `use_sliding`)."""
+
+    def __init__(self, layer: Any):
+        self._attributes = {k: v for k, v in vars(layer).items() if not k.startswith("_")}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_attributes"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+def keep_layers(model: Any, layers: LayerRange) -> None:
+    """Drop the decoder layers of `model` (an mlx-lm model, weights not evaluated yet) outside
+    `layers`, before its weights are read: the stage loads only its own."""
+    stack = model.model.layers
+    if len(stack) != layers.total:
+        raise ValueError(f"the model has {len(stack)} layers, the stage plan {layers.total}")
+    for i in range(layers.total):
+        if not layers.start <= i < layers.end:
+            stack[i] = AbsentLayer(stack[i])
+
+
 class ModelAdapter:
     # Whether `forward` takes M-RoPE positions (`multimodal.MultimodalAdapter`).
     uses_mrope = False
@@ -32,6 +80,8 @@ class ModelAdapter:
         self.model = model  # the mlx-lm `Model`
         self.config = config  # the checkpoint's config.json, as mlx-lm read it
         self.model_type: str = config.get("model_type", "")
+        # The layers this process runs (pipeline parallelism, `keep_layers`); None: all of them.
+        self.stage: LayerRange | None = None
 
     # ----------------------------------------------------------- structure
 
@@ -46,7 +96,14 @@ class ModelAdapter:
 
     @property
     def num_layers(self) -> int:
+        """The decoder layers this process runs (a pipeline stage's share)."""
+        if self.stage is not None:
+            return self.stage.end - self.stage.start
         return len(self.model.layers)
+
+    def _stage_indices(self) -> range:
+        stage = self.stage
+        return range(len(self.model.layers)) if stage is None else range(stage.start, stage.end)
 
     @cached_property
     def attention_layer_names(self) -> list[str]:
@@ -55,7 +112,8 @@ class ModelAdapter:
         the checkpoint's weights, in the order of `layer_kinds`."""
         path_of = {id(m): name for name, m in self.model.named_modules()}
         names = []
-        for i, layer in enumerate(self.model.layers):
+        for i in self._stage_indices():
+            layer = self.model.layers[i]
             attr = next((a for a in _ATTENTION_ATTRS if hasattr(layer, a)), None)
             if attr is None or id(layer) not in path_of:
                 raise ValueError(f"{self.model_type}: layer {i} has no attention module")
@@ -68,6 +126,8 @@ class ModelAdapter:
         if not hasattr(self.model, "make_cache"):
             return [FULL_ATTENTION] * self.num_layers
         kinds = kinds_from_caches(self.model.make_cache())
+        if self.stage is not None:
+            kinds = kinds[self.stage.start : self.stage.end]
         if any(kind.is_state for kind in kinds):
             state = LayerKind(is_state=True, state=state_shapes_of(self.model_type, self.config))
             kinds = [state if kind.is_state else kind for kind in kinds]
@@ -100,6 +160,17 @@ class ModelAdapter:
         for layer, cache in zip(self.decoder.layers, caches):
             h = layer(h, None, cache)
         return self.decoder.norm(h)
+
+    def forward_stage(self, h: mx.array, caches: list[Any]) -> mx.array:
+        """A pipeline stage's layers over packed rows (`decode_layers` over the stage's share):
+        from the first stage's embeddings or the previous stage's hidden states, to the final
+        norm on the last stage."""
+        stage = self.stage
+        assert stage is not None, "not a pipeline stage"
+        layers = self.decoder.layers[stage.start : stage.end]
+        for layer, cache in zip(layers, caches, strict=True):
+            h = layer(h, None, cache)
+        return self.decoder.norm(h) if stage.last else h
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The model's head on selected hidden rows: tied embeddings, softcapping and all."""

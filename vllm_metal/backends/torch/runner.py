@@ -18,6 +18,7 @@ from vllm_metal.backends.torch.model_runner import TorchModelRunner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.sequence import IntermediateTensors
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -90,8 +91,12 @@ class TorchRunner:
         return None
 
     # -- the step
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        return self.runner.execute_model(scheduler_output, intermediate_tensors)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.runner.sample_tokens(grammar_output)

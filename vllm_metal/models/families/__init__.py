@@ -64,6 +64,10 @@ WITHOUT_ADAPTER: tuple[Declaration, ...] = ()
 # mlx-lm architectures the generic adapter serves as they are (no module here) that the tests
 # check against transformers.
 GENERIC_VERIFIED = ("llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+# Generic-adapter families whose mlx-lm decoder is embeddings -> layers -> final norm and nothing
+# else (no embedding scale, no per-layer inputs), so a pipeline stage runs a slice of its layers
+# (`ModelAdapter.forward_stage`).
+PIPELINE_STAGE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def verified(model_type: str | None) -> bool:
@@ -122,6 +126,17 @@ def towers_beside_language_model(model_type: str | None) -> bool:
 def adapter_class(model_type: str | None) -> type[ModelAdapter]:
     name = _adapter_modules().get(model_type or "")
     return ModelAdapter if name is None else _module(name).Adapter
+
+
+# model_type -> module in this package whose `load_head` builds the model's own
+# multi-token-prediction drafter (`--speculative-config method=mtp`).
+MTP_MODULES = {"qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe_text": "qwen3_5_mtp"}
+
+
+def mtp_module(model_type: str | None):
+    """The MTP head module of `model_type`, or None where this project builds none."""
+    name = MTP_MODULES.get(model_type or "")
+    return None if name is None else _module(name)
 
 
 # model_type -> module in this package defining `sanitize(weights) -> weights`, run on the

@@ -14,6 +14,7 @@ from mlx import nn
 
 from vllm_metal._logging import init_logger
 from vllm_metal.models import hf_config
+from vllm_metal.models.adapter import LayerRange, keep_layers
 from vllm_metal.models.loaders import parameter_bytes
 
 logger = init_logger(__name__)
@@ -57,6 +58,7 @@ def load(
     trust_remote_code: bool = False,
     dequantize: bool = False,
     lm_head: bool = True,
+    layers: LayerRange | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model of the checkpoint (evaluated, in eval mode) and its config dict.
 
@@ -64,6 +66,7 @@ def load(
     in half of the memory free now (see `_dequantize`). Without `lm_head` (pooling models) the
     model is built without its language-model head, and the checkpoint's head tensors
     (`lm_head.*`, a classifier's `score.*`) are left to the pooling heads that read them.
+    With `layers` (a pipeline stage) only those decoder layers' weights are read.
     """
     from mlx_lm.utils import _get_classes, load_model
 
@@ -87,6 +90,8 @@ def load(
         trust_remote_code=trust_remote_code,
         get_model_classes=classes if lm_head else _headless(classes),
     )
+    if layers is not None:
+        keep_layers(mlx_model, layers)
     # Quantized checkpoints keep their packed integer weights; set_dtype only touches floats.
     mlx_model.set_dtype(compute_dtype)
     if dequantize:

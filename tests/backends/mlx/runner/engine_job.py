@@ -151,6 +151,9 @@ def run(spec: dict) -> dict:
         if job.get("action") == "corrupt_files":
             results.append(_corrupt_files(job["glob"]))
             continue
+        if job.get("action") == "memory_usage":  # every worker's (each pipeline stage's)
+            results.append(llm.collective_rpc("memory_usage"))
+            continue
         if "action" in job:
             results.append(_adapter_action(llm, job))
             continue

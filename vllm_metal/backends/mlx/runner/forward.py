@@ -95,6 +95,9 @@ def hidden_states(
     sliding_only = getattr(adapter, "bidirectional_sliding_only", False)
     caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts, sliding_only)
     token_ids = mx.array(packed.token_ids)[:, None]  # [T, 1]
+    if adapter.stage is not None:  # a pipeline stage: its layers, from tokens or hidden states
+        stage_in = adapter.embed(token_ids) if inputs.stage_hidden is None else inputs.stage_hidden
+        return adapter.forward_stage(stage_in, caches)
     embeds = merge(adapter.embed(token_ids), inputs.mm_rows)  # [T, 1, hidden]
     extra = {"token_ids": token_ids} if adapter.takes_token_ids else {}
     if not isinstance(adapter, MultimodalAdapter):

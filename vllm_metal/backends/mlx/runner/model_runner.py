@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_metal._logging import init_logger
+from vllm_metal.backends.mlx.runner import stages
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
@@ -37,6 +38,7 @@ from vllm_metal.kv.state_drafts import StepDrafts
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.lora.request import LoRARequest
+    from vllm.sequence import IntermediateTensors
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -62,6 +64,10 @@ class MLXModelRunner:
         self.output = stage(vllm_config, self.states, self.state)
         self.spec = self.output.spec
         self.lora = make_lora_manager(vllm_config, self.state.compute_dtype)
+        # Pipeline parallelism: a stage before the last ends its steps at hidden states, and
+        # learns the sampled tokens from the scheduler (`RequestStates.tokens_from_scheduler`).
+        self.last_stage = stages.is_last(vllm_config)
+        self.states.tokens_from_scheduler = not self.last_stage
 
         self.kv_layout: KVLayout | None = None
         self.kv_pool: KVPool | None = None
@@ -154,7 +160,13 @@ class MLXModelRunner:
 
     # ------------------------------------------------------------ the step
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """A step; under pipeline parallelism a stage after the first starts from the previous
+        stage's `intermediate_tensors`, and a stage before the last returns its own."""
         self.output.drain()  # the previous step's tokens are inputs of this one
         started = time.perf_counter()
         if self.connector is not None:
@@ -187,10 +199,17 @@ class MLXModelRunner:
             inputs = replace(
                 inputs, drafts=StepDrafts(packed.num_scheduled, packed.num_draft_tokens)
             )
+        if intermediate_tensors is not None:
+            inputs = replace(
+                inputs,
+                stage_hidden=stages.from_previous(intermediate_tensors, self.state.compute_dtype),
+            )
         hidden = self.state.hidden_states(self.kv_pool, packed, inputs)
         kv_arrays = [] if self.kv_pool is None else self.kv_pool.arrays()
         if inputs.drafts is not None:
             kv_arrays += inputs.drafts.arrays()
+        if not self.last_stage:
+            return stages.to_next(hidden, kv_arrays)
         forward = Forward(
             scheduler_output, packed, hidden, started, kv_arrays, self.connector, inputs.drafts
         )

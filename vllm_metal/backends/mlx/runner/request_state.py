@@ -48,6 +48,9 @@ class RequestStates:
         spec = vllm_config.speculative_config
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.input_batch = self._make_input_batch(self.block_sizes)
+        # A pipeline stage before the last samples nothing: the scheduler sends each step's
+        # tokens back (`CachedRequestData.new_token_ids`), sampled ones included.
+        self.tokens_from_scheduler = False
 
     def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
         config = self.vllm_config
@@ -105,6 +108,8 @@ class RequestStates:
                 del state.output_token_ids[num_output:]
                 if index is not None:
                     batch.num_tokens_no_spec[index] = batch.num_prompt_tokens[index] + num_output
+            if self.tokens_from_scheduler and cached.new_token_ids:
+                self._take_sampled(state, index, num_computed, cached.new_token_ids[i])
             if req_id in cached.resumed_req_ids:
                 assert new_block_ids is not None
                 state.block_ids = new_block_ids
@@ -129,6 +134,23 @@ class RequestStates:
             batch, scheduler_output, decode_threshold=1 + self.num_spec_tokens
         )
         batch.refresh_metadata()
+
+    def _take_sampled(
+        self, state: CachedRequestState, index: int | None, num_computed: int, scheduled: list[int]
+    ) -> None:
+        """The tokens of `scheduled` (this step's tokens from `num_computed` on) that this stage
+        has not seen: the last stage's samples."""
+        new = num_computed + len(scheduled) - state.num_tokens
+        if new <= 0:
+            return
+        sampled = scheduled[-new:]
+        state.output_token_ids.extend(sampled)
+        if index is not None:
+            batch = self.input_batch
+            start = int(batch.num_tokens_no_spec[index])
+            batch.token_ids_cpu[index, start : start + new] = sampled
+            batch.is_token_ids[index, start : start + new] = True
+            batch.num_tokens_no_spec[index] = start + new
 
     def _add_new(self, new) -> CachedRequestState:
         if new.prompt_token_ids is None:

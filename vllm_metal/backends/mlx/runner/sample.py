@@ -55,16 +55,14 @@ class Sampling:
         self.device = DeviceSampler(vllm_config.model_config.seed)
         async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.pipeline = StepPipeline(self._sample, async_scheduling)
-        self.spec = make_spec_decoder(
-            vllm_config,
-            self.sampler,
-            compute_dtype=state.compute_dtype,
-            kv_dtype=state.mlx_kv_dtype,
-            dequantize=state.dequantize,
-        )
+        self.spec = make_spec_decoder(vllm_config, self.sampler, state)
 
     def load(self, state: ModelState) -> None:
         pass
+
+    @property
+    def _drafter_reads_hidden(self) -> bool:
+        return self.spec is not None and self.spec.drafter.reads_hidden_states
 
     def supported_tasks(self, state: ModelState) -> tuple[SupportedTask, ...]:
         return state.generation_tasks()
@@ -91,6 +89,7 @@ class Sampling:
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
+            hidden=forward.hidden if self._drafter_reads_hidden else None,
         )
 
     def drain(self) -> None:

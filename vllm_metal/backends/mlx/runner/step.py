@@ -38,6 +38,9 @@ class StepState:
     output: ModelRunnerOutput | None = None
     kv_connector_output: KVConnectorOutput | None = None  # the step's KV transfers
     drafts: StepDrafts | None = None  # a hybrid's states that wait for the verified drafts
+    # The final hidden states of every packed token, `[T, 1, hidden]`, kept for a drafter that
+    # reads them (an MTP head, `spec_decode/mtp.py`); None otherwise.
+    hidden: mx.array | None = None
 
 
 class PendingOutput(AsyncModelRunnerOutput):

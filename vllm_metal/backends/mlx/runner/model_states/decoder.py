@@ -11,6 +11,7 @@ from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, St
 from vllm_metal.backends.mlx.runner.warmup import DummyRuns
 from vllm_metal.kv.spec import memory_layer_names
 from vllm_metal.models import ModelAdapter, load_model
+from vllm_metal.models.adapter import LayerRange
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -29,7 +30,9 @@ class DecoderState(ModelState):
     def __init__(self, vllm_config: VllmConfig, *, lm_head: bool):
         super().__init__(vllm_config, lm_head=lm_head)
         self.adapter: ModelAdapter | None = None
-        self.num_layers = self.model_config.get_num_layers(vllm_config.parallel_config)
+        parallel = vllm_config.parallel_config
+        self.num_layers = self.model_config.get_num_layers(parallel)
+        self.layers = pipeline_stage(vllm_config)
 
     def load(self) -> str:
         config = self.model_config
@@ -43,6 +46,7 @@ class DecoderState(ModelState):
             lm_head=self.lm_head,
             hf_config=config.hf_config.to_dict(),  # what a GGUF file is built from
             language_model_only=language_model_only(config),
+            layers=self.layers,
         )
         if adapter.num_layers != self.num_layers:
             raise ValueError(
@@ -50,7 +54,8 @@ class DecoderState(ModelState):
                 f"layers but the config says {self.num_layers}"
             )
         self.layer_kinds = adapter.layer_kinds()
-        return "layers: " + _summarize(kind.label for kind in self.layer_kinds)
+        stage = "" if self.layers is None else f"pipeline stage {self.layers}; "
+        return stage + "layers: " + _summarize(kind.label for kind in self.layer_kinds)
 
     def classifier(self) -> Classifier:
         from vllm_metal.backends.mlx.runner.pool.heads import decoder_classifier
@@ -89,6 +94,17 @@ class DecoderState(ModelState):
     ) -> mx.array:
         assert pool is not None, "KV cache not initialized"
         return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
+
+
+def pipeline_stage(vllm_config: VllmConfig) -> LayerRange | None:
+    """This worker's decoder layers under pipeline parallelism (vLLM's split, by the worker's
+    rank), or None without it."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size == 1:
+        return None
+    config = vllm_config.model_config
+    start, end = config.get_layers_start_end_indices(parallel)
+    return LayerRange(start, end, config.get_total_num_hidden_layers())
 
 
 def language_model_only(model_config) -> bool:

@@ -67,6 +67,9 @@ class StepInputs:
     # Hybrid models on a step verifying drafts: the expanded rows of the state layers and the
     # candidate states they leave (`kv.state_drafts`).
     drafts: StepDrafts | None = None
+    # Pipeline stages after the first: the previous stage's hidden states of every packed token
+    # (`[T, 1, hidden]`), in place of the token embeddings.
+    stage_hidden: mx.array | None = None
 
 
 NO_INPUTS = StepInputs()

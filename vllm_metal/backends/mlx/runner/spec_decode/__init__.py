@@ -1,7 +1,7 @@
 """Speculative decoding on the MLX runner (vLLM's `--speculative-config`).
 
 Proposers (`ngram.py`: vLLM's n-gram proposer; `draft_model.py`: a smaller mlx-lm model with its
-own paged KV) fill `take_draft_token_ids` after each step; the scheduler sends the drafts back
+own paged KV; `mtp.py`: the target's own multi-token-prediction head) fill `take_draft_token_ids` after each step; the scheduler sends the drafts back
 as `scheduled_spec_decode_tokens`, and the runner verifies them as ordinary varlen query rows
 (q_len = 1 + drafts) with vLLM's rejection sampler (`verify.py`, kernels in `kernels.py`).
 `backoff.py` stops drafting where it does not pay; `decoder.py` ties the pieces together.
@@ -16,18 +16,16 @@ from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
 from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
 
 if TYPE_CHECKING:
-    import mlx.core as mx
     from vllm.config import VllmConfig
     from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.model_states import ModelState
 
 
 def make_spec_decoder(
     vllm_config: VllmConfig,
     sampler: Sampler,
-    *,
-    compute_dtype: mx.Dtype,
-    kv_dtype: mx.Dtype,
-    dequantize: bool,
+    target: ModelState,
 ) -> SpecDecoder | None:
     spec = vllm_config.speculative_config
     if spec is None:
@@ -43,8 +41,15 @@ def make_spec_decoder(
         from vllm_metal.backends.mlx.runner.spec_decode.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(
-            vllm_config, compute_dtype=compute_dtype, kv_dtype=kv_dtype, dequantize=dequantize
+            vllm_config,
+            compute_dtype=target.compute_dtype,
+            kv_dtype=target.mlx_kv_dtype,
+            dequantize=target.dequantize,
         )
+    elif spec.method == "mtp":
+        from vllm_metal.backends.mlx.runner.spec_decode.mtp import MTPDrafter
+
+        drafter = MTPDrafter(vllm_config, target, kv_dtype=target.mlx_kv_dtype)
     else:  # the platform refuses other methods at startup
         raise ValueError(f"speculative method {spec.method!r} is not supported by vllm-metal")
     return SpecDecoder(vllm_config, sampler, drafter, Backoff(enabled=envs.VLLM_METAL_SPEC_BACKOFF))

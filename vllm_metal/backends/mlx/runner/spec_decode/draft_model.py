@@ -21,15 +21,11 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
-from vllm_metal.kv.pool import KVLayout, KVPool
-from vllm_metal.kv.spec import kv_cache_specs
-from vllm_metal.models import LayerKind, ModelAdapter, load_model
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter
+from vllm_metal.models import ModelAdapter, load_model
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.step import StepState
@@ -38,7 +34,7 @@ if TYPE_CHECKING:
 DRAFT_LAYER_PREFIX = "draft."
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(PagedDrafter):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -49,17 +45,15 @@ class DraftModelDrafter(Drafter):
     ):
         spec = vllm_config.speculative_config
         self.model_config = spec.draft_model_config
-        self.num_kv_heads = self.model_config.get_num_kv_heads(spec.draft_parallel_config)
-        self.head_dim = self.model_config.get_head_size()
+        super().__init__(
+            self.model_config.get_num_kv_heads(spec.draft_parallel_config),
+            self.model_config.get_head_size(),
+            kv_dtype,
+        )
         self.download_dir = vllm_config.load_config.download_dir
         self.compute_dtype = compute_dtype
-        self.kv_dtype = kv_dtype
         self.dequantize = dequantize
         self.adapter: ModelAdapter | None = None
-        self.kinds: list[LayerKind] = []
-        self.layer_names: list[str] = []
-        self.layout: KVLayout | None = None
-        self.pool: KVPool | None = None
         self.seen: dict[str, int] = {}  # req_id -> tokens of it whose K/V the draft wrote
 
     # ------------------------------------------------------------ memory
@@ -80,31 +74,9 @@ class DraftModelDrafter(Drafter):
     def weight_bytes(self) -> int:
         return 0 if self.adapter is None else self.adapter.weight_bytes
 
-    @property
-    def kv_bytes(self) -> int:
-        return 0 if self.pool is None else self.pool.nbytes
-
-    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        assert self.adapter is not None, "load the draft model first"
-        return kv_cache_specs(
-            self.layer_names,
-            self.kinds,
-            block_size=block_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=dtype,
-        )
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self.layout = KVLayout.from_config(kv_cache_config, self.layer_names)
-        self._allocate()
-
-    def _allocate(self) -> None:
-        self.pool = KVPool(self.layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
-
     def discard(self, tags: tuple[str, ...]) -> None:
+        super().discard(tags)
         if "kv_cache" in tags:
-            self.pool = None
             self.seen.clear()
         if "weights" in tags:
             self.adapter = None
@@ -112,8 +84,7 @@ class DraftModelDrafter(Drafter):
     def wake_up(self, tags: list[str]) -> None:
         if "weights" in tags and self.adapter is None:
             self.load()
-        if "kv_cache" in tags and self.pool is None and self.layout is not None:
-            self._allocate()
+        super().wake_up(tags)
 
     # ------------------------------------------------------------ drafting
 

@@ -1,5 +1,6 @@
 """What a proposer does for the runner: drafts after each step, and, for one with a model of
-its own, its share of the weights, the KV cache and sleep mode (none by default)."""
+its own, its share of the weights, the KV cache and sleep mode (none by default).
+`PagedDrafter`: a proposer whose attention layers keep K/V in vLLM's KV-cache groups."""
 
 from __future__ import annotations
 
@@ -7,15 +8,23 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.spec import kv_cache_specs
+
 if TYPE_CHECKING:
+    import mlx.core as mx
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.step import StepState
+    from vllm_metal.models import LayerKind
 
 
 class Drafter:
+    # Whether `propose` reads the target's final hidden states of the step (`StepState.hidden`).
+    reads_hidden_states = False
+
     def propose(
         self,
         step: StepState,
@@ -53,3 +62,49 @@ class Drafter:
 
     def wake_up(self, tags: list[str]) -> None:
         return None
+
+
+class PagedDrafter(Drafter):
+    """A drafter with attention layers of its own, declared to vLLM beside the target's (named
+    `layer_names`, with `kinds`), so vLLM's KV sizing counts them and they share the target's
+    KV-cache group: they read its block tables and write at the same slots. The subclass sets
+    `layer_names` and `kinds` when it loads."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, kv_dtype: mx.Dtype):
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kv_dtype = kv_dtype
+        self.layer_names: list[str] = []
+        self.kinds: list[LayerKind] = []
+        self.layout: KVLayout | None = None
+        self.pool: KVPool | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+        assert self.layer_names, "load the drafter first"
+        return kv_cache_specs(
+            self.layer_names,
+            self.kinds,
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.layout = KVLayout.from_config(kv_cache_config, self.layer_names)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        self.pool = KVPool(self.layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        if "kv_cache" in tags:
+            self.pool = None
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "kv_cache" in tags and self.pool is None and self.layout is not None:
+            self._allocate()

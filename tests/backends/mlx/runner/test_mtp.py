@@ -1,0 +1,92 @@
+"""MTP speculative decoding (`--speculative-config '{"method": "mtp"}'`, the target's own head:
+`spec_decode/mtp.py`) on Qwen3.5, a hybrid target: greedy tokens and logprobs equal decoding
+without speculation (transformers float32) on a mixed batch in 32-token chunks, after a prefix
+hit, and for max_tokens 1 to 5.
+
+Two heads: a random one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`; its drafts are
+nearly all rejected, so the target's state layers roll back on most verifications), and a
+self-drafting one (`tests.fixtures.tiny_qwen3_5_mtp`: the head computes what the target will, so
+at least 90% of its drafts are accepted, which only holds if the head reads the right hidden
+states, tokens and positions across chunks, steps and chained drafts), with the back-off on (the
+default): there a seeded sampled batch gives the same tokens twice and the tokens an engine
+without speculation gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
+from tests.backends.mlx.runner.test_hybrid import BLOCK_SIZE
+
+NEW_TOKENS = 16
+SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+SEEDED_PARAMS = [
+    {"max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 40 + i, "ignore_eos": True}
+    for i in range(4)
+]
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tiny_qwen3_5_causal_lm_dir, tmp_path_factory):
+    from tests.fixtures.tiny_qwen3_5_mtp import add_mtp_head
+
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        "random": add_mtp_head(tiny_qwen3_5_causal_lm_dir, root / "random"),
+        "self_drafting": add_mtp_head(
+            tiny_qwen3_5_causal_lm_dir, root / "self", self_drafting=True
+        ),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["self_drafting", "random"])
+def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, head):
+    from tests.fixtures.oracles import hf_greedy
+
+    path = mtp_dirs[head]
+    bs = BLOCK_SIZE["qwen3_5"]
+    prompts = random_prompts(43, [1, 9, bs - 5, 2 * bs + 3])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    # Prompts that go on from the long ones' answers: prefix hits on the first job's blocks.
+    resend = [p + o[:12] + [30, 31, 32] for p, o in zip(prompts, expected) if len(p) > bs]
+    short = prompts[1]
+    seeded = {"prompts": [prompts[1], prompts[2]] * 2, "params": SEEDED_PARAMS}
+    jobs = [
+        {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": resend, "params": [greedy(8)]},
+        {"prompts": [short] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        seeded,
+        seeded,
+    ]
+    engine = {"max_num_batched_tokens": 32}
+    # The random head drafts on every step, whatever it costs; the other runs the back-off.
+    backoff = {"VLLM_METAL_SPEC_BACKOFF": "0" if head == "random" else "1"}
+    (batch, resent, shorts, sampled, again), per_job = run_engine_job(
+        path,
+        jobs,
+        engine={**engine, "disable_log_stats": False, "speculative_config": SPEC},
+        with_metrics="per_job",
+        env=backoff,
+    )
+    counters = per_job[2]  # after the greedy jobs (sampled requests reject drafts by chance)
+
+    assert tokens(batch) == expected
+    assert_logprobs_match_hf(path, prompts, batch)
+    assert tokens(resent) == hf_greedy(path, resend, 8)
+    assert all(r["num_cached_tokens"] >= bs for r in resent), resent
+    assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
+    proposed = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert proposed > 0, counters
+    if head == "self_drafting":
+        assert accepted >= 0.9 * proposed, counters
+        (plain,) = run_engine_job(path, [seeded], engine=engine)
+        assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
+        assert tokens(sampled) == tokens(again) == tokens(plain)
