@@ -221,3 +221,18 @@ def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, wor
     assert message is not None
     assert f"fp8 KV caches with {words}" in message
     assert "--kv-cache-dtype fp8" in message and "use --kv-cache-dtype auto" in message
+
+
+def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from vllm_metal.config.table import pipeline_refusal
+
+    config = _config(
+        _model_config(tiny_model_dir("qwen3")),
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        cache_config=CacheConfig(cache_dtype="fp8"),
+    )
+    message = pipeline_refusal(config, "mlx")
+    assert "pipeline parallelism with fp8 KV caches" in message
+    assert "--kv-cache-dtype fp8" in message
