@@ -205,7 +205,10 @@ NB_MODULE(_C, m) {
   m.def("paged_attention", &vm::paged_attention, "query"_a, "key_cache"_a, "value_cache"_a,
         "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a, nb::kw_only(), "scale"_a,
         "sliding_window"_a = nb::none(), "softcap"_a = nb::none(), "sinks"_a = nb::none(),
-        "stream"_a = nb::none(), "vllm_metal.ops.paged_attention without argument checks.");
+        "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
+        "stream"_a = nb::none(),
+        "vllm_metal.ops.paged_attention without argument checks (kv_cache_dtype: auto, "
+        "fp8_e4m3, fp8_e5m2; fp8 on the CPU only).");
   m.def("gated_delta_rule", &vm::gated_delta_rule, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a,
         "state"_a, "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.gated_delta_rule without argument checks. Returns (y, state).");

@@ -106,7 +106,18 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
         ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
-        ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype", "fp8"]),
+        ({"kv_cache_dtype": "int8_per_token_head"}, ["kv_cache_dtype", "int8_per_token_head"]),
+        ({"kv_cache_dtype": "int4_per_token_head"}, ["kv_cache_dtype", "int4_per_token_head"]),
+        ({"kv_cache_dtype": "fp8_per_token_head"}, ["kv_cache_dtype", "fp8_per_token_head"]),
+        ({"kv_cache_dtype": "turboquant_k8v4"}, ["kv_cache_dtype", "turboquant_k8v4"]),
+        ({"kv_cache_dtype": "turboquant_4bit_nc"}, ["kv_cache_dtype", "turboquant_4bit_nc"]),
+        (
+            {
+                "kv_cache_dtype": "fp8",
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["--kv-cache-dtype fp8", "method='draft_model'", "method='ngram'"],
+        ),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
         (
             {
@@ -154,7 +165,12 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "pp_lora",
         "pp_dp",
         "block_size",
-        "kv_cache_dtype",
+        "kv_int8_per_token_head",
+        "kv_int4_per_token_head",
+        "kv_fp8_per_token_head",
+        "kv_turboquant_k8v4",
+        "kv_turboquant_4bit_nc",
+        "kv_fp8_draft_model",
         "quantization",
         "spec_eagle3",
         "spec_probabilistic",
@@ -175,6 +191,26 @@ def test_unsupported_settings_are_refused_by_name(
     assert "vllm-metal" in message
     for name in names:
         assert name in message
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> None:
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
+    assert config.cache_config.cache_dtype == dtype
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=ngram)
+    assert config.speculative_config.method == "ngram"
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen3_dir, dtype):
+    from vllm_metal.config.table import refusal
+
+    config = _engine_config(qwen3_dir)
+    config.cache_config.cache_dtype = dtype
+    assert refusal(config, "mlx") is None
+    message = refusal(config, "mps")
+    assert f"fp8 KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -199,3 +199,40 @@ def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny
     assert "pipeline parallelism with model_type 'gemma2'" in message
     assert "pipeline_parallel_size=2" in message and "use --pipeline-parallel-size 1" in message
     assert "pipeline_parallel_size=2" in refusal(config("qwen3"), "mps")
+
+
+@pytest.mark.parametrize(
+    ("fixture", "words"),
+    [
+        ("tiny_deepseek_v3_dir", "multi-head latent attention (MLA) models"),
+        ("tiny_qwen3_next_dir", "hybrid models with Gated DeltaNet or Mamba-2 state layers"),
+        ("tiny_idefics3_dir", "vision-language models"),
+    ],
+)
+def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words):
+    """MLA latent caches, state-page hybrids and towers' models keep unquantized caches: an fp8
+    cache is refused naming the kind and the flag; text decoders are served."""
+    from vllm.config import CacheConfig
+
+    from vllm_metal.config.table import refusal
+
+    model = _model_config(request.getfixturevalue(fixture))
+    message = refusal(_config(model, cache_config=CacheConfig(cache_dtype="fp8")), "mlx")
+    assert message is not None
+    assert f"fp8 KV caches with {words}" in message
+    assert "--kv-cache-dtype fp8" in message and "use --kv-cache-dtype auto" in message
+
+
+def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from vllm_metal.config.table import pipeline_refusal
+
+    config = _config(
+        _model_config(tiny_model_dir("qwen3")),
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        cache_config=CacheConfig(cache_dtype="fp8"),
+    )
+    message = pipeline_refusal(config, "mlx")
+    assert "pipeline parallelism with fp8 KV caches" in message
+    assert "--kv-cache-dtype fp8" in message

@@ -17,6 +17,7 @@ from vllm_metal.kv.offload.disk import DiskTier
 from vllm_metal.kv.offload.manager import DISK_HITS, HOST_HITS, ON_DISK, HostDiskManager, TierSpec
 from vllm_metal.kv.offload.transfer import MLXTransfer
 from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.ops.fp8 import FORMATS, KVQuant
 
 BLOCK, HEADS, DIM = 4, 2, 8
 # Two KV-cache groups (e.g. sliding-window and full layers) overlaid on two regions, as vLLM
@@ -27,12 +28,18 @@ LAYOUT = KVLayout(
 
 
 def _random_pool(dtype=mx.bfloat16, seed: int = 0) -> KVPool:
-    pool = KVPool(LAYOUT, HEADS, DIM, dtype)
+    """A pool of random rows; dtype "fp8": an fp8 cache's pool (`kv.quant`) of random bytes."""
+    fp8 = dtype == "fp8"
+    quant = [KVQuant(FORMATS["fp8_e4m3"])] * len(LAYOUT.region_of_layer) if fp8 else None
+    pool = KVPool(LAYOUT, HEADS, DIM, mx.bfloat16 if fp8 else dtype, layer_quant=quant)
     rng = np.random.default_rng(seed)
     shape = (LAYOUT.num_blocks, BLOCK, HEADS, DIM)
     for arrays in (pool.keys, pool.values):
         for r in range(len(arrays)):
-            arrays[r] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+            if fp8:
+                arrays[r] = mx.array(rng.integers(0, 256, shape, dtype=np.uint8))
+            else:
+                arrays[r] = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
     return pool
 
 
@@ -63,9 +70,10 @@ def _gpu(ids_per_group: list[list[int]], first_block: int = 0) -> GPULoadStoreSp
 KEYS = [make_offload_key(bytes([i]) * 32, g) for i, g in ((1, 0), (2, 0), (3, 1))]
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, "fp8"])
 def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
     pool = _random_pool(dtype)
+    assert pool.dtype == (mx.uint8 if dtype == "fp8" else dtype)
     source = _blocks(pool, [1, 2, 5])
     transfer = MLXTransfer(pool, [0, 1], num_chunks=4, disk=None)
     assert transfer.regions == [[0, 1], [0, 1]]
@@ -76,7 +84,7 @@ def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
     zeros = np.zeros((LAYOUT.num_blocks, BLOCK, HEADS, DIM), np.float32)
     for arrays in (pool.keys, pool.values):
         for r in range(len(arrays)):
-            arrays[r] = mx.array(zeros).astype(dtype)
+            arrays[r] = mx.array(zeros).astype(pool.dtype)
     transfer.submit_load(8, TierSpec([0, 3, 1], KEYS), _gpu([[3, 4], [6]]))
     _finish(transfer, {8})
     assert transfer.take_load_errors() == set()

@@ -73,6 +73,13 @@ def _vllm_quantization(config: VllmConfig) -> str | None:
     return f"quantization={quant!r}"
 
 
+def _fp8_kv_cache(config: VllmConfig) -> str | None:
+    from vllm_metal.kv.quant import requested
+
+    dtype = getattr(config.cache_config, "cache_dtype", None)
+    return f"--kv-cache-dtype {dtype}" if requested(dtype) else None
+
+
 def _kv_connector(config: VllmConfig) -> str | None:
     connector = getattr(config.kv_transfer_config, "kv_connector", None)
     if connector in (None, CONNECTOR):
@@ -160,6 +167,12 @@ FEATURES: tuple[Feature, ...] = (
         "vLLM quantization methods",
         "serve an MLX-quantized checkpoint (mlx_lm.convert -q) instead of --quantization",
         _vllm_quantization,
+    ),
+    Feature(
+        "fp8_kv_cache",
+        "fp8 KV caches",
+        "use --kv-cache-dtype auto",
+        _fp8_kv_cache,
     ),
     Feature(
         "kv_connector",

@@ -73,12 +73,7 @@ def check_config(vllm_config: VllmConfig) -> Backend:
             )
         _warn_about_head_sizes(vllm_config, backend)
     cache = vllm_config.cache_config
-    if cache.cache_dtype not in ("auto", None) and not str(cache.cache_dtype).startswith(
-        ("bfloat16", "float16", "float32")
-    ):
-        raise MetalConfigError(
-            f"vllm-metal: kv_cache_dtype={cache.cache_dtype!r} is not supported; use 'auto'"
-        )
+    _check_kv_cache_dtype(vllm_config)
     align = backend.block_size_multiple()
     if cache.block_size is not None and cache.block_size % align != 0:
         raise MetalConfigError(
@@ -86,6 +81,32 @@ def check_config(vllm_config: VllmConfig) -> Backend:
             f"{align} (e.g. 16 or 32)"
         )
     return backend
+
+
+def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
+    """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
+    serves fp8 KV caches, fp8 / fp8_e4m3 / fp8_e5m2 (`kv.quant`); every other format is refused
+    by name, and so is fp8 beside any drafter with KV memory of its own (only n-gram drafts,
+    which have none, are verified over an fp8 cache)."""
+    from vllm_metal.kv.quant import requested
+
+    dtype = vllm_config.cache_config.cache_dtype
+    if requested(dtype):
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise MetalConfigError(
+                f"vllm-metal: --kv-cache-dtype {dtype} is not supported with "
+                f"--speculative-config method={spec.method!r} (a drafter's own KV cache is not "
+                "quantized); use --kv-cache-dtype auto, or method='ngram'"
+            )
+        return
+    if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
+        return
+    raise MetalConfigError(
+        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the per-token-head int8/int4/"
+        "fp8, TurboQuant, NVFP4 and other quantized formats are not built); use 'auto', or "
+        "'fp8' / 'fp8_e4m3' / 'fp8_e5m2' on the MLX backend"
+    )
 
 
 def refuse_ray(vllm_config: VllmConfig) -> None:

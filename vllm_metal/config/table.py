@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
 _MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
-_MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload"}
+_MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload", "fp8_kv_cache"}
 # What a pipeline stage serves beside its layers (`pipeline_refusal`); the rest is refused there.
 PIPELINE_FEATURES = frozenset({"pipeline_parallel"})
 

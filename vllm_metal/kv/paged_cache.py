@@ -9,7 +9,8 @@ writes the step's K/V into the layer's paged region (`ops.reshape_and_cache`) an
   one integer for the batch;
 - there is no `state`, trimming or rotation: vLLM's KV manager owns the blocks.
 The model may compute in a wider dtype than the cache stores; K/V are cast on write and queries
-on read, so the cache keeps the dtype vLLM sized it for.
+on read, so the cache keeps the dtype vLLM sized it for. An fp8 cache (`kv.quant`) stores bytes:
+rows are cast to the pool's `row_dtype`, and the ops quantize them with the layer's scales.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from vllm_metal import ops
 from vllm_metal.kv.pool import KVPool
+from vllm_metal.ops.fp8 import KVQuant
 
 
 @dataclass
@@ -49,7 +51,8 @@ class PagedLayerCache:
     differs from the region's own shape (`KVPool.page_view`). `writes=False`: the layer attends
     over another layer's K/V (`LayerKind.kv_source`) and writes none; its `update_and_fetch`
     stores nothing. `bidirectional=False`: the layer stays causal where the step's media are
-    attended both ways (`StepMetadata.key_ends`)."""
+    attended both ways (`StepMetadata.key_ends`). `quant`: the layer's fp8 format and scales
+    (`KVPool.layer_quant`), None for an unquantized pool."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class PagedLayerCache:
         page_shape: tuple[int, int, int] | None = None,
         writes: bool = True,
         bidirectional: bool = True,
+        quant: KVQuant | None = None,
     ):
         self.pool = pool
         self.region = region
@@ -71,6 +75,7 @@ class PagedLayerCache:
         self.writes = writes
         # Whether the step's key ends (media attended both ways) apply to this layer.
         self.key_ends = meta.key_ends if bidirectional else None
+        self.storage: dict = {} if quant is None else quant.options()
 
     def _pages(self, arrays: list[mx.array]) -> mx.array:
         array = arrays[self.region]
@@ -85,13 +90,14 @@ class PagedLayerCache:
         if not self.writes:
             return keys, values
         t, h, _, d = keys.shape  # [T, H_kv, 1, D]
-        dtype = self.pool.dtype
+        dtype = self.pool.row_dtype
         kc, vc = ops.reshape_and_cache(
             keys.reshape(t, h, d).astype(dtype),
             values.reshape(t, h, d).astype(dtype),
             self._pages(self.pool.keys),
             self._pages(self.pool.values),
             self.tables.slot_mapping,
+            **self.storage,
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc
@@ -106,7 +112,7 @@ class PagedLayerCache:
     ) -> mx.array:
         t, h, _, d = queries.shape  # [T, H_q, 1, D]
         out = ops.paged_attention(
-            queries.reshape(t, h, d).astype(self.pool.dtype),
+            queries.reshape(t, h, d).astype(self.pool.row_dtype),
             self._pages(self.pool.keys),
             self._pages(self.pool.values),
             self.tables.block_tables,
@@ -117,5 +123,6 @@ class PagedLayerCache:
             softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
             key_ends=self.key_ends,
+            **self.storage,
         )
         return out.reshape(t, h, 1, d).astype(queries.dtype)

@@ -33,7 +33,9 @@ from vllm.v1.kv_cache_interface import (
 )
 
 if TYPE_CHECKING:
+    from vllm_metal.kv.quant import KVCacheQuant
     from vllm_metal.models.layers import LayerKind
+    from vllm_metal.ops.fp8 import KVQuant
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,10 @@ class KVPool:
     Layers with their own KV heads and head size (`layer_shapes[i]`, None for the model's or a
     state layer) read their region in their shape, `[num_blocks, their group's block size, heads,
     head size]` (`page_view`): vLLM gives every layer sharing a region pages of one size, so only
-    the rows per page differ. A region is allocated in the shape of its first such layer."""
+    the rows per page differ. A region is allocated in the shape of its first such layer.
+
+    `layer_quant` (one per layer, `kv.quant`): an fp8 cache, whose arrays are uint8 bytes;
+    `row_dtype` is then the dtype rows are written from and queries read in (`dtype` otherwise)."""
 
     def __init__(
         self,
@@ -161,8 +166,15 @@ class KVPool:
         *,
         latent: bool = False,
         layer_shapes: Sequence[tuple[int, int] | None] = (),
+        layer_quant: Sequence[KVQuant] | None = None,
     ):
         self.layout = layout
+        self.row_dtype = dtype
+        self.layer_quant = None if layer_quant is None else list(layer_quant)
+        if self.layer_quant is not None:
+            if latent:
+                raise ValueError("a latent (MLA) cache cannot be fp8")
+            dtype = mx.uint8
         self.dtype = dtype
         self.latent = latent
         self.kv_shape = (num_kv_heads, head_dim)  # the model's: layers without their own
@@ -226,12 +238,15 @@ class KVPool:
 
     def _zero_block(self, block: int) -> None:
         """Zero one block in every region, in place (the rest stays uncommitted); a no-op
-        without the native extension, whose pools start as zeros."""
+        without the native extension, whose pools start as zeros. Zero bytes are +0.0 in fp8:
+        an fp8 pool's block is written with MLX's own ops (the kernels take float pools)."""
         from vllm_metal.ops._backend import loaded_native
+        from vllm_metal.ops.cache import batched
 
         native = loaded_native()
         if native is None:
             return
+        writer = native if self.layer_quant is None else batched
         for i, keys in enumerate(self.keys):
             block_size = keys.shape[1]
             slots = mx.arange(block * block_size, (block + 1) * block_size, dtype=mx.int64)
@@ -239,7 +254,7 @@ class KVPool:
             if self.latent:
                 self.keys[i] = native.mla_reshape_and_cache(rows, keys, slots)
             else:
-                self.keys[i], self.values[i] = native.reshape_and_cache(
+                self.keys[i], self.values[i] = writer.reshape_and_cache(
                     rows, rows, keys, self.values[i], slots
                 )
 
@@ -262,8 +277,10 @@ def pool_for(
     num_kv_heads: int,
     head_dim: int,
     dtype: mx.Dtype,
+    quant: KVCacheQuant | None = None,
 ) -> KVPool:
-    """The pool of a decoder whose layers are `kinds`, laid out by `layout`."""
+    """The pool of a decoder whose layers are `kinds`, laid out by `layout`; `quant`: an fp8
+    cache (`kv.quant`), rows of `dtype` stored as bytes."""
     shapes = [
         None if kind.is_state or kind.latent else kind.kv_shape(num_kv_heads, head_dim)
         for kind in kinds
@@ -273,5 +290,11 @@ def pool_for(
         # A latent cache's rows are its layers' own shape (`kv.latent`), where they declare one.
         num_kv_heads, head_dim = latent.kv_shape(num_kv_heads, head_dim)
     return KVPool(
-        layout, num_kv_heads, head_dim, dtype, latent=latent is not None, layer_shapes=shapes
+        layout,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        latent=latent is not None,
+        layer_shapes=shapes,
+        layer_quant=None if quant is None else quant.layer_reads(kinds),
     )

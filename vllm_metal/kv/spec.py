@@ -20,8 +20,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    get_kv_quant_mode,
 )
 
+from vllm_metal.kv import quant
 from vllm_metal.kv.state import mamba_spec
 from vllm_metal.models.layers import LayerKind, memory_layers
 
@@ -51,16 +53,23 @@ def attention_spec(
             cache_dtype_str=None if cache_config is None else cache_config.cache_dtype,
         )
     num_kv_heads, head_dim = kind.kv_shape(num_kv_heads, head_dim)
+    storage = {"dtype": dtype}
+    if cache_config is not None and quant.requested(cache_config.cache_dtype):
+        # An fp8 cache: one byte per element, as vLLM's own attention layers declare it.
+        storage = {
+            "dtype": quant.STORAGE_DTYPE,
+            "kv_quant_mode": get_kv_quant_mode(cache_config.cache_dtype),
+        }
     if kind.sliding_window is not None:
         return SlidingWindowSpec(
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             head_size=head_dim,
-            dtype=dtype,
             sliding_window=kind.sliding_window,
+            **storage,
         )
     return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, dtype=dtype
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_dim, **storage
     )
 
 

@@ -14,6 +14,7 @@ import mlx.core as mx  # loads libmlx before the extension that links against it
 
 from vllm_metal._logging import init_logger
 from vllm_metal.ops import _gpu, _header
+from vllm_metal.ops.fp8 import KVQuant
 
 logger = init_logger("vllm_metal.ops")
 
@@ -124,8 +125,10 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
+    quant: KVQuant | None = None,
 ) -> mx.array:
-    """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q."""
+    """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
+    pools, which the C++ CPU body reads (the Metal kernels do not: `reads_fp8`)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
@@ -142,7 +145,14 @@ def paged_attention(
         sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap),
         sinks=sinks,
+        **({} if quant is None else quant.options()),
     )
+
+
+def reads_fp8() -> bool:
+    """Whether the next paged_attention call can read fp8 pools: the C++ CPU body can, the Metal
+    kernels cannot (a GPU call runs MLX's own ops instead)."""
+    return not on_gpu()
 
 
 def gated_delta_rule(*arrays: mx.array) -> tuple[mx.array, mx.array]:

@@ -19,7 +19,7 @@ POOL_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_size]"
 LATENT_POOL_LAYOUT = "[num_blocks, block_size, latent_dim]"
 
 
-_PLAIN = (int, float, bool, type(None))
+_PLAIN = (int, float, bool, str, type(None))
 _SIGNATURES_KEPT = 256
 
 
@@ -115,15 +115,38 @@ def latent_pool(name: str, cache: object) -> tuple[int, int, int]:
     return pool  # type: ignore[return-value]
 
 
-def pools(key_cache: object, value_cache: object) -> tuple[int, int, int, int]:
-    """Checks the K/V pools against each other and the supported sizes; returns their shape."""
+def kv_cache_dtype(name: object, k_scale: object, v_scale: object) -> bool:
+    """Checks the storage options of the paged ops; True when they ask for fp8 pools."""
+    from vllm_metal.ops import fp8
+
+    if not isinstance(name, str) or (name != "auto" and name not in fp8.KV_CACHE_DTYPES):
+        choices = ", ".join(repr(n) for n in ("auto", *fp8.KV_CACHE_DTYPES))
+        fail(f"kv_cache_dtype must be one of {choices}, got {name!r}")
+    for arg, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            fail(f"{arg} must be a finite positive number, got {value!r}")
+        if value <= 0:
+            fail(f"{arg} must be a finite positive number, got {value!r}")
+    return name != "auto"
+
+
+def pools(
+    key_cache: object, value_cache: object, quantized: bool = False
+) -> tuple[int, int, int, int]:
+    """Checks the K/V pools against each other and the supported sizes; returns their shape.
+    ``quantized``: fp8 pools, uint8 (`ops.fp8`)."""
     pool = shape("key_cache", key_cache, 4, POOL_LAYOUT)
     block_size("key_cache", pool[1])
     if pool[0] <= 0 or pool[2] <= 0:
         fail(f"key_cache must have at least one block and one KV head, got shape {pool}")
     if tuple(array("value_cache", value_cache).shape) != pool:
         fail(f"value_cache shape {tuple(value_cache.shape)} differs from key_cache shape {pool}")
-    float_dtype("key_cache", key_cache)
+    if quantized:
+        if key_cache.dtype != mx.uint8:
+            got = dtype_name(key_cache.dtype)
+            fail(f"key_cache of an fp8 kv_cache_dtype must be uint8, got {got}")
+    else:
+        float_dtype("key_cache", key_cache)
     same_dtype("value_cache", value_cache, "key_cache", key_cache)
     head_size("key_cache", pool[3])
     return pool  # type: ignore[return-value]

@@ -14,6 +14,10 @@
 
 namespace vllm_metal::cpu {
 
+// How the pools store K/V: in the query's element type, or as fp8 bytes (vllm_metal/ops/fp8.py:
+// a key reads as value(byte) * k_scale, a value as value(byte) * v_scale).
+enum class KvFormat : int32_t { same = 0, fp8_e4m3 = 1, fp8_e5m2 = 2 };
+
 struct AttentionArgs {
   const void* query;            // [T, Hq, D], element strides q_stride_*
   const void* key_cache;        // [NB, BS, Hkv, D]: strides kc_stride_b/o; heads packed (D apart)
@@ -32,6 +36,8 @@ struct AttentionArgs {
   float scale;
   int32_t sliding_window;  // 0 = none
   float softcap;           // 0 = none
+  KvFormat kv_format = KvFormat::same;
+  float k_scale = 1.0f, v_scale = 1.0f;  // fp8 pools only
 };
 
 // The arguments for arrays described by their views: query [T, Hq, D] (any strides), the pools

@@ -11,6 +11,7 @@
 // merging of inline code.
 
 #include "ops/attention/cpu_kernel.h"
+#include "ops/attention/cpu_fp8.h"
 #include "ops/attention/cpu_simd.h"
 
 #ifndef VM_ISA
@@ -25,8 +26,8 @@ namespace {
 constexpr int TK = kKeyTile;
 
 // p[r][j] = q[r] · k[j] for R query rows (stride D) and J keys at a time.
-template <ElemType E, int R, int J>
-inline void qk_block(const float* __restrict q, const typename Elem<E>::T* const* k, int64_t koff,
+template <typename KV, int R, int J>
+inline void qk_block(const float* __restrict q, const typename KV::T* const* k, int64_t koff,
                      int64_t D, float* __restrict p, int64_t j) {
   vf acc[R][J];
   for (int r = 0; r < R; ++r)
@@ -34,7 +35,7 @@ inline void qk_block(const float* __restrict q, const typename Elem<E>::T* const
   int64_t d = 0;
   for (; d + VW <= D; d += VW) {
     vf kv[J];
-    for (int b = 0; b < J; ++b) kv[b] = load_vec<E>(k[j + b] + koff + d);
+    for (int b = 0; b < J; ++b) kv[b] = KV::vec(k[j + b] + koff + d);
     for (int r = 0; r < R; ++r) {
       const vf qv = vload(q + r * D + d);
       for (int b = 0; b < J; ++b) acc[r][b] += qv * kv[b];
@@ -43,36 +44,36 @@ inline void qk_block(const float* __restrict q, const typename Elem<E>::T* const
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < J; ++b) {
       float s = hsum(acc[r][b]);
-      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * Elem<E>::load(k[j + b][koff + e]);
+      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * KV::load(k[j + b][koff + e]);
       p[r * TK + j + b] = s;
     }
   }
 }
 
-template <ElemType E, int R>
-inline void qk_rows(const float* q, const typename Elem<E>::T* const* k, int64_t koff, int64_t D,
+template <typename KV, int R>
+inline void qk_rows(const float* q, const typename KV::T* const* k, int64_t koff, int64_t D,
                     float* p, int64_t j0, int64_t j1) {
   constexpr int J = R == 1 ? 8 : (R == 2 ? 4 : 2);
   int64_t j = j0;
-  for (; j + J <= j1; j += J) qk_block<E, R, J>(q, k, koff, D, p, j);
-  for (; j < j1; ++j) qk_block<E, R, 1>(q, k, koff, D, p, j);
+  for (; j + J <= j1; j += J) qk_block<KV, R, J>(q, k, koff, D, p, j);
+  for (; j < j1; ++j) qk_block<KV, R, 1>(q, k, koff, D, p, j);
 }
 
 // Scores of G query rows (one KV head) against keys [j0, j1) of the staged tile.
-template <ElemType E>
-inline void qk_group(const float* q, int64_t G, const typename Elem<E>::T* const* k, int64_t koff,
+template <typename KV>
+inline void qk_group(const float* q, int64_t G, const typename KV::T* const* k, int64_t koff,
                      int64_t D, float* p, int64_t j0, int64_t j1) {
   int64_t r = 0;
-  for (; r + 4 <= G; r += 4) qk_rows<E, 4>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+  for (; r + 4 <= G; r += 4) qk_rows<KV, 4>(q + r * D, k, koff, D, p + r * TK, j0, j1);
   switch (G - r) {
     case 3:
-      qk_rows<E, 3>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      qk_rows<KV, 3>(q + r * D, k, koff, D, p + r * TK, j0, j1);
       break;
     case 2:
-      qk_rows<E, 2>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      qk_rows<KV, 2>(q + r * D, k, koff, D, p + r * TK, j0, j1);
       break;
     case 1:
-      qk_rows<E, 1>(q + r * D, k, koff, D, p + r * TK, j0, j1);
+      qk_rows<KV, 1>(q + r * D, k, koff, D, p + r * TK, j0, j1);
       break;
     default:
       break;
@@ -80,9 +81,9 @@ inline void qk_group(const float* q, int64_t G, const typename Elem<E>::T* const
 }
 
 // o[r][d .. d + C*VW) += sum_j p[r][j] * v[j][d ..] for R rows.
-template <ElemType E, int R, int C>
+template <typename KV, int R, int C>
 inline void pv_block(float* __restrict o, const float* __restrict p,
-                     const typename Elem<E>::T* const* v, int64_t voff, int64_t D, int64_t d,
+                     const typename KV::T* const* v, int64_t voff, int64_t D, int64_t d,
                      int64_t j0, int64_t j1) {
   vf acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -90,7 +91,7 @@ inline void pv_block(float* __restrict o, const float* __restrict p,
   for (int64_t j = j0; j < j1; ++j) {
     const auto* vr = v[j] + voff + d;
     vf vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load_vec<E>(vr + c * VW);
+    for (int c = 0; c < C; ++c) vv[c] = KV::vec(vr + c * VW);
     for (int r = 0; r < R; ++r) {
       const vf pr = vsplat(p[r * TK + j]);
       for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
@@ -100,37 +101,36 @@ inline void pv_block(float* __restrict o, const float* __restrict p,
     for (int c = 0; c < C; ++c) vstore(o + r * D + d + c * VW, acc[r][c]);
 }
 
-template <ElemType E, int R>
-inline void pv_rows(float* o, const float* p, const typename Elem<E>::T* const* v, int64_t voff,
+template <typename KV, int R>
+inline void pv_rows(float* o, const float* p, const typename KV::T* const* v, int64_t voff,
                     int64_t D, int64_t j0, int64_t j1) {
   constexpr int C = R == 1 ? 4 : 2;
   int64_t d = 0;
-  for (; d + C * VW <= D; d += C * VW) pv_block<E, R, C>(o, p, v, voff, D, d, j0, j1);
-  for (; d + VW <= D; d += VW) pv_block<E, R, 1>(o, p, v, voff, D, d, j0, j1);
+  for (; d + C * VW <= D; d += C * VW) pv_block<KV, R, C>(o, p, v, voff, D, d, j0, j1);
+  for (; d + VW <= D; d += VW) pv_block<KV, R, 1>(o, p, v, voff, D, d, j0, j1);
   for (; d < D; ++d) {
     for (int r = 0; r < R; ++r) {
       float acc = o[r * D + d];
-      for (int64_t j = j0; j < j1; ++j) acc += p[r * TK + j] * Elem<E>::load(v[j][voff + d]);
+      for (int64_t j = j0; j < j1; ++j) acc += p[r * TK + j] * KV::load(v[j][voff + d]);
       o[r * D + d] = acc;
     }
   }
 }
 
-template <ElemType E>
-inline void pv_group(float* o, int64_t G, const float* p, const typename Elem<E>::T* const* v,
+template <typename KV>
+inline void pv_group(float* o, int64_t G, const float* p, const typename KV::T* const* v,
                      int64_t voff, int64_t D, int64_t j0, int64_t j1) {
   int64_t r = 0;
-  for (; r + 4 <= G; r += 4) pv_rows<E, 4>(o + r * D, p + r * TK, v, voff, D, j0, j1);
-  for (; r + 2 <= G; r += 2) pv_rows<E, 2>(o + r * D, p + r * TK, v, voff, D, j0, j1);
-  for (; r < G; ++r) pv_rows<E, 1>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+  for (; r + 4 <= G; r += 4) pv_rows<KV, 4>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+  for (; r + 2 <= G; r += 2) pv_rows<KV, 2>(o + r * D, p + r * TK, v, voff, D, j0, j1);
+  for (; r < G; ++r) pv_rows<KV, 1>(o + r * D, p + r * TK, v, voff, D, j0, j1);
 }
 
 // Pool rows of one key tile: rows[j] points at KV head kv_begin of key t0 + j (heads D apart).
-template <ElemType E>
-inline void tile_rows(const typename Elem<E>::T* pool, int64_t stride_b, int64_t stride_o,
-                      int64_t kv_begin, const int32_t* table, int64_t block_size,
-                      int64_t num_blocks, int64_t t0, int64_t count, int64_t D,
-                      const typename Elem<E>::T* zero, const typename Elem<E>::T** rows) {
+template <typename T>
+inline void tile_rows(const T* pool, int64_t stride_b, int64_t stride_o, int64_t kv_begin,
+                      const int32_t* table, int64_t block_size, int64_t num_blocks, int64_t t0,
+                      int64_t count, int64_t D, const T* zero, const T** rows) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t t = t0 + j;
     const int64_t block = table[t / block_size];
@@ -141,8 +141,8 @@ inline void tile_rows(const typename Elem<E>::T* pool, int64_t stride_b, int64_t
   }
 }
 
-template <ElemType E>
-inline void prefetch_tile(const typename Elem<E>::T* pool, int64_t stride_b, int64_t stride_o,
+template <typename T>
+inline void prefetch_tile(const T* pool, int64_t stride_b, int64_t stride_o,
                           int64_t kv_begin, int64_t nh, const int32_t* table, int64_t block_size,
                           int64_t num_blocks, int64_t t0, int64_t count, int64_t D) {
   const int64_t bytes = nh * D * static_cast<int64_t>(sizeof(*pool));
@@ -156,10 +156,15 @@ inline void prefetch_tile(const typename Elem<E>::T* pool, int64_t stride_b, int
   }
 }
 
-template <ElemType E>
+template <ElemType E, KvFormat F>
 void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, float* partial_o,
               float* partial_ml) {
   using T = typename Elem<E>::T;
+  using KV = KvElem<E, F>;
+  using KT = typename KV::T;
+  constexpr bool fp8 = F != KvFormat::same;
+  // fp8 pools hold unscaled values: k_scale joins the query scale, v_scale the probabilities.
+  const float q_scale = fp8 ? a.scale * a.k_scale : a.scale;
   const int64_t D = a.head_dim;
   const int64_t G = a.num_q_heads / a.num_kv_heads;
   const int64_t nq = w.q_end - w.q_begin;
@@ -192,7 +197,7 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
         const int64_t h = (w.kv_begin + hk) * G + g;
         const T* src = q_base + (tok0 + i) * a.q_stride_t + h * a.q_stride_h;
         float* dst = sc.q + ((i * nh + hk) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = Elem<E>::load(src[d * a.q_stride_d]) * a.scale;
+        for (int64_t d = 0; d < D; ++d) dst[d] = Elem<E>::load(src[d * a.q_stride_d]) * q_scale;
       }
     }
   }
@@ -202,24 +207,24 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
   }
   for (int64_t x = 0; x < M * D; ++x) sc.o[x] = 0.0f;
 
-  const T* kc = static_cast<const T*>(a.key_cache);
-  const T* vc = static_cast<const T*>(a.value_cache);
+  const KT* kc = static_cast<const KT*>(a.key_cache);
+  const KT* vc = static_cast<const KT*>(a.value_cache);
   const int32_t* table = a.block_tables + w.seq * a.max_blocks;
-  const T* zero = reinterpret_cast<const T*>(sc.zero);
-  const T* krows[TK];
-  const T* vrows[TK];
+  const KT* zero = reinterpret_cast<const KT*>(sc.zero);  // zero floats are zero bytes: +0.0
+  const KT* krows[TK];
+  const KT* vrows[TK];
 
   for (int64_t t0 = k_lo; t0 < k_hi; t0 += TK) {
     const int64_t count = min64(TK, k_hi - t0);
-    tile_rows<E>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
+    tile_rows<KT>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
                  t0, count, D, zero, krows);
-    tile_rows<E>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
+    tile_rows<KT>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
                  t0, count, D, zero, vrows);
     // Keys stream from memory: request this tile's values and the next tile's keys now.
-    prefetch_tile<E>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, nh, table, a.block_size,
+    prefetch_tile<KT>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, nh, table, a.block_size,
                      a.num_blocks, t0, count, D);
     if (t0 + TK < k_hi) {
-      prefetch_tile<E>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, nh, table, a.block_size,
+      prefetch_tile<KT>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, nh, table, a.block_size,
                        a.num_blocks, t0 + TK, min64(TK, k_hi - t0 - TK), D);
     }
 
@@ -231,7 +236,7 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
       if (j0 >= j1) continue;
       for (int64_t hk = 0; hk < nh; ++hk) {
         const int64_t r0 = (i * nh + hk) * G;
-        qk_group<E>(sc.q + r0 * D, G, krows, hk * D, D, sc.p + r0 * TK, j0, j1);
+        qk_group<KV>(sc.q + r0 * D, G, krows, hk * D, D, sc.p + r0 * TK, j0, j1);
       }
       for (int64_t r = i * rows_per_token; r < (i + 1) * rows_per_token; ++r) {
         float* pr = sc.p + r * TK;
@@ -261,10 +266,13 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
           float* orow = sc.o + r * D;
           for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
         }
+        if (fp8 && a.v_scale != 1.0f) {  // after the sum: only the values are scaled
+          for (int64_t jj = j0; jj < j1; ++jj) pr[jj] *= a.v_scale;
+        }
       }
       for (int64_t hk = 0; hk < nh; ++hk) {
         const int64_t r0 = (i * nh + hk) * G;
-        pv_group<E>(sc.o + r0 * D, G, sc.p + r0 * TK, vrows, hk * D, D, j0, j1);
+        pv_group<KV>(sc.o + r0 * D, G, sc.p + r0 * TK, vrows, hk * D, D, j0, j1);
       }
     }
   }
@@ -305,15 +313,32 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
 
 }  // namespace
 
-void VM_CAT(run_item_, VM_ISA)(const AttentionArgs& a, const WorkItem& w, const Scratch& sc,
-                               float* partial_o, float* partial_ml) {
+namespace {
+
+template <KvFormat F>
+void run_item_as(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, float* partial_o,
+                 float* partial_ml) {
   switch (a.dtype) {
     case ElemType::f32:
-      return run_item<ElemType::f32>(a, w, sc, partial_o, partial_ml);
+      return run_item<ElemType::f32, F>(a, w, sc, partial_o, partial_ml);
     case ElemType::f16:
-      return run_item<ElemType::f16>(a, w, sc, partial_o, partial_ml);
+      return run_item<ElemType::f16, F>(a, w, sc, partial_o, partial_ml);
     case ElemType::bf16:
-      return run_item<ElemType::bf16>(a, w, sc, partial_o, partial_ml);
+      return run_item<ElemType::bf16, F>(a, w, sc, partial_o, partial_ml);
+  }
+}
+
+}  // namespace
+
+void VM_CAT(run_item_, VM_ISA)(const AttentionArgs& a, const WorkItem& w, const Scratch& sc,
+                               float* partial_o, float* partial_ml) {
+  switch (a.kv_format) {
+    case KvFormat::same:
+      return run_item_as<KvFormat::same>(a, w, sc, partial_o, partial_ml);
+    case KvFormat::fp8_e4m3:
+      return run_item_as<KvFormat::fp8_e4m3>(a, w, sc, partial_o, partial_ml);
+    case KvFormat::fp8_e5m2:
+      return run_item_as<KvFormat::fp8_e5m2>(a, w, sc, partial_o, partial_ml);
   }
 }
 

@@ -1,4 +1,5 @@
 // PagedAttention::eval_gpu: encodes the kernels that the planner (plan.h) chooses for this batch.
+#include <stdexcept>
 #include <string>
 
 #include "common/metal_library.h"
@@ -31,6 +32,10 @@ bool vec4_aligned(const mx::array& a) {
 }  // namespace
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  if (kv_format != cpu::KvFormat::same) {
+    // No Metal kernel reads fp8 bytes: vllm_metal.ops sends fp8 pools on a GPU to MLX's ops.
+    throw std::invalid_argument("paged_attention: the Metal kernels do not read fp8 pools");
+  }
   const mx::array& query = inputs[0];
   const mx::array& key_cache = inputs[1];
   const mx::array& value_cache = inputs[2];

@@ -3,6 +3,7 @@
 #include "ops/attention/op.h"
 
 #include <memory>
+#include <stdexcept>
 #include <utility>
 
 #include "common/array_utils.h"
@@ -18,13 +19,34 @@ mx::array paged_attention(const mx::array& query, const mx::array& key_cache,
                           const mx::array& value_cache, const mx::array& block_tables,
                           const mx::array& seq_lens, const mx::array& cu_seqlens_q, float scale,
                           std::optional<int> sliding_window, std::optional<float> softcap,
-                          std::optional<mx::array> sinks, mx::StreamOrDevice s) {
+                          std::optional<mx::array> sinks, const std::string& kv_cache_dtype,
+                          float k_scale, float v_scale, mx::StreamOrDevice s) {
+  cpu::KvFormat kv_format = cpu::KvFormat::same;
+  if (kv_cache_dtype == "fp8_e4m3") {
+    kv_format = cpu::KvFormat::fp8_e4m3;
+  } else if (kv_cache_dtype == "fp8_e5m2") {
+    kv_format = cpu::KvFormat::fp8_e5m2;
+  } else if (kv_cache_dtype != "auto") {
+    throw std::invalid_argument("paged_attention: kv_cache_dtype must be auto, fp8_e4m3 or "
+                                "fp8_e5m2, got " + kv_cache_dtype);
+  }
+  // The kernels read the pools as the query's dtype or, for fp8, as uint8 bytes. vllm_metal.ops
+  // checks dtypes before it calls here; this guard stays so that no caller can have fp8 bytes or
+  // any other mismatched pool read as floats.
+  const mx::Dtype pool_dtype = kv_format == cpu::KvFormat::same ? query.dtype() : mx::uint8;
+  if (key_cache.dtype() != pool_dtype || value_cache.dtype() != pool_dtype) {
+    throw std::invalid_argument(
+        "paged_attention: key_cache and value_cache must have the query's dtype, or be uint8 "
+        "with an fp8 kv_cache_dtype (fp8 pools are read as fp8, never as floats)");
+  }
   auto stream = mx::to_stream(s);
   std::vector<mx::array> inputs = {query, key_cache, value_cache, block_tables, seq_lens,
                                    cu_seqlens_q};
   if (sinks.has_value()) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
-  auto primitive = std::make_shared<PagedAttention>(stream, scale, sliding_window.value_or(0),
-                                                    softcap.value_or(0.0f), sinks.has_value());
+  auto primitive =
+      std::make_shared<PagedAttention>(stream, scale, sliding_window.value_or(0),
+                                       softcap.value_or(0.0f), sinks.has_value(), kv_format,
+                                       k_scale, v_scale);
   return mx::array(query.shape(), query.dtype(), std::move(primitive), std::move(inputs));
 }
 
@@ -63,11 +85,14 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   if (has_sinks) sinks = cpu::row_contiguous(inputs[6], encoder);
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
-  const cpu::AttentionArgs a = cpu::attention_args(
+  cpu::AttentionArgs a = cpu::attention_args(
       cpu::strided(query), cpu::strided(key_cache), cpu::strided(value_cache),
       cpu::strided(block_tables), seq_lens.data<int32_t>(), cu_seqlens_q.data<int32_t>(),
       sinks ? sinks->data<float>() : nullptr, out.data<void>(), cpu::elem_type(query.dtype()),
       scale, sliding_window, softcap);
+  a.kv_format = kv_format;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
 
   encoder.set_input_array(query);
   encoder.set_output_array(out);

@@ -12,7 +12,7 @@ from numbers import Integral, Real
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.ops import _backend
+from vllm_metal.ops import _backend, fp8
 from vllm_metal.ops import _validate as v
 from vllm_metal.ops.attention import batched, reference
 
@@ -32,6 +32,9 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     key_ends: np.ndarray | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> mx.array:
     """Varlen causal attention of packed queries ``[T, Hq, D]`` over paged K/V pools.
 
@@ -54,13 +57,26 @@ def paged_attention(
     position ``p`` attends to ``max(0, p - sliding_window + 1) .. max(p, key_ends[i] - 1)``. Its
     keys must be in the pools already (``key_ends[i] <= seq_lens[s]``). Rows it extends run
     through the reference, the rest through the native op.
+
+    ``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (`ops.fp8`): the pools are
+    ``uint8`` fp8 bytes (any float query dtype), and a key reads as ``float(byte) * k_scale``, a
+    value as ``float(byte) * v_scale``, rounded to the query's dtype; the rest of the contract is
+    unchanged. fp8 pools are read by the C++ CPU body on the CPU and by MLX's own ops on a GPU
+    (the Metal kernels do not read fp8, so they are never handed these bytes).
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
-    v.once(_PASSED, (*arrays, scale, sliding_window, softcap, sinks), check_paged_attention)
+    options = (kv_cache_dtype, k_scale, v_scale)
+    signature = (*arrays, scale, sliding_window, softcap, sinks, *options)
+    v.once(_PASSED, signature, check_paged_attention)
     if _backend.value_checks():
         check_paged_attention_values(*arrays)
+    quant = fp8.kv_quant(*options)
     impl = _backend.native_for(query.shape[2]) or batched
+    if quant is not None and impl is not batched and not impl.reads_fp8():
+        impl = batched  # no Metal kernel reads fp8: MLX's own ops do, on the GPU too
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
+    if quant is not None:
+        options["quant"] = quant
     out = impl.paged_attention(*arrays, scale=scale, **options)
     if key_ends is None:
         return out
@@ -116,13 +132,18 @@ def check_paged_attention(
     sliding_window: object,
     softcap: object,
     sinks: object,
+    kv_cache_dtype: object = "auto",
+    k_scale: object = 1.0,
+    v_scale: object = 1.0,
 ) -> None:
     """Raises ValueError (naming the argument) unless the shapes, dtypes and options fit."""
     q_shape = v.shape("query", query, 3, "[num_tokens, num_heads, head_size]")
     v.float_dtype("query", query)
     v.head_size("query", q_shape[2])
-    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache)
-    v.same_dtype("key_cache", key_cache, "query", query)
+    quantized = v.kv_cache_dtype(kv_cache_dtype, k_scale, v_scale)
+    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache, quantized)
+    if not quantized:
+        v.same_dtype("key_cache", key_cache, "query", query)
     if head_size != q_shape[2]:
         v.fail(f"key_cache head_size {head_size} differs from query head_size {q_shape[2]}")
     if q_shape[1] % num_kv_heads:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.ops.fp8 import KVQuant
+
 # Query rows per tile of a sequence with several query tokens (prefill chunks, verified drafts).
 TILE = 64
 _PLANS_KEPT = 8  # one step's groups (sliding + full) with room to spare
@@ -134,8 +136,10 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
+    quant: KVQuant | None = None,
 ) -> mx.array:
-    """vllm_metal.ops.paged_attention on validated arguments (without ``key_ends``)."""
+    """vllm_metal.ops.paged_attention on validated arguments (without ``key_ends``); ``quant``:
+    the pools hold fp8 bytes, dequantized to the query's dtype as they are gathered."""
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     steps = plan_for(block_tables, seq_lens, cu_seqlens_q, num_tokens, block_size)
@@ -147,8 +151,10 @@ def paged_attention(
         visible, written = _masks(tiles, num_keys, sliding_window)
         q = padded[tiles.rows].transpose(0, 2, 1, 3)  # [n, Hq, C, D]
         kv = []
-        for pool in (key_cache, value_cache):
+        for pool, read in ((key_cache, "keys"), (value_cache, "values")):
             rows = pool[tiles.key_blocks].reshape(n, num_keys, num_kv_heads, head_size)
+            if quant is not None:
+                rows = getattr(quant, read)(rows, query.dtype)
             kv.append(mx.where(written, rows, 0).transpose(0, 2, 1, 3))  # [n, Hkv, L, D]
         if softcap is None:
             # The fused call takes sinks in the output's dtype (one rounding of a logit).

@@ -11,6 +11,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.ops.fp8 import KVQuant
+
 
 def gather_sequence_rows(pool: mx.array, block_table: mx.array, seq_len: int) -> mx.array:
     """The first ``seq_len`` token rows of one sequence from a paged pool ``[num_blocks,
@@ -44,13 +46,21 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     key_ends: np.ndarray | None = None,
+    quant: KVQuant | None = None,
 ) -> mx.array:
     """vllm_metal.ops.paged_attention on validated arguments, one sequence at a time in float32:
-    gather the sequence's keys, mask by position, softmax (with the sink logits), weight values."""
+    gather the sequence's keys, mask by position, softmax (with the sink logits), weight values.
+    ``quant``: the pools hold fp8 bytes, read as ``quant`` says (in the query's dtype)."""
     num_tokens, num_heads, head_size = query.shape
     cu = np.asarray(cu_seqlens_q).astype(np.int64).tolist()
     lens = np.asarray(seq_lens).astype(np.int64).tolist()
-    options = {"scale": scale, "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
+    options = {
+        "scale": scale,
+        "sliding_window": sliding_window,
+        "softcap": softcap,
+        "sinks": sinks,
+        "quant": quant,
+    }
 
     out = mx.zeros((num_tokens, num_heads, head_size), dtype=query.dtype)
     for s, seq_len in enumerate(lens):
@@ -85,6 +95,7 @@ def attend_rows(
     sliding_window: int | None,
     softcap: float | None,
     sinks: mx.array | None,
+    quant: KVQuant | None = None,
 ) -> mx.array:
     """Attention of some query rows (`[n, Hq, D]`) of one sequence, at `positions` (`[n]`): row
     `i` sees key positions `max(0, p - sliding_window + 1) .. max(p, key_ends[i] - 1)` of the
@@ -93,6 +104,8 @@ def attend_rows(
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     keys, values = gather_sequence_kv(key_cache, value_cache, block_table, seq_len)
+    if quant is not None:
+        keys, values = quant.keys(keys, rows.dtype), quant.values(values, rows.dtype)
     # [H_kv, group, n, D] queries against [H_kv, 1, D, seq_len] keys.
     q = rows.astype(mx.float32).reshape(n, num_kv_heads, group, head_size).transpose(1, 2, 0, 3)
     k = keys.astype(mx.float32).transpose(1, 2, 0)[:, None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.ops import _backend
+from vllm_metal.ops import _backend, fp8
 from vllm_metal.ops import _validate as v
 from vllm_metal.ops.cache import batched
 
@@ -22,6 +22,10 @@ def reshape_and_cache(
     key_cache: mx.array,
     value_cache: mx.array,
     slot_mapping: mx.array,
+    *,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[mx.array, mx.array]:
     """Writes key/value rows ``[T, Hkv, D]`` into the paged pools at ``slot_mapping`` (int64).
 
@@ -30,29 +34,51 @@ def reshape_and_cache(
     the pools' end). Rows and pools share one dtype of ``ops.FLOAT_DTYPES``. Returns the updated
     pools: rebind your references to them. The native op writes in place, so the returned arrays
     share the inputs' memory.
+
+    ``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (`ops.fp8`): the pools are
+    ``uint8`` and hold ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (rows of any float
+    dtype); ``"auto"``: the pools hold the rows as they are. The quantized write runs MLX's own
+    ops on every device (the native kernels do not take fp8 pools).
     """
     arrays = (key, value, key_cache, value_cache, slot_mapping)
-    v.once(_PASSED, arrays, check_reshape_and_cache)
+    options = (kv_cache_dtype, k_scale, v_scale)
+    v.once(_PASSED, (*arrays, *options), check_reshape_and_cache)
     if _backend.value_checks():
         check_reshape_and_cache_values(key_cache, slot_mapping)
+    fmt = fp8.format_of(kv_cache_dtype)
+    if fmt is not None:
+        key, value = fp8.quantize(key, fmt, k_scale), fp8.quantize(value, fmt, v_scale)
+        return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return (_backend.native_for(key.shape[2]) or batched).reshape_and_cache(*arrays)
 
 
 def check_reshape_and_cache(
-    key: object, value: object, key_cache: object, value_cache: object, slot_mapping: object
+    key: object,
+    value: object,
+    key_cache: object,
+    value_cache: object,
+    slot_mapping: object,
+    kv_cache_dtype: object = "auto",
+    k_scale: object = 1.0,
+    v_scale: object = 1.0,
 ) -> None:
     """Raises ValueError (naming the argument) unless the shapes and dtypes fit together."""
     k_shape = v.shape("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     if tuple(v.array("value", value).shape) != k_shape:
         v.fail(f"value shape {tuple(value.shape)} differs from key shape {k_shape}")
-    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache)
+    quantized = v.kv_cache_dtype(kv_cache_dtype, k_scale, v_scale)
+    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache, quantized)
     if k_shape[1:] != (num_kv_heads, head_size):
         v.fail(
             f"key rows [num_kv_heads, head_size] = {list(k_shape[1:])} do not match key_cache "
             f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]}"
         )
-    v.same_dtype("key", key, "key_cache", key_cache)
-    v.same_dtype("value", value, "key_cache", key_cache)
+    if quantized:
+        v.float_dtype("key", key)
+        v.same_dtype("value", value, "key", key)
+    else:
+        v.same_dtype("key", key, "key_cache", key_cache)
+        v.same_dtype("value", value, "key_cache", key_cache)
     v.index("slot_mapping", slot_mapping, mx.int64, k_shape[0], "[num_tokens]")
 
 

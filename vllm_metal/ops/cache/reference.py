@@ -9,6 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.ops.fp8 import KVQuant, quantize
+
 
 def reshape_and_cache(
     key: mx.array,
@@ -16,9 +18,16 @@ def reshape_and_cache(
     key_cache: mx.array,
     value_cache: mx.array,
     slot_mapping: mx.array,
+    quant: KVQuant | None = None,
 ) -> tuple[mx.array, mx.array]:
     """vllm_metal.ops.reshape_and_cache on validated arguments, as a scatter into flattened pools.
-    Returns new pool arrays; the inputs are left unchanged."""
+    Returns new pool arrays; the inputs are left unchanged. ``quant``: uint8 pools, rows stored
+    as fp8 bytes with its scales."""
+    if quant is not None:
+        key, value = (
+            quantize(key, quant.fmt, quant.k_scale),
+            quantize(value, quant.fmt, quant.v_scale),
+        )
     return write_rows(key_cache, key, slot_mapping), write_rows(value_cache, value, slot_mapping)
 
 

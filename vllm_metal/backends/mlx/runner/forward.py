@@ -74,6 +74,7 @@ def layer_caches(
                     page_shape=page_shape,
                     writes=kind.kv_source is None,
                     bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
+                    quant=None if pool.layer_quant is None else pool.layer_quant[i],
                 )
             )
     return caches

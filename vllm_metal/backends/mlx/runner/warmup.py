@@ -17,6 +17,7 @@ import numpy as np
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, prefill_batch
 from vllm_metal.backends.mlx.runner.forward import forward, hidden_states
 from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
+from vllm_metal.kv.quant import KVCacheQuant
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind, memory_layers
 
@@ -41,8 +42,10 @@ class DummyRuns:
         vocab_size: int,
         *,
         logits: bool = True,
+        quant: KVCacheQuant | None = None,
     ):
         self.adapter = adapter
+        self.quant = quant  # an fp8 cache (`kv.quant`): the dummy steps run its paths
         self.logits = logits  # False: a pooling model, whose steps end at the hidden states
         self.kinds = list(kinds)
         self.num_kv_heads = num_kv_heads
@@ -53,7 +56,9 @@ class DummyRuns:
     def _pool(self, num_blocks: int, block_size: int) -> KVPool:
         memory_of = memory_layers(self.kinds)
         layout = KVLayout.single_group(len(self.kinds), num_blocks, block_size, memory_of)
-        return pool_for(layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        return pool_for(
+            layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype, self.quant
+        )
 
     def _prefill(self, num_tokens: int, pool: KVPool) -> None:
         self._run(prefill_batch(num_tokens, pool.block_size, 1, self.vocab_size), pool)

@@ -86,6 +86,7 @@ class DecoderState(ModelState):
             self.mlx_kv_dtype,
             self.model_config.get_vocab_size(),
             logits=self.lm_head,
+            quant=self.kv_cache_quant(),
         )
 
     def hidden_states(

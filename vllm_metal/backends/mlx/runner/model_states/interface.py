@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.speech.cross import CrossInputs
     from vllm_metal.kv.pool import KVLayout, KVPool
+    from vllm_metal.kv.quant import KVCacheQuant
     from vllm_metal.kv.state_drafts import StepDrafts
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.models.multimodal import TokenRows
@@ -147,7 +148,27 @@ class ModelState:
         from vllm_metal.kv.pool import pool_for
 
         return pool_for(
-            layout, self.layer_kinds, self.num_kv_heads, self.head_dim, self.mlx_kv_dtype
+            layout,
+            self.layer_kinds,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlx_kv_dtype,
+            self.kv_cache_quant(),
+        )
+
+    def kv_cache_quant(self) -> KVCacheQuant | None:
+        """The fp8 cache `--kv-cache-dtype` asks for (`kv.quant`), its scales from the
+        checkpoint where it has them (a local checkpoint directory); None for an unquantized
+        cache."""
+        from pathlib import Path
+
+        from vllm_metal.kv.quant import kv_cache_quant
+
+        local = Path(self.model_config.model).expanduser()
+        return kv_cache_quant(
+            self.vllm_config.cache_config.cache_dtype,
+            len(self.layer_kinds),
+            local if local.is_dir() else None,
         )
 
     def _layer_specs(self, names: list[str], block_size: int) -> dict[str, KVCacheSpec]:

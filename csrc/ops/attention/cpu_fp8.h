@@ -1,0 +1,79 @@
+// fp8 K/V elements for the CPU inner kernel (cpu_kernel.cpp): the value of every E4M3 / E5M2 byte
+// (vllm_metal/ops/fp8.py), vector loads through those tables, and the traits the kernel reads K/V
+// with (the query's element type, or fp8 bytes).
+//
+// Included only by cpu_kernel.cpp, which is compiled once per ISA: everything here sits in an
+// anonymous namespace, as in cpu_simd.h.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/attention/cpu.h"
+#include "ops/attention/cpu_simd.h"
+
+namespace vllm_metal::cpu {
+namespace {
+
+// The value of every fp8 byte (OCP E4M3 "FN" with bias 7, or E5M2 with bias 15), as
+// vllm_metal/ops/fp8.py decodes them; built at compile time.
+struct Fp8Table {
+  float v[256];
+};
+constexpr Fp8Table fp8_table(int m_bits, int bias, bool fn) {
+  Fp8Table t{};
+  const int e_max = (1 << (7 - m_bits)) - 1;
+  for (int code = 0; code < 256; ++code) {
+    const int e = (code >> m_bits) & e_max, m = code & ((1 << m_bits) - 1);
+    float mag = e == 0 ? static_cast<float>(m) : static_cast<float>((1 << m_bits) + m);
+    for (int k = 0; k < m_bits; ++k) mag *= 0.5f;  // the mantissa's binary point
+    for (int k = e == 0 ? 1 : e; k < bias; ++k) mag *= 0.5f;
+    for (int k = bias; k < e; ++k) mag *= 2.0f;
+    if (e == e_max && (!fn || m == (1 << m_bits) - 1)) {
+      mag = fn || m != 0 ? __builtin_nanf("") : __builtin_inff();
+    }
+    t.v[code] = (code & 0x80) ? -mag : mag;
+  }
+  return t;
+}
+constexpr Fp8Table kFp8E4M3 = fp8_table(3, 7, true);
+constexpr Fp8Table kFp8E5M2 = fp8_table(2, 15, false);
+
+// VW fp8 bytes widened through their format's table (one gather where the ISA has one).
+inline vf fp8_vec(const uint8_t* p, const float* table) {
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vf)_mm512_i32gather_ps(idx, table, 4);
+#elif defined(__AVX2__)
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (vf)_mm256_i32gather_ps(table, idx, 4);
+#else
+  vf r;
+  for (int u = 0; u < VW; ++u) r[u] = table[p[u]];
+  return r;
+#endif
+}
+
+// How the kernel reads one K/V element: `load` widens one to float32, `vec` VW of them. F = 0:
+// the pools hold the query's element type E; otherwise fp8 bytes of that KvFormat (unscaled: the
+// run folds the scales into the queries and the probabilities).
+template <ElemType E, KvFormat F>
+struct KvElem {
+  using T = typename Elem<E>::T;
+  static float load(T v) { return Elem<E>::load(v); }
+  static vf vec(const T* p) { return load_vec<E>(p); }
+};
+template <ElemType E>
+struct KvElem<E, KvFormat::fp8_e4m3> {
+  using T = uint8_t;
+  static float load(uint8_t v) { return kFp8E4M3.v[v]; }
+  static vf vec(const uint8_t* p) { return fp8_vec(p, kFp8E4M3.v); }
+};
+template <ElemType E>
+struct KvElem<E, KvFormat::fp8_e5m2> {
+  using T = uint8_t;
+  static float load(uint8_t v) { return kFp8E5M2.v[v]; }
+  static vf vec(const uint8_t* p) { return fp8_vec(p, kFp8E5M2.v); }
+};
+
+}  // namespace
+}  // namespace vllm_metal::cpu
