@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.report.format import NOT_MEASURED, num
+from bench.harness.report.format import NOT_MEASURED, num, speedup_bars
 from bench.harness.report.publish import publish, regenerate
 from bench.harness.stages import python_stage, runs_peers, suite_parser
 
@@ -127,17 +127,11 @@ def _markdown(report: dict[str, Any]) -> str:
 
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:
-    speedups = report["summary"]["speedups"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * max(1, len(speedups)) + 1.2))
-    names = list(speedups)
-    values = [speedups[n] for n in names]
-    ax.barh(names, values, color=["tab:green" if v >= 1.0 else "tab:red" for v in values])
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("MTP / plain (TPOT speedup, or output tok/s ratio at 8 streams)")
-    ax.invert_yaxis()
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:.2f}x", va="center")
-    return fig
+    return speedup_bars(
+        plt,
+        report["summary"]["speedups"],
+        "MTP / plain (TPOT speedup, or output tok/s ratio at 8 streams)",
+    )
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:

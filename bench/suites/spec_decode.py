@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.checkpoints import write_draftable, write_layer_subset, write_model
-from bench.harness.report.format import NOT_MEASURED, num
+from bench.harness.report.format import NOT_MEASURED, num, speedup_bars
 from bench.harness.report.publish import publish, regenerate, targets_table
 from bench.harness.single_stream import make_prompts
 from bench.harness.stages import python_stage, runs_peers, suite_parser
@@ -253,19 +253,8 @@ def _markdown(report: dict[str, Any]) -> str:
 
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:
-
     speedups = {k: v for k, v in report["summary"]["speedups"].items() if v is not None}
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(speedups) + 1.2))
-    names = list(speedups)
-    values = [speedups[n] for n in names]
-    colors = ["tab:green" if v >= 1.0 else "tab:red" for v in values]
-    ax.barh(names, values, color=colors)
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("speculative / plain (TPOT speedup, or output tok/s ratio)")
-    ax.invert_yaxis()
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:.2f}x", va="center")
-    return fig
+    return speedup_bars(plt, speedups, "speculative / plain (TPOT speedup, or output tok/s ratio)")
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:

@@ -114,3 +114,18 @@ def bars(ax: Any, labels: list[str], values: list[float], colors: list[str], fmt
         ax.text(bar.get_x() + bar.get_width() / 2, v, format(v, fmt), ha="center", va="bottom",
                 fontsize=9)  # fmt: skip
     ax.set_ylim(0, max(values) * 1.18)
+
+
+def speedup_bars(plt: Any, speedups: dict[str, float], xlabel: str) -> Any:
+    """A figure of horizontal bars, one per ratio (green at or above 1x, red below), each
+    labelled with its value, and a line at 1x."""
+    fig, ax = plt.subplots(figsize=(8, 0.45 * max(1, len(speedups)) + 1.2))
+    names = list(speedups)
+    values = [speedups[n] for n in names]
+    ax.barh(names, values, color=["tab:green" if v >= 1.0 else "tab:red" for v in values])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.2f}x", va="center")
+    return fig

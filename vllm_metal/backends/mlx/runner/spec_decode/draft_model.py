@@ -21,7 +21,7 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
 from vllm_metal.models import ModelAdapter, load_model
 
 if TYPE_CHECKING:
@@ -103,9 +103,7 @@ class DraftModelDrafter(PagedDrafter):
         packed = step.packed
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
-        tables = [
-            batch.block_table[g].get_numpy_array()[:n] for g in range(len(packed.block_tables))
-        ]
+        tables = block_tables(states, len(packed.block_tables))
         block_sizes = states.block_sizes
 
         # The sequence after this step: what the target consumed and kept, plus the new token.

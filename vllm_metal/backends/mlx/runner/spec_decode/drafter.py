@@ -64,6 +64,13 @@ class Drafter:
         return None
 
 
+def block_tables(states: RequestStates, num_groups: int) -> list[np.ndarray]:
+    """The persistent batch's block table of each KV-cache group, one row per request."""
+    batch = states.input_batch
+    n = batch.num_reqs
+    return [batch.block_table[g].get_numpy_array()[:n] for g in range(num_groups)]
+
+
 class PagedDrafter(Drafter):
     """A drafter with attention layers of its own, declared to vLLM beside the target's (named
     `layer_names`, with `kinds`), so vLLM's KV sizing counts them and they share the target's

@@ -24,7 +24,7 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import layer_caches
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
 from vllm_metal.models.families import mtp_module
 from vllm_metal.models.layers import FULL_ATTENTION
 
@@ -104,9 +104,7 @@ class MTPDrafter(PagedDrafter):
         packed = step.packed
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
-        tables = [
-            batch.block_table[g].get_numpy_array()[:n] for g in range(len(packed.block_tables))
-        ]
+        tables = block_tables(states, len(packed.block_tables))
         drafts: list[list[int]] = [[] for _ in range(n)]
 
         # The head's positions this step: those the target computed and kept (accepted drafts
