@@ -23,8 +23,6 @@ Each case is one `vllm.LLM` in a fresh process (`bench.suites.spec_decode`'s cas
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,8 @@ from typing import Any
 
 from bench.harness.report.format import NOT_MEASURED, num, speedup_bars
 from bench.harness.report.publish import publish, regenerate
-from bench.harness.stages import python_stage, runs_peers, suite_parser
+from bench.harness.stages import runs_peers, suite_parser
+from bench.suites.spec_decode import run_cases
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 GREEDY = {"temperature": 0.0}
@@ -165,28 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         quick = ("mtp_self_drafting_c1", "plain_self_drafting_c1")
         chosen = [c for c in chosen if c["name"] in quick[: 2 if runs_peers(args) else 1]]
     started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    for case in chosen:
-        print(f"[mtp] {case['name']}", flush=True)
-        backoff = case.pop("backoff", True)
-        os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
-        argv_case = [
+
+    def argv_of(case: dict[str, Any]) -> list[str]:
+        return [
             "--model", str(models[case["head"]]), "--dtype", "bfloat16",
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--num-prompts", str(args.num_prompts), "--case", json.dumps(case),
+            "--num-prompts", str(args.num_prompts),
         ]  # fmt: skip
-        results[case["name"]] = python_stage(
-            "bench.suites.spec_decode", argv_case, args.timeout, logs / f"{case['name']}.log"
-        )
-        results[case["name"]]["backoff"] = backoff
-        done = results[case["name"]]
-        # Each case's figures as it ends: a run cut short still leaves them in its output.
-        print(
-            f"[mtp] {case['name']}: TPOT {done['median_tpot_ms']:.2f} ms, "
-            f"{done['output_tok_s']:.2f} tok/s, acceptance {done.get('acceptance_rate')}",
-            flush=True,
-        )
-    os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
+
+    results = run_cases("mtp", chosen, argv_of, args.timeout, logs)
     report = {
         "settings": {
             "model": str(models["self_drafting"]),

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,34 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- the whole run
 
 
+def run_cases(
+    suite: str,
+    chosen: list[dict[str, Any]],
+    argv_of: Callable[[dict[str, Any]], list[str]],
+    timeout: float,
+    logs: Path,
+) -> dict[str, dict[str, Any]]:
+    """Each case in a fresh process (`run_case`, with `argv_of(case)` for its model and sizes),
+    the back-off on unless the case says `backoff: False`; each case's figures are printed as
+    it ends, so a run cut short still leaves them in its output."""
+    results: dict[str, dict[str, Any]] = {}
+    for case in chosen:
+        print(f"[{suite}] {case['name']}", flush=True)
+        backoff = case.pop("backoff", True)
+        os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
+        argv = [*argv_of(case), "--case", json.dumps(case)]
+        done = python_stage("bench.suites.spec_decode", argv, timeout, logs / f"{case['name']}.log")
+        done["backoff"] = backoff
+        results[case["name"]] = done
+        print(
+            f"[{suite}] {case['name']}: TPOT {done['median_tpot_ms']:.2f} ms, "
+            f"{done['output_tok_s']:.2f} tok/s, acceptance {done.get('acceptance_rate')}",
+            flush=True,
+        )
+    os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
+    return results
+
+
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def ratio(num: str, den: str, key: str, invert: bool = False) -> float | None:
         a, b = results.get(num, {}).get(key), results.get(den, {}).get(key)
@@ -290,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2))
         return 0
 
-    import os
-
     work = Path(args.work_dir) / "models"
     source = write_model(work, "tiny" if args.quick else "0.6b", args.dtype)
     model = write_draftable(source, work / f"{source.name}-draftable", DRAFT_LAYERS,
@@ -300,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.work_dir) / "spec_decode"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
     common = [
         "--model", str(model), "--dtype", args.dtype, "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
@@ -310,18 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone
         quick = QUICK_CASES if runs_peers(args) else ("ngram_repetitive",)
         chosen = [c for c in chosen if c["name"] in quick]
-    for case in chosen:
-        print(f"[spec_decode] {case['name']}", flush=True)
-        backoff = case.pop("backoff", True)
-        os.environ["VLLM_METAL_SPEC_BACKOFF"] = "1" if backoff else "0"
-        results[case["name"]] = python_stage(
-            "bench.suites.spec_decode",
-            [*common, "--case", json.dumps(case)],
-            args.timeout,
-            logs / f"{case['name']}.log",
-        )
-        results[case["name"]]["backoff"] = backoff
-    os.environ.pop("VLLM_METAL_SPEC_BACKOFF", None)
+    results = run_cases("spec_decode", chosen, lambda case: common, args.timeout, logs)
     report = {
         "settings": {
             "model": str(model),
