@@ -13,7 +13,6 @@ Mirrors mlx-lm 0.32.2 (`models/qwen3_5.py`) and vLLM 0.32's `qwen3_5_mtp.py` (we
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from vllm_metal.models.families import qwen3_5
 
-# The targets whose checkpoints carry this head (`families.MTP_MODULES`).
+# The targets whose checkpoints carry this head (`families.mtp_model_types`).
 MODEL_TYPES = qwen3_5.MODEL_TYPES
 PREFIX = "mtp."
 # The config field giving the number of MTP layers (vLLM's `n_predict` for Qwen3.5).
@@ -105,7 +104,9 @@ def _read_prefixed(model_dir: Path, prefix: str) -> tuple[dict[str, mx.array], b
     in mlx-lm's, the sign mlx-lm's `sanitize` reads too."""
     from safetensors import safe_open
 
-    files = _tensor_files(model_dir)
+    from vllm_metal.models.loaders.safetensors import tensor_files
+
+    files = tensor_files(model_dir)
     weights: dict[str, mx.array] = {}
     for path in sorted({files[n] for n in files if n.startswith(prefix)}):
         tensors = mx.load(str(path))
@@ -116,18 +117,3 @@ def _read_prefixed(model_dir: Path, prefix: str) -> tuple[dict[str, mx.array], b
         with safe_open(files[conv], framework="numpy") as f:
             hf_layout = f.get_slice(conv).get_shape()[-1] != 1
     return weights, hf_layout
-
-
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(path, framework="numpy") as f:
-            files |= dict.fromkeys(f.keys(), path)
-    return files

@@ -49,6 +49,24 @@ def resolve_model_path(
     return Path(path)
 
 
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of `directory` holding it (from the index where the
+    checkpoint has one, else from each file's header), without reading any tensor."""
+    import json
+
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, framework="numpy") as f:
+            files |= dict.fromkeys(f.keys(), path)
+    return files
+
+
 def load(
     model: str,
     compute_dtype: mx.Dtype,

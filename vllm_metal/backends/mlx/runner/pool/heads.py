@@ -139,13 +139,10 @@ class _CheckpointReader:
     """Reads single tensors (or rows of them) from a safetensors checkpoint without loading it."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
+        from vllm_metal.models.loaders.safetensors import tensor_files
 
         self.path = path
-        self._where: dict[str, Path] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(file, framework="pt") as f:
-                self._where.update(dict.fromkeys(f.keys(), file))
+        self._where = tensor_files(path)
 
     def get(self, name: str, *, required: bool = True) -> torch.Tensor | None:
         from safetensors import safe_open
