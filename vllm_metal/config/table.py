@@ -147,14 +147,14 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
 def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
     """method 'mtp' drafts with the target's own head: its family must have one built here and
     the checkpoint must declare its layers (the weights are checked when it loads)."""
-    from vllm_metal.models.families import MTP_MODULES, mtp_module
+    from vllm_metal.models.families import mtp_model_types, mtp_module
 
     text_type = model_type(config, text=True)
     module = mtp_module(text_type)
     if module is None:
         raise MetalConfigError(
             f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head, "
-            f"built for {', '.join(sorted(MTP_MODULES))}, not for {model_label(config)}; use "
+            f"built for {', '.join(sorted(mtp_model_types()))}, not for {model_label(config)}; use "
             "method 'ngram'"
         )
     text_config = config.model_config.hf_text_config.to_dict()

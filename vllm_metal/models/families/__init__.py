@@ -128,14 +128,21 @@ def adapter_class(model_type: str | None) -> type[ModelAdapter]:
     return ModelAdapter if name is None else _module(name).Adapter
 
 
-# model_type -> module in this package whose `load_head` builds the model's own
-# multi-token-prediction drafter (`--speculative-config method=mtp`).
-MTP_MODULES = {"qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe_text": "qwen3_5_mtp"}
+# The modules of this package whose `load_head` builds a model's own multi-token-prediction
+# drafter (`--speculative-config method=mtp`); each lists the target model types it serves in
+# its `MODEL_TYPES`.
+MTP_MODULES = ("qwen3_5_mtp",)
+
+
+@cache
+def mtp_model_types() -> dict[str, str]:
+    """model_type -> the module of `MTP_MODULES` that builds its head."""
+    return {t: name for name in MTP_MODULES for t in _module(name).MODEL_TYPES}
 
 
 def mtp_module(model_type: str | None):
     """The MTP head module of `model_type`, or None where this project builds none."""
-    name = MTP_MODULES.get(model_type or "")
+    name = mtp_model_types().get(model_type or "")
     return None if name is None else _module(name)
 
 
