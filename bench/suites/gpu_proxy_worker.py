@@ -158,6 +158,7 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("plugin_tree"):  # this tree's vllm_metal; `bench` stays the suite's own
         sys.path.insert(0, spec["plugin_tree"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(spec.get("plugin_env", {}))
     timers = PhaseTimers()
     timers.install()
     from vllm import LLM, SamplingParams

@@ -26,6 +26,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    padded: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Writes key/value rows ``[T, Hkv, D]`` into the paged pools at ``slot_mapping`` (int64).
 
@@ -43,13 +44,16 @@ def reshape_and_cache(
     arrays = (key, value, key_cache, value_cache, slot_mapping)
     options = (kv_cache_dtype, k_scale, v_scale)
     v.once(_PASSED, (*arrays, *options), check_reshape_and_cache)
-    if _backend.value_checks():
+    if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
     fmt = fp8.format_of(kv_cache_dtype)
     if fmt is not None:
         key, value = fp8.quantize(key, fmt, k_scale), fp8.quantize(value, fmt, v_scale)
-        return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    return (_backend.native_for(key.shape[2]) or batched).reshape_and_cache(*arrays)
+        return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
+    native = _backend.native_for(key.shape[2])
+    if native is not None:
+        return native.reshape_and_cache(*arrays)
+    return batched.reshape_and_cache(*arrays, padded)
 
 
 def check_reshape_and_cache(
