@@ -3,8 +3,9 @@ shape bucket and replayed, so a step costs no Python per layer and MLX fuses its
 
 A step qualifies when every scheduled request decodes one token with no drafts and no extra
 inputs (`takes`); prefill chunks, verification rows, media and the rest stay eager, as do models
-whose layers keep more than paged K/V (`eager_reason`). The batch is padded to a power of two of
-rows and each block table to a power of two of columns, so a server traces a handful of shapes.
+whose layers keep more than paged K/V (`eager_reason`). The batch's rows and each block table's
+columns are padded to the next size of 1, 2, 3, 4, 6, 8, 12, ... (`bucket`), so a server traces a
+few dozen shapes and pads by at most a third.
 Everything that changes between steps is an input of the compiled function (token ids, positions,
 lengths, block tables, slots, and the pools themselves, whose updated arrays it returns); the
 weights are constants of the trace, so a model reloaded (sleep level 2) gets a new `CompiledDecode`.
@@ -71,8 +72,10 @@ def eager_reason(
 
 
 def bucket(n: int) -> int:
-    """The power of two at or above `n` (at least 1): the padded size of a traced dimension."""
-    return 1 << max(0, int(n) - 1).bit_length()
+    """The padded size of a traced dimension of size `n`: the least power of two or 1.5 times a
+    power of two at or above it (at least 1)."""
+    power = 1 << max(0, int(n) - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
 
 
 class CompiledDecode:
