@@ -10,8 +10,10 @@ The checkpoint is the harness's random Qwen3-0.6B-shaped one in bfloat16
 (`bench/harness/checkpoints.py`); prompts are `--input-len` random ids, `--output-len` greedy
 tokens with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
 median per-step phases (host build, submit, wait, sampling, the engine around them) and a
-cProfile of `--profile-streams`. Only ratios within one run mean anything: the figures are an
-NVIDIA GPU's through MLX, not an Apple GPU's.
+cProfile of `--profile-streams`. Last, a decode step's attention alone (the last tree's pure-MLX
+paged attention against attention over a contiguous cache, as mlx-lm keeps it), which bounds the
+plugin's batched figures on the proxy. Only ratios within one run mean anything: the figures are
+an NVIDIA GPU's through MLX, not an Apple GPU's.
 
     python -m bench.run gpu_proxy --out docs/benchmarks                    # on the GPU machine
     python -m bench.run gpu_proxy --tree before=/tmp/old --tree after=. --out DIR
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(report["engines"], settings["streams"])
         report["seconds"] = round(time.perf_counter() - started, 1)
         (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")  # partial too
+    name, tree, _ = trees[-1]
+    print("[gpu_proxy] attention alone", flush=True)
+    report["attention"] = run_worker("attention", spec, tree, logs / "attention.log", args.timeout)
+    (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")
     write_report(out)
     print(json.dumps(report["summary"], indent=2))
     return 1 if report["summary"]["failed"] else 0
