@@ -1,8 +1,8 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
 to vLLM's host `Sampler` on the same logits and without copying them; anything that moves the
 argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Unseeded random
-rows with a temperature, top-k and top-p are drawn on the device too, from the distribution
-vLLM's `Sampler` draws from (chi-square against its own draws)."""
+rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
+distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import Sampler
 
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
@@ -85,7 +87,7 @@ def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     """Random rows beside a greedy one: no logits copied, the greedy row's argmax, the random
     rows' tokens among their top 3; a logprobs request beside them sends the step to the host."""
     params = {
-        "a": SamplingParams(temperature=0.8, top_k=3),
+        "a": SamplingParams(temperature=0.8, top_k=3, min_p=0.1),
         "b": SamplingParams(temperature=1.0, top_p=0.5),
         "c": SamplingParams(temperature=0.0),
     }
@@ -103,11 +105,30 @@ def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     assert copied
 
 
+def _min_p_processor(vllm_config, min_p: float, n: int) -> MinPLogitsProcessor:
+    """vLLM's min-p processor holding `min_p` for `n` rows (as its batch updates leave it)."""
+    proc = MinPLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc.min_p_cpu[:n] = min_p
+    proc.min_p_count = n
+    proc.min_p = torch.full((n, 1), min_p)
+    return proc
+
+
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(0.8, None, None), (1.0, 3, None), (0.7, None, 0.8), (1.3, 5, 0.6), (0.5, 2, 0.99)],
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (0.8, None, None, None),
+        (1.0, 3, None, None),
+        (0.7, None, 0.8, None),
+        (1.3, 5, 0.6, None),
+        (0.5, 2, 0.99, None),
+        (1.2, None, None, 0.2),
+        (0.9, 6, 0.9, 0.05),
+    ],
 )
-def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, top_p):
+def test_device_draws_follow_the_host_samplers_distribution(
+    vllm_config, temperature, top_k, top_p, min_p
+):
     n, vocab = 4000, 10
     logits = torch.tensor(
         np.random.default_rng(1).standard_normal(vocab) * 1.5, dtype=torch.float32
@@ -116,13 +137,16 @@ def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, 
     t = np.full(n, temperature, np.float32)
     k = None if top_k is None else np.full(n, top_k, np.int32)
     p = None if top_p is None else np.full(n, top_p, np.float32)
-    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3)))
+    m = None if min_p is None else np.full(n, min_p, np.float32)
+    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3), m))
     metadata = sampling_metadata(
         torch.from_numpy(t),
         {},
         top_k=None if k is None else torch.from_numpy(k),
         top_p=None if p is None else torch.from_numpy(p),
     )
+    if min_p is not None:
+        metadata.logitsprocs = LogitsProcessors([_min_p_processor(vllm_config, min_p, n)])
     torch.manual_seed(0)
     host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
     assert set(drawn.tolist()) <= set(host.tolist())  # the same support (top-k, top-p)

@@ -1,9 +1,10 @@
 """Tokens sampled on the device, queued with the step's logits so the logits never reach the host.
 
 A step whose rows all sample greedily takes each row's argmax. A step whose rows sample with
-nothing but a temperature, top-k and top-p (unseeded; greedy rows may sit beside them) takes a
-sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the row's
-temperature; top-k keeps the k largest; top-p keeps, in descending order, each token whose
+nothing but a temperature, min-p, top-k and top-p (unseeded; greedy rows may sit beside them)
+takes a sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the
+row's temperature; min-p drops each token whose probability (at that temperature) is below
+min-p times the row's largest; top-k keeps the k largest; top-p keeps, in descending order, each token whose
 preceding mass (after top-k) is below p, so the smallest set holding at least p survives, as
 vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept (Gumbel-max).
 Greedy rows (temperature below vLLM's epsilon) keep their argmax. Whether the step may use these
@@ -27,14 +28,20 @@ if TYPE_CHECKING:
 
 
 def samples_random_rows(metadata: SamplingMetadata) -> bool:
-    """Whether the step's random rows can be sampled on the device: none is seeded and none has
-    a min-p (what else reads the logits is checked when the step is sampled)."""
+    """Whether the step's random rows can be sampled on the device: none is seeded, and the
+    only processor acting on them before top-k/top-p is vLLM's min-p (what else reads the logits
+    is checked when the step is sampled)."""
     if metadata.all_greedy or metadata.generators:
         return False
-    return not any(
-        isinstance(p, MinPLogitsProcessor) and p.min_p_count
-        for p in metadata.logitsprocs.argmax_invariant
-    )
+    return all(isinstance(p, MinPLogitsProcessor) for p in metadata.logitsprocs.argmax_invariant)
+
+
+def min_p_of(metadata: SamplingMetadata, n: int) -> np.ndarray | None:
+    """Each row's min-p (0: none) from vLLM's min-p processor, or None when no row has one."""
+    for p in metadata.logitsprocs.argmax_invariant:
+        if isinstance(p, MinPLogitsProcessor) and p.min_p_count:
+            return p.min_p_cpu[:n].astype(np.float32)
+    return None
 
 
 class DeviceSampler:
@@ -58,7 +65,7 @@ class DeviceSampler:
         temperature = batch.temperature_cpu[:n]
         top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
         top_p = None if batch.no_top_p else batch.top_p_cpu[:n]
-        drawn = sample_rows(logits, temperature, top_k, top_p, key)
+        drawn = sample_rows(logits, temperature, top_k, top_p, key, min_p_of(metadata, n))
         greedy_rows = temperature < _SAMPLING_EPS
         if not greedy_rows.any():
             return drawn
@@ -71,13 +78,18 @@ def sample_rows(
     top_k: np.ndarray | None,
     top_p: np.ndarray | None,
     key: mx.array,
+    min_p: np.ndarray | None = None,
 ) -> mx.array:
-    """One draw per row from softmax(logits / temperature) after top-k and top-p (vLLM's
-    semantics, above); `top_k` of the vocabulary size or more and `top_p` of 1 keep every
-    token. Rows with a temperature below epsilon are drawn at temperature 1 (the caller keeps
-    their argmax)."""
+    """One draw per row from softmax(logits / temperature) after min-p, top-k and top-p (vLLM's
+    semantics, above); `min_p` of 0, `top_k` of the vocabulary size or more and `top_p` of 1
+    keep every token. Rows with a temperature below epsilon are drawn at temperature 1 (the
+    caller keeps their argmax)."""
     t = np.where(temperature < _SAMPLING_EPS, 1.0, temperature).astype(np.float32)
     scaled = logits / mx.array(t)[:, None]
+    if min_p is not None:
+        probs = mx.softmax(scaled, axis=-1, precise=True)
+        floor = mx.max(probs, axis=-1, keepdims=True) * mx.array(min_p)[:, None]
+        scaled = mx.where(probs < floor, -mx.inf, scaled)
     noise = mx.random.gumbel(shape=scaled.shape, key=key)
     if top_k is None and top_p is None:
         return mx.argmax(scaled + noise, axis=-1)
