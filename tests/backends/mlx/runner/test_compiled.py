@@ -1,7 +1,8 @@
-"""Compiled decode steps (`runner/compiled.py`) equal eager ones: the same hidden states and the
-same pools, step after step, for dense, sliding-window, soft-capped, MoE and KV-sharing decoders,
-at batch sizes and context lengths that pad rows and block-table columns, on the native ops and on
-their pure-MLX versions (the GPU proxy's path); the kinds it does not trace stay eager by name.
+"""Compiled decode steps (`runner/compiled.py`) equal eager ones: the same tokens, hidden states
+and written K/V, step after step, for dense, sliding-window, soft-capped, MoE, KV-sharing, sink
+and quantized decoders, at batch sizes and context lengths that pad rows and block-table columns,
+on the native ops and on their pure-MLX versions (the GPU proxy's path); the kinds it does not
+trace stay eager by name.
 An engine with compiled decode gives transformers float32's greedy tokens and logprobs over a
 mixed batch with chunked prefill, preemption and a prefix-cache round (one engine, CI).
 """
@@ -21,8 +22,9 @@ from tests.fixtures.oracles import hf_greedy, hf_logprobs
 from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import hidden_states
-from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.pool import KVLayout, pool_for
 from vllm_metal.models import load_model
+from vllm_metal.models.layers import memory_layers
 
 BLOCK = 16
 PROMPT_LENS = (5, 21, 40, 9, 30)  # one, two and three blocks
@@ -34,7 +36,8 @@ def _prefilled(model_dir):
     adapter = load_model(str(model_dir), compute_dtype=mx.float32)
     kinds = adapter.layer_kinds()
     heads, dim = _kv_shape(model_dir)
-    pool = KVPool(KVLayout.single_group(len(kinds), 48, BLOCK), heads, dim, mx.float32)
+    layout = KVLayout.single_group(len(kinds), 48, BLOCK, memory_layers(kinds))
+    pool = pool_for(layout, kinds, heads, dim, mx.float32)
     n = len(PROMPT_LENS)
     tables = np.zeros((n, 8), dtype=np.int32)
     for i in range(n):
@@ -125,18 +128,38 @@ def test_compiled_steps_equal_eager(tiny_model_dir, monkeypatch, arch, reference
         _assert_same(got, want)
 
 
-def test_moe_and_kv_sharing_decoders(tiny_gemma4_moe_dir, tmp_path):
-    """Gemma 4 (MoE, layers reading another layer's K/V) and a Qwen3-MoE decode compiled as
-    eager."""
+OTHER_MODELS = {
+    # MoE and KV-sharing layers (Gemma 4 MoE), two head sizes, shared KV layers and per-layer
+    # inputs (Gemma 4 as E2B), MoE (Qwen3-MoE), sinks and MXFP4 experts (GPT-OSS), 4-bit weights
+    "gemma4_moe": lambda request, tmp: request.getfixturevalue("tiny_gemma4_moe_dir"),
+    "gemma4": lambda request, tmp: request.getfixturevalue("tiny_gemma4_dir"),
+    "qwen3_moe": lambda request, tmp: _moe(tmp),
+    "gpt_oss": lambda request, tmp: _gpt_oss(tmp),
+    "llama_q4": lambda request, tmp: request.getfixturevalue("tiny_quantized_dir")("llama"),
+}
+
+
+def _moe(tmp):
     from tests.fixtures.tiny_moe import write_tiny_moe
 
-    for model in (tiny_gemma4_moe_dir, write_tiny_moe(tmp_path / "moe", "qwen3_moe")):
-        adapter, kinds, pool, tables, lens, first = _prefilled(model)
-        want = _decode(adapter, kinds, pool, tables, lens, first, 5, _eager(adapter, kinds))
-        adapter, kinds, pool, tables, lens, first = _prefilled(model)
-        step = compiled.CompiledDecode(adapter, kinds)
-        got = _decode(adapter, kinds, pool, tables, lens, first, 5, step.hidden_states)
-        _assert_same(got, want, tol=5e-3)  # the experts' activations: larger
+    return write_tiny_moe(tmp / "moe", "qwen3_moe")
+
+
+def _gpt_oss(tmp):
+    from tests.fixtures.tiny_gpt_oss import write_tiny_gpt_oss
+
+    return write_tiny_gpt_oss(tmp / "gpt-oss", mxfp4=True)
+
+
+@pytest.mark.parametrize("name", list(OTHER_MODELS))
+def test_other_decoders(request, tmp_path, name):
+    model = OTHER_MODELS[name](request, tmp_path)
+    adapter, kinds, pool, tables, lens, first = _prefilled(model)
+    want = _decode(adapter, kinds, pool, tables, lens, first, 5, _eager(adapter, kinds))
+    adapter, kinds, pool, tables, lens, first = _prefilled(model)
+    step = compiled.CompiledDecode(adapter, kinds)
+    got = _decode(adapter, kinds, pool, tables, lens, first, 5, step.hidden_states)
+    _assert_same(got, want, tol=5e-3)  # experts and quantized weights: larger activations
 
 
 class _Config:
@@ -159,7 +182,7 @@ def test_kinds_that_stay_eager(tiny_qwen3_5_dir, tiny_glm4_moe_lite_dir):
 
 
 def test_buckets():
-    sizes = range(0, 200)
+    sizes = range(200)
     buckets = sorted({compiled.bucket(n) for n in sizes})
     assert buckets[:12] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     assert all(n <= compiled.bucket(n) <= max(1, n * 3 // 2) for n in sizes)
