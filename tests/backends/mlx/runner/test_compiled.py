@@ -233,3 +233,22 @@ def test_engine_with_compiled_decode_matches_transformers(tiny_model_dir):
         for step, token in enumerate(sample["token_ids"]):
             got = sample["logprobs"][step][str(token)]
             assert abs(got - ref[len(prompt) - 1 + step, token]) < 1e-3, (step, got)
+
+
+def test_a_forward_that_cannot_be_traced_stays_eager(tiny_model_dir, monkeypatch):
+    """A family whose forward reads a value on the host cannot be traced: the compiled step
+    gives None, says why, and leaves the pool as it was; the step then runs eagerly."""
+    adapter, kinds, pool, tables, lens, first = _prefilled(tiny_model_dir("qwen3"))
+    forward = adapter.forward
+
+    def reads_the_host(embeds, caches, **kwargs):
+        float(embeds.sum())  # evaluates inside mx.compile
+        return forward(embeds, caches, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", reads_the_host)
+    step = compiled.CompiledDecode(adapter, kinds)
+    before = list(pool.keys)
+    packed = decode_batch(["0"], lens[:1], first[:1], [tables[:1]], [BLOCK])
+    assert step.hidden_states(pool, packed) is None
+    assert "eval" in step.failed and step.steps == 0
+    assert all(a is b for a, b in zip(pool.keys, before))

@@ -88,6 +88,8 @@ class CompiledDecode:
         self._forward = mx.compile(self._trace)
         self._aranges: dict[int, mx.array] = {}
         self.steps = 0  # steps run compiled (tests read it)
+        # Why tracing the forward failed (the model's decode steps then stay eager), or None.
+        self.failed: str | None = None
 
     @staticmethod
     def takes(packed: PackedBatch, inputs: StepInputs) -> bool:
@@ -98,9 +100,11 @@ class CompiledDecode:
             and not packed.num_draft_tokens.any()
         )
 
-    def hidden_states(self, pool: KVPool, packed: PackedBatch) -> mx.array:
+    def hidden_states(self, pool: KVPool, packed: PackedBatch) -> mx.array | None:
         """The decoder's final hidden states of the step's tokens (`[S, 1, hidden]`), its K/V
-        written into `pool`. Lazy, as the eager forward."""
+        written into `pool`. Lazy, as the eager forward. None, with `failed` set and the pool
+        untouched, when the forward cannot be traced (a family reading values on the host):
+        the caller runs the step eagerly, as every later one."""
         num_seqs = packed.num_tokens
         rows = bucket(num_seqs)
         token_ids = _padded(packed.token_ids, rows, 0)
@@ -113,17 +117,23 @@ class CompiledDecode:
             tables.append(mx.array(padded))
             slots.append(mx.array(_padded(np.maximum(slot_mapping, NULL_SLOT), rows, NULL_SLOT)))
         self._pool = pool
-        hidden, keys, values = self._forward(
-            mx.array(token_ids),
-            mx.array(positions),
-            mx.array(seq_lens),
-            self._arange(rows + 1),
-            tables,
-            slots,
-            pool.keys,
-            pool.values,
-        )
-        self._pool = None
+        try:
+            hidden, keys, values = self._forward(
+                mx.array(token_ids),
+                mx.array(positions),
+                mx.array(seq_lens),
+                self._arange(rows + 1),
+                tables,
+                slots,
+                pool.keys,
+                pool.values,
+            )
+        except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.warning("Decode steps stay eager: tracing the forward failed (%s)", self.failed)
+            return None
+        finally:
+            self._pool = None
         pool.keys[:], pool.values[:] = keys, values
         self.steps += 1
         return hidden[:num_seqs]

@@ -117,8 +117,11 @@ class DecoderState(ModelState):
         self, pool: KVPool | None, packed: PackedBatch, inputs: StepInputs
     ) -> mx.array:
         assert pool is not None, "KV cache not initialized"
-        if self.compiled is not None and self.compiled.takes(packed, inputs):
-            return self.compiled.hidden_states(pool, packed)
+        step = self.compiled
+        if step is not None and step.failed is None and step.takes(packed, inputs):
+            hidden = step.hidden_states(pool, packed)
+            if hidden is not None:
+                return hidden
         return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
 
 
