@@ -1,7 +1,8 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
 to vLLM's host `Sampler` on the same logits and without copying them; anything that moves the
-argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Unseeded random
-rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
+argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Presence,
+frequency and repetition penalties are applied on the device as vLLM applies them. Unseeded
+random rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
 distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from vllm.v1.sample.sampler import Sampler
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, sample_rows
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, penalized, sample_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -81,6 +82,57 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
     assert device == host
     if odd.logit_bias:
         assert device["c"] == [5]
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"repetition_penalty": 3.0}, {"repetition_penalty": 0.2}, {"presence_penalty": 1.5}],
+    ids=["repetition", "repetition_below_1", "presence"],
+)
+def test_penalized_rows_sample_on_the_device_like_the_host_sampler(
+    vllm_config, monkeypatch, penalty
+):
+    params = {r: SamplingParams(temperature=0.0, **penalty) for r in "ac"}
+    params["b"] = SamplingParams(temperature=0.0)
+    device, copied = _run(vllm_config, params, True, monkeypatch)
+    host, _ = _run(vllm_config, params, False, monkeypatch)
+    plain, _ = _run(
+        vllm_config, {r: SamplingParams(temperature=0.0) for r in "abc"}, True, monkeypatch
+    )
+    assert not copied
+    assert device == host
+    if penalty.get("repetition_penalty") == 0.2:  # boosts the prompt's tokens: a prompt token
+        assert device != plain and device["c"][0] in span(30, 4)
+
+
+def test_penalties_equal_vllms():
+    """`penalized` against vLLM's `apply_all_penalties` on random logits, prompts (padded with
+    the vocabulary size) and outputs (with a -1 placeholder), all three penalties per row."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    rng = np.random.default_rng(4)
+    rows, vocab = 5, 50
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+    prompt = np.full((rows, 9), vocab)
+    outputs = []
+    for r in range(rows):
+        prompt[r, : 3 + r] = rng.integers(0, vocab, 3 + r)
+        outputs.append(rng.integers(0, 12, 2 * r).tolist() + ([-1] if r == 2 else []))
+    penalties = [torch.tensor(rng.uniform(lo, hi, rows), dtype=torch.float32)
+                 for lo, hi in ((0.5, 2.0), (-1.0, 1.0), (-1.0, 1.0))]  # fmt: skip
+
+    class Metadata:
+        prompt_token_ids = torch.tensor(prompt)
+        repetition_penalties, presence_penalties, frequency_penalties = penalties
+        output_token_ids = outputs
+
+    got = np.array(penalized(mx.array(logits), Metadata))
+    want = apply_all_penalties(
+        torch.tensor(logits), torch.tensor(prompt), penalties[1], penalties[2], penalties[0],
+        [list(o) for o in outputs],
+    ).numpy()  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got, logits)
 
 
 def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):

@@ -1,6 +1,8 @@
 """Tokens sampled on the device, queued with the step's logits so the logits never reach the host.
 
-A step whose rows all sample greedily takes each row's argmax. A step whose rows sample with
+Presence, frequency and repetition penalties are applied first, on the device, as vLLM's
+`apply_all_penalties` does (`penalized`). A step whose rows all sample greedily takes each row's
+argmax. A step whose rows sample with
 nothing but a temperature, min-p, top-k and top-p (unseeded; greedy rows may sit beside them)
 takes a sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the
 row's temperature; min-p drops each token whose probability (at that temperature) is below
@@ -15,6 +17,7 @@ the host, where their randomness is keyed by position (`seeded.py`).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -57,6 +60,8 @@ class DeviceSampler:
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
+        if not metadata.no_penalties:
+            logits = penalized(logits, metadata)
         if metadata.all_greedy:
             return mx.argmax(logits, axis=-1)
         if not samples_random_rows(metadata):
@@ -70,6 +75,45 @@ class DeviceSampler:
         if not greedy_rows.any():
             return drawn
         return mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
+
+
+def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+    """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
+    (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
+    the repetition penalty where positive, multiplied where not; then each output occurrence
+    takes off the frequency penalty and any occurrence the presence penalty. The counts are
+    scattered on the device from the host's token lists; ids outside the vocabulary (placeholders,
+    padding) count for nothing."""
+    rows, vocab = logits.shape
+    outputs = metadata.output_token_ids[:rows]
+    lengths = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=rows)
+    counts = _bin_counts(
+        np.repeat(np.arange(rows), lengths),
+        np.fromiter(itertools.chain.from_iterable(outputs), np.int64, int(lengths.sum())),
+        rows,
+        vocab,
+    )
+    prompt = metadata.prompt_token_ids[:rows].numpy()  # [rows, longest prompt], padded with V
+    in_prompt = _bin_counts(
+        np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
+    )
+    seen = (counts > 0) | (in_prompt > 0)
+    repetition = mx.array(metadata.repetition_penalties[:rows].numpy())[:, None]
+    penalty = mx.where(seen, repetition, 1.0)
+    logits = logits * mx.where(logits > 0, 1.0 / penalty, penalty)
+    frequency = mx.array(metadata.frequency_penalties[:rows].numpy())[:, None]
+    presence = mx.array(metadata.presence_penalties[:rows].numpy())[:, None]
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def _bin_counts(row: np.ndarray, ids: np.ndarray, rows: int, vocab: int) -> mx.array:
+    """`[rows, V]` float32: how often each token id occurs in each row (`ids[i]` in `row[i]`)."""
+    keep = (ids >= 0) & (ids < vocab)
+    flat = (row[keep] * vocab + ids[keep]).astype(np.int64)
+    counts = mx.zeros((rows * vocab,), dtype=mx.float32)
+    if flat.size:
+        counts = counts.at[mx.array(flat)].add(1.0)
+    return counts.reshape(rows, vocab)
 
 
 def sample_rows(
