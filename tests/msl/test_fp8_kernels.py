@@ -6,6 +6,7 @@ prefill read fp8 pools as attention over float64-dequantized pools (rounded to t
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -213,6 +214,40 @@ def test_prefill_fp8(dtype: str, name: str, hq: int, hkv: int, d: int, bs: int) 
     launches = K.host_plan(stored)
     assert [launch["family"] for launch in launches] == ["prefill"]
     check(stored, read, launches)
+
+
+def _fp8_prefill_instances() -> list[str]:
+    return sorted(
+        n
+        for n in K.native().all_kernel_names()
+        if n.startswith("paged_attention_prefill_")
+        and "_fp8_" in n
+        and "_d512" not in n
+        and "_d256" not in n
+    )
+
+
+@pytest.mark.parametrize("kernel", _fp8_prefill_instances())
+def test_prefill_every_fp8_tile(kernel: str) -> None:
+    # Every fp8 instance (head dims <= 128), planned for a block size it serves; formats alternate.
+    m = re.match(r"paged_attention_prefill_(\w+)_fp8_d(\d+)_b(\d+)$", kernel)
+    dtype, d, divisor = m[1], int(m[2]), int(m[3])
+    stored, read = fp8_case(
+        FORMATS[(d // 16 + divisor // 8) % 2],
+        dtype=dtype,
+        q_lens=[12, 1, 30],
+        seq_lens=[40, 19, 30],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=d,
+        block_size=divisor,
+        sliding_window=25,
+        sinks=True,
+        seed=divisor + d,
+    )
+    (launch,) = K.host_plan(stored)
+    assert launch["kernel"] == kernel
+    check(stored, read, [launch])
 
 
 @pytest.mark.parametrize("dtype,name,d", [("f16", "fp8_e4m3", 64), ("bf16", "fp8_e5m2", 128)])
