@@ -9,8 +9,19 @@ from bench.harness.report.format import bars, machine_line, quick_note
 from bench.harness.report.publish import publish, regenerate
 
 STEM = "kv_fp8"
-NAMES = {"auto": "unquantized (bfloat16)", "fp8": "fp8 (E4M3)"}
+
+
+def _names(report: dict[str, Any]) -> dict[str, str]:
+    return {"auto": f"unquantized ({report['model']['dtype']})", "fp8": "fp8 (E4M3)"}
+
+
 COLORS = ["tab:blue", "tab:orange"]
+
+
+def element_bytes(model: dict[str, Any]) -> int:
+    """Bytes per element of the unquantized cache (the checkpoint's dtype)."""
+    return model["kv_bytes_per_token"] // (2 * model["num_layers"] * model["num_kv_heads"]
+                                           * model["head_dim"])  # fmt: skip
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float | None]:
@@ -35,6 +46,7 @@ def _cell(x: float | None, fmt: str = ",.0f") -> str:
 def _markdown(report: dict[str, Any]) -> str:
     s, m, e, op = report["settings"], report["model"], report["engines"], report["ops"]
     r = ratios(report)
+    names = _names(report)
     shape = op["shape"]
     lines = [
         "# fp8 KV cache against the unquantized cache",
@@ -50,7 +62,7 @@ def _markdown(report: dict[str, Any]) -> str:
         (
             f"Model: `{Path(m['path']).name}` ({m['num_layers']} layers, {m['num_kv_heads']} KV heads "
             f"of {m['head_dim']}, {m['dtype']}; {m['kv_bytes_per_token'] / 1024:g} KiB of KV per "
-            f"token unquantized, {m['kv_bytes_per_token'] / 2048:g} KiB in fp8), both engines of the "
+            f"token unquantized, {m['kv_bytes_per_token'] / 1024 / element_bytes(m):g} KiB in fp8), both engines of the "
             f"plugin (MLX backend, C++ CPU kernels) with `kv_cache_memory_bytes` = "
             f"{s['kv_budget_mib']} MiB, started together; decode rounds of {s['streams']} requests "
             f"of {s['context']:,} prompt tokens and {s['output_len']} output tokens, {s['rounds']} "
@@ -68,7 +80,7 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     for cache in ("auto", "fp8"):
         lines.append(
-            f"| {NAMES[cache]} | {_cell(e[cache]['kv_cache_tokens'])} | "
+            f"| {names[cache]} | {_cell(e[cache]['kv_cache_tokens'])} | "
             f"{e[cache]['decode_tok_s']:.2f} ({e[cache]['median_tpot_ms']:.0f} ms) |"
         )
     lines.append(
@@ -92,7 +104,7 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     for cache in ("auto", "fp8"):
         lines.append(
-            f"| {NAMES[cache]} | {op['pool_bytes'][cache] / 2**20:.1f} MiB | "
+            f"| {names[cache]} | {op['pool_bytes'][cache] / 2**20:.1f} MiB | "
             f"{op['attention_ms'][cache]:.2f} ms | {op['cache_write_ms'][cache]:.3f} ms |"
         )
     lines += [
@@ -103,8 +115,8 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         (
             "On this CPU the C++ body widens each fp8 byte through a 256-entry table (a gather per "
-            "vector): an fp8 pool is half the bytes to read, at a higher cost per element than "
-            "bfloat16; the rows above show the net. On a Mac the Metal kernels read fp8 pools at "
+            "vector): an fp8 pool is a half (bfloat16) or a quarter (float32) of the bytes to read, at "
+            "a higher cost per element; the rows above show the net. On a Mac the Metal kernels read fp8 pools at "
             "one byte per element too (`docs/kv-cache.md`); their speed is not measured here."
         ),
         "",
@@ -114,7 +126,7 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:
     e, op = report["engines"], report["ops"]
-    labels = [NAMES[c] for c in ("auto", "fp8")]
+    labels = [_names(report)[c] for c in ("auto", "fp8")]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     tokens = [float(e[c]["kv_cache_tokens"] or 0) for c in ("auto", "fp8")]
     bars(axes[0], labels, tokens, COLORS, ",.0f")
