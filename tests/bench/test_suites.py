@@ -366,5 +366,12 @@ def test_gpu_proxy_quick(run_suite) -> None:
         assert case["decode_tok_s"] > 0 and case["phases"]["steps"] > 0
         assert case["phases"]["step_ms"] >= case["phases"]["graph_build_ms"] > 0
     assert "sample_step" in plugin["profiles"]["1"]
-    text = run.report("gpu_proxy", ("## Decode tok/s (same run)", "## A plugin step"))
+    attention = data["attention"]
+    assert attention["status"] == "ok", attention
+    for case in attention["cases"].values():
+        assert case["paged_ms"] > 0 and case["contiguous_ms"] > 0
+    text = run.report(
+        "gpu_proxy",
+        ("## Decode tok/s (same run)", "## A plugin step", "## A decode step's attention alone"),
+    )
     assert "say nothing about the plugin's speed on an Apple GPU" in text  # CPU here

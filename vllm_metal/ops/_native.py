@@ -134,14 +134,18 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | None = None,
+    decode: bool = False,
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
-    pools, which the C++ CPU body and every Metal kernel family read."""
+    pools, which the C++ CPU body and every Metal kernel family read. ``decode``: one query row per
+    sequence, lengths made from host data (the call may be traced by mx.compile)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
-        # The GPU plan reads the per-sequence lengths on the host when it encodes the kernels.
-        mx.eval(seq_lens, cu_seqlens_q)
+        if not decode:
+            # The GPU plan reads the per-sequence lengths on the host when it encodes the
+            # kernels; a decode step's lengths already hold their values.
+            mx.eval(seq_lens, cu_seqlens_q)
     return _C.paged_attention(
         query,
         key_cache,

@@ -26,6 +26,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    padded: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Writes key/value rows ``[T, Hkv, D]`` into the paged pools at ``slot_mapping`` (int64).
 
@@ -43,16 +44,15 @@ def reshape_and_cache(
     arrays = (key, value, key_cache, value_cache, slot_mapping)
     options = (kv_cache_dtype, k_scale, v_scale)
     v.once(_PASSED, (*arrays, *options), check_reshape_and_cache)
-    if _backend.value_checks():
+    if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
     native = _backend.native_for(key.shape[2])
     quant = fp8.kv_quant(*options)
-    if quant is None:
-        return (native or batched).reshape_and_cache(*arrays)
     if native is not None:
         return native.reshape_and_cache(*arrays, quant=quant)
-    key, value = fp8.quantize(key, quant.fmt, k_scale), fp8.quantize(value, quant.fmt, v_scale)
-    return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    if quant is not None:
+        key, value = fp8.quantize(key, quant.fmt, k_scale), fp8.quantize(value, quant.fmt, v_scale)
+    return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
 
 
 def check_reshape_and_cache(
