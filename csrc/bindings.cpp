@@ -55,7 +55,8 @@ nb::dict constants() {
 #define VM_INT_(V, L) L.append(V);
 #define VM_PAIR_(A, B, L) L.append(nb::make_tuple(A, B));
 #define VM_DTYPE_(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
-#define VM_FP8_(NAME, ID, M, BIAS, MAX, FN, L) L.append(nb::make_tuple(#NAME, ID, M, BIAS, MAX, FN));
+#define VM_FP8_(NAME, ID, M, BIAS, MAX, FN, L) \
+  L.append(nb::make_tuple(#NAME, ID, M, BIAS, MAX, FN));
 #define VM_LIST_(NAME, ENTRY)  \
   {                            \
     nb::list l;                \

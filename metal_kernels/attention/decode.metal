@@ -7,9 +7,9 @@
 // simd_shuffle_xor, simd_max, simd_sum, vec<T, 4> loads from device memory (8/16-byte aligned),
 // metal::exp / tanh / max / min, float2, half, bfloat, static_assert.
 //
-// paged_attention_decode_<dt>[_fp8]_d<D>_b<KB>: grid (Hq, rows, partitions), VM_DECODE_THREADS threads
-//   (4 simdgroups); the kernel block is the block divisor, KB keys. Threadgroup (h, r, part)
-//   computes query head h of work row r over one key partition. The four simdgroups take the
+// paged_attention_decode_<dt>[_fp8]_d<D>_b<KB>: grid (Hq, rows, partitions), VM_DECODE_THREADS
+//   threads (4 simdgroups); the kernel block is the block divisor, KB keys. Threadgroup (h, r,
+//   part) computes query head h of work row r over one key partition. The four simdgroups take the
 //   partition's kernel blocks of KB keys round-robin. Inside a simdgroup, 8 lanes share one key
 //   (each lane holds 4 columns per 32-column round), so 4 keys are scored per pass with a 3-step
 //   xor reduction and each key row is read as contiguous 64/128-byte segments. Online softmax runs

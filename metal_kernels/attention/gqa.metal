@@ -10,11 +10,11 @@
 // T x T + float -> float, simdgroup_matrix::thread_elements() (float -> T conversion),
 // simd_shuffle_xor, vec<T, 4> device loads, metal::exp / tanh, half, bfloat, static_assert.
 //
-// paged_attention_gqa_<dt>[_fp8]_d<D>_b<B>: grid (Hkv * ceil(G / 8), rows, partitions), VM_GQA_THREADS
-//   threads, KB = vm_gqa_keys(B) keys per kernel block (the largest block divisor <= B whose
-//   tiles fit threadgroup memory). A threadgroup owns VM_GQA_ROWS (8) query heads of one KV head
-//   (G = Hq / Hkv; the last group is padded with zero query rows) for one decode row and one key
-//   partition. Per kernel block of KB keys:
+// paged_attention_gqa_<dt>[_fp8]_d<D>_b<B>: grid (Hkv * ceil(G / 8), rows, partitions),
+//   VM_GQA_THREADS threads, KB = vm_gqa_keys(B) keys per kernel block (the largest block divisor
+//   <= B whose tiles fit threadgroup memory). A threadgroup owns VM_GQA_ROWS (8) query heads of
+//   one KV head (G = Hq / Hkv; the last group is padded with zero query rows) for one decode row
+//   and one key partition. Per kernel block of KB keys:
 //     1. all threads stage K [KB, D] in threadgroup memory (zero rows past the range);
 //     2. simdgroup j < KB / 8 computes S[:, 8j .. 8j+8) = Q K^T with 8x8 simdgroup matrices;
 //     3. all threads stage V in the same buffer while simdgroup 0 runs the online softmax on

@@ -3,8 +3,8 @@
 // long key ranges across threads (merging their partial softmax states), and runs the inner kernel
 // build chosen for this CPU (cpu_isa.h) on the shared thread pool.
 //
-// Only plain data here (and common/elem.h, common/fp8.h and common/strided.h, built for that): the ISA-specific
-// kernel objects include this header.
+// Only plain data here (and common/elem.h, common/fp8.h and common/strided.h, built for that):
+// the ISA-specific kernel objects include this header.
 #pragma once
 
 #include <cstdint>
