@@ -62,8 +62,8 @@ def paged_attention(
     ``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (`ops.fp8`): the pools are
     ``uint8`` fp8 bytes (any float query dtype), and a key reads as ``float(byte) * k_scale``, a
     value as ``float(byte) * v_scale``, rounded to the query's dtype; the rest of the contract is
-    unchanged. fp8 pools are read by the C++ CPU body on the CPU and by MLX's own ops on a GPU
-    (the Metal kernels do not read fp8, so they are never handed these bytes).
+    unchanged. The native op (C++ CPU body, every Metal kernel family) reads the bytes as it
+    attends.
 
     ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
     ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host
@@ -79,8 +79,6 @@ def paged_attention(
         check_paged_attention_values(*arrays)
     quant = fp8.kv_quant(*options)
     impl = _backend.native_for(query.shape[2]) or batched
-    if quant is not None and impl is not batched and not impl.reads_fp8():
-        impl = batched  # no Metal kernel reads fp8: MLX's own ops do, on the GPU too
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     if quant is not None:
         options["quant"] = quant
