@@ -1,0 +1,113 @@
+"""MTP speculative decoding with Gemma 4's assistant (`--speculative-config '{"method": "mtp",
+"model": ASSISTANT}'`: `spec_decode/assistant.py`) on the tiny Gemma 4 (sliding and full layers in
+KV-cache groups of their own, layers reading earlier layers' K/V, per-layer inputs): greedy
+tokens and logprobs equal transformers float32 on a mixed batch prefilled in 16-token chunks
+past the sliding window, after a prefix hit, and for max_tokens 1 to 5.
+
+Three assistants (`tests.fixtures.tiny_gemma4_mtp`):
+- self-drafting (the assistant computes what the target will), with the back-off on (the
+  default): at least 90% of its drafts are accepted, and a seeded sampled batch gives the same
+  tokens twice and the tokens an engine without speculation gives;
+- a noisy self-drafting one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`), whose drafts
+  depend on the target's hidden states and K/V it reads and are accepted about a third of the
+  time: the engine accepts exactly as many drafts as transformers' modules draft right for each
+  request, which only holds if the assistant reads the right token, hidden state, position and
+  pages at every step and chains its drafts as vLLM does;
+- (`full`) a random one with ordered embeddings (the centroid-masked head), drafting on every
+  step: nearly every draft rejected.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
+
+NEW_TOKENS = 16
+K = 3
+BLOCK_SIZE = 16
+# vLLM's hits land on its scheduler block, the least common multiple of the groups' block sizes
+# (the full layers' 16 tokens, the sliding layers' narrower rows 32), and with a drafter that
+# reads hidden states it keeps only the prompt's last whole such block but one: a prompt of
+# 2 x 32 + 6 tokens leaves a hit of 32 for a longer prompt sharing it.
+SCHEDULER_BLOCK = 32
+SEEDED_PARAMS = [
+    {"max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 40 + i, "ignore_eos": True}
+    for i in range(4)
+]
+ENGINE = {"max_num_batched_tokens": 16, "block_size": BLOCK_SIZE, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_gemma4_dir, tmp_path_factory):
+    """name -> (target, assistant)."""
+    from tests.fixtures.tiny_gemma4_mtp import write_assistant, write_self_drafting_pair
+
+    root = tmp_path_factory.mktemp("gemma4-mtp")
+    return {
+        "self_drafting": write_self_drafting_pair(tiny_gemma4_dir, root / "self"),
+        "noisy": write_self_drafting_pair(tiny_gemma4_dir, root / "noisy", noise=0.02),
+        "random": (
+            tiny_gemma4_dir,
+            write_assistant(tiny_gemma4_dir, root / "random", ordered=True),
+        ),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "assistant", ["self_drafting", "noisy", pytest.param("random", marks=pytest.mark.full)]
+)
+def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
+    from tests.fixtures.oracles import hf_greedy
+    from tests.fixtures.tiny_gemma4_mtp import TorchDrafts
+
+    target, drafter = pairs[assistant]
+    prompts = random_prompts(43, [1, 9, 11, 2 * SCHEDULER_BLOCK + 6])
+    expected = hf_greedy(target, prompts, NEW_TOKENS)
+    # Prompts that go on from the long one's answer: a prefix hit on the first job's blocks.
+    resend = [p + o[:12] + [30, 31, 32] for p, o in zip(prompts, expected) if len(p) > BLOCK_SIZE]
+    short = prompts[1]
+    seeded = {"prompts": [prompts[1], prompts[2]] * 2, "params": SEEDED_PARAMS}
+    jobs = [
+        {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": resend, "params": [greedy(8)]},
+        {"prompts": [short] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        seeded,
+        seeded,
+    ]
+    spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": K}
+    backoff = {"VLLM_METAL_SPEC_BACKOFF": "1" if assistant == "self_drafting" else "0"}
+    (batch, resent, shorts, sampled, again), per_job = run_engine_job(
+        target,
+        jobs,
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec},
+        with_metrics="per_job",
+        env=backoff,
+    )
+    assert tokens(batch) == expected
+    assert_logprobs_match_hf(target, prompts, batch)
+    assert tokens(resent) == hf_greedy(target, resend, 8)
+    assert all(r["num_cached_tokens"] >= SCHEDULER_BLOCK for r in resent), resent
+    assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
+
+    first = per_job[0]  # the first job alone: greedy, every request drafting from its start
+    proposed = first.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = first.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert proposed > 0, first
+    if assistant == "self_drafting":
+        assert accepted >= 0.9 * proposed, first
+        (plain,) = run_engine_job(target, [seeded], engine=ENGINE)
+        assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
+        assert tokens(sampled) == tokens(again) == tokens(plain)
+    elif assistant == "noisy":
+        oracle = TorchDrafts(target, drafter)
+        counts = [oracle.accepted(p, o, K) for p, o in zip(prompts, expected)]
+        assert (proposed, accepted) == tuple(map(sum, zip(*counts))), (first, counts)
+        assert 0 < accepted < proposed
