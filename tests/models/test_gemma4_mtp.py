@@ -25,21 +25,32 @@ BLOCK = 16
 TOL = {"rtol": 1e-3, "atol": 1e-3}
 
 
-@pytest.fixture(scope="module", params=["plain", "ordered"])
-def pair(request, tiny_gemma4_dir, tmp_path_factory):
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("dense", "plain"),
+        ("dense", "ordered"),
+        pytest.param(("moe", "plain"), marks=pytest.mark.full),
+    ],
+    ids=["dense", "dense-ordered", "moe"],
+)
+def pair(request, tmp_path_factory):
+    """(target, assistant): the E2B-like target, or (`full`) the 26B-A4B-like one whose full
+    layers' values are their keys (one KV head)."""
     from tests.fixtures.tiny_gemma4_mtp import write_assistant
 
-    out = tmp_path_factory.mktemp("gemma4-assistant") / request.param
-    return tiny_gemma4_dir, write_assistant(
-        tiny_gemma4_dir, out, ordered=request.param == "ordered"
+    variant, head = request.param
+    target = request.getfixturevalue(
+        "tiny_gemma4_dir" if variant == "dense" else "tiny_gemma4_moe_dir"
     )
+    out = tmp_path_factory.mktemp("gemma4-assistant") / f"{variant}-{head}"
+    return target, write_assistant(target, out, ordered=head == "ordered")
 
 
-@pytest.fixture(scope="module")
-def paged_target(tiny_gemma4_dir):
+def _paged_target(target_dir):
     """The target in MLX with a prompt's K/V written to its pool in two chunks."""
     tokens = np.random.default_rng(5).integers(16, 700, size=27).tolist()
-    adapter = load_model(str(tiny_gemma4_dir), compute_dtype=mx.float32)
+    adapter = load_model(str(target_dir), compute_dtype=mx.float32)
     adapter.install_paged_attention()
     kinds = adapter.layer_kinds()
     layout = KVLayout.single_group(len(kinds), 8, BLOCK, memory_layers(kinds))
@@ -63,15 +74,18 @@ def _assistant_step(adapter, kinds, pool, table, assistant, sources, token, hidd
     return assistant(inputs, [caches[i] for i in sources])
 
 
-def test_assistant_over_the_target_pages_matches_transformers(pair, paged_target):
+def test_assistant_over_the_target_pages_matches_transformers(pair):
     from tests.fixtures.tiny_gemma4_mtp import TorchDrafts
 
     target_dir, assistant_dir = pair
-    adapter, kinds, pool, table, tokens = paged_target
+    adapter, kinds, pool, table, tokens = _paged_target(target_dir)
     oracle = TorchDrafts(target_dir, assistant_dir)
     hidden, kv = oracle.target_states(tokens)
     assistant, sources = gemma4_mtp.load_assistant(assistant_dir, adapter.config, mx.float32)
-    assert sources == [3, 2]  # the last sliding and full target layers with K/V of their own
+    # The last sliding and the last full target layer with K/V of their own.
+    own = [i for i, kind in enumerate(kinds) if kind.kv_source is None]
+    sliding = max(i for i in own if kinds[i].sliding_window is not None)
+    assert sources == [sliding, max(i for i in own if kinds[i].sliding_window is None)]
     for position in (3, 15, len(tokens) - 2):  # inside the window, past it, at the end
         token = tokens[position + 1]
         want_logits, want_state = oracle.step(token, hidden[position], kv, position)
