@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import decode_batch
-from vllm_metal.backends.mlx.runner.forward import layer_caches
+from vllm_metal.backends.mlx.runner.forward import attention_cache, step_metadata
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter, block_tables
 from vllm_metal.backends.mlx.runner.spec_decode.mtp import new_positions
 from vllm_metal.models.families import mtp_module
@@ -116,8 +116,11 @@ class AssistantDrafter(Drafter):
                     [t[rows] for t in tables],
                     states.block_sizes,
                 )
-                every = layer_caches(step.kv_pool, packed, self.target.layer_kinds)
-                caches = [every[i] for i in self.sources]
+                meta = step_metadata(packed)
+                kinds = self.target.layer_kinds
+                caches = [
+                    attention_cache(step.kv_pool, i, kinds[i], meta, False) for i in self.sources
+                ]
             embeds = self.target.adapter.embed(mx.array(tokens)[:, None])
             out, hidden = self.assistant(mx.concatenate([embeds, hidden], axis=-1), caches)
             drafted = self.assistant.argmax(out)
