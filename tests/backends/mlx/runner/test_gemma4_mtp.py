@@ -6,8 +6,9 @@ past the sliding window, after a prefix hit, and for max_tokens 1 to 5.
 
 Three assistants (`tests.fixtures.tiny_gemma4_mtp`):
 - self-drafting (the assistant computes what the target will), with the back-off on (the
-  default): at least 90% of its drafts are accepted, and a seeded sampled batch gives the same
-  tokens twice and the tokens an engine without speculation gives;
+  default): at least 90% of its drafts are accepted, a seeded sampled batch gives the same
+  tokens twice and the tokens an engine without speculation gives, the assistant's weights count
+  in the worker's memory figures, and after sleep level 2 it drafts again;
 - a noisy self-drafting one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`), whose drafts
   depend on the target's hidden states and K/V it reads and are accepted about a third of the
   time: the engine accepts exactly as many drafts as transformers' modules draft right for each
@@ -42,6 +43,14 @@ SEEDED_PARAMS = [
     for i in range(4)
 ]
 ENGINE = {"max_num_batched_tokens": 16, "block_size": BLOCK_SIZE, "max_model_len": 128}
+ACCEPTANCE = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def _tensor_bytes(checkpoint) -> int:
+    from safetensors import safe_open
+
+    with safe_open(checkpoint / "model.safetensors", framework="numpy") as f:
+        return sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +91,16 @@ def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
         seeded,
         seeded,
     ]
+    engine = {**ENGINE, "disable_log_stats": False}
+    if assistant == "self_drafting":  # the weights, then sleep level 2 and a greedy job after it
+        jobs += [{"action": "memory_usage"}, {"action": "sleep_wake"}, jobs[0]]
+        engine["enable_sleep_mode"] = True
     spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": K}
     backoff = {"VLLM_METAL_SPEC_BACKOFF": "1" if assistant == "self_drafting" else "0"}
-    (batch, resent, shorts, sampled, again), per_job = run_engine_job(
+    (batch, resent, shorts, sampled, again, *after), per_job = run_engine_job(
         target,
         jobs,
-        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec},
+        engine={**engine, "speculative_config": spec},
         with_metrics="per_job",
         env=backoff,
     )
@@ -98,14 +111,21 @@ def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
     assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
 
     first = per_job[0]  # the first job alone: greedy, every request drafting from its start
-    proposed = first.get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = first.get("vllm:spec_decode_num_accepted_tokens", 0)
+    proposed, accepted = (first.get(k, 0) for k in ACCEPTANCE)
     assert proposed > 0, first
     if assistant == "self_drafting":
         assert accepted >= 0.9 * proposed, first
-        (plain,) = run_engine_job(target, [seeded], engine=ENGINE)
+        plain, plain_memory = run_engine_job(
+            target, [seeded, {"action": "memory_usage"}], engine=ENGINE
+        )
         assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
         assert tokens(sampled) == tokens(again) == tokens(plain)
+        # The assistant's weights count in the worker's figures, and come back after sleep.
+        (memory,), _, woken = after
+        assert memory["weights"] - plain_memory[0]["weights"] == _tensor_bytes(drafter)
+        assert tokens(woken) == expected
+        drafted = {k: per_job[-1][k] - per_job[-2][k] for k in ACCEPTANCE}
+        assert drafted[ACCEPTANCE[1]] >= 0.9 * drafted[ACCEPTANCE[0]] > 0, drafted
     elif assistant == "noisy":
         oracle = TorchDrafts(target, drafter)
         counts = [oracle.accepted(p, o, K) for p, o in zip(prompts, expected)]
