@@ -128,3 +128,19 @@ def test_an_assistant_that_does_not_fit_its_target_is_refused(tiny_gemma4_dir, t
     assert "expects K/V of 1 heads of 32" in gemma4_mtp.missing(target, fewer_heads)
     only_sliding = {**target, "num_kv_shared_layers": 4}  # no full layer with K/V of its own
     assert "no full_attention layer with K/V" in gemma4_mtp.missing(only_sliding, config)
+
+
+def test_every_assistant_layer_reads_the_target_whatever_its_config_says(tiny_gemma4_dir, tmp_path):
+    """transformers makes every assistant layer KV-shared when `num_kv_shared_layers` is unset
+    or 0; the loader does the same."""
+    import json
+
+    from tests.fixtures.tiny_gemma4_mtp import write_assistant
+
+    target = load_model(str(tiny_gemma4_dir), compute_dtype=mx.float32).config
+    assistant = write_assistant(tiny_gemma4_dir, tmp_path / "a")
+    config = json.loads((assistant / "config.json").read_text())
+    config["text_config"]["num_kv_shared_layers"] = 0
+    (assistant / "config.json").write_text(json.dumps(config))
+    loaded, _ = gemma4_mtp.load_assistant(assistant, target, mx.float32)
+    assert not any(layer.self_attn.has_kv for layer in loaded.layers)

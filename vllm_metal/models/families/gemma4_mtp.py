@@ -210,6 +210,10 @@ def load_assistant(
             f"{model_dir}: the Gemma 4 MTP assistant does not fit its target: {problem}"
         )
     text = config["text_config"]
+    # Every layer reads the target's K/V (transformers' config makes them all KV-shared whatever
+    # the file says), which is what makes mlx-lm build them without keys and values.
+    layers = len(text["layer_types"])
+    text = {**text, "num_hidden_layers": layers, "num_kv_shared_layers": layers}
     args = ModelArgs.from_dict({**text, **mlx_lm_overrides(text, ModelArgs)})
     assistant = Assistant(args, int(config["backbone_hidden_size"]), config)
     weights: dict[str, mx.array] = {}
