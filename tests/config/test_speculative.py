@@ -49,9 +49,12 @@ def gemma4_assistant(tiny_gemma4_dir, tmp_path_factory):
 
 
 def test_a_gemma4_target_drafts_with_its_assistant(tiny_gemma4_dir, gemma4_assistant):
-    config = _engine_config(tiny_gemma4_dir, speculative_config=_assistant_spec(gemma4_assistant))
+    """Over an fp8 cache too: the assistant keeps no K/V of its own."""
+    spec = _assistant_spec(gemma4_assistant)
+    config = _engine_config(tiny_gemma4_dir, speculative_config=spec, kv_cache_dtype="fp8")
     assert config.speculative_config.method == "mtp"
     assert config.speculative_config.use_gemma4_mtp()
+    assert config.cache_config.cache_dtype == "fp8"
 
 
 def test_a_gemma4_assistant_for_another_target_is_refused(tiny_model_dir, gemma4_assistant):

@@ -131,3 +131,26 @@ def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
         counts = [oracle.accepted(p, o, K) for p, o in zip(prompts, expected)]
         assert (proposed, accepted) == tuple(map(sum, zip(*counts))), (first, counts)
         assert 0 < accepted < proposed
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_mtp_assistant_over_an_fp8_cache(pairs):
+    """The assistant keeps no K/V, so it drafts over an fp8 cache too, reading the target's fp8
+    pages (the noisy assistant's drafts depend on them): greedy tokens equal an fp8 engine's
+    without speculation, and drafts are accepted."""
+    target, drafter = pairs["noisy"]
+    jobs = [{"prompts": random_prompts(44, [5, 20, 40]), "params": [greedy(NEW_TOKENS)]}]
+    engine = {**ENGINE, "kv_cache_dtype": "fp8"}
+    (plain,) = run_engine_job(target, jobs, engine=engine)
+    spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": K}
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**engine, "speculative_config": spec, "disable_log_stats": False},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert tokens(drafted) == tokens(plain)
+    proposed, accepted = (metrics.get(k, 0) for k in ACCEPTANCE)
+    assert 0 < accepted < proposed, metrics
