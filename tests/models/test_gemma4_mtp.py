@@ -105,6 +105,34 @@ def test_assistant_over_the_target_pages_matches_transformers(pair):
         _assert_logits(assistant.logits(out)[0], want_logits)
 
 
+def test_suppressed_tokens_are_never_drafted(pair, tmp_path):
+    """The assistant's generation config's `suppress_tokens` (vLLM masks them in its logits)."""
+    import json
+    import shutil
+
+    from tests.fixtures.tiny_gemma4_mtp import TorchDrafts
+
+    target_dir, assistant_dir = pair
+    adapter, kinds, pool, table, tokens = _paged_target(target_dir)
+    hidden, _ = TorchDrafts(target_dir, assistant_dir).target_states(tokens)
+    position = len(tokens) - 2
+    step = (adapter, kinds, pool, table)
+    assistant, sources = gemma4_mtp.load_assistant(assistant_dir, adapter.config, mx.float32)
+    out, _ = _assistant_step(*step, assistant, sources, tokens[-1], hidden[position], position)
+    logits = np.array(assistant.logits(out)[0])
+    first, second = np.argsort(-logits)[:2]
+
+    suppressed = tmp_path / "suppressed"
+    shutil.copytree(assistant_dir, suppressed)
+    (suppressed / "generation_config.json").write_text(
+        json.dumps({"suppress_tokens": [int(first)]})
+    )
+    assistant, _ = gemma4_mtp.load_assistant(suppressed, adapter.config, mx.float32)
+    out, _ = _assistant_step(*step, assistant, sources, tokens[-1], hidden[position], position)
+    assert int(assistant.argmax(out)[0]) == second
+    assert np.isneginf(np.array(assistant.logits(out)[0])[first])
+
+
 def _assert_logits(got: mx.array, want: torch.Tensor) -> None:
     """Equal logits; where the assistant scores only some tokens (ordered embeddings), the same
     ones (transformers fills the others with a value below them all)."""

@@ -13,7 +13,8 @@ position p and the target's K/V up to p (vLLM's `constant_draft_positions`; tran
 candidate generator rotates the query at p + 1 instead, vLLM and mlx-vlm at p). With
 `use_ordered_embeddings` its LM head scores only the tokens of the top centroids
 (`centroid_intermediate_top_k` of `num_centroids`, the token ids of each listed in
-`token_ordering`); drafts are their argmax. The layers are mlx-lm 0.32.2's `gemma4_text`
+`token_ordering`); drafts are their argmax, never a token of the assistant's generation config's
+`suppress_tokens` (as vLLM's full-vocabulary head masks them). The layers are mlx-lm 0.32.2's `gemma4_text`
 decoder layers, which run on the paged pool through `families.gemma4`'s attention.
 """
 
@@ -77,6 +78,9 @@ class Assistant(nn.Module):
         self.post_projection = nn.Linear(size, backbone_size, bias=False)
         if not config.get("tie_word_embeddings", True):
             self.lm_head = nn.Linear(size, args.vocab_size, bias=False)
+        # The tokens the assistant never drafts (its generation config's `suppress_tokens`, as
+        # vLLM masks them): a bool per vocabulary entry, or None. Not a parameter.
+        self._suppressed: mx.array | None = None
         self.masked_embedding = None
         if config.get("use_ordered_embeddings"):
             self.masked_embedding = MaskedHead(
@@ -101,6 +105,27 @@ class Assistant(nn.Module):
         h = self.model.norm(h)
         return h, self.post_projection(h)
 
+    def suppress(self, token_ids: list[int]) -> None:
+        self._suppressed = None
+        if token_ids:
+            mask = mx.zeros((self.args.vocab_size,), dtype=mx.bool_)
+            mask[mx.array(token_ids, dtype=mx.int32)] = True
+            self._suppressed = mask
+
+    def _scored(self, h: mx.array) -> tuple[mx.array | None, mx.array]:
+        """The token ids each row scores (None: the whole vocabulary) and their logits, the
+        suppressed tokens at -inf."""
+        weight = self._head_weight()
+        if self.masked_embedding is None:
+            ids, logits = None, h @ weight.T
+            suppressed = None if self._suppressed is None else self._suppressed[None]
+        else:
+            ids, logits = self.masked_embedding.candidates(h, weight)
+            suppressed = None if self._suppressed is None else self._suppressed[ids]
+        if suppressed is not None:
+            logits = mx.where(suppressed, mx.array(-mx.inf, dtype=logits.dtype), logits)
+        return ids, logits
+
     def _head_weight(self) -> mx.array:
         head = self.lm_head if "lm_head" in self else self.model.embed_tokens
         return head.weight
@@ -108,21 +133,18 @@ class Assistant(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         """Full-vocabulary logits (`[T, V]`) of normed outputs; with ordered embeddings every
         token outside the selected centroids is -inf."""
-        h = h.reshape(-1, h.shape[-1])
-        weight = self._head_weight()
-        if self.masked_embedding is None:
-            return h @ weight.T
-        ids, logits = self.masked_embedding.candidates(h, weight)
-        full = mx.full((h.shape[0], weight.shape[0]), -mx.inf, dtype=logits.dtype)
+        ids, logits = self._scored(h.reshape(-1, h.shape[-1]))
+        if ids is None:
+            return logits
+        full = mx.full((logits.shape[0], self.args.vocab_size), -mx.inf, dtype=logits.dtype)
         return mx.put_along_axis(full, ids, logits, axis=-1)
 
     def argmax(self, h: mx.array) -> mx.array:
         """The draft token of each normed output (`[T]`), without full-vocabulary logits where
         the head is masked."""
-        h = h.reshape(-1, h.shape[-1])
-        if self.masked_embedding is None:
-            return mx.argmax(h @ self._head_weight().T, axis=-1)
-        ids, logits = self.masked_embedding.candidates(h, self._head_weight())
+        ids, logits = self._scored(h.reshape(-1, h.shape[-1]))
+        if ids is None:
+            return mx.argmax(logits, axis=-1)
         best = mx.argmax(logits, axis=-1)[:, None]
         return mx.take_along_axis(ids, best, axis=-1)[:, 0]
 
@@ -227,5 +249,8 @@ def load_assistant(
     weights = {n: v for n, v in weights.items() if "rotary_emb" not in n}
     assistant.load_weights(list(weights.items()), strict=True)
     assistant.set_dtype(compute_dtype)  # floating parameters only: the ordering stays int32
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.exists():
+        assistant.suppress(json.loads(generation.read_text()).get("suppress_tokens") or [])
     mx.eval(assistant.parameters())
     return assistant, source_layers(target, text)
