@@ -167,13 +167,17 @@ def source_layers(target: dict[str, Any], assistant_text: dict[str, Any]) -> lis
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if config.get("model_type") != CHECKPOINT_MODEL_TYPE:
+    """The assistant's config as transformers reads it (as vLLM does): the defaults its
+    config.json leaves out filled in (`layer_types`, every layer KV-shared)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type != CHECKPOINT_MODEL_TYPE:
         raise ValueError(
-            f"{model_dir}: model_type {config.get('model_type')!r} is no Gemma 4 MTP assistant "
+            f"{model_dir}: model_type {config.model_type!r} is no Gemma 4 MTP assistant "
             f"({CHECKPOINT_MODEL_TYPE})"
         )
-    return config
+    return config.to_dict()
 
 
 def missing(target: dict[str, Any], config: dict[str, Any]) -> str | None:
