@@ -63,7 +63,9 @@ def pairs(tiny_gemma4_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4-mtp")
     return {
         "self_drafting": write_self_drafting_pair(tiny_gemma4_dir, root / "self"),
-        "noisy": write_self_drafting_pair(tiny_gemma4_dir, root / "noisy", noise=0.02),
+        # Seed 3: the oracle's drafts win by 0.014 in logit at least, far above the float32
+        # drift between MLX and torch (~3e-4), so the exact count below is no coin toss.
+        "noisy": write_self_drafting_pair(tiny_gemma4_dir, root / "noisy", seed=3, noise=0.02),
         "random": (
             tiny_gemma4_dir,
             write_assistant(tiny_gemma4_dir, root / "random", ordered=True),
