@@ -10,7 +10,7 @@ Three assistants (`tests.fixtures.tiny_gemma4_mtp`):
   tokens twice and the tokens an engine without speculation gives, the assistant's weights count
   in the worker's memory figures, and after sleep level 2 it drafts again;
 - a noisy self-drafting one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`), whose drafts
-  depend on the target's hidden states and K/V it reads and are accepted about a third of the
+  depend on the target's hidden states and K/V it reads and are accepted less than half the
   time: the engine accepts exactly as many drafts as transformers' modules draft right for each
   request, which only holds if the assistant reads the right token, hidden state, position and
   pages at every step and chains its drafts as vLLM does;
