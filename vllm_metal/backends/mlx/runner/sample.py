@@ -64,6 +64,10 @@ class Sampling:
     def _drafter_reads_hidden(self) -> bool:
         return self.spec is not None and self.spec.drafter.reads_hidden_states
 
+    @property
+    def _drafter_reads_target_kv(self) -> bool:
+        return self.spec is not None and self.spec.drafter.reads_target_kv
+
     def supported_tasks(self, state: ModelState) -> tuple[SupportedTask, ...]:
         return state.generation_tasks()
 
@@ -90,6 +94,7 @@ class Sampling:
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
             hidden=forward.hidden if self._drafter_reads_hidden else None,
+            kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
         )
 
     def drain(self) -> None:
