@@ -23,6 +23,7 @@ from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import hidden_states
 from vllm_metal.kv.pool import KVLayout, pool_for
+from vllm_metal.kv.quant import kv_cache_quant
 from vllm_metal.models import load_model
 from vllm_metal.models.layers import memory_layers
 
@@ -31,13 +32,15 @@ PROMPT_LENS = (5, 21, 40, 9, 30)  # one, two and three blocks
 STEPS = 20  # every row crosses a block boundary; block tables grow from 3 to 4 columns
 
 
-def _prefilled(model_dir):
-    """A loaded model and a pool holding three prompts (eager prefill), with what decodes next."""
+def _prefilled(model_dir, kv_cache_dtype: str = "auto"):
+    """A loaded model and a pool holding five prompts (eager prefill), with what decodes next;
+    an fp8 pool with `kv_cache_dtype` fp8."""
     adapter = load_model(str(model_dir), compute_dtype=mx.float32)
     kinds = adapter.layer_kinds()
     heads, dim = _kv_shape(model_dir)
     layout = KVLayout.single_group(len(kinds), 48, BLOCK, memory_layers(kinds))
-    pool = pool_for(layout, kinds, heads, dim, mx.float32)
+    quant = kv_cache_quant(kv_cache_dtype, len(kinds))
+    pool = pool_for(layout, kinds, heads, dim, mx.float32, quant)
     n = len(PROMPT_LENS)
     tables = np.zeros((n, 8), dtype=np.int32)
     for i in range(n):
@@ -162,13 +165,26 @@ def test_other_decoders(request, tmp_path, name):
     _assert_same(got, want, tol=5e-3)  # experts and quantized weights: larger activations
 
 
+@pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
+def test_fp8_caches(tiny_model_dir, monkeypatch, reference_ops):
+    """fp8 pools (bytes, per-layer scales): the compiled step writes the same bytes and reads
+    them as the eager one, on the native ops and on MLX's own."""
+    if reference_ops:
+        monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    model = tiny_model_dir("gemma2", sliding_window=24)
+    adapter, kinds, pool, tables, lens, first = _prefilled(model, "fp8")
+    assert pool.layer_quant is not None
+    want = _decode(adapter, kinds, pool, tables, lens, first, 5, _eager(adapter, kinds))
+    adapter, kinds, pool, tables, lens, first = _prefilled(model, "fp8")
+    step = compiled.CompiledDecode(adapter, kinds)
+    got = _decode(adapter, kinds, pool, tables, lens, first, 5, step.hidden_states)
+    _assert_same(got, want)
+
+
 class _Config:
     """The parts of a vLLM config `eager_reason` reads, for a plain engine."""
 
     lora_config = None
-
-    class cache_config:
-        cache_dtype = "auto"
 
 
 def test_kinds_that_stay_eager(tiny_qwen3_5_dir, tiny_glm4_moe_lite_dir):

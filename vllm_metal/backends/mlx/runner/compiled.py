@@ -66,8 +66,6 @@ def eager_reason(
         return "layers that keep state or latent (MLA) rows"
     if vllm_config.lora_config is not None:
         return "LoRA adapters (a step's adapter mask is not an input of the trace)"
-    if vllm_config.cache_config.cache_dtype != "auto":
-        return f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype}"
     return None
 
 
