@@ -51,15 +51,22 @@ def _agreement_lines(phases: dict[str, Any]) -> list[str]:
             "phase (every round sent the same prompts to both):"
         ),
         "",
-        "| phase | server | against | identical requests | first differing request |",
-        "|---|---|---|---:|---:|",
+        (
+            "| phase | server | against | identical requests | first token equal | "
+            "shortest common prefix (tokens) | first differing request |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for label, phase in phases.items():
         a = phase["agreement"]
         for name, s in a["servers"].items():
             first = s["first_differing_request"]
-            lines.append(f"| {label} | {name} | {a['reference']} | {s['identical']} / "
-                         f"{a['requests']} | {'—' if first is None else first} |")  # fmt: skip
+            prefixes = s.get("common_prefix_tokens") or []
+            lines.append(
+                f"| {label} | {name} | {a['reference']} | {s['identical']} / {a['requests']} | "
+                f"{s.get('first_token_equal', '—')} / {a['requests']} | "
+                f"{min(prefixes) if prefixes else '—'} | {'—' if first is None else first} |"
+            )
     return lines
 
 

@@ -33,6 +33,10 @@ def _phases(data: dict, phases: dict[str, list[str]]) -> None:
         check = phase["agreement"]
         assert check["reference"] == names[0] and sorted(check["servers"]) == sorted(names[1:])
         assert check["requests"] == requests
+        # The tiny model has no near-ties: every request's tokens are identical.
+        for name, s in check["servers"].items():
+            assert s["identical"] == requests, (label, name, s)
+            assert s["common_prefix_tokens"] == [settings["output_len"]] * requests
         assert check["passed"], (label, check)
     for name in {n for p in phases.values() for n in p}:
         server = data["servers"][name]
