@@ -58,6 +58,8 @@ SUITES = (
     Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
     Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
     Suite("mtp", "MTP speculative decoding on Qwen3.5: its own head, with and without", ("mtp",)),
+    Suite("parallel", "data and pipeline parallelism: DP=2 and PP=2 against one process",
+          ("parallel",)),
     Suite("profile", "where a decode step's time goes (pyinstrument, in-process engine)",
           ("profile",)),
     Suite("attention", "paged-attention decode kernel against pure-MLX baselines",

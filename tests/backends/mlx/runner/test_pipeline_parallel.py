@@ -5,8 +5,8 @@ the same in tests/backends/test_parity.py) for every model type a stage serves
 (`PIPELINE_STAGE_TYPES`) through a mixed batch with 16-token prefill chunks, a
 prefix-cache round and preemption.
 
-The same stages through vLLM's Ray executor and a local Ray cluster (the `ray` extra) run in the
-`full` tier.
+The same stages through vLLM's Ray executor and a local Ray cluster (the `ray` extra), through the
+same rounds, run in the `full` tier.
 
 Cost: one two-stage engine (Qwen3 in CI), about 40 s of one CI worker.
 """
@@ -76,14 +76,10 @@ def three_layers(tiny_model_dir, tmp_path):
 STAGE_ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "mixtral")
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [STAGE_ARCHS[0], *(pytest.param(a, marks=pytest.mark.full) for a in STAGE_ARCHS[1:])],
-)
-def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
-    model = three_layers(arch)
-    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    assert num_layers == 3
+def _rounds(model: Path, engine: dict, env: dict | None = None) -> None:
+    """The engine (two stages of `model`) through the rounds one process is held to: a mixed
+    batch in 16-token prefill chunks, a prefix-cache round, preemption and prompt logprobs give
+    transformers' tokens and logprobs; each stage holds only its own layers' weights."""
     engine = {
         "pipeline_parallel_size": 2,
         "max_num_batched_tokens": 16,
@@ -94,6 +90,7 @@ def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
         "kv_cache_memory_bytes": POOL_BLOCKS * kv_block_bytes(model) * 2 // 3,
         "max_model_len": 256,
         "disable_log_stats": False,
+        **engine,
     }
     jobs = [
         {"action": "memory_usage"},
@@ -104,7 +101,7 @@ def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
         {"prompts": PROMPT_LOGPROB_PROMPTS, "params": [greedy(2, prompt_logprobs=2)]},
     ]
     (memory, mixed, _, hits, preempted, prompt_lp), metrics = run_engine_job(
-        model, jobs, engine=engine, with_metrics=True
+        model, jobs, engine=engine, env=env, with_metrics=True
     )
 
     assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
@@ -119,6 +116,16 @@ def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
         _stage_weight_bytes(model, range(2)),
         _stage_weight_bytes(model, range(2, 3)),
     ]
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [STAGE_ARCHS[0], *(pytest.param(a, marks=pytest.mark.full) for a in STAGE_ARCHS[1:])],
+)
+def test_two_stages_give_one_process_greedy_tokens(three_layers, arch):
+    model = three_layers(arch)
+    assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 3
+    _rounds(model, {})
 
 
 @pytest.fixture
@@ -149,17 +156,8 @@ def test_every_stage_type_is_tested():
 
 @pytest.mark.full
 def test_two_stages_through_a_ray_cluster_give_one_process_greedy_tokens(ray_cluster, three_layers):
-    model = three_layers("qwen3")
-    engine = {
-        "pipeline_parallel_size": 2,
-        "distributed_executor_backend": "ray",
-        "max_num_batched_tokens": 16,
-        "max_model_len": 256,
-    }
-    jobs = [{"action": "memory_usage"}, {"prompts": MIXED, "params": [greedy(NEW_TOKENS)]}]
-    memory, mixed = run_engine_job(model, jobs, engine=engine, env={"RAY_ADDRESS": ray_cluster})
-    assert tokens(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
-    assert [m["weights"] for m in memory] == [
-        _stage_weight_bytes(model, range(2)),
-        _stage_weight_bytes(model, range(2, 3)),
-    ]
+    _rounds(
+        three_layers("qwen3"),
+        {"distributed_executor_backend": "ray"},
+        env={"RAY_ADDRESS": ray_cluster},
+    )
