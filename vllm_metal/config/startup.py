@@ -213,11 +213,6 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
     if not backend.async_scheduling and scheduler.async_scheduling:
         logger.info("vllm-metal: the %s backend runs with async scheduling off", backend.name)
         scheduler.async_scheduling = False
-    if vllm_config.speculative_config is not None and scheduler.async_scheduling:
-        # The runner proposes drafts after sampling each step; the async scheduler would send
-        # placeholders for drafts the runner has not made yet.
-        logger.info("vllm-metal: speculative decoding runs with async scheduling off")
-        scheduler.async_scheduling = False
 
     if vllm_config.lora_config is not None:
         from vllm_metal.compat import openai_routes
