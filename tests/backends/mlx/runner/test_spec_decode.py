@@ -147,10 +147,9 @@ def ngram(models):
 def self_draft(models):
     """The target as its own draft model: every greedy draft is the target's own argmax.
     Without the back-off (drafting with a copy of the target never pays), so every request
-    drafts up to its cap. With async scheduling off: the scheduler then counts only the drafts
-    the runner made (under async scheduling it also counts the placeholders the runner had no
-    draft for, near a request's end), so every draft counted is accepted; `small_draft` runs
-    the same draft model path with async scheduling on."""
+    drafts up to its cap. With async scheduling off: drafts then stop one short of max_tokens
+    and the scheduler counts only the drafts the runner made, so the counts below are exact;
+    `small_draft` runs the same draft-model path with async scheduling on."""
     return _run(
         models,
         {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": K},

@@ -79,7 +79,10 @@ class SpecDecoder:
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
-        drafts nor verifies tokens it cannot return. A seeded sampled request drafts only where
+        drafts nor verifies tokens it cannot return. Under async scheduling only `max_model_len`
+        caps them: the scheduler has already placed its placeholders, and drafts verified past
+        `max_tokens` are dropped by it, as on vLLM's GPU runner, while a placeholder left out
+        would count as a rejected draft in its metrics. A seeded sampled request drafts only where
         its drafts can be verified by position (`seeded.drafts_by_position`), which keeps its
         tokens those of decoding without drafts whenever the back-off lets it draft: a seed
         promises the same tokens every run. The back-off then keeps only the rows where
@@ -104,7 +107,7 @@ class SpecDecoder:
                 self.max_model_len - int(batch.num_tokens_no_spec[i]) - 1,
             )
             max_tokens = state.sampling_params.max_tokens if state.sampling_params else None
-            if max_tokens is not None:
+            if max_tokens is not None and not self.async_scheduling:
                 cap = min(cap, max_tokens - len(state.output_token_ids) - 1)
             caps[i] = max(cap, 0)
         num_decoding = sum(1 for s in sampled if s)
