@@ -55,6 +55,8 @@ nb::dict constants() {
 #define VM_INT_(V, L) L.append(V);
 #define VM_PAIR_(A, B, L) L.append(nb::make_tuple(A, B));
 #define VM_DTYPE_(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
+#define VM_FP8_(NAME, ID, M, BIAS, MAX, FN, L) \
+  L.append(nb::make_tuple(#NAME, ID, M, BIAS, MAX, FN));
 #define VM_LIST_(NAME, ENTRY)  \
   {                            \
     nb::list l;                \
@@ -86,6 +88,8 @@ nb::dict constants() {
   VM_NUMBER_(SPLIT_THREADGROUPS_PER_CORE)
   VM_NUMBER_(DEFAULT_GPU_CORES)
   VM_NUMBER_(DECODE_SPLIT_OUT_KEYS)
+  VM_NUMBER_(KV_FORMAT_SAME)
+  VM_NUMBER_(FP8_NAN_CODE)
   VM_LIST_(HALF_DTYPES, VM_DTYPE_)
   VM_LIST_(FLOAT_DTYPES, VM_DTYPE_)
   VM_LIST_(DECODE_HEAD_SIZES, VM_INT_)
@@ -94,10 +98,12 @@ nb::dict constants() {
   VM_LIST_(BLOCK_DIVISORS, VM_INT_)
   VM_LIST_(PREFILL_TILES, VM_PAIR_)
   VM_LIST_(MLA_SIZES, VM_PAIR_)
+  VM_LIST_(FP8_FORMATS, VM_FP8_)
 #undef VM_NUMBER_
 #undef VM_INT_
 #undef VM_PAIR_
 #undef VM_DTYPE_
+#undef VM_FP8_
 #undef VM_LIST_
   return c;
 }
@@ -137,12 +143,20 @@ nb::dict plan_paged_attention(const std::string& dtype, int num_q_heads, int num
                               int head_dim, int block_size,
                               const std::vector<int32_t>& cu_seqlens_q,
                               const std::vector<int32_t>& seq_lens, int sliding_window,
-                              bool supports_nax, std::optional<int> gpu_cores) {
+                              bool supports_nax, std::optional<int> gpu_cores,
+                              const std::string& kv_cache_dtype) {
   if (cu_seqlens_q.size() != seq_lens.size() + 1) {
     throw std::invalid_argument("cu_seqlens_q must have len(seq_lens) + 1 entries");
   }
-  const vm::AttentionShape shape{dtype,      num_q_heads, num_kv_heads, head_dim,
-                                 block_size, sliding_window};
+  vm::AttentionShape shape;
+  shape.dtype = dtype;
+  shape.fp8_pools = vm::cpu::kv_format_of(kv_cache_dtype, "select_paged_attention_kernel") !=
+                    vm::cpu::KvFormat::same;
+  shape.num_q_heads = num_q_heads;
+  shape.num_kv_heads = num_kv_heads;
+  shape.head_dim = head_dim;
+  shape.block_size = block_size;
+  shape.sliding_window = sliding_window;
   vm::DeviceCaps caps = vm::device_caps(supports_nax);
   if (gpu_cores.has_value()) caps.gpu_cores = *gpu_cores;
   const vm::AttentionPlan plan = vm::select_paged_attention_kernel(
@@ -199,16 +213,17 @@ NB_MODULE(_C, m) {
 
   // The ops, unvalidated: vllm_metal.ops checks the arguments and states the semantics.
   m.def("reshape_and_cache", &vm::reshape_and_cache, "key"_a, "value"_a, "key_cache"_a,
-        "value_cache"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "vllm_metal.ops.reshape_and_cache without argument checks. Returns (key_cache, "
-        "value_cache), which share the pools' memory.");
+        "value_cache"_a, "slot_mapping"_a, nb::kw_only(), "kv_cache_dtype"_a = "auto",
+        "k_scale"_a = 1.0f, "v_scale"_a = 1.0f, "stream"_a = nb::none(),
+        "vllm_metal.ops.reshape_and_cache without argument checks (kv_cache_dtype: auto, "
+        "fp8_e4m3, fp8_e5m2). Returns (key_cache, value_cache), which share the pools' memory.");
   m.def("paged_attention", &vm::paged_attention, "query"_a, "key_cache"_a, "value_cache"_a,
         "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a, nb::kw_only(), "scale"_a,
         "sliding_window"_a = nb::none(), "softcap"_a = nb::none(), "sinks"_a = nb::none(),
         "kv_cache_dtype"_a = "auto", "k_scale"_a = 1.0f, "v_scale"_a = 1.0f,
         "stream"_a = nb::none(),
         "vllm_metal.ops.paged_attention without argument checks (kv_cache_dtype: auto, "
-        "fp8_e4m3, fp8_e5m2; fp8 on the CPU only).");
+        "fp8_e4m3, fp8_e5m2).");
   m.def("gated_delta_rule", &vm::gated_delta_rule, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a,
         "state"_a, "cu_seqlens"_a, nb::kw_only(), "stream"_a = nb::none(),
         "vllm_metal.ops.gated_delta_rule without argument checks. Returns (y, state).");
@@ -250,20 +265,26 @@ NB_MODULE(_C, m) {
   m.def("select_paged_attention_kernel", &plan_paged_attention, "dtype"_a, "num_q_heads"_a,
         "num_kv_heads"_a, "head_dim"_a, "block_size"_a, "cu_seqlens_q"_a, "seq_lens"_a,
         "sliding_window"_a = 0, "supports_nax"_a = false, "gpu_cores"_a = nb::none(),
+        "kv_cache_dtype"_a = "auto",
         "Kernel plan of one paged-attention call: {'launches': [dispatch dicts]}. gpu_cores=None "
-        "plans for this device's cores (set_gpu_cores).");
+        "plans for this device's cores (set_gpu_cores); kv_cache_dtype fp8_e4m3 / fp8_e5m2: "
+        "uint8 pools (the _fp8 instances).");
   m.def(
       "select_reshape_and_cache_kernel",
-      [](const std::string& dtype, int num_kv_heads, int head_dim) {
+      [](const std::string& dtype, int num_kv_heads, int head_dim,
+         const std::string& kv_cache_dtype) {
+        const bool fp8 = vm::cpu::kv_format_of(kv_cache_dtype, "select_reshape_and_cache_kernel") !=
+                         vm::cpu::KvFormat::same;
         const vm::CacheLaunch c =
-            vm::select_reshape_and_cache_kernel(dtype, num_kv_heads, head_dim);
+            vm::select_reshape_and_cache_kernel(dtype, num_kv_heads, head_dim, fp8);
         nb::dict d;
         d["kernel"] = c.kernel;
         d["threads"] = c.threads;
         return d;
       },
-      "dtype"_a, "num_kv_heads"_a, "head_dim"_a,
-      "Kernel and threadgroup size of one reshape_and_cache call.");
+      "dtype"_a, "num_kv_heads"_a, "head_dim"_a, "kv_cache_dtype"_a = "auto",
+      "Kernel and threadgroup size of one reshape_and_cache call (dtype: the rows'; "
+      "kv_cache_dtype fp8_e4m3 / fp8_e5m2: uint8 pools).");
   m.def(
       "select_gated_delta_rule_kernel",
       [](const std::string& dtype, int num_v_heads, int key_dim, int value_dim, int num_seqs) {

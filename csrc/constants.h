@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 9
+#define VM_OPS_ABI 10
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -26,6 +26,17 @@
 // threadgroup memory at the wide head sizes.
 #define VM_HALF_DTYPES(X, ...) VM_DTYPE_F16_(X, __VA_ARGS__) VM_DTYPE_BF16_(X, __VA_ARGS__)
 #define VM_FLOAT_DTYPES(X, ...) VM_HALF_DTYPES(X, __VA_ARGS__) VM_DTYPE_F32_(X, __VA_ARGS__)
+
+// ---- fp8 KV caches ------------------------------------------------------------------------------
+// X(name, id, mantissa_bits, bias, max_finite, finite_only, ...): the byte formats of
+// --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 (vllm_metal/ops/fp8.py states their semantics). `id`
+// is the kernels' kv_format (VM_KV_FORMAT_SAME: the pools hold the query's dtype); finite_only:
+// OCP "FN", no infinities and only S.1111.111 is NaN (else IEEE-like: the top exponent is Inf/NaN).
+#define VM_FP8_FORMATS(X, ...) \
+  X(fp8_e4m3, 1, 3, 7, 448, 1, __VA_ARGS__) X(fp8_e5m2, 2, 2, 15, 57344, 0, __VA_ARGS__)
+#define VM_KV_FORMAT_SAME 0
+// The byte a NaN stores (sign clear; NaN in both formats).
+#define VM_FP8_NAN_CODE 127
 
 // ---- head sizes --------------------------------------------------------------------------------
 // X(head_size, ...). Every kernel family is built for the decode head sizes; the wide ones only for
@@ -195,6 +206,12 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_KERNEL_NAME_GQA(DT, D, B) "paged_attention_gqa_" #DT "_d" #D "_b" #B
 #define VM_KERNEL_NAME_PREFILL(DT, D, B) "paged_attention_prefill_" #DT "_d" #D "_b" #B
 #define VM_KERNEL_NAME_NAX(DT, D) "paged_attention_nax_" #DT "_d" #D
+// The same families over fp8 pools (uint8 bytes; the format is the kv_format argument).
+#define VM_KERNEL_NAME_CACHE_FP8(DT) "reshape_and_cache_" #DT "_fp8"
+#define VM_KERNEL_NAME_DECODE_FP8(DT, D, B) "paged_attention_decode_" #DT "_fp8_d" #D "_b" #B
+#define VM_KERNEL_NAME_GQA_FP8(DT, D, B) "paged_attention_gqa_" #DT "_fp8_d" #D "_b" #B
+#define VM_KERNEL_NAME_PREFILL_FP8(DT, D, B) "paged_attention_prefill_" #DT "_fp8_d" #D "_b" #B
+#define VM_KERNEL_NAME_NAX_FP8(DT, D) "paged_attention_nax_" #DT "_fp8_d" #D
 #define VM_KERNEL_NAME_GATED_DELTA(DT) "gated_delta_rule_" #DT
 #define VM_KERNEL_NAME_SHORT_CONV(DT) "causal_conv1d_" #DT
 #define VM_KERNEL_NAME_MAMBA2(DT) "mamba2_scan_" #DT
@@ -217,7 +234,8 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_WITH_MLA_SIZE_(D, DV, X, DT, T, BYTES) X(DT, T, BYTES, D, DV)
 #define VM_MLA_SIZES_(DT, T, NAME, BYTES, X) VM_MLA_SIZES(VM_WITH_MLA_SIZE_, X, DT, T, BYTES)
 
-// X(tag, msl_type, bytes): reshape_and_cache.
+// X(tag, msl_type, bytes): reshape_and_cache, with pools of the rows' dtype and with fp8 pools
+// (the _FP8 names; rows of every float type).
 #define VM_CACHE_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
 // X(tag, msl_type, bytes): gated_delta_rule, causal_conv1d and mamba2_scan.
 #define VM_GATED_DELTA_INSTANCES(X) VM_FLOAT_DTYPES(VM_WITH_DTYPE_, X)
@@ -244,3 +262,6 @@ constexpr int vm_block_divisor(int block_size) {
 #define VM_PREFILL_INSTANCES(X) VM_DECODE_INSTANCES(X) VM_HALF_DTYPES(VM_WIDE_HEADS_, X)
 // X(tag, msl_type, bytes, head_size): nax (Metal 4 tensor ops).
 #define VM_NAX_INSTANCES(X) VM_HALF_DTYPES(VM_ALL_HEADS_, X)
+// Every list above is instantiated twice where fp8 pools are read or written: once with pools of
+// the query's (rows') dtype under the names above, once with fp8 pools under the _FP8 names
+// (reshape_and_cache, decode, gqa, prefill, nax; the reduce kernel reads no pool).

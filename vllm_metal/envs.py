@@ -155,6 +155,13 @@ ENV_VARS: dict[str, EnvVar] = {
         "0",
         "1 turns off the NAX (Metal 4 tensor op) prefill kernel on M5-class GPUs.",
     ),
+    "VLLM_METAL_COMPILE": EnvVar(
+        _choice("VLLM_METAL_COMPILE", "auto", ("auto", "1", "0")),
+        "auto",
+        "Decode steps through one `mx.compile`d forward, traced once per batch-size bucket "
+        "([model-runner.md](model-runner.md#compiled-decode)): `auto` on MLX's GPU, not on its "
+        "CPU; `1` on every device; `0` never (every step eager).",
+    ),
     "VLLM_METAL_CPU_BLAS": EnvVar(
         _cpu_blas("VLLM_METAL_CPU_BLAS"),
         "auto",

@@ -10,8 +10,10 @@ The checkpoint is the harness's random Qwen3-0.6B-shaped one in bfloat16
 (`bench/harness/checkpoints.py`); prompts are `--input-len` random ids, `--output-len` greedy
 tokens with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
 median per-step phases (host build, submit, wait, sampling, the engine around them) and a
-cProfile of `--profile-streams`. Only ratios within one run mean anything: the figures are an
-NVIDIA GPU's through MLX, not an Apple GPU's.
+cProfile of `--profile-streams`. Last, a decode step's attention alone (the last tree's pure-MLX
+paged attention against attention over a contiguous cache, as mlx-lm keeps it), which bounds the
+plugin's batched figures on the proxy. Only ratios within one run mean anything: the figures are
+an NVIDIA GPU's through MLX, not an Apple GPU's.
 
     python -m bench.run gpu_proxy --out docs/benchmarks                    # on the GPU machine
     python -m bench.run gpu_proxy --tree before=/tmp/old --tree after=. --out DIR
@@ -38,8 +40,9 @@ FULL = {"streams": list(STREAMS), "input_len": 128, "output_len": 256, "profile_
 
 def parser():
     p = suite_parser("gpu_proxy", __doc__, "tiny model, 2 streams, 8 tokens: checks the harness")
-    p.add_argument("--tree", action="append", default=None, metavar="NAME=PATH",
-                   help="a vllm-metal source tree to run as engine NAME (repeatable)")  # fmt: skip
+    p.add_argument("--tree", action="append", default=None, metavar="NAME=PATH[,VAR=VALUE...]",
+                   help="a vllm-metal source tree to run as engine NAME, with these environment "
+                        "variables (repeatable; e.g. eager=.,VLLM_METAL_COMPILE=0)")  # fmt: skip
     p.add_argument("--streams", default=None, help="comma-separated stream counts")
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
@@ -51,12 +54,19 @@ def parser():
     return p
 
 
+def parse_tree(text: str) -> tuple[str, Path, dict[str, str]]:
+    """`NAME=PATH[,VAR=VALUE...]` -> (name, resolved path, environment)."""
+    name, rest = text.split("=", 1)
+    path, *settings = rest.split(",")
+    return name, Path(path).resolve(), dict(s.split("=", 1) for s in settings)
+
+
 def run_worker(engine: str, spec: dict[str, Any], tree: Path | None, log: Path,
-               timeout: float) -> dict[str, Any]:  # fmt: skip
+               timeout: float, tree_env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """One engine's worker; its result, or the error and its log's tail."""
     env = process_env()
     if tree is not None:  # the worker puts it first on sys.path once `bench` is imported
-        spec = {**spec, "plugin_tree": str(tree)}
+        spec = {**spec, "plugin_tree": str(tree), "plugin_env": tree_env or {}}
     result = log.with_suffix(".json")
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "bench.suites.gpu_proxy_worker", "--engine", engine,
@@ -117,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         settings["model_size"] = args.model_size
     profile = [int(s) for s in args.profile_streams.split(",") if s]
     settings["profile_streams"] = [1] if args.quick else profile
-    trees = [t.split("=", 1) for t in (args.tree or [f"plugin={ROOT}"])]
+    trees = [parse_tree(t) for t in (args.tree or [f"plugin={ROOT}"])]
 
     work = Path(args.work_dir)
     logs = work / ("gpu-proxy-quick" if args.quick else "gpu-proxy")
@@ -128,17 +138,23 @@ def main(argv: list[str] | None = None) -> int:
             "vocab_size": SHAPES[settings["model_size"]].vocab_size}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"settings": {**settings, "trees": dict(trees)},
+    report: dict[str, Any] = {"settings": {**settings, "trees": {n: f"{p} {e or ''}".strip()
+                                                                for n, p, e in trees}},
                               "command": command_line("gpu_proxy", argv), "engines": {}}  # fmt: skip
-    order = [] if args.no_mlx_lm or (args.quick and not args.peers) else [("mlx_lm", None)]
-    order += [(name, Path(tree).resolve()) for name, tree in trees]
-    for name, tree in order:
+    order = [] if args.no_mlx_lm or (args.quick and not args.peers) else [("mlx_lm", None, {})]
+    order += trees
+    for name, tree, tree_env in order:
         print(f"[gpu_proxy] {name}", flush=True)
         engine = "mlx_lm" if tree is None else "plugin"
-        report["engines"][name] = run_worker(engine, spec, tree, logs / f"{name}.log", args.timeout)
+        report["engines"][name] = run_worker(engine, spec, tree, logs / f"{name}.log",
+                                             args.timeout, tree_env)  # fmt: skip
         report["summary"] = summarize(report["engines"], settings["streams"])
         report["seconds"] = round(time.perf_counter() - started, 1)
         (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")  # partial too
+    name, tree, _ = trees[-1]
+    print("[gpu_proxy] attention alone", flush=True)
+    report["attention"] = run_worker("attention", spec, tree, logs / "attention.log", args.timeout)
+    (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")
     write_report(out)
     print(json.dumps(report["summary"], indent=2))
     return 1 if report["summary"]["failed"] else 0

@@ -72,6 +72,7 @@ def _markdown(report: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {n} | " + " | ".join(num(phases[k], 2) for k, _ in PHASES) + " |"
                 )
+    lines += _attention(report)
     for name in names:
         e = report["engines"][name]
         if e.get("status") != "ok":
@@ -81,6 +82,25 @@ def _markdown(report: dict[str, Any]) -> str:
             lines += ["", f"<details><summary>cProfile, {name}, {n} stream(s)</summary>", "",
                       "```", text.strip()[-6000:], "```", "</details>"]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _attention(report: dict[str, Any]) -> list[str]:
+    """The attention-alone table, when the run measured it."""
+    att = report.get("attention")
+    if not att or att.get("status") != "ok":
+        return []
+    streams = list(att["cases"])
+    lines = ["", (f"## A decode step's attention alone: ms for all {att['layers']} layers at a "
+             f"{att['context']}-token context"), "",
+             ("The plugin's pure-MLX paged attention gathers each sequence's blocks before attending "
+             "(the Metal kernels read the pages in place); mlx-lm attends over its contiguous "
+             "cache. Both compiled."), "",
+             "| | " + " | ".join(f"{n} stream{'s' if int(n) > 1 else ''}" for n in streams) + " |",
+             "|---|" + "---:|" * len(streams)]  # fmt: skip
+    for key, label in (("paged_ms", "paged, pure MLX"), ("contiguous_ms", "contiguous cache")):
+        lines.append(f"| {label} | " + " | ".join(num(att["cases"][n][key], 2) for n in streams)
+                     + " |")  # fmt: skip
+    return lines
 
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:

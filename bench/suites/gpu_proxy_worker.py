@@ -1,6 +1,6 @@
 """The GPU-proxy suite's engines, one per process (`bench/suites/gpu_proxy.py` starts them):
 
-    python -m bench.suites.gpu_proxy_worker --engine mlx_lm|plugin --spec JSON --result FILE
+    python -m bench.suites.gpu_proxy_worker --engine mlx_lm|plugin|attention --spec JSON --result FILE
 
 `mlx_lm`: stock mlx-lm, `stream_generate` for one stream and `batch_generate` for several.
 `plugin`: `vllm.LLM` on the vllm-metal of the spec's `plugin_tree` (else the one on the path),
@@ -8,6 +8,8 @@ its engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the
 timers (`PhaseTimers`) see the runner, and a cProfile pass after the timed rounds.
 Both: greedy, EOS ignored, the same random prompts; decode tok/s leaves prefill out
 (mlx-lm's own `generation_tps`; the plugin's streams / median TPOT from vLLM's metrics).
+`attention`: a decode step's attention alone, the plugin's pure-MLX paged version against
+attention over a contiguous cache (`run_attention`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -158,6 +161,7 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("plugin_tree"):  # this tree's vllm_metal; `bench` stays the suite's own
         sys.path.insert(0, spec["plugin_tree"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(spec.get("plugin_env", {}))
     timers = PhaseTimers()
     timers.install()
     from vllm import LLM, SamplingParams
@@ -204,15 +208,78 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
             "plugin_path": str(Path(vllm_metal.__file__).parent), "device": device_facts()}  # fmt: skip
 
 
+# -------------------------------------------------------------------------------- attention
+
+
+def run_attention(spec: dict[str, Any]) -> dict[str, Any]:
+    """A decode step's attention alone, every layer of the checkpoint's shape at the run's last
+    context (prompt + output): the plugin's pure-MLX paged attention (what the proxy runs where
+    the Metal kernels would) against `mx.fast.scaled_dot_product_attention` over a contiguous
+    cache (what mlx-lm runs), both `mx.compile`d; ms per step, the best of a few repetitions."""
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+
+    if spec.get("plugin_tree"):
+        sys.path.insert(0, spec["plugin_tree"])
+    from vllm_metal.ops.attention import batched
+
+    config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    context, block = spec["input_len"] + spec["output_len"], 16
+    blocks = math.ceil(context / block)
+    scale = dim**-0.5
+
+    def best_ms(fn: Any) -> float:
+        mx.eval(fn())
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1000
+
+    cases = {}
+    for n in spec["streams"]:
+        shape = (n * blocks + 1, block, kv_heads, dim)
+        pools = [mx.random.normal(shape).astype(mx.bfloat16) for _ in range(2 * layers)]
+        tables = mx.array(1 + np.arange(n * blocks, dtype=np.int32).reshape(n, blocks))
+        lens = mx.array(np.full(n, context, dtype=np.int32))
+        q = mx.random.normal((n, heads, dim)).astype(mx.bfloat16)
+        cache = [mx.random.normal((n, kv_heads, context, dim)).astype(mx.bfloat16)
+                 for _ in range(2 * layers)]  # fmt: skip
+        mx.eval(pools, cache, q)
+
+        def paged(pools=pools, tables=tables, lens=lens, q=q):
+            return [batched.decode_attention(q, pools[2 * i], pools[2 * i + 1], tables, lens,
+                                             scale=scale) for i in range(layers)]  # fmt: skip
+
+        def contiguous(cache=cache, q=q):
+            return [mx.fast.scaled_dot_product_attention(q[:, :, None], cache[2 * i],
+                                                         cache[2 * i + 1], scale=scale)
+                    for i in range(layers)]  # fmt: skip
+
+        cases[str(n)] = {"paged_ms": round(best_ms(mx.compile(paged)), 3),
+                         "contiguous_ms": round(best_ms(mx.compile(contiguous)), 3)}  # fmt: skip
+        del pools, cache
+    return {"cases": cases, "layers": layers, "context": context, "device": device_facts()}
+
+
+ENGINES = {"mlx_lm": run_mlx_lm, "plugin": run_plugin, "attention": run_attention}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--engine", choices=("mlx_lm", "plugin"), required=True)
+    p.add_argument("--engine", choices=tuple(ENGINES), required=True)
     p.add_argument("--spec", required=True, help="JSON: model, streams, input/output lengths...")
     p.add_argument("--result", required=True, help="JSON file written at the end")
     args = p.parse_args(argv)
     spec = json.loads(args.spec)
     t0 = time.perf_counter()
-    result = (run_mlx_lm if args.engine == "mlx_lm" else run_plugin)(spec)
+    result = ENGINES[args.engine](spec)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     Path(args.result).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,14 +1,17 @@
-// What the paged-attention kernel families share: buffer parameters, KV addressing, masks, the
-// logit transform, prefill work entries, tile staging and the online-softmax step.
+// What the paged-attention kernel families share: buffer parameters, KV addressing and element
+// reads (pools of the query's type, or fp8 bytes), masks, the logit transform, prefill work
+// entries, tile staging and the online-softmax step.
 //
 // MSL features used here: metal::tanh, metal::exp, metal::max/min, `constant` struct references,
 // `device` pointers, `threadgroup` pointers and `thread` references as function parameters,
-// simd_shuffle_xor, vec<T, 4> loads, static_cast between half / bfloat / float. Compiled with
-// -I csrc (constants.h, ops/attention/params.h).
+// simd_shuffle_xor, vec<T, 4> / uchar4 loads, static_cast between half / bfloat / float, class
+// template partial specialisation, as_type. Compiled with -I csrc (constants.h, common/fp8.h,
+// ops/attention/params.h).
 #pragma once
 
 #include <metal_stdlib>
 
+#include "common/fp8.h"
 #include "constants.h"
 #include "ops/attention/params.h"
 
@@ -17,11 +20,12 @@ using namespace metal;
 #define PA_NEG_INF (-INFINITY)
 
 // Kernel parameters binding the slots of ops/attention/params.h that the main kernels of every
-// family take (the split-KV scratch only for decode and gqa), declared once.
-#define PA_KERNEL_BUFFERS(T)                                      \
+// family take (the split-KV scratch only for decode and gqa), declared once. KV: the pools'
+// element type, T (the query's) or uchar (fp8 bytes).
+#define PA_KERNEL_BUFFERS(T, KV)                                  \
   const device T* query [[buffer(PA_BUF_QUERY)]],                 \
-  const device T* key_cache [[buffer(PA_BUF_KEY_CACHE)]],         \
-  const device T* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],     \
+  const device KV* key_cache [[buffer(PA_BUF_KEY_CACHE)]],        \
+  const device KV* value_cache [[buffer(PA_BUF_VALUE_CACHE)]],    \
   const device int* block_tables [[buffer(PA_BUF_BLOCK_TABLES)]], \
   const device int* seq_lens [[buffer(PA_BUF_SEQ_LENS)]],         \
   const device int* cu_seqlens_q [[buffer(PA_BUF_CU_SEQLENS_Q)]], \
@@ -46,6 +50,26 @@ inline long_t pa_token_offset(
   }
   return long_t(block) * p.kv_stride_block + long_t(pos % p.block_size) * p.kv_stride_slot;
 }
+
+// Four consecutive K/V elements of a pool of KV elements as the kernels compute with them, in the
+// query's type T: pools of T as stored; fp8 pools (KV = uchar) as value(byte) * scale rounded to T
+// (the op's contract), `scale` being p.k_scale for keys and p.v_scale for values.
+template <typename T, typename KV>
+struct PaKv {
+  static vec<T, 4> load4(const device KV* src, float scale, int kv_format) {
+    return *reinterpret_cast<const device vec<T, 4>*>(src);
+  }
+};
+template <typename T>
+struct PaKv<T, uchar> {
+  static vec<T, 4> load4(const device uchar* src, float scale, int kv_format) {
+    const uchar4 b = *reinterpret_cast<const device uchar4*>(src);
+    return vec<T, 4>(T(vm_fp8_to_float(b.x, kv_format) * scale),
+                     T(vm_fp8_to_float(b.y, kv_format) * scale),
+                     T(vm_fp8_to_float(b.z, kv_format) * scale),
+                     T(vm_fp8_to_float(b.w, kv_format) * scale));
+  }
+};
 
 // Scaled logit with the optional softcap c * tanh(x / c).
 inline float pa_logit(float dot, constant PagedAttentionParams& p) {
@@ -133,10 +157,11 @@ inline void pa_stage_query(
 // of row pitch `pitch`, THREADS threads cooperating with 4-element vectors. `rows` points at the
 // head's first staged column in the pool and `base` is the element offset of b0's slot
 // (pa_token_offset; < 0 for an unmapped block). Keys outside [lo, hi) and unmapped ones read zero.
-template <typename T, int KB, int COLS, int THREADS>
+// fp8 pools are dequantized here with `scale` (PaKv), so the tile holds T as for any pool.
+template <typename T, typename KV, int KB, int COLS, int THREADS>
 inline void pa_stage_kv(
-    threadgroup T* tile, int pitch, const device T* rows, long_t base, int b0, int lo, int hi,
-    constant PagedAttentionParams& p, uint tid) {
+    threadgroup T* tile, int pitch, const device KV* rows, float scale, long_t base, int b0,
+    int lo, int hi, constant PagedAttentionParams& p, uint tid) {
   constexpr int C4 = COLS / 4;
   for (int i = int(tid); i < KB * C4; i += THREADS) {
     const int j = i / C4;
@@ -144,8 +169,8 @@ inline void pa_stage_kv(
     const int pos = b0 + j;
     vec<T, 4> v4 = vec<T, 4>(T(0.0f));
     if (base >= 0 && pos >= lo && pos < hi) {
-      const device T* src = rows + base + long_t(j) * p.kv_stride_slot + c;
-      v4 = *reinterpret_cast<const device vec<T, 4>*>(src);
+      const device KV* src = rows + base + long_t(j) * p.kv_stride_slot + c;
+      v4 = PaKv<T, KV>::load4(src, scale, p.kv_format);
     }
     *reinterpret_cast<threadgroup vec<T, 4>*>(tile + j * pitch + c) = v4;
   }

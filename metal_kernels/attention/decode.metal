@@ -7,9 +7,9 @@
 // simd_shuffle_xor, simd_max, simd_sum, vec<T, 4> loads from device memory (8/16-byte aligned),
 // metal::exp / tanh / max / min, float2, half, bfloat, static_assert.
 //
-// paged_attention_decode_<dt>_d<D>_b<KB>: grid (Hq, rows, partitions), VM_DECODE_THREADS threads
-//   (4 simdgroups); the kernel block is the block divisor, KB keys. Threadgroup (h, r, part)
-//   computes query head h of work row r over one key partition. The four simdgroups take the
+// paged_attention_decode_<dt>[_fp8]_d<D>_b<KB>: grid (Hq, rows, partitions), VM_DECODE_THREADS
+//   threads (4 simdgroups); the kernel block is the block divisor, KB keys. Threadgroup (h, r,
+//   part) computes query head h of work row r over one key partition. The four simdgroups take the
 //   partition's kernel blocks of KB keys round-robin. Inside a simdgroup, 8 lanes share one key
 //   (each lane holds 4 columns per 32-column round), so 4 keys are scored per pass with a 3-step
 //   xor reduction and each key row is read as contiguous 64/128-byte segments. Online softmax runs
@@ -51,9 +51,9 @@ inline bool dec_partition_range(
   return true;
 }
 
-template <typename T, int D, int KB>
+template <typename T, typename KV, int D, int KB>
 [[kernel]] void paged_attention_decode(
-    PA_KERNEL_BUFFERS(T),
+    PA_KERNEL_BUFFERS(T, KV),
     PA_SPLIT_BUFFERS,
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
@@ -119,11 +119,11 @@ template <typename T, int D, int KB>
       const bool valid = pos >= begin && pos < end;
       float dot = 0.0f;
       if (valid && base >= 0) {
-        const device T* k_row = key_cache + base + long_t(j) * p.kv_stride_slot + head_off;
+        const device KV* k_row = key_cache + base + long_t(j) * p.kv_stride_slot + head_off;
         for (int rd = 0; rd < ROUNDS; ++rd) {
           const int c = rd * 32 + sub * 4;
           if (c < D) {
-            const vec<T, 4> k4 = *reinterpret_cast<const device vec<T, 4>*>(k_row + c);
+            const vec<T, 4> k4 = PaKv<T, KV>::load4(k_row + c, p.k_scale, p.kv_format);
             dot += q[rd][0] * float(k4[0]) + q[rd][1] * float(k4[1]) + q[rd][2] * float(k4[2]) +
                    q[rd][3] * float(k4[3]);
           }
@@ -154,11 +154,11 @@ template <typename T, int D, int KB>
         const float w = metal::exp(score[ps] - shift);
         l += w;
         if (base >= 0) {
-          const device T* v_row = value_cache + base + long_t(j) * p.kv_stride_slot + head_off;
+          const device KV* v_row = value_cache + base + long_t(j) * p.kv_stride_slot + head_off;
           for (int rd = 0; rd < ROUNDS; ++rd) {
             const int c = rd * 32 + sub * 4;
             if (c < D) {
-              const vec<T, 4> v4 = *reinterpret_cast<const device vec<T, 4>*>(v_row + c);
+              const vec<T, 4> v4 = PaKv<T, KV>::load4(v_row + c, p.v_scale, p.kv_format);
               for (int e = 0; e < 4; ++e) {
                 o[rd][e] += w * float(v4[e]);
               }
@@ -333,13 +333,18 @@ template <typename T, int D>
   }
 }
 
-// Instances: VM_DECODE_INSTANCES and VM_REDUCE_INSTANCES of constants.h.
+// Instances: VM_DECODE_INSTANCES (pools of the query's type, and fp8 pools) and
+// VM_REDUCE_INSTANCES of constants.h.
 #define PA_INSTANTIATE_DECODE(DT, T, BYTES, D, B)                                            \
   template [[host_name(VM_KERNEL_NAME_DECODE(DT, D, B))]] [[kernel]]                         \
-  decltype(paged_attention_decode<T, D, B>) paged_attention_decode<T, D, B>;
+  decltype(paged_attention_decode<T, T, D, B>) paged_attention_decode<T, T, D, B>;
+#define PA_INSTANTIATE_DECODE_FP8(DT, T, BYTES, D, B)                                        \
+  template [[host_name(VM_KERNEL_NAME_DECODE_FP8(DT, D, B))]] [[kernel]]                     \
+  decltype(paged_attention_decode<T, uchar, D, B>) paged_attention_decode<T, uchar, D, B>;
 #define PA_INSTANTIATE_REDUCE(DT, T, BYTES, D)                                               \
   template [[host_name(VM_KERNEL_NAME_REDUCE(DT, D))]] [[kernel]]                            \
   decltype(paged_attention_reduce<T, D>) paged_attention_reduce<T, D>;
 
 VM_DECODE_INSTANCES(PA_INSTANTIATE_DECODE)
+VM_DECODE_INSTANCES(PA_INSTANTIATE_DECODE_FP8)
 VM_REDUCE_INSTANCES(PA_INSTANTIATE_REDUCE)

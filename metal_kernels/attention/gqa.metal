@@ -10,11 +10,11 @@
 // T x T + float -> float, simdgroup_matrix::thread_elements() (float -> T conversion),
 // simd_shuffle_xor, vec<T, 4> device loads, metal::exp / tanh, half, bfloat, static_assert.
 //
-// paged_attention_gqa_<dt>_d<D>_b<B>: grid (Hkv * ceil(G / 8), rows, partitions), VM_GQA_THREADS
-//   threads, KB = vm_gqa_keys(B) keys per kernel block (the largest block divisor <= B whose
-//   tiles fit threadgroup memory). A threadgroup owns VM_GQA_ROWS (8) query heads of one KV head
-//   (G = Hq / Hkv; the last group is padded with zero query rows) for one decode row and one key
-//   partition. Per kernel block of KB keys:
+// paged_attention_gqa_<dt>[_fp8]_d<D>_b<B>: grid (Hkv * ceil(G / 8), rows, partitions),
+//   VM_GQA_THREADS threads, KB = vm_gqa_keys(B) keys per kernel block (the largest block divisor
+//   <= B whose tiles fit threadgroup memory). A threadgroup owns VM_GQA_ROWS (8) query heads of
+//   one KV head (G = Hq / Hkv; the last group is padded with zero query rows) for one decode row
+//   and one key partition. Per kernel block of KB keys:
 //     1. all threads stage K [KB, D] in threadgroup memory (zero rows past the range);
 //     2. simdgroup j < KB / 8 computes S[:, 8j .. 8j+8) = Q K^T with 8x8 simdgroup matrices;
 //     3. all threads stage V in the same buffer while simdgroup 0 runs the online softmax on
@@ -30,9 +30,9 @@
 #define GQA_SIMDGROUPS (GQA_THREADS / VM_SIMD_WIDTH)
 #define GQA_ROWS VM_GQA_ROWS
 
-template <typename T, int D, int B>
+template <typename T, typename KV, int D, int B>
 [[kernel]] void paged_attention_gqa(
-    PA_KERNEL_BUFFERS(T),
+    PA_KERNEL_BUFFERS(T, KV),
     PA_SPLIT_BUFFERS,
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
@@ -117,8 +117,8 @@ template <typename T, int D, int B>
   for (int b0 = begin - begin % KB; b0 < end; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     // 1. K tile.
-    pa_stage_kv<T, KB, D, GQA_THREADS>(kv_tile, QP, key_cache + head_off, base, b0, begin, end, p,
-                                       tid);
+    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, key_cache + head_off, p.k_scale, base, b0,
+                                           begin, end, p, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 2. S = Q K^T, one 8-key column tile per simdgroup.
@@ -136,8 +136,8 @@ template <typename T, int D, int B>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 3. V tile (all threads) and online softmax (simdgroup 0).
-    pa_stage_kv<T, KB, D, GQA_THREADS>(kv_tile, QP, value_cache + head_off, base, b0, begin, end,
-                                       p, tid);
+    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, value_cache + head_off, p.v_scale, base,
+                                           b0, begin, end, p, tid);
     if (sg == 0) {
       const float f = pa_softmax_tile<T, KB, 4>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
                                                 begin, end, p, m_run, l_run);
@@ -210,9 +210,13 @@ template <typename T, int D, int B>
   }
 }
 
-// Instances: VM_DECODE_INSTANCES of constants.h.
+// Instances: VM_DECODE_INSTANCES of constants.h, with pools of the query's type and fp8 pools.
 #define PA_INSTANTIATE_GQA(DT, T, BYTES, D, B)                                               \
   template [[host_name(VM_KERNEL_NAME_GQA(DT, D, B))]] [[kernel]]                            \
-  decltype(paged_attention_gqa<T, D, B>) paged_attention_gqa<T, D, B>;
+  decltype(paged_attention_gqa<T, T, D, B>) paged_attention_gqa<T, T, D, B>;
+#define PA_INSTANTIATE_GQA_FP8(DT, T, BYTES, D, B)                                           \
+  template [[host_name(VM_KERNEL_NAME_GQA_FP8(DT, D, B))]] [[kernel]]                        \
+  decltype(paged_attention_gqa<T, uchar, D, B>) paged_attention_gqa<T, uchar, D, B>;
 
 VM_DECODE_INSTANCES(PA_INSTANTIATE_GQA)
+VM_DECODE_INSTANCES(PA_INSTANTIATE_GQA_FP8)

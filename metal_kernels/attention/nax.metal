@@ -16,7 +16,7 @@
 //   op.get_destination_cooperative_tensor<A_t, B_t, E>() with get_capacity(), get_mask(i),
 //     operator[](i), get_multidimensional_index(i) -> (column, row), store(threadgroup tensor).
 //
-// paged_attention_nax_<dt>_d<D>: grid (tiles, Hkv * D / DV), VM_NAX_THREADS (128) threads,
+// paged_attention_nax_<dt>[_fp8]_d<D>: grid (tiles, Hkv * D / DV), VM_NAX_THREADS (128) threads,
 //   BQ = VM_NAX_ROWS (16) rows, KB = VM_NAX_KEYS (16) keys per tile (block_size % KB == 0).
 //   Rows, work list and masks as in the tiled prefill kernel. D = 512 runs as two 256-column
 //   halves: each threadgroup computes S over the full head dim in two K steps of 256 and
@@ -32,9 +32,9 @@
 
 #define NAX_THREADS VM_NAX_THREADS
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 [[kernel]] void paged_attention_nax(
-    PA_KERNEL_BUFFERS(T),
+    PA_KERNEL_BUFFERS(T, KV),
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   using namespace mpp::tensor_ops;
@@ -112,8 +112,8 @@ template <typename T, int D>
   for (int b0 = w.tile_lo - w.tile_lo % KB; b0 < w.tile_hi; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     for (int step = 0; step < K_STEPS; ++step) {
-      pa_stage_kv<T, KB, DK, NAX_THREADS>(kv_tile, KP, key_cache + head_off + step * DK, base, b0,
-                                          w.tile_lo, w.tile_hi, p, tid);
+      pa_stage_kv<T, KV, KB, DK, NAX_THREADS>(kv_tile, KP, key_cache + head_off + step * DK,
+                                              p.k_scale, base, b0, w.tile_lo, w.tile_hi, p, tid);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       tg_tensor_t t_q(q_tile + step * DK, extents_t(DK, BQ), strides_t{1, QP});
       if (step == 0) {
@@ -125,8 +125,8 @@ template <typename T, int D>
     }
 
     // V chunk for this threadgroup's columns, and the online softmax of S.
-    pa_stage_kv<T, KB, DV, NAX_THREADS>(kv_tile, KP, value_cache + head_off + w.v_col0, base, b0,
-                                        w.tile_lo, w.tile_hi, p, tid);
+    pa_stage_kv<T, KV, KB, DV, NAX_THREADS>(kv_tile, KP, value_cache + head_off + w.v_col0,
+                                            p.v_scale, base, b0, w.tile_lo, w.tile_hi, p, tid);
     const float f = pa_softmax_tile<T, KB, 8>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
                                               row_lo, row_hi, p, m_run, l_run);
     if (scol == 0) {
@@ -173,11 +173,15 @@ template <typename T, int D>
   }
 }
 
-// Instances: VM_NAX_INSTANCES of constants.h.
+// Instances: VM_NAX_INSTANCES of constants.h, with pools of the query's type and fp8 pools.
 #define PA_INSTANTIATE_NAX(DT, T, BYTES, D)                                                  \
   template [[host_name(VM_KERNEL_NAME_NAX(DT, D))]] [[kernel]]                               \
-  decltype(paged_attention_nax<T, D>) paged_attention_nax<T, D>;
+  decltype(paged_attention_nax<T, T, D>) paged_attention_nax<T, T, D>;
+#define PA_INSTANTIATE_NAX_FP8(DT, T, BYTES, D)                                              \
+  template [[host_name(VM_KERNEL_NAME_NAX_FP8(DT, D))]] [[kernel]]                           \
+  decltype(paged_attention_nax<T, uchar, D>) paged_attention_nax<T, uchar, D>;
 
 VM_NAX_INSTANCES(PA_INSTANTIATE_NAX)
+VM_NAX_INSTANCES(PA_INSTANTIATE_NAX_FP8)
 
 #endif  // __HAVE_TENSOR__

@@ -10,7 +10,7 @@
 // simdgroup_multiply_accumulate with T x T + float -> float, thread_elements() (float -> T),
 // simd_shuffle_xor, vec<T, 4> device loads, metal::exp / tanh, half, bfloat, static_assert.
 //
-// paged_attention_prefill_<dt>_d<D>_b<B>: grid (tiles, Hkv * D / DV), vm_prefill_threads(BQ)
+// paged_attention_prefill_<dt>[_fp8]_d<D>_b<B>: grid (tiles, Hkv * D / DV), vm_prefill_threads(BQ)
 //   = BQ * 4 threads. The tile of BQ rows and KB keys is vm_prefill_rows/keys(B) (constants.h: the
 //   first of VM_PREFILL_TILES with KB <= B whose arrays fit threadgroup memory).
 //   The rows of sequence s for KV head g are its q_len tokens x the G query heads of g, ordered
@@ -25,9 +25,9 @@
 
 #include "common.h"
 
-template <typename T, int D, int B>
+template <typename T, typename KV, int D, int B>
 [[kernel]] void paged_attention_prefill(
-    PA_KERNEL_BUFFERS(T),
+    PA_KERNEL_BUFFERS(T, KV),
     uint3 tg_pos [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -90,10 +90,10 @@ template <typename T, int D, int B>
 
   for (int b0 = w.tile_lo - w.tile_lo % KB; b0 < w.tile_hi; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
-    pa_stage_kv<T, KB, D, THREADS>(k_tile, QP, key_cache + head_off, base, b0, w.tile_lo,
-                                   w.tile_hi, p, tid);
-    pa_stage_kv<T, KB, DV, THREADS>(v_tile, VP, value_cache + head_off + w.v_col0, base, b0,
-                                    w.tile_lo, w.tile_hi, p, tid);
+    pa_stage_kv<T, KV, KB, D, THREADS>(k_tile, QP, key_cache + head_off, p.k_scale, base, b0,
+                                       w.tile_lo, w.tile_hi, p, tid);
+    pa_stage_kv<T, KV, KB, DV, THREADS>(v_tile, VP, value_cache + head_off + w.v_col0, p.v_scale,
+                                        base, b0, w.tile_lo, w.tile_hi, p, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // S = Q K^T for this simdgroup's 8 rows.
@@ -169,9 +169,13 @@ template <typename T, int D, int B>
   }
 }
 
-// Instances: VM_PREFILL_INSTANCES of constants.h.
+// Instances: VM_PREFILL_INSTANCES of constants.h, with pools of the query's type and fp8 pools.
 #define PA_INSTANTIATE_PREFILL(DT, T, BYTES, D, B)                                           \
   template [[host_name(VM_KERNEL_NAME_PREFILL(DT, D, B))]] [[kernel]]                        \
-  decltype(paged_attention_prefill<T, D, B>) paged_attention_prefill<T, D, B>;
+  decltype(paged_attention_prefill<T, T, D, B>) paged_attention_prefill<T, T, D, B>;
+#define PA_INSTANTIATE_PREFILL_FP8(DT, T, BYTES, D, B)                                       \
+  template [[host_name(VM_KERNEL_NAME_PREFILL_FP8(DT, D, B))]] [[kernel]]                    \
+  decltype(paged_attention_prefill<T, uchar, D, B>) paged_attention_prefill<T, uchar, D, B>;
 
 VM_PREFILL_INSTANCES(PA_INSTANTIATE_PREFILL)
+VM_PREFILL_INSTANCES(PA_INSTANTIATE_PREFILL_FP8)

@@ -1,9 +1,12 @@
-// Writes each step token's key and value rows into its slot of the paged K/V pools.
+// Writes each step token's key and value rows into its slot of the paged K/V pools: as they are
+// (pools of the rows' type), or quantized to fp8 bytes (uint8 pools, the _fp8 instances: a row
+// element x is stored as fp8(x / k_scale), values with v_scale; common/fp8.h).
 //
 // MSL features used: templates + [[host_name]] instantiation (decltype form), [[kernel]],
 // [[buffer(n)]], `constant` struct reference, `device` pointers (long slot ids),
 // uint [[threadgroup_position_in_grid]], uint [[thread_index_in_threadgroup]],
-// uint [[threads_per_threadgroup]], half / bfloat / float.
+// uint [[threads_per_threadgroup]], half / bfloat / float / uchar, class template partial
+// specialisation, metal::precise::divide, as_type.
 //
 // Grid: one threadgroup per token (x = token), any multiple of 32 threads (the host uses
 // min(VM_CACHE_MAX_THREADS, round_up(Hkv * D, 32))). Thread i copies elements i, i + threads, ...
@@ -13,17 +16,31 @@
 
 #include <metal_stdlib>
 
+#include "common/fp8.h"
 #include "constants.h"
 #include "ops/cache/params.h"
 
 using namespace metal;
 
+// One row element as a pool of KV elements stores it: as it is, or (KV = uchar) the fp8 byte of
+// x / scale (a correctly rounded division, as the CPU body's).
+template <typename T, typename KV>
+struct RcStore {
+  static KV store(T x, float scale, int kv_format) { return x; }
+};
 template <typename T>
+struct RcStore<T, uchar> {
+  static uchar store(T x, float scale, int kv_format) {
+    return uchar(vm_fp8_from_float(metal::precise::divide(float(x), scale), kv_format));
+  }
+};
+
+template <typename T, typename KV>
 [[kernel]] void reshape_and_cache(
     const device T* key [[buffer(RC_BUF_KEY)]],
     const device T* value [[buffer(RC_BUF_VALUE)]],
-    device T* key_cache [[buffer(RC_BUF_KEY_CACHE)]],
-    device T* value_cache [[buffer(RC_BUF_VALUE_CACHE)]],
+    device KV* key_cache [[buffer(RC_BUF_KEY_CACHE)]],
+    device KV* value_cache [[buffer(RC_BUF_VALUE_CACHE)]],
     const device long* slot_mapping [[buffer(RC_BUF_SLOT_MAPPING)]],
     constant ReshapeAndCacheParams& p [[buffer(RC_BUF_PARAMS)]],
     uint token [[threadgroup_position_in_grid]],
@@ -45,15 +62,22 @@ template <typename T>
     const int h = i / row;
     const int d = i - h * row;
     const long dst = dst_base + long(h) * p.kv_stride_head + d;
-    key_cache[dst] = key[long(token) * p.key_stride_token + long(h) * p.key_stride_head + d];
-    value_cache[dst] =
-        value[long(token) * p.value_stride_token + long(h) * p.value_stride_head + d];
+    key_cache[dst] = RcStore<T, KV>::store(
+        key[long(token) * p.key_stride_token + long(h) * p.key_stride_head + d], p.k_scale,
+        p.kv_format);
+    value_cache[dst] = RcStore<T, KV>::store(
+        value[long(token) * p.value_stride_token + long(h) * p.value_stride_head + d], p.v_scale,
+        p.kv_format);
   }
 }
 
-// Instances: VM_CACHE_INSTANCES of constants.h.
+// Instances: VM_CACHE_INSTANCES of constants.h, into pools of the rows' type and fp8 pools.
 #define RC_INSTANTIATE(DT, T, BYTES)                                                         \
   template [[host_name(VM_KERNEL_NAME_CACHE(DT))]] [[kernel]]                                \
-  decltype(reshape_and_cache<T>) reshape_and_cache<T>;
+  decltype(reshape_and_cache<T, T>) reshape_and_cache<T, T>;
+#define RC_INSTANTIATE_FP8(DT, T, BYTES)                                                     \
+  template [[host_name(VM_KERNEL_NAME_CACHE_FP8(DT))]] [[kernel]]                            \
+  decltype(reshape_and_cache<T, uchar>) reshape_and_cache<T, uchar>;
 
 VM_CACHE_INSTANCES(RC_INSTANTIATE)
+VM_CACHE_INSTANCES(RC_INSTANTIATE_FP8)

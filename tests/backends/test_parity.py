@@ -43,6 +43,9 @@ IN_CI = {
 # The MLX matrix runs these families with async scheduling (step N+1 scheduled while step N
 # computes) and the others without, so both pipelines meet chunks, prefix hits and preemption.
 ASYNC_FAMILIES = ("qwen2", "mistral", "gemma3")
+# ... and these with compiled decode steps (`runner/compiled.py`, on by default on a GPU only),
+# so compiled steps meet the same schedules, with and without async scheduling.
+COMPILED_FAMILIES = ("qwen3", "gemma3", "olmo3")
 
 
 # Families a backend does not serve as transformers computes them: vLLM 0.32's Mistral class (the
@@ -81,7 +84,11 @@ PROMPT_LOGPROB_PROMPTS = random_prompts(8, [5, 37])
 
 
 def greedy_parity_round(
-    model, logprobs: int | None = None, backend: str = "mlx", engine: dict | None = None
+    model,
+    logprobs: int | None = None,
+    backend: str = "mlx",
+    engine: dict | None = None,
+    env: dict | None = None,
 ) -> list[dict]:
     """The family matrix on one engine with 16-token prefill chunks: the mixed batch, a
     prefix-cache round, a batch too large for the pool (vLLM preempts and recomputes), and prompt
@@ -104,7 +111,7 @@ def greedy_parity_round(
         {"prompts": PROMPT_LOGPROB_PROMPTS, "params": [greedy(2, prompt_logprobs=2)]},
     ]
     (mixed, _, hits, preempted, prompt_lp), metrics = run_engine_job(
-        model, jobs, engine=engine, env=BACKEND_ENV[backend], with_metrics=True
+        model, jobs, engine=engine, env={**BACKEND_ENV[backend], **(env or {})}, with_metrics=True
     )
 
     if not every_layer_slides(model):  # a 32-token window holds 3 blocks: nothing to preempt
@@ -145,7 +152,8 @@ def assert_prompt_logprobs_match_hf(model, prompt: list[int], plp: list) -> None
 def test_greedy_and_logprobs_match_transformers(family_models, backend, arch):
     model = family_models[arch]
     engine = {"async_scheduling": arch in ASYNC_FAMILIES} if backend == "mlx" else {}
-    mixed = greedy_parity_round(model, logprobs=1, backend=backend, engine=engine)
+    env = {"VLLM_METAL_COMPILE": "1"} if backend == "mlx" and arch in COMPILED_FAMILIES else {}
+    mixed = greedy_parity_round(model, logprobs=1, backend=backend, engine=engine, env=env)
 
     for prompt, result in zip(MIXED, mixed):
         sample = result["outputs"][0]

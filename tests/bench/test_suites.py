@@ -182,6 +182,29 @@ def test_sliding_window_blocks_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+def test_kv_fp8_quick(run_suite) -> None:
+    run = run_suite("kv_fp8")
+    data = run.results()
+    auto, fp8 = data["engines"]["auto"], data["engines"]["fp8"]
+    assert auto["platform"] == fp8["platform"] == "MetalPlatform"
+    # Same budget, one byte per element instead of four (the float32 checkpoint's): four times
+    # the tokens, to a few blocks (each pool count is rounded down to whole blocks).
+    from bench.suites.kv_fp8_report import element_bytes
+
+    n = element_bytes(data["model"])
+    assert n == 4 and 0 <= fp8["kv_cache_tokens"] - n * auto["kv_cache_tokens"] < n * 128
+
+    for engine in (auto, fp8):
+        assert engine["decode_tok_s"] > 0 and engine["log_lines_mentioning_preemption"] == 0
+        assert all(n == data["settings"]["output_len"] for r in engine["tokens"] for n in r)
+    ops = data["ops"]
+    assert ops["backend"] == "native"
+    assert ops["pool_bytes"]["auto"] == n * ops["pool_bytes"]["fp8"]
+    assert all(ops[k][c] > 0 for k in ("attention_ms", "cache_write_ms") for c in ("auto", "fp8"))
+    run.report("kv_fp8", headings=("tokens held in the budget", "The machine is shared"))
+
+
+@pytest.mark.slow
 def test_blas_matmul_quick(run_suite) -> None:
     data = run_suite("blas_matmul").results()
     assert "reference" in data["results"]
@@ -344,5 +367,12 @@ def test_gpu_proxy_quick(run_suite) -> None:
         assert case["decode_tok_s"] > 0 and case["phases"]["steps"] > 0
         assert case["phases"]["step_ms"] >= case["phases"]["graph_build_ms"] > 0
     assert "sample_step" in plugin["profiles"]["1"]
-    text = run.report("gpu_proxy", ("## Decode tok/s (same run)", "## A plugin step"))
+    attention = data["attention"]
+    assert attention["status"] == "ok", attention
+    for case in attention["cases"].values():
+        assert case["paged_ms"] > 0 and case["contiguous_ms"] > 0
+    text = run.report(
+        "gpu_proxy",
+        ("## Decode tok/s (same run)", "## A plugin step", "## A decode step's attention alone"),
+    )
     assert "say nothing about the plugin's speed on an Apple GPU" in text  # CPU here

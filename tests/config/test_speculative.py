@@ -1,6 +1,7 @@
 """Proves `--speculative-config method=mtp` is accepted for a Qwen3.5 checkpoint with its MTP head
-and refused at startup, by name, for a model without one (vLLM's own EngineArgs, the plugin as
-the platform)."""
+and for a Gemma 4 target with its MTP assistant, and refused at startup, by name, for a model
+without one, an assistant for another target or one that does not fit its target, and DSpark
+(vLLM's own EngineArgs, the plugin as the platform)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,57 @@ def test_a_qwen3_5_checkpoint_without_mtp_layers_is_refused(tiny_qwen3_5_causal_
 
 def test_a_hybrid_family_without_a_head_is_refused(tiny_qwen3_next_dir):
     with pytest.raises(
-        ValueError, match=r"method='mtp' .* built for qwen3_5_moe_text, qwen3_5_text"
+        ValueError, match=r"method='mtp' .* built for gemma4_text, qwen3_5_moe_text, qwen3_5_text"
     ):
         _engine_config(tiny_qwen3_next_dir, speculative_config=MTP)
+
+
+def _assistant_spec(assistant) -> dict:
+    return {"method": "mtp", "model": str(assistant), "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def gemma4_assistant(tiny_gemma4_dir, tmp_path_factory):
+    from tests.fixtures.tiny_gemma4_mtp import write_assistant
+
+    return write_assistant(tiny_gemma4_dir, tmp_path_factory.mktemp("assistant") / "a")
+
+
+def test_a_gemma4_target_drafts_with_its_assistant(tiny_gemma4_dir, gemma4_assistant):
+    """Over an fp8 cache too: the assistant keeps no K/V of its own."""
+    spec = _assistant_spec(gemma4_assistant)
+    config = _engine_config(tiny_gemma4_dir, speculative_config=spec, kv_cache_dtype="fp8")
+    assert config.speculative_config.method == "mtp"
+    assert config.speculative_config.use_gemma4_mtp()
+    assert config.cache_config.cache_dtype == "fp8"
+
+
+def test_a_gemma4_assistant_for_another_target_is_refused(tiny_model_dir, gemma4_assistant):
+    with pytest.raises(
+        ValueError, match=r"is an MTP drafter \(gemma4_mtp\) for gemma4_text targets, not for"
+    ):
+        _engine_config(
+            tiny_model_dir("qwen3"), speculative_config=_assistant_spec(gemma4_assistant)
+        )
+
+
+def test_an_assistant_that_does_not_fit_its_gemma4_target_is_refused(tiny_gemma4_dir, tmp_path):
+    """The assistant of a wider target (its `backbone_hidden_size`)."""
+    import json
+
+    from tests.fixtures.tiny_gemma4_mtp import write_assistant
+
+    assistant = write_assistant(tiny_gemma4_dir, tmp_path / "a")
+    config = json.loads((assistant / "config.json").read_text())
+    (assistant / "config.json").write_text(json.dumps({**config, "backbone_hidden_size": 128}))
+    with pytest.raises(
+        ValueError, match="backbone_hidden_size 128 is not the target's hidden_size 64"
+    ):
+        _engine_config(tiny_gemma4_dir, speculative_config=_assistant_spec(assistant))
+
+
+def test_dspark_is_refused_by_name(tiny_gemma4_dir, gemma4_assistant):
+    """DSpark drafters (Gemma4DSparkForCausalLM among them) are not built."""
+    spec = {**_assistant_spec(gemma4_assistant), "method": "dspark"}
+    with pytest.raises(ValueError, match=r"method='dspark' is not supported"):
+        _engine_config(tiny_gemma4_dir, speculative_config=spec)

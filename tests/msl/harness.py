@@ -24,8 +24,9 @@ RUNNER_SRC = HERE / "runtime" / "runner.cpp"
 REPO_ROOT = HERE.parent.parent
 # The mutation self-check (mutate.py) points the tests at mutated copies through this variable.
 KERNEL_DIR = Path(os.environ.get("VLLM_METAL_MSL_KERNEL_DIR", REPO_ROOT / "metal_kernels"))
-# Headers the kernels share with the C++ host (constants.h, ops/<op>/params.h), as for `metal -I`.
-SHARED_INCLUDE_DIR = REPO_ROOT / "csrc"
+# Headers the kernels share with the C++ host (constants.h, common/fp8.h, ops/<op>/params.h), as
+# for `metal -I`; mutate.py points at a mutated copy through the variable.
+SHARED_INCLUDE_DIR = Path(os.environ.get("VLLM_METAL_MSL_SHARED_DIR", REPO_ROOT / "csrc"))
 
 CXX = os.environ.get("CXX", "g++")
 COMMON_FLAGS = ["-std=c++20", "-g1", "-fno-threadsafe-statics", "-Wno-attributes", "-w"]

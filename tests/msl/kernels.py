@@ -99,11 +99,18 @@ def reshape_and_cache(
     slot_mapping: np.ndarray,
     dtype: str,
     kernel_dir: Path = KERNEL_DIR,
+    *,
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Run reshape_and_cache_<dtype>; float32 in (already representable in dtype), float32 out."""
+    """Run reshape_and_cache_<dtype>[_fp8]; float32 rows in (already representable in dtype).
+    Pools: float32 in and out, or (kv_cache_dtype fp8_e4m3 / fp8_e5m2) uint8 bytes in and out."""
     T, H, D = key.shape
     nb, bs = key_cache.shape[:2]
-    launch = native().select_reshape_and_cache_kernel(dtype, H, D)
+    fp8 = kv_cache_dtype != "auto"
+    pool_dtype = "u8" if fp8 else dtype
+    launch = native().select_reshape_and_cache_kernel(dtype, H, D, kv_cache_dtype)
     p = np.zeros((), CACHE_PARAMS)
     p["num_tokens"], p["num_kv_heads"], p["head_dim"] = T, H, D
     p["num_slots"] = nb * bs
@@ -111,11 +118,13 @@ def reshape_and_cache(
     p["value_stride_token"], p["value_stride_head"] = H * D, D
     p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * H * D, H * D, D
     p["block_size"] = bs
+    p["kv_format"] = kv_format(kv_cache_dtype)
+    p["k_scale"], p["v_scale"] = k_scale, v_scale
     bufs = {
         "key": to_device(key, dtype),
         "value": to_device(value, dtype),
-        "key_cache": to_device(key_cache, dtype),
-        "value_cache": to_device(value_cache, dtype),
+        "key_cache": pool_to_device(key_cache, pool_dtype),
+        "value_cache": pool_to_device(value_cache, pool_dtype),
         "slot_mapping": slot_mapping.astype(np.int64),
     }
     binds: dict[int, harness.BufferArg] = {i: n for n, i in CACHE_BUF.items() if n != "params"}
@@ -127,7 +136,21 @@ def reshape_and_cache(
         [d],
         ["key_cache", "value_cache"],
     )
+    if fp8:
+        return r["key_cache"], r["value_cache"]
     return from_device(r["key_cache"], dtype), from_device(r["value_cache"], dtype)
+
+
+def kv_format(kv_cache_dtype: str) -> int:
+    """The kernels' kv_format of a kv_cache_dtype (constants.h's ids)."""
+    if kv_cache_dtype == "auto":
+        return constant("KV_FORMAT_SAME")
+    return {e[0]: e[1] for e in constant("FP8_FORMATS")}[kv_cache_dtype]
+
+
+def pool_to_device(x: np.ndarray, dtype: str) -> np.ndarray:
+    """A pool as its buffer holds it: fp8 bytes ("u8") as they are, floats by `to_device`."""
+    return x.astype(np.uint8) if dtype == "u8" else to_device(x, dtype)
 
 
 def _single_launch(
@@ -407,6 +430,10 @@ class AttentionCase:
     softcap: float | None = None
     sinks: np.ndarray | None = None
     qkv: np.ndarray | None = None  # fused [T, Hq + 2 Hkv, D] buffer the query is a view of
+    # fp8 pools: key_cache / value_cache hold uint8 bytes of this format, read times the scales.
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def host_plan(
@@ -425,6 +452,7 @@ def host_plan(
         case.sliding_window or 0,
         supports_nax,
         gpu_cores or constant("DEFAULT_GPU_CORES"),
+        case.kv_cache_dtype,
     )["launches"]
 
 
@@ -489,12 +517,15 @@ def paged_attention(
     p["softcap"] = case.softcap or 0.0
     p["sliding_window"] = case.sliding_window or 0
     p["has_sinks"] = int(case.sinks is not None)
+    p["kv_format"] = kv_format(case.kv_cache_dtype)
+    p["k_scale"], p["v_scale"] = case.k_scale, case.v_scale
+    pool_dtype = dt if case.kv_cache_dtype == "auto" else "u8"
     nan_out = np.full((T, Hq, D), np.nan, np.float32)
     out = to_device(nan_out, dt)  # rows no launch writes stay NaN
     base = {
         "query": query_buf,
-        "key_cache": to_device(case.key_cache, dt),
-        "value_cache": to_device(case.value_cache, dt),
+        "key_cache": pool_to_device(case.key_cache, pool_dtype),
+        "value_cache": pool_to_device(case.value_cache, pool_dtype),
         "block_tables": case.block_tables.astype(np.int32),
         "seq_lens": case.seq_lens.astype(np.int32),
         "cu_seqlens_q": case.cu_seqlens_q.astype(np.int32),

@@ -1,5 +1,6 @@
-"""Mutation self-check of the msl tests: plants one bug at a time in a copy of metal_kernels/ and
-shows the kernel tests fail on each. Run: python -m tests.msl.mutate [--only NAME] [--list]."""
+"""Mutation self-check of the msl tests: plants one bug at a time in a copy of metal_kernels/ (and
+of csrc/, for the headers the kernels share with the host) and shows the kernel tests fail on each.
+Run: python -m tests.msl.mutate [--only NAME] [--list]."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 KERNELS = REPO / "metal_kernels"
+SHARED = REPO / "csrc"
+TEST_FILES = ("test_kernels.py", "test_fp8_kernels.py")
 
 
 @dataclass(frozen=True)
 class Mutation:
     name: str
-    file: str
+    file: str  # relative to metal_kernels/; a header shared with the host: "../csrc/..."
     pattern: str  # regex that must match exactly once (the original line(s))
     replacement: str
     tests: str  # pytest -k expression selecting the tests that should catch it
@@ -352,6 +355,76 @@ MUTATIONS = [
         "(long(t) * p.num_q_heads + head) * p.head_size",
         "rotary_embedding",
     ),
+    Mutation(
+        "fp8-decode-keys-read-with-value-scale",
+        "attention/decode.metal",
+        r"PaKv<T, KV>::load4\(k_row \+ c, p\.k_scale, p\.kv_format\)",
+        "PaKv<T, KV>::load4(k_row + c, p.v_scale, p.kv_format)",
+        "fp8 and decode and not gqa",
+    ),
+    Mutation(
+        "fp8-gqa-values-staged-with-key-scale",
+        "attention/gqa.metal",
+        r"value_cache \+ head_off, p\.v_scale,",
+        "value_cache + head_off, p.k_scale,",
+        "fp8 and gqa",
+    ),
+    Mutation(
+        "fp8-prefill-key-scale-dropped",
+        "attention/prefill.metal",
+        r"key_cache \+ head_off, p\.k_scale,",
+        "key_cache + head_off, 1.0f,",
+        "fp8 and prefill and not nax",
+    ),
+    Mutation(
+        "fp8-nax-values-staged-with-key-scale",
+        "attention/nax.metal",
+        r"\n                                            p\.v_scale, base,",
+        "\n                                            p.k_scale, base,",
+        "fp8 and nax",
+    ),
+    Mutation(
+        "fp8-cache-values-stored-with-key-scale",
+        "cache/reshape_and_cache.metal",
+        r"value\[long\(token\) \* p\.value_stride_token \+ long\(h\) \* p\.value_stride_head \+ d\], p\.v_scale,",
+        "value[long(token) * p.value_stride_token + long(h) * p.value_stride_head + d], p.k_scale,",
+        "fp8 and reshape",
+    ),
+    Mutation(
+        "fp8-e4m3-e5m2-swapped",
+        "../csrc/common/fp8.h",
+        r"if \(kv_format == ID \|\| f\.mantissa_bits == 0\)",
+        "if (kv_format != ID || f.mantissa_bits == 0)",
+        "fp8 and decode and not gqa",
+    ),
+    Mutation(
+        "fp8-read-exponent-bias-off-by-one",
+        "../csrc/common/fp8.h",
+        r"\(\(e \+ vm_u32\(127 - f\.bias\)\) << 23\)",
+        "((e + vm_u32(128 - f.bias)) << 23)",
+        "fp8 and decode and not gqa",
+    ),
+    Mutation(
+        "fp8-write-exponent-bias-off-by-one",
+        "../csrc/common/fp8.h",
+        r"\(vm_u32\(e_out \+ f\.bias\) << m_bits\)",
+        "(vm_u32(e_out + f.bias + 1) << m_bits)",
+        "fp8 and reshape",
+    ),
+    Mutation(
+        "fp8-write-missing-saturation",
+        "../csrc/common/fp8.h",
+        r"  if \(mag > max_bits\) mag = max_bits;  // saturate \(infinities too\)",
+        "",
+        "fp8 and reshape",
+    ),
+    Mutation(
+        "fp8-write-ties-away-from-even",
+        "../csrc/common/fp8.h",
+        r"rem == half && \(steps & 1u\) != 0",
+        "rem == half",
+        "fp8 and reshape",
+    ),
 ]
 
 
@@ -370,19 +443,31 @@ def apply(mutation: Mutation, kernel_dir: Path) -> None:
     path.write_text(text[: m.start()] + mutation.replacement + text[m.end() :])
 
 
+def copy_sources(root: Path) -> Path:
+    """Copies metal_kernels/ and csrc/'s headers to `root`; returns the metal_kernels copy."""
+    kdir = root / "metal_kernels"
+    shutil.copytree(KERNELS, kdir)
+    shutil.copytree(SHARED, root / "csrc", ignore=shutil.ignore_patterns("*.cpp", "*.o"))
+    return kdir
+
+
 def run_one(mutation: Mutation) -> tuple[bool, str, float]:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"msl-mutant-{mutation.name}-") as td:
-        kdir = Path(td) / "metal_kernels"
-        shutil.copytree(KERNELS, kdir)
+        kdir = copy_sources(Path(td))
         apply(mutation, kdir)
-        env = dict(os.environ, VLLM_METAL_MSL_KERNEL_DIR=str(kdir), COLUMNS="400")
+        env = dict(
+            os.environ,
+            VLLM_METAL_MSL_KERNEL_DIR=str(kdir),
+            VLLM_METAL_MSL_SHARED_DIR=str(Path(td) / "csrc"),
+            COLUMNS="400",
+        )
         r = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "pytest",
-                str(HERE / "test_kernels.py"),
+                *(str(HERE / name) for name in TEST_FILES),
                 "-m",
                 "msl",
                 "-x",
@@ -422,8 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     # Check every target before spending time on any run.
     with tempfile.TemporaryDirectory() as td:
         for m in chosen:
-            shutil.copytree(KERNELS, Path(td) / m.name)
-            apply(m, Path(td) / m.name)
+            apply(m, copy_sources(Path(td) / m.name))
     missed = 0
     for m in chosen:
         caught, detail, secs = run_one(m)

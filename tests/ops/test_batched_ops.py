@@ -126,3 +126,52 @@ def test_ops_without_native_kernels_run_the_batched_path(monkeypatch) -> None:
         "float32",
     )
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_decode_step_traced_by_compile_matches_reference(monkeypatch, option, reference_ops):
+    """`max_query_len=1` (one query row per sequence): the op reads nothing on the host, so it
+    runs inside mx.compile, and still equals the reference (the padding columns of the block
+    tables name a NaN block, which stays out)."""
+    if reference_ops:
+        monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    rng = np.random.default_rng(len(option) + 3)
+    batch = make_batch(
+        rng, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, **BATCHES["decode"]
+    )
+    _, kwargs = _call(batched, batch, OPTIONS[option], rng)
+    traced = mx.compile(
+        lambda *args: ops.paged_attention(*args, scale=0.125, max_query_len=1, **kwargs)
+    )
+    want = reference.paged_attention(*batch.args, scale=0.125, **kwargs)
+    assert_close(traced(*batch.args), want, "float32")
+
+
+def test_a_cache_write_without_padding_traced_by_compile_matches_reference(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    rng = np.random.default_rng(4)
+    pool_shape = (4, 8, 2, 64)
+    kc = mx.array(rng.standard_normal(pool_shape).astype(np.float32))
+    vc = mx.array(rng.standard_normal(pool_shape).astype(np.float32))
+    key = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32))
+    value = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32))
+    slot_mapping = mx.array(np.array([7, 30, 0], np.int64))
+    traced = mx.compile(lambda *a: ops.reshape_and_cache(*a, padded=False))
+    got = traced(key, value, kc, vc, slot_mapping)
+    want = cache_reference.reshape_and_cache(key, value, kc, vc, slot_mapping)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_max_query_len_is_checked() -> None:
+    rng = np.random.default_rng(9)
+    shape = {"num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16}
+    decode = make_batch(rng, q_lens=[1, 1], ctx_lens=[4, 9], **shape)
+    mixed = make_batch(rng, q_lens=[2, 1], ctx_lens=[4, 9], **shape)
+    with pytest.raises(ValueError, match="max_query_len must be a positive integer"):
+        ops.paged_attention(*decode.args, scale=0.125, max_query_len=0)
+    with pytest.raises(ValueError, match="max_query_len=1 needs one query row per sequence"):
+        ops.paged_attention(*mixed.args, scale=0.125, max_query_len=1)
+    with pytest.raises(ValueError, match="max_query_len=1 cannot take key_ends"):
+        ops.paged_attention(*decode.args, scale=0.125, max_query_len=1, key_ends=np.array([4, 9]))

@@ -170,19 +170,35 @@ def test_cache_write_stores_fp8_bytes(name: str) -> None:
     np.testing.assert_array_equal(np.asarray(vc).reshape(-1, heads, dim), want_v)
 
 
-def test_fp8_writes_never_reach_the_native_kernels(monkeypatch) -> None:
-    """The native cache write copies rows as they are: fp8 rows are quantized and written by
-    MLX's own ops on every device."""
+def test_fp8_writes_take_the_native_op_where_there_is_one(monkeypatch) -> None:
+    """The native cache write quantizes fp8 rows itself; where no native op runs (no extension, a
+    GPU without kernels) MLX's own ops quantize and scatter, to the same bytes."""
+    from vllm_metal.ops import _backend
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("fp8 pools handed to a native cache write")
+    calls = []
+    real = _native.reshape_and_cache
 
-    monkeypatch.setattr(_native, "reshape_and_cache", refuse)
-    kc = vc = mx.zeros((2, 16, 2, 64), mx.uint8)
-    rows = mx.ones((3, 2, 64), mx.bfloat16)
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("quant"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_native, "reshape_and_cache", counted)
+    rng = np.random.default_rng(4)
+    rows = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32) * 100).astype(mx.bfloat16)
     slots = mx.array(np.array([0, 17, -1], np.int64))
-    kc, vc = ops.reshape_and_cache(rows, rows, kc, vc, slots, kv_cache_dtype="fp8")
-    assert int(np.asarray(kc)[0, 0, 0, 0]) == 0x38  # 1.0 in E4M3
+    pools = []
+    for _ in range(2):
+        kc, vc = mx.zeros((2, 16, 2, 64), mx.uint8), mx.zeros((2, 16, 2, 64), mx.uint8)
+        kc, vc = ops.reshape_and_cache(rows, rows, kc, vc, slots, kv_cache_dtype="fp8", v_scale=0.5)
+        pools.append((np.asarray(kc), np.asarray(vc)))
+        monkeypatch.setattr(_backend, "native_for", lambda *a, **k: None)
+    assert len(calls) == 1 and calls[0].fmt.name == "fp8_e4m3" and calls[0].v_scale == 0.5
+    np.testing.assert_array_equal(pools[0][0], pools[1][0])
+    np.testing.assert_array_equal(pools[0][1], pools[1][1])
+    want = quantize64(to_numpy(rows[1]), "fp8_e4m3", 1.0)  # slot 17: block 1, offset 1
+    np.testing.assert_array_equal(
+        exact_values("fp8_e4m3")[pools[0][0][1, 1]], exact_values("fp8_e4m3")[want]
+    )
 
 
 def test_fp8_arguments_are_checked() -> None:

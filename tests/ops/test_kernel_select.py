@@ -196,3 +196,37 @@ def test_reshape_and_cache_kernel() -> None:
     choice = _C.select_reshape_and_cache_kernel("bf16", 2, 80)
     assert choice == {"kernel": "reshape_and_cache_bf16", "threads": 160}
     assert _C.select_reshape_and_cache_kernel("f32", 8, 128)["threads"] == 256
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pools_take_the_fp8_instance_of_every_family(fmt: str) -> None:
+    """fp8 pools plan exactly the launches of float pools, each with its family's _fp8 instance
+    (the format is a kernel argument); the split-KV reduce kernel reads no pool and is shared."""
+    cases = [
+        ([1, 1], [40, 2000], {}),  # GQA decode, a long row split
+        ([1, 1], [40, 2000], {"hq": 2, "hkv": 2}),  # per-head decode, split
+        ([9, 1], [9, 5000], {}),  # prefill and a long decode row of its own
+        ([9], [9], {"dtype": "bf16", "d": 512}),  # wide heads: prefill only
+        ([9], [9], {"supports_nax": True}),  # NAX prefill
+    ]
+    for q_lens, seq_lens, kwargs in cases:
+        same = plan(q_lens, seq_lens, gpu_cores=1, **kwargs)
+        fp8 = plan(q_lens, seq_lens, gpu_cores=1, kv_cache_dtype=fmt, **kwargs)
+        assert [launch["family"] for launch in fp8] == [launch["family"] for launch in same]
+        tag = kwargs.get("dtype", "f16")
+        for a, b in zip(same, fp8):
+            assert b["kernel"] == a["kernel"].replace(f"_{tag}_", f"_{tag}_fp8_", 1)
+            assert b["reduce_kernel"] == a["reduce_kernel"]
+            assert {k: v for k, v in b.items() if k != "kernel"} == {
+                k: v for k, v in a.items() if k != "kernel"
+            }
+    names = set(_C.all_kernel_names())
+    assert {launch["kernel"] for launch in plan([1, 9], [50, 9], kv_cache_dtype=fmt)} <= names
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        plan([1], [4], kv_cache_dtype="fp8")  # the format is named, as ops.fp8 resolves it
+
+
+def test_reshape_and_cache_fp8_kernel() -> None:
+    choice = _C.select_reshape_and_cache_kernel("bf16", 2, 80, "fp8_e5m2")
+    assert choice == {"kernel": "reshape_and_cache_bf16_fp8", "threads": 160}
+    assert "reshape_and_cache_f32_fp8" in _C.all_kernel_names()

@@ -14,7 +14,7 @@ from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends import get_backend
 from vllm_metal.config.errors import MetalConfigError
-from vllm_metal.config.kinds import kind_of
+from vllm_metal.config.kinds import kind_of, model_type
 from vllm_metal.config.table import refuse_unsupported
 
 if TYPE_CHECKING:
@@ -87,13 +87,14 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
     serves fp8 KV caches, fp8 / fp8_e4m3 / fp8_e5m2 (`kv.quant`); every other format is refused
     by name, and so is fp8 beside any drafter with KV memory of its own (only n-gram drafts,
-    which have none, are verified over an fp8 cache)."""
+    which have none, and an MTP assistant, which reads the target's, are verified over an fp8
+    cache)."""
     from vllm_metal.kv.quant import requested
 
     dtype = vllm_config.cache_config.cache_dtype
     if requested(dtype):
         spec = vllm_config.speculative_config
-        if spec is not None and spec.method != "ngram":
+        if spec is not None and spec.method != "ngram" and not _reads_target_kv(vllm_config):
             raise MetalConfigError(
                 f"vllm-metal: --kv-cache-dtype {dtype} is not supported with "
                 f"--speculative-config method={spec.method!r} (a drafter's own KV cache is not "
@@ -107,6 +108,18 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         "fp8, TurboQuant, NVFP4 and other quantized formats are not built); use 'auto', or "
         "'fp8' / 'fp8_e4m3' / 'fp8_e5m2' on the MLX backend"
     )
+
+
+def _reads_target_kv(vllm_config: VllmConfig) -> bool:
+    """Whether the drafter keeps no K/V of its own and attends over the target's (an MTP
+    assistant, `models.families.gemma4_mtp`)."""
+    from vllm_metal.models.families import mtp_module
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return False
+    module = mtp_module(model_type(vllm_config, text=True))
+    return module is not None and not module.HEAD_IN_TARGET
 
 
 def refuse_ray(vllm_config: VllmConfig) -> None:
@@ -213,6 +226,13 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
     if not backend.async_scheduling and scheduler.async_scheduling:
         logger.info("vllm-metal: the %s backend runs with async scheduling off", backend.name)
         scheduler.async_scheduling = False
+    spec = vllm_config.speculative_config
+    if spec is not None and scheduler.async_scheduling and not _drafts_under_async(vllm_config):
+        logger.info(
+            "vllm-metal: speculative decoding with method %r runs with async scheduling off",
+            spec.method,
+        )
+        scheduler.async_scheduling = False
 
     if vllm_config.lora_config is not None:
         from vllm_metal.compat import openai_routes
@@ -220,3 +240,19 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
         openai_routes.install()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+
+def _drafts_under_async(vllm_config: VllmConfig) -> bool:
+    """Whether the runner serves the speculative method under async scheduling (the drafts it
+    proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
+    model and a target's own MTP head are tested there; a separate MTP assistant (Gemma 4's)
+    is not yet. vLLM keeps it off for n-gram itself."""
+    spec = vllm_config.speculative_config
+    if spec.method == "draft_model":
+        return True
+    if spec.method == "mtp":
+        from vllm_metal.models.families import mtp_module
+
+        module = mtp_module(vllm_config.model_config.hf_text_config.model_type)
+        return module is not None and module.HEAD_IN_TARGET
+    return False

@@ -52,7 +52,8 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
 
 # Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
-    "mlx": ("ngram", "draft_model"),
+    # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`).
+    "mlx": ("ngram", "draft_model", "mtp"),
     "mps": (),
 }
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
@@ -145,24 +146,47 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
 
 
 def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
-    """method 'mtp' drafts with the target's own head: its family must have one built here and
-    the checkpoint must declare its layers (the weights are checked when it loads)."""
-    from vllm_metal.models.families import mtp_model_types, mtp_module
+    """method 'mtp' drafts with a model's multi-token-prediction drafter: the target's own head
+    (Qwen3.5) or an assistant checkpoint named by the speculative config's `model` (Gemma 4). The
+    target's family must have one built here, the draft vLLM read must be that drafter, and the
+    two configs must fit together (the weights are checked when they load)."""
+    from vllm_metal.models.families import mtp_drafter_module, mtp_model_types, mtp_module
 
+    spec = config.speculative_config
     text_type = model_type(config, text=True)
     module = mtp_module(text_type)
+    draft = spec.draft_model_config.hf_config
+    draft_type = getattr(draft, "model_type", None)
+    if module is not None and draft_type in module.DRAFT_MODEL_TYPES:
+        problem = module.missing(config.model_config.hf_text_config.to_dict(), draft.to_dict())
+        if problem is None:
+            return
+        raise MetalConfigError(
+            f"{prefix} method='mtp' with {model_label(config)} and model={spec.model!r}: "
+            f"{problem}; use method 'ngram'"
+        )
+    other = mtp_drafter_module(draft_type)
+    if other is not None and other is not module:  # another family's drafter
+        targets = ", ".join(other.MODEL_TYPES)
+        raise MetalConfigError(
+            f"{prefix} method='mtp': model={spec.model!r} is an MTP drafter ({draft_type}) for "
+            f"{targets} targets, not for {model_label(config)}; use method 'ngram'"
+        )
     if module is None:
         raise MetalConfigError(
-            f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head, "
-            f"built for {', '.join(sorted(mtp_model_types()))}, not for {model_label(config)}; use "
-            "method 'ngram'"
+            f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head or "
+            f"its MTP assistant, built for {', '.join(sorted(mtp_model_types()))}, not for "
+            f"{model_label(config)}; use method 'ngram'"
         )
-    text_config = config.model_config.hf_text_config.to_dict()
-    if module.num_layers(text_config) < 1:
-        raise MetalConfigError(
-            f"{prefix} method='mtp': {model_label(config)} declares no MTP layers "
-            f"({module.NUM_LAYERS_KEY}); use method 'ngram'"
+    raise MetalConfigError(
+        f"{prefix} method='mtp' with {model_label(config)}: model={spec.model!r} "
+        f"({draft_type}) is not its MTP drafter; "
+        + (
+            "name its own checkpoint (or leave model unset)"
+            if module.HEAD_IN_TARGET
+            else "set model to its MTP assistant's checkpoint"
         )
+    )
 
 
 def check_table() -> list[str]:

@@ -44,6 +44,9 @@ class StepMetadata:
     # [T] host ints: how far each token's attention reaches past its own position (the tokens
     # of one image attend to each other in prefix-LM models); None: causal everywhere.
     key_ends: np.ndarray | None = None
+    # A decode step traced by mx.compile: one token per sequence, every slot in range; the ops
+    # then read nothing on the host (their `max_query_len=1`, `padded=False`).
+    decode: bool = False
 
 
 class PagedLayerCache:
@@ -97,6 +100,7 @@ class PagedLayerCache:
             self._pages(self.pool.keys),
             self._pages(self.pool.values),
             self.tables.slot_mapping,
+            padded=not self.meta.decode,
             **self.storage,
         )
         self.pool.keys[self.region] = kc
@@ -123,6 +127,7 @@ class PagedLayerCache:
             softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
             key_ends=self.key_ends,
+            max_query_len=1 if self.meta.decode else None,
             **self.storage,
         )
         return out.reshape(t, h, 1, d).astype(queries.dtype)

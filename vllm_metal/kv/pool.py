@@ -19,6 +19,7 @@ A latent-attention (MLA) model's regions are one array each, `[num_blocks, block
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -205,6 +206,13 @@ class KVPool:
 
     def arrays(self) -> list[mx.array]:
         return [*self.keys, *self.values]
+
+    def over(self, keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVPool:
+        """This pool's layout and dtypes over other arrays of the same shapes (the traced inputs
+        of a compiled step): what the layers write goes to the returned pool's lists."""
+        view = copy.copy(self)
+        view.keys, view.values = list(keys), list(values)
+        return view
 
     @staticmethod
     def _region_shapes(

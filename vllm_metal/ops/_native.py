@@ -111,12 +111,20 @@ def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
     return [None if a is None else mx.contiguous(a) for a in arrays]
 
 
-def reshape_and_cache(*arrays: mx.array) -> tuple[mx.array, mx.array]:
-    """arrays: key, value, key_cache, value_cache, slot_mapping."""
+def reshape_and_cache(*arrays: mx.array, quant: KVQuant | None = None) -> tuple[mx.array, mx.array]:
+    """arrays: key, value, key_cache, value_cache, slot_mapping. ``quant``: fp8 pools, which the
+    C++ CPU body and the Metal kernel write quantized."""
     key, value, key_cache, value_cache, slot_mapping = arrays
     if on_gpu():
         key, value, slot_mapping = _contiguous(key, value, slot_mapping)
-    return _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return _C.reshape_and_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        **({} if quant is None else quant.options()),
+    )
 
 
 def paged_attention(
@@ -126,14 +134,18 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | None = None,
+    decode: bool = False,
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
-    pools, which the C++ CPU body reads (the Metal kernels do not: `reads_fp8`)."""
+    pools, which the C++ CPU body and every Metal kernel family read. ``decode``: one query row per
+    sequence, lengths made from host data (the call may be traced by mx.compile)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
-        # The GPU plan reads the per-sequence lengths on the host when it encodes the kernels.
-        mx.eval(seq_lens, cu_seqlens_q)
+        if not decode:
+            # The GPU plan reads the per-sequence lengths on the host when it encodes the
+            # kernels; a decode step's lengths already hold their values.
+            mx.eval(seq_lens, cu_seqlens_q)
     return _C.paged_attention(
         query,
         key_cache,
@@ -147,12 +159,6 @@ def paged_attention(
         sinks=sinks,
         **({} if quant is None else quant.options()),
     )
-
-
-def reads_fp8() -> bool:
-    """Whether the next paged_attention call can read fp8 pools: the C++ CPU body can, the Metal
-    kernels cannot (a GPU call runs MLX's own ops instead)."""
-    return not on_gpu()
 
 
 def gated_delta_rule(*arrays: mx.array) -> tuple[mx.array, mx.array]:

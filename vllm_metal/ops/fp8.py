@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.ops import _header
+
 # kv_cache_dtype -> the format it stores.
 KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
@@ -35,10 +37,17 @@ class Fp8Format:
         return 1 - self.bias
 
 
-FORMATS = {
-    "fp8_e4m3": Fp8Format("fp8_e4m3", 4, 3, 7, 448.0, 0x7F),
-    "fp8_e5m2": Fp8Format("fp8_e5m2", 5, 2, 15, 57344.0, 0x7F),
-}
+def _formats() -> dict[str, Fp8Format]:
+    """The formats as csrc/constants.h states them for the native kernels too (VM_FP8_FORMATS);
+    read from the header itself, which _C's CONSTANTS equal (tests/ops/test_constants.py)."""
+    constants = _header.header_constants()
+    return {
+        name: Fp8Format(name, 7 - m_bits, m_bits, bias, float(top), constants["FP8_NAN_CODE"])
+        for name, _id, m_bits, bias, top, _finite_only in constants["FP8_FORMATS"]
+    }
+
+
+FORMATS = _formats()
 
 
 def format_of(kv_cache_dtype: str) -> Fp8Format | None:

@@ -3,20 +3,20 @@
 // long key ranges across threads (merging their partial softmax states), and runs the inner kernel
 // build chosen for this CPU (cpu_isa.h) on the shared thread pool.
 //
-// Only plain data here (and common/elem.h and common/strided.h, built for that): the ISA-specific
-// kernel objects include this header.
+// Only plain data here (and common/elem.h, common/fp8.h and common/strided.h, built for that):
+// the ISA-specific kernel objects include this header.
 #pragma once
 
 #include <cstdint>
 
 #include "common/elem.h"     // ElemType
+#include "common/fp8.h"      // KvFormat
 #include "common/strided.h"  // Strided
 
 namespace vllm_metal::cpu {
 
-// How the pools store K/V: in the query's element type, or as fp8 bytes (vllm_metal/ops/fp8.py:
-// a key reads as value(byte) * k_scale, a value as value(byte) * v_scale).
-enum class KvFormat : int32_t { same = 0, fp8_e4m3 = 1, fp8_e5m2 = 2 };
+// KvFormat (common/fp8.h): fp8 pools read a key as value(byte) * k_scale, a value as
+// value(byte) * v_scale (vllm_metal/ops/fp8.py).
 
 struct AttentionArgs {
   const void* query;            // [T, Hq, D], element strides q_stride_*

@@ -1,5 +1,5 @@
 // fp8 K/V elements for the CPU inner kernel (cpu_kernel.cpp): the value of every E4M3 / E5M2 byte
-// (vllm_metal/ops/fp8.py), vector loads through those tables, and the traits the kernel reads K/V
+// (common/fp8.h), vector loads through those tables, and the traits the kernel reads K/V
 // with (the query's element type, or fp8 bytes).
 //
 // Included only by cpu_kernel.cpp, which is compiled once per ISA: everything here sits in an
@@ -8,35 +8,27 @@
 
 #include <cstdint>
 
+#include "common/fp8.h"
 #include "ops/attention/cpu.h"
 #include "ops/attention/cpu_simd.h"
 
 namespace vllm_metal::cpu {
 namespace {
 
-// The value of every fp8 byte (OCP E4M3 "FN" with bias 7, or E5M2 with bias 15), as
-// vllm_metal/ops/fp8.py decodes them; built at compile time.
+// The value of every fp8 byte of a format (common/fp8.h, the formats of constants.h), built at
+// compile time.
 struct Fp8Table {
   float v[256];
 };
-constexpr Fp8Table fp8_table(int m_bits, int bias, bool fn) {
+constexpr Fp8Table fp8_table(KvFormat format) {
   Fp8Table t{};
-  const int e_max = (1 << (7 - m_bits)) - 1;
   for (int code = 0; code < 256; ++code) {
-    const int e = (code >> m_bits) & e_max, m = code & ((1 << m_bits) - 1);
-    float mag = e == 0 ? static_cast<float>(m) : static_cast<float>((1 << m_bits) + m);
-    for (int k = 0; k < m_bits; ++k) mag *= 0.5f;  // the mantissa's binary point
-    for (int k = e == 0 ? 1 : e; k < bias; ++k) mag *= 0.5f;
-    for (int k = bias; k < e; ++k) mag *= 2.0f;
-    if (e == e_max && (!fn || m == (1 << m_bits) - 1)) {
-      mag = fn || m != 0 ? __builtin_nanf("") : __builtin_inff();
-    }
-    t.v[code] = (code & 0x80) ? -mag : mag;
+    t.v[code] = vm_fp8_to_float(static_cast<vm_u32>(code), static_cast<int>(format));
   }
   return t;
 }
-constexpr Fp8Table kFp8E4M3 = fp8_table(3, 7, true);
-constexpr Fp8Table kFp8E5M2 = fp8_table(2, 15, false);
+constexpr Fp8Table kFp8E4M3 = fp8_table(KvFormat::fp8_e4m3);
+constexpr Fp8Table kFp8E5M2 = fp8_table(KvFormat::fp8_e5m2);
 
 // VW fp8 bytes widened through their format's table (one gather where the ISA has one).
 inline vf fp8_vec(const uint8_t* p, const float* table) {

@@ -32,10 +32,6 @@ bool vec4_aligned(const mx::array& a) {
 }  // namespace
 
 void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  if (kv_format != cpu::KvFormat::same) {
-    // No Metal kernel reads fp8 bytes: vllm_metal.ops sends fp8 pools on a GPU to MLX's ops.
-    throw std::invalid_argument("paged_attention: the Metal kernels do not read fp8 pools");
-  }
   const mx::array& query = inputs[0];
   const mx::array& key_cache = inputs[1];
   const mx::array& value_cache = inputs[2];
@@ -65,6 +61,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
 
   AttentionShape shape;
   shape.dtype = metal::dtype_tag(query.dtype());
+  shape.fp8_pools = kv_format != cpu::KvFormat::same;
   shape.num_q_heads = query.shape(1);
   shape.num_kv_heads = key_cache.shape(2);
   shape.head_dim = query.shape(2);

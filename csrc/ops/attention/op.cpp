@@ -21,15 +21,7 @@ mx::array paged_attention(const mx::array& query, const mx::array& key_cache,
                           std::optional<int> sliding_window, std::optional<float> softcap,
                           std::optional<mx::array> sinks, const std::string& kv_cache_dtype,
                           float k_scale, float v_scale, mx::StreamOrDevice s) {
-  cpu::KvFormat kv_format = cpu::KvFormat::same;
-  if (kv_cache_dtype == "fp8_e4m3") {
-    kv_format = cpu::KvFormat::fp8_e4m3;
-  } else if (kv_cache_dtype == "fp8_e5m2") {
-    kv_format = cpu::KvFormat::fp8_e5m2;
-  } else if (kv_cache_dtype != "auto") {
-    throw std::invalid_argument("paged_attention: kv_cache_dtype must be auto, fp8_e4m3 or "
-                                "fp8_e5m2, got " + kv_cache_dtype);
-  }
+  const cpu::KvFormat kv_format = cpu::kv_format_of(kv_cache_dtype, "paged_attention");
   // The kernels read the pools as the query's dtype or, for fp8, as uint8 bytes. vllm_metal.ops
   // checks dtypes before it calls here; this guard stays so that no caller can have fp8 bytes or
   // any other mismatched pool read as floats.
@@ -70,6 +62,9 @@ metal_args::PagedAttentionParams paged_attention_metal_args(const PagedAttention
       .softcap = op.softcap,
       .sliding_window = op.sliding_window,
       .has_sinks = op.has_sinks ? 1 : 0,
+      .kv_format = static_cast<int>(op.kv_format),
+      .k_scale = op.k_scale,
+      .v_scale = op.v_scale,
   };
 }
 

@@ -8,8 +8,8 @@
 //   3 block_tables [S, max_blocks] int32  4 seq_lens [S] int32  5 cu_seqlens_q [S + 1] int32
 //   6 sinks [Hq] float32, present only when has_sinks.
 // Output: [T, Hq, D] in the query's dtype. Pools hold the query's dtype, or (kv_format fp8_e4m3 /
-// fp8_e5m2) uint8 fp8 bytes read as value * k_scale / v_scale: on the CPU only, eval_gpu refuses
-// them (no Metal kernel reads fp8; vllm_metal.ops routes fp8 pools on a GPU to MLX's own ops).
+// fp8_e5m2) uint8 fp8 bytes read as value * k_scale / v_scale, by the CPU body and by the _fp8
+// instances of every Metal kernel family.
 // Inputs may be strided views: the CPU body reads any layout of the query and reads pools in place
 // when their last two axes are packed (a slice of a larger allocation is fine), copying others.
 #pragma once

@@ -40,6 +40,9 @@ struct PagedAttentionParams {
   int num_work;            // entries of the work list bound at PA_BUF_WORK
   int partition_size;      // split-KV partition in tokens; 0 = one pass writing `out` directly
   int scratch_heads;       // rows per partition in the partial buffers (see README)
+  int kv_format;           // VM_KV_FORMAT_SAME, or the fp8 format id of uint8 pools (_fp8 kernels)
+  float k_scale;           // fp8 pools: a key reads as value(byte) * k_scale, rounded to the dtype
+  float v_scale;           // and a value as value(byte) * v_scale
   int pad0;
 };
 

@@ -25,23 +25,61 @@ struct Instance {
 #define VM_PREFILL_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_PREFILL(DT, D, B)},
 #define VM_REDUCE_(DT, T, BYTES, D) {#DT, D, 0, VM_KERNEL_NAME_REDUCE(DT, D)},
 #define VM_NAX_(DT, T, BYTES, D) {#DT, D, 0, VM_KERNEL_NAME_NAX(DT, D)},
+#define VM_DECODE_FP8_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_DECODE_FP8(DT, D, B)},
+#define VM_GQA_FP8_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_GQA_FP8(DT, D, B)},
+#define VM_PREFILL_FP8_(DT, T, BYTES, D, B) {#DT, D, B, VM_KERNEL_NAME_PREFILL_FP8(DT, D, B)},
+#define VM_NAX_FP8_(DT, T, BYTES, D) {#DT, D, 0, VM_KERNEL_NAME_NAX_FP8(DT, D)},
 const Instance kDecode[] = {VM_DECODE_INSTANCES(VM_DECODE_)};
 const Instance kGqa[] = {VM_DECODE_INSTANCES(VM_GQA_)};
 const Instance kReduce[] = {VM_REDUCE_INSTANCES(VM_REDUCE_)};
 const Instance kPrefill[] = {VM_PREFILL_INSTANCES(VM_PREFILL_)};
 const Instance kNax[] = {VM_NAX_INSTANCES(VM_NAX_)};
+const Instance kDecodeFp8[] = {VM_DECODE_INSTANCES(VM_DECODE_FP8_)};
+const Instance kGqaFp8[] = {VM_DECODE_INSTANCES(VM_GQA_FP8_)};
+const Instance kPrefillFp8[] = {VM_PREFILL_INSTANCES(VM_PREFILL_FP8_)};
+const Instance kNaxFp8[] = {VM_NAX_INSTANCES(VM_NAX_FP8_)};
 #undef VM_DECODE_
 #undef VM_GQA_
 #undef VM_PREFILL_
 #undef VM_REDUCE_
 #undef VM_NAX_
+#undef VM_DECODE_FP8_
+#undef VM_GQA_FP8_
+#undef VM_PREFILL_FP8_
+#undef VM_NAX_FP8_
 
-template <size_t N>
-const Instance* find(const Instance (&table)[N], const std::string& dtype, int d, int divisor) {
-  for (const Instance& k : table) {
+// The instances of each family a shape reads its pools with: the query's dtype, or fp8 bytes.
+// The split-KV reduce kernel reads no pool and serves both.
+struct Families {
+  const Instance* decode;
+  size_t n_decode;
+  const Instance* gqa;
+  size_t n_gqa;
+  const Instance* prefill;
+  size_t n_prefill;
+  const Instance* nax;
+  size_t n_nax;
+};
+template <size_t A, size_t B, size_t C, size_t D>
+constexpr Families families(const Instance (&decode)[A], const Instance (&gqa)[B],
+                            const Instance (&prefill)[C], const Instance (&nax)[D]) {
+  return {decode, A, gqa, B, prefill, C, nax, D};
+}
+const Families kSame = families(kDecode, kGqa, kPrefill, kNax);
+const Families kFp8 = families(kDecodeFp8, kGqaFp8, kPrefillFp8, kNaxFp8);
+const Families& families_of(const AttentionShape& shape) { return shape.fp8_pools ? kFp8 : kSame; }
+
+const Instance* find(const Instance* table, size_t n, const std::string& dtype, int d,
+                     int divisor) {
+  for (size_t i = 0; i < n; ++i) {
+    const Instance& k = table[i];
     if (dtype == k.dtype && k.head_dim == d && k.divisor == divisor) return &k;
   }
   return nullptr;
+}
+template <size_t N>
+const Instance* find(const Instance (&table)[N], const std::string& dtype, int d, int divisor) {
+  return find(table, N, dtype, d, divisor);
 }
 
 template <size_t N>
@@ -96,7 +134,8 @@ AttentionLaunch plan_prefill(const AttentionShape& shape, const std::vector<int>
   const int d = shape.head_dim;
   const int group = shape.num_q_heads / shape.num_kv_heads;
   AttentionLaunch l;
-  const Instance* nax = find(kNax, shape.dtype, d, 0);
+  const Families& f = families_of(shape);
+  const Instance* nax = find(f.nax, f.n_nax, shape.dtype, d, 0);
   if (nax != nullptr && caps.supports_nax && !env_flag("VLLM_METAL_DISABLE_NAX") &&
       shape.block_size % VM_NAX_KEYS == 0) {
     l.family = "nax";
@@ -105,7 +144,7 @@ AttentionLaunch plan_prefill(const AttentionShape& shape, const std::vector<int>
     l.kernel_block = VM_NAX_KEYS;
     l.threads = VM_NAX_THREADS;
   } else {
-    const Instance* prefill = find(kPrefill, shape.dtype, d, divisor);
+    const Instance* prefill = find(f.prefill, f.n_prefill, shape.dtype, d, divisor);
     if (prefill == nullptr) no_kernel("prefill", shape);
     l.family = "prefill";
     l.kernel = prefill->name;
@@ -132,18 +171,19 @@ AttentionLaunch plan_decode(const AttentionShape& shape, const std::vector<int>&
   const int d = shape.head_dim;
   const int group = shape.num_q_heads / shape.num_kv_heads;
   const int rows = static_cast<int>(seqs.size());
+  const Families& f = families_of(shape);
   AttentionLaunch l;
   if (group > 1 && !env_flag("VLLM_METAL_DISABLE_GQA_DECODE")) {
     const int row_tiles = ceil_div(group, VM_GQA_ROWS);
     l.family = "gqa";
-    l.kernel = find(kGqa, shape.dtype, d, divisor)->name;
+    l.kernel = find(f.gqa, f.n_gqa, shape.dtype, d, divisor)->name;
     l.kernel_block = vm_gqa_keys(bytes, d, divisor);
     l.threads = VM_GQA_THREADS;
     l.grid[0] = shape.num_kv_heads * row_tiles;
     l.scratch_heads = shape.num_kv_heads * row_tiles * VM_GQA_ROWS;
   } else {
     l.family = "decode";
-    l.kernel = find(kDecode, shape.dtype, d, divisor)->name;
+    l.kernel = find(f.decode, f.n_decode, shape.dtype, d, divisor)->name;
     l.kernel_block = divisor;
     l.threads = VM_DECODE_THREADS;
     l.grid[0] = shape.num_q_heads;
@@ -206,7 +246,9 @@ AttentionPlan select_paged_attention_kernel(
     throw std::invalid_argument("paged attention: num_q_heads must be a multiple of num_kv_heads");
   }
   if (!listed_head_size(shape.head_dim)) no_kernel("attention", shape);
-  const bool decode_kernels = find(kDecode, shape.dtype, shape.head_dim, divisor) != nullptr;
+  const Families& f = families_of(shape);
+  const bool decode_kernels =
+      find(f.decode, f.n_decode, shape.dtype, shape.head_dim, divisor) != nullptr;
 
   std::vector<int> prefill_seqs, decode_seqs;
   for (int s = 0; s < num_seqs; ++s) {
@@ -249,6 +291,10 @@ std::vector<std::string> attention_kernel_names() {
   append_names(names, kGqa);
   append_names(names, kPrefill);
   append_names(names, kNax);
+  append_names(names, kDecodeFp8);
+  append_names(names, kGqaFp8);
+  append_names(names, kPrefillFp8);
+  append_names(names, kNaxFp8);
   return names;
 }
 

@@ -23,7 +23,8 @@ struct DeviceCaps {
 DeviceCaps device_caps(bool supports_nax);
 
 struct AttentionShape {
-  std::string dtype;  // a dtype tag of constants.h ("f16"); query and pools share it
+  std::string dtype;  // a dtype tag of constants.h ("f16"): the query's, and the pools' unless fp8
+  bool fp8_pools = false;  // uint8 fp8 pools: the _fp8 instances (the format is a kernel argument)
   int num_q_heads = 0;
   int num_kv_heads = 0;  // > 0 and dividing num_q_heads (validated by vllm_metal.ops)
   int head_dim = 0;

@@ -14,7 +14,37 @@ namespace {
 // Below this many bytes per call the write runs on the calling thread alone.
 constexpr int64_t kParallelBytes = 1 << 20;
 
+// One row of `n` elements of type E (stride src_d) stored as fp8 bytes (stride dst_d).
+template <typename E>
+void quantize_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t dst_d, int64_t n,
+                  int format, float scale) {
+  for (int64_t d = 0; d < n; ++d) {
+    const float a = E::load(src[d * src_d]) / scale;
+    dst[d * dst_d] = static_cast<uint8_t>(vm_fp8_from_float(a, format));
+  }
+}
+
+void quantize_rows(const CacheWriteArgs& w, int64_t t_begin, int64_t t_end) {
+  dispatch_elem(w.src_type, [&](auto elem) {
+    using E = decltype(elem);
+    using T = typename E::T;
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t slot = w.slots[t];
+      if (slot < 0 || slot >= w.num_slots) continue;
+      const int64_t block = slot / w.block_size, offset = slot % w.block_size;
+      for (int64_t h = 0; h < w.num_heads; ++h) {
+        const T* src = reinterpret_cast<const T*>(w.src) + t * w.src_stride_t + h * w.src_stride_h;
+        uint8_t* dst = reinterpret_cast<uint8_t*>(w.dst) + block * w.dst_stride_b +
+                       offset * w.dst_stride_o + h * w.dst_stride_h;
+        quantize_row<E>(src, w.src_stride_d, dst, w.dst_stride_d, w.head_dim,
+                        static_cast<int>(w.kv_format), w.scale);
+      }
+    }
+  });
+}
+
 void write_rows(const CacheWriteArgs& w, int64_t t_begin, int64_t t_end) {
+  if (w.kv_format != KvFormat::same) return quantize_rows(w, t_begin, t_end);
   const int64_t isz = w.itemsize;
   const bool rows_contiguous = w.src_stride_d == 1 && w.dst_stride_d == 1;
   for (int64_t t = t_begin; t < t_end; ++t) {
@@ -82,6 +112,13 @@ CacheWriteArgs write_args(const Strided& src, const Strided& dst, const int64_t*
       .dst_stride_h = heads ? dst.strides[2] : 0,
       .dst_stride_d = dst.strides[last_dst],
   };
+}
+
+CacheWriteArgs quantized(CacheWriteArgs args, KvFormat format, ElemType type, float scale) {
+  args.kv_format = format;
+  args.src_type = type;
+  args.scale = scale;
+  return args;
 }
 
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value) {

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "common/elem.h"
+#include "common/fp8.h"
 #include "common/strided.h"
 
 namespace vllm_metal::cpu {
@@ -16,6 +18,11 @@ struct CacheWriteArgs {
   int64_t num_tokens, num_heads, head_dim, block_size, num_slots, itemsize;
   int64_t src_stride_t, src_stride_h, src_stride_d;
   int64_t dst_stride_b, dst_stride_o, dst_stride_h, dst_stride_d;
+  // fp8 pools: each element x of src (of type src_type) is stored as the byte fp8(x / scale)
+  // (common/fp8.h); `itemsize` is then the source's, and the pool holds one byte per element.
+  KvFormat kv_format = KvFormat::same;
+  ElemType src_type = ElemType::f32;
+  float scale = 1.0f;
 };
 
 // The write of rows `src` ([T, H, D], or [T, D] for a headless latent cache) into the pool `dst`
@@ -24,6 +31,9 @@ struct CacheWriteArgs {
 // be consistent.
 CacheWriteArgs write_args(const Strided& src, const Strided& dst, const int64_t* slots,
                           int64_t itemsize);
+
+// The same write quantized to fp8 bytes of `format` with `scale` (src of element type `type`).
+CacheWriteArgs quantized(CacheWriteArgs args, KvFormat format, ElemType type, float scale);
 
 // Writes the key rows and the value rows, on the calling thread or (large writes) the pool.
 void reshape_and_cache(const CacheWriteArgs& key, const CacheWriteArgs& value);

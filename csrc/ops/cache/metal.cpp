@@ -27,10 +27,10 @@ void ReshapeAndCache::eval_gpu(const std::vector<mx::array>& inputs,
   const int num_tokens = key.shape(0);
   if (num_tokens == 0 || key.size() == 0) return;
 
-  const metal_args::ReshapeAndCacheParams p = reshape_and_cache_metal_args(inputs);
+  const metal_args::ReshapeAndCacheParams p = reshape_and_cache_metal_args(*this, inputs);
 
-  const CacheLaunch launch =
-      select_reshape_and_cache_kernel(metal::dtype_tag(key.dtype()), p.num_kv_heads, p.head_dim);
+  const CacheLaunch launch = select_reshape_and_cache_kernel(
+      metal::dtype_tag(key.dtype()), p.num_kv_heads, p.head_dim, kv_format != cpu::KvFormat::same);
   auto& d = mx::metal::device(stream().device);
   auto& enc = mx::metal::get_command_encoder(stream());
   enc.set_compute_pipeline_state(metal::kernel(d, launch.kernel));

@@ -4,6 +4,7 @@
 #include "ops/cache/op.h"
 
 #include <memory>
+#include <stdexcept>
 
 #include "common/array_utils.h"
 #include "mlx/allocator.h"
@@ -49,16 +50,28 @@ std::pair<mx::array, mx::array> reshape_and_cache(const mx::array& key, const mx
                                                   const mx::array& key_cache,
                                                   const mx::array& value_cache,
                                                   const mx::array& slot_mapping,
+                                                  const std::string& kv_cache_dtype,
+                                                  float k_scale, float v_scale,
                                                   mx::StreamOrDevice s) {
+  const cpu::KvFormat kv_format = cpu::kv_format_of(kv_cache_dtype, "reshape_and_cache");
+  // As in paged_attention's builder: fp8 pools are uint8 and pools of rows are the rows' dtype,
+  // so no caller can have floats written as bytes or bytes as floats.
+  const mx::Dtype pool_dtype = kv_format == cpu::KvFormat::same ? key.dtype() : mx::uint8;
+  if (key_cache.dtype() != pool_dtype || value_cache.dtype() != pool_dtype ||
+      value.dtype() != key.dtype()) {
+    throw std::invalid_argument(
+        "reshape_and_cache: key_cache and value_cache must have the rows' dtype, or be uint8 "
+        "with an fp8 kv_cache_dtype");
+  }
   auto outputs = mx::array::make_arrays(
       {key_cache.shape(), value_cache.shape()}, {key_cache.dtype(), value_cache.dtype()},
-      std::make_shared<ReshapeAndCache>(mx::to_stream(s)),
+      std::make_shared<ReshapeAndCache>(mx::to_stream(s), kv_format, k_scale, v_scale),
       {key, value, key_cache, value_cache, slot_mapping});
   return {outputs[0], outputs[1]};
 }
 
 metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(
-    const std::vector<mx::array>& inputs) {
+    const ReshapeAndCache& op, const std::vector<mx::array>& inputs) {
   const mx::array& key = inputs[0];
   const mx::array& value = inputs[1];
   const mx::array& key_cache = inputs[2];
@@ -75,6 +88,9 @@ metal_args::ReshapeAndCacheParams reshape_and_cache_metal_args(
       .kv_stride_slot = key_cache.strides(1),
       .kv_stride_head = key_cache.strides(2),
       .block_size = key_cache.shape(1),
+      .kv_format = static_cast<int>(op.kv_format),
+      .k_scale = op.k_scale,
+      .v_scale = op.v_scale,
   };
 }
 
@@ -88,8 +104,13 @@ void ReshapeAndCache::eval_cpu(const std::vector<mx::array>& inputs,
   bind_output_pool(inputs[3], outputs[1], encoder);
   if (key.shape(0) == 0 || key.size() == 0) return;
 
-  const cpu::CacheWriteArgs wk = write_args(key, outputs[0], slots.data<int64_t>());
-  const cpu::CacheWriteArgs wv = write_args(value, outputs[1], slots.data<int64_t>());
+  cpu::CacheWriteArgs wk = write_args(key, outputs[0], slots.data<int64_t>());
+  cpu::CacheWriteArgs wv = write_args(value, outputs[1], slots.data<int64_t>());
+  if (kv_format != cpu::KvFormat::same) {
+    const cpu::ElemType type = cpu::elem_type(key.dtype());
+    wk = cpu::quantized(wk, kv_format, type, k_scale);
+    wv = cpu::quantized(wv, kv_format, type, v_scale);
+  }
   encoder.dispatch([wk, wv]() { cpu::reshape_and_cache(wk, wv); });
 }
 

@@ -27,7 +27,9 @@ struct ReshapeAndCacheParams {
   long_t kv_stride_slot;
   long_t kv_stride_head;
   int block_size;
-  int pad1;
+  int kv_format;            // VM_KV_FORMAT_SAME, or the fp8 format id of uint8 pools (_fp8 kernels)
+  float k_scale;            // fp8 pools: a key element x is stored as fp8(x / k_scale)
+  float v_scale;            // and a value element as fp8(x / v_scale)
 };
 
 VM_KERNEL_ARGS_END

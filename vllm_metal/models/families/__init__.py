@@ -128,10 +128,13 @@ def adapter_class(model_type: str | None) -> type[ModelAdapter]:
     return ModelAdapter if name is None else _module(name).Adapter
 
 
-# The modules of this package whose `load_head` builds a model's own multi-token-prediction
-# drafter (`--speculative-config method=mtp`); each lists the target model types it serves in
-# its `MODEL_TYPES`.
-MTP_MODULES = ("qwen3_5_mtp",)
+# The modules of this package that build a model's multi-token-prediction drafter
+# (`--speculative-config method=mtp`); each lists the target model types it serves in its
+# `MODEL_TYPES`, the drafter's model type as vLLM names it in `DRAFT_MODEL_TYPES`, whether the
+# drafter is tensors of the target's checkpoint (`HEAD_IN_TARGET`: `load_head`) or a checkpoint of
+# its own that the speculative config's `model` names (`load_assistant`), and in `missing(target,
+# draft)` what keeps the two configs from drafting together.
+MTP_MODULES = ("gemma4_mtp", "qwen3_5_mtp")
 
 
 @cache
@@ -141,8 +144,15 @@ def mtp_model_types() -> dict[str, str]:
 
 
 def mtp_module(model_type: str | None):
-    """The MTP head module of `model_type`, or None where this project builds none."""
+    """The MTP drafter module of the target `model_type`, or None where this project builds
+    none."""
     name = mtp_model_types().get(model_type or "")
+    return None if name is None else _module(name)
+
+
+def mtp_drafter_module(draft_type: str | None):
+    """The MTP module that builds the drafter vLLM names `draft_type`, or None."""
+    name = next((m for m in MTP_MODULES if draft_type in _module(m).DRAFT_MODEL_TYPES), None)
     return None if name is None else _module(name)
 
 

@@ -24,6 +24,9 @@ from vllm_metal.models.families import qwen3_5
 
 # The targets whose checkpoints carry this head (`families.mtp_model_types`).
 MODEL_TYPES = qwen3_5.MODEL_TYPES
+# The drafter's model type as vLLM names it once it reads the target's config as the draft's.
+DRAFT_MODEL_TYPES = ("qwen3_5_mtp",)
+HEAD_IN_TARGET = True
 PREFIX = "mtp."
 # The config field giving the number of MTP layers (vLLM's `n_predict` for Qwen3.5).
 NUM_LAYERS_KEY = "mtp_num_hidden_layers"
@@ -54,6 +57,14 @@ class MTPHead(nn.Module):
 
 def num_layers(config: dict[str, Any]) -> int:
     return int(config.get(NUM_LAYERS_KEY) or 0)
+
+
+def missing(target: dict[str, Any], draft: dict[str, Any]) -> str | None:
+    """What keeps the target's text config from drafting with its head (the weights are
+    checked when it loads)."""
+    if num_layers(target) < 1:
+        return f"the checkpoint declares no MTP layers ({NUM_LAYERS_KEY})"
+    return None
 
 
 def load_head(config: dict[str, Any], model_dir: Path, compute_dtype: mx.Dtype) -> MTPHead:

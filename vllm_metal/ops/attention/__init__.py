@@ -35,6 +35,7 @@ def paged_attention(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    max_query_len: int | None = None,
 ) -> mx.array:
     """Varlen causal attention of packed queries ``[T, Hq, D]`` over paged K/V pools.
 
@@ -61,23 +62,27 @@ def paged_attention(
     ``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (`ops.fp8`): the pools are
     ``uint8`` fp8 bytes (any float query dtype), and a key reads as ``float(byte) * k_scale``, a
     value as ``float(byte) * v_scale``, rounded to the query's dtype; the rest of the contract is
-    unchanged. fp8 pools are read by the C++ CPU body on the CPU and by MLX's own ops on a GPU
-    (the Metal kernels do not read fp8, so they are never handed these bytes).
+    unchanged. The native op (C++ CPU body, every Metal kernel family) reads the bytes as it
+    attends.
+
+    ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
+    ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host
+    while it builds its graph, so it can be traced by ``mx.compile``; ``seq_lens`` and
+    ``cu_seqlens_q`` must hold their values (arrays made from host data, not lazy results).
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     options = (kv_cache_dtype, k_scale, v_scale)
     signature = (*arrays, scale, sliding_window, softcap, sinks, *options)
     v.once(_PASSED, signature, check_paged_attention)
-    if _backend.value_checks():
+    decode = _decode_step(max_query_len, query, block_tables, key_ends)
+    if _backend.value_checks() and not decode:
         check_paged_attention_values(*arrays)
     quant = fp8.kv_quant(*options)
     impl = _backend.native_for(query.shape[2]) or batched
-    if quant is not None and impl is not batched and not impl.reads_fp8():
-        impl = batched  # no Metal kernel reads fp8: MLX's own ops do, on the GPU too
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     if quant is not None:
         options["quant"] = quant
-    out = impl.paged_attention(*arrays, scale=scale, **options)
+    out = impl.paged_attention(*arrays, scale=scale, decode=decode, **options)
     if key_ends is None:
         return out
     ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
@@ -94,6 +99,27 @@ def paged_attention(
             **options,
         )
     return out
+
+
+def _decode_step(
+    max_query_len: object, query: mx.array, block_tables: mx.array, key_ends: object
+) -> bool:
+    """Whether ``max_query_len`` declares a decode step; raises ValueError (naming it) when it is
+    malformed or contradicts the other arguments."""
+    if max_query_len is None:
+        return False
+    if not isinstance(max_query_len, Integral) or max_query_len < 1:
+        v.fail(f"max_query_len must be a positive integer or None, got {max_query_len!r}")
+    if max_query_len != 1:
+        return False
+    if key_ends is not None:
+        v.fail("max_query_len=1 cannot take key_ends (rows that see ahead belong to a prefill)")
+    if query.shape[0] != block_tables.shape[0]:
+        v.fail(
+            f"max_query_len=1 needs one query row per sequence: query has {query.shape[0]} rows, "
+            f"block_tables {block_tables.shape[0]} sequences"
+        )
+    return True
 
 
 def _rows_seeing_ahead(

@@ -7,6 +7,9 @@ gathers the blocks of its sequence that its last row can see, and one fused atte
 every tile of a kind (`mx.fast.scaled_dot_product_attention`: softmax in float32, products in
 the inputs' dtype). Where the tiles sit is worked out on the host from ``cu_seqlens_q`` and
 ``seq_lens`` once per step (`plan`), not per layer: every layer of a step passes the same arrays.
+A decode step (`decode`: one query row per sequence) needs no plan: each row is its sequence's
+tile and reads every block of its table row, so nothing is read on the host and the call can be
+traced by `mx.compile`.
 """
 
 from __future__ import annotations
@@ -137,11 +140,18 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | None = None,
+    decode: bool = False,
 ) -> mx.array:
     """vllm_metal.ops.paged_attention on validated arguments (without ``key_ends``); ``quant``:
-    the pools hold fp8 bytes, dequantized to the query's dtype as they are gathered."""
+    the pools hold fp8 bytes, dequantized to the query's dtype as they are gathered; ``decode``:
+    one query row per sequence (`decode_attention`)."""
+    if decode:
+        return decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks, quant=quant,
+        )  # fmt: skip
     num_tokens, num_heads, head_size = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size = key_cache.shape[1]
     steps = plan_for(block_tables, seq_lens, cu_seqlens_q, num_tokens, block_size)
     padded = mx.concatenate([query, mx.zeros((1, num_heads, head_size), query.dtype)])
     outputs = []
@@ -150,23 +160,80 @@ def paged_attention(
         num_keys = tiles.key_blocks.shape[1] * block_size
         visible, written = _masks(tiles, num_keys, sliding_window)
         q = padded[tiles.rows].transpose(0, 2, 1, 3)  # [n, Hq, C, D]
-        kv = []
-        for pool, read in ((key_cache, "keys"), (value_cache, "values")):
-            rows = pool[tiles.key_blocks].reshape(n, num_keys, num_kv_heads, head_size)
-            if quant is not None:
-                rows = getattr(quant, read)(rows, query.dtype)
-            kv.append(mx.where(written, rows, 0).transpose(0, 2, 1, 3))  # [n, Hkv, L, D]
-        if softcap is None:
-            # The fused call takes sinks in the output's dtype (one rounding of a logit).
-            sink = None if sinks is None else sinks.astype(query.dtype)
-            out = mx.fast.scaled_dot_product_attention(
-                q, *kv, scale=scale, mask=visible, sinks=sink
-            )
-        else:
-            out = _softcapped(q, *kv, visible, scale, softcap, sinks)
+        kv = _gather(key_cache, value_cache, tiles.key_blocks, written, quant, query.dtype)
+        out = _attend(q, *kv, visible, scale, softcap, sinks)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(n * width, num_heads, head_size))
     outputs.append(mx.zeros((1, num_heads, head_size), query.dtype))
     return mx.concatenate(outputs)[steps.source]
+
+
+def decode_attention(
+    query: mx.array,
+    key_cache: mx.array,
+    value_cache: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
+    quant: KVQuant | None = None,
+) -> mx.array:
+    """`paged_attention` of a decode step, all on the device: row ``s`` is sequence ``s``'s query at
+    position ``seq_lens[s] - 1`` and gathers every block of ``block_tables[s]``; keys past the
+    sequence's length (unwritten slots, padding columns) are zeroed and masked."""
+    num_seqs, num_heads, head_size = query.shape
+    num_keys = block_tables.shape[1] * key_cache.shape[1]
+    key_pos = mx.arange(num_keys, dtype=mx.int32)[None, :]
+    query_pos = (seq_lens - 1)[:, None]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible = visible & (key_pos > query_pos - sliding_window)
+    written = (key_pos < seq_lens[:, None])[:, :, None, None]  # [S, L, 1, 1]
+    kv = _gather(key_cache, value_cache, block_tables, written, quant, query.dtype)
+    q = query[:, :, None, :]  # [S, Hq, 1, D]
+    out = _attend(q, *kv, visible[:, None, None, :], scale, softcap, sinks)
+    return out.reshape(num_seqs, num_heads, head_size)
+
+
+def _gather(
+    key_cache: mx.array,
+    value_cache: mx.array,
+    key_blocks: mx.array,
+    written: mx.array,
+    quant: KVQuant | None,
+    dtype: mx.Dtype,
+) -> list[mx.array]:
+    """Keys and values of ``key_blocks`` (`[n, blocks]`) as `[n, Hkv, L, D]`, dequantized to
+    ``dtype`` from an fp8 pool; slots not ``written`` (`[n, L, 1, 1]`) read as zeros."""
+    n = key_blocks.shape[0]
+    block_size, num_kv_heads, head_size = key_cache.shape[1:]
+    num_keys = key_blocks.shape[1] * block_size
+    kv = []
+    for pool, read in ((key_cache, "keys"), (value_cache, "values")):
+        rows = pool[key_blocks].reshape(n, num_keys, num_kv_heads, head_size)
+        if quant is not None:
+            rows = getattr(quant, read)(rows, dtype)
+        kv.append(mx.where(written, rows, 0).transpose(0, 2, 1, 3))
+    return kv
+
+
+def _attend(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    visible: mx.array,
+    scale: float,
+    softcap: float | None,
+    sinks: mx.array | None,
+) -> mx.array:
+    """Attention of tiles `[n, Hq, C, D]` over their keys where ``visible`` (`[n, 1, C, L]`)."""
+    if softcap is None:
+        # The fused call takes sinks in the output's dtype (one rounding of a logit).
+        sink = None if sinks is None else sinks.astype(q.dtype)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=visible, sinks=sink)
+    return _softcapped(q, k, v, visible, scale, softcap, sinks)
 
 
 def _softcapped(

@@ -26,6 +26,7 @@ def reshape_and_cache(
     kv_cache_dtype: str = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    padded: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Writes key/value rows ``[T, Hkv, D]`` into the paged pools at ``slot_mapping`` (int64).
 
@@ -37,19 +38,21 @@ def reshape_and_cache(
 
     ``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (`ops.fp8`): the pools are
     ``uint8`` and hold ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (rows of any float
-    dtype); ``"auto"``: the pools hold the rows as they are. The quantized write runs MLX's own
-    ops on every device (the native kernels do not take fp8 pools).
+    dtype); ``"auto"``: the pools hold the rows as they are. The native op (C++ CPU body, Metal
+    kernel) quantizes as it writes.
     """
     arrays = (key, value, key_cache, value_cache, slot_mapping)
     options = (kv_cache_dtype, k_scale, v_scale)
     v.once(_PASSED, (*arrays, *options), check_reshape_and_cache)
-    if _backend.value_checks():
+    if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
-    fmt = fp8.format_of(kv_cache_dtype)
-    if fmt is not None:
-        key, value = fp8.quantize(key, fmt, k_scale), fp8.quantize(value, fmt, v_scale)
-        return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    return (_backend.native_for(key.shape[2]) or batched).reshape_and_cache(*arrays)
+    native = _backend.native_for(key.shape[2])
+    quant = fp8.kv_quant(*options)
+    if native is not None:
+        return native.reshape_and_cache(*arrays, quant=quant)
+    if quant is not None:
+        key, value = fp8.quantize(key, quant.fmt, k_scale), fp8.quantize(value, quant.fmt, v_scale)
+    return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
 
 
 def check_reshape_and_cache(

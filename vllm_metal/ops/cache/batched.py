@@ -4,7 +4,8 @@ the whole step.
 ``slot_mapping`` is read on the host once per step (`plan`: every layer of a step passes the same
 array, which the runner made from host data, so reading it waits for nothing); padding rows are
 dropped there, so the scatter writes only rows with a slot and nothing else reads the pools:
-MLX then writes into the pools' own memory when nothing else holds them.
+MLX then writes into the pools' own memory when nothing else holds them. A caller whose slots are
+all in range (`padded=False`: a compiled decode step) skips the plan, reading nothing on the host.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def reshape_and_cache(
     key_cache: mx.array,
     value_cache: mx.array,
     slot_mapping: mx.array,
+    padded: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """vllm_metal.ops.reshape_and_cache on validated arguments. Returns new pool arrays."""
+    if not padded:
+        return _write(key_cache, key, slot_mapping, None), _write(
+            value_cache, value, slot_mapping, None
+        )
     slots, rows = plan(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     if slots is None:
         return key_cache, value_cache

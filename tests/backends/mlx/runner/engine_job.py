@@ -151,6 +151,10 @@ def run(spec: dict) -> dict:
         if job.get("action") == "corrupt_files":
             results.append(_corrupt_files(job["glob"]))
             continue
+        if job.get("action") == "compiled_steps":  # an in-process engine's compiled decode steps
+            state = llm.llm_engine.model_executor.driver_worker.worker.model_runner.state
+            results.append(0 if state.compiled is None else state.compiled.steps)
+            continue
         if job.get("action") == "memory_usage":  # every worker's (each pipeline stage's)
             results.append(llm.collective_rpc("memory_usage"))
             continue

@@ -1,8 +1,9 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
 to vLLM's host `Sampler` on the same logits and without copying them; anything that moves the
-argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Unseeded random
-rows with a temperature, top-k and top-p are drawn on the device too, from the distribution
-vLLM's `Sampler` draws from (chi-square against its own draws)."""
+argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Presence,
+frequency and repetition penalties are applied on the device as vLLM applies them. Unseeded
+random rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
+distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import Sampler
 
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, sample_rows
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, penalized, sample_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -81,11 +84,62 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
         assert device["c"] == [5]
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [{"repetition_penalty": 3.0}, {"repetition_penalty": 0.2}, {"presence_penalty": 1.5}],
+    ids=["repetition", "repetition_below_1", "presence"],
+)
+def test_penalized_rows_sample_on_the_device_like_the_host_sampler(
+    vllm_config, monkeypatch, penalty
+):
+    params = {r: SamplingParams(temperature=0.0, **penalty) for r in "ac"}
+    params["b"] = SamplingParams(temperature=0.0)
+    device, copied = _run(vllm_config, params, True, monkeypatch)
+    host, _ = _run(vllm_config, params, False, monkeypatch)
+    plain, _ = _run(
+        vllm_config, {r: SamplingParams(temperature=0.0) for r in "abc"}, True, monkeypatch
+    )
+    assert not copied
+    assert device == host
+    if penalty.get("repetition_penalty") == 0.2:  # boosts the prompt's tokens: a prompt token
+        assert device != plain and device["c"][0] in span(30, 4)
+
+
+def test_penalties_equal_vllms():
+    """`penalized` against vLLM's `apply_all_penalties` on random logits, prompts (padded with
+    the vocabulary size) and outputs (with a -1 placeholder), all three penalties per row."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    rng = np.random.default_rng(4)
+    rows, vocab = 5, 50
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+    prompt = np.full((rows, 9), vocab)
+    outputs = []
+    for r in range(rows):
+        prompt[r, : 3 + r] = rng.integers(0, vocab, 3 + r)
+        outputs.append(rng.integers(0, 12, 2 * r).tolist() + ([-1] if r == 2 else []))
+    penalties = [torch.tensor(rng.uniform(lo, hi, rows), dtype=torch.float32)
+                 for lo, hi in ((0.5, 2.0), (-1.0, 1.0), (-1.0, 1.0))]  # fmt: skip
+
+    class Metadata:
+        prompt_token_ids = torch.tensor(prompt)
+        repetition_penalties, presence_penalties, frequency_penalties = penalties
+        output_token_ids = outputs
+
+    got = np.array(penalized(mx.array(logits), Metadata))
+    want = apply_all_penalties(
+        torch.tensor(logits), torch.tensor(prompt), penalties[1], penalties[2], penalties[0],
+        [list(o) for o in outputs],
+    ).numpy()  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got, logits)
+
+
 def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     """Random rows beside a greedy one: no logits copied, the greedy row's argmax, the random
     rows' tokens among their top 3; a logprobs request beside them sends the step to the host."""
     params = {
-        "a": SamplingParams(temperature=0.8, top_k=3),
+        "a": SamplingParams(temperature=0.8, top_k=3, min_p=0.1),
         "b": SamplingParams(temperature=1.0, top_p=0.5),
         "c": SamplingParams(temperature=0.0),
     }
@@ -103,11 +157,30 @@ def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     assert copied
 
 
+def _min_p_processor(vllm_config, min_p: float, n: int) -> MinPLogitsProcessor:
+    """vLLM's min-p processor holding `min_p` for `n` rows (as its batch updates leave it)."""
+    proc = MinPLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc.min_p_cpu[:n] = min_p
+    proc.min_p_count = n
+    proc.min_p = torch.full((n, 1), min_p)
+    return proc
+
+
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(0.8, None, None), (1.0, 3, None), (0.7, None, 0.8), (1.3, 5, 0.6), (0.5, 2, 0.99)],
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (0.8, None, None, None),
+        (1.0, 3, None, None),
+        (0.7, None, 0.8, None),
+        (1.3, 5, 0.6, None),
+        (0.5, 2, 0.99, None),
+        (1.2, None, None, 0.2),
+        (0.9, 6, 0.9, 0.05),
+    ],
 )
-def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, top_p):
+def test_device_draws_follow_the_host_samplers_distribution(
+    vllm_config, temperature, top_k, top_p, min_p
+):
     n, vocab = 4000, 10
     logits = torch.tensor(
         np.random.default_rng(1).standard_normal(vocab) * 1.5, dtype=torch.float32
@@ -116,13 +189,16 @@ def test_device_draws_follow_the_host_samplers_distribution(temperature, top_k, 
     t = np.full(n, temperature, np.float32)
     k = None if top_k is None else np.full(n, top_k, np.int32)
     p = None if top_p is None else np.full(n, top_p, np.float32)
-    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3)))
+    m = None if min_p is None else np.full(n, min_p, np.float32)
+    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3), m))
     metadata = sampling_metadata(
         torch.from_numpy(t),
         {},
         top_k=None if k is None else torch.from_numpy(k),
         top_p=None if p is None else torch.from_numpy(p),
     )
+    if min_p is not None:
+        metadata.logitsprocs = LogitsProcessors([_min_p_processor(vllm_config, min_p, n)])
     torch.manual_seed(0)
     host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()
     assert set(drawn.tolist()) <= set(host.tolist())  # the same support (top-k, top-p)

@@ -1,9 +1,12 @@
 """Tokens sampled on the device, queued with the step's logits so the logits never reach the host.
 
-A step whose rows all sample greedily takes each row's argmax. A step whose rows sample with
-nothing but a temperature, top-k and top-p (unseeded; greedy rows may sit beside them) takes a
-sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the row's
-temperature; top-k keeps the k largest; top-p keeps, in descending order, each token whose
+Presence, frequency and repetition penalties are applied first, on the device, as vLLM's
+`apply_all_penalties` does (`penalized`). A step whose rows all sample greedily takes each row's
+argmax. A step whose rows sample with
+nothing but a temperature, min-p, top-k and top-p (unseeded; greedy rows may sit beside them)
+takes a sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the
+row's temperature; min-p drops each token whose probability (at that temperature) is below
+min-p times the row's largest; top-k keeps the k largest; top-p keeps, in descending order, each token whose
 preceding mass (after top-k) is below p, so the smallest set holding at least p survives, as
 vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept (Gumbel-max).
 Greedy rows (temperature below vLLM's epsilon) keep their argmax. Whether the step may use these
@@ -14,6 +17,7 @@ the host, where their randomness is keyed by position (`seeded.py`).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -27,14 +31,20 @@ if TYPE_CHECKING:
 
 
 def samples_random_rows(metadata: SamplingMetadata) -> bool:
-    """Whether the step's random rows can be sampled on the device: none is seeded and none has
-    a min-p (what else reads the logits is checked when the step is sampled)."""
+    """Whether the step's random rows can be sampled on the device: none is seeded, and the
+    only processor acting on them before top-k/top-p is vLLM's min-p (what else reads the logits
+    is checked when the step is sampled)."""
     if metadata.all_greedy or metadata.generators:
         return False
-    return not any(
-        isinstance(p, MinPLogitsProcessor) and p.min_p_count
-        for p in metadata.logitsprocs.argmax_invariant
-    )
+    return all(isinstance(p, MinPLogitsProcessor) for p in metadata.logitsprocs.argmax_invariant)
+
+
+def min_p_of(metadata: SamplingMetadata, n: int) -> np.ndarray | None:
+    """Each row's min-p (0: none) from vLLM's min-p processor, or None when no row has one."""
+    for p in metadata.logitsprocs.argmax_invariant:
+        if isinstance(p, MinPLogitsProcessor) and p.min_p_count:
+            return p.min_p_cpu[:n].astype(np.float32)
+    return None
 
 
 class DeviceSampler:
@@ -50,6 +60,8 @@ class DeviceSampler:
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
+        if not metadata.no_penalties:
+            logits = penalized(logits, metadata)
         if metadata.all_greedy:
             return mx.argmax(logits, axis=-1)
         if not samples_random_rows(metadata):
@@ -58,11 +70,50 @@ class DeviceSampler:
         temperature = batch.temperature_cpu[:n]
         top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
         top_p = None if batch.no_top_p else batch.top_p_cpu[:n]
-        drawn = sample_rows(logits, temperature, top_k, top_p, key)
+        drawn = sample_rows(logits, temperature, top_k, top_p, key, min_p_of(metadata, n))
         greedy_rows = temperature < _SAMPLING_EPS
         if not greedy_rows.any():
             return drawn
         return mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
+
+
+def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+    """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
+    (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
+    the repetition penalty where positive, multiplied where not; then each output occurrence
+    takes off the frequency penalty and any occurrence the presence penalty. The counts are
+    scattered on the device from the host's token lists; ids outside the vocabulary (placeholders,
+    padding) count for nothing."""
+    rows, vocab = logits.shape
+    outputs = metadata.output_token_ids[:rows]
+    lengths = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=rows)
+    counts = _bin_counts(
+        np.repeat(np.arange(rows), lengths),
+        np.fromiter(itertools.chain.from_iterable(outputs), np.int64, int(lengths.sum())),
+        rows,
+        vocab,
+    )
+    prompt = metadata.prompt_token_ids[:rows].numpy()  # [rows, longest prompt], padded with V
+    in_prompt = _bin_counts(
+        np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
+    )
+    seen = (counts > 0) | (in_prompt > 0)
+    repetition = mx.array(metadata.repetition_penalties[:rows].numpy())[:, None]
+    penalty = mx.where(seen, repetition, 1.0)
+    logits = logits * mx.where(logits > 0, 1.0 / penalty, penalty)
+    frequency = mx.array(metadata.frequency_penalties[:rows].numpy())[:, None]
+    presence = mx.array(metadata.presence_penalties[:rows].numpy())[:, None]
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def _bin_counts(row: np.ndarray, ids: np.ndarray, rows: int, vocab: int) -> mx.array:
+    """`[rows, V]` float32: how often each token id occurs in each row (`ids[i]` in `row[i]`)."""
+    keep = (ids >= 0) & (ids < vocab)
+    flat = (row[keep] * vocab + ids[keep]).astype(np.int64)
+    counts = mx.zeros((rows * vocab,), dtype=mx.float32)
+    if flat.size:
+        counts = counts.at[mx.array(flat)].add(1.0)
+    return counts.reshape(rows, vocab)
 
 
 def sample_rows(
@@ -71,13 +122,18 @@ def sample_rows(
     top_k: np.ndarray | None,
     top_p: np.ndarray | None,
     key: mx.array,
+    min_p: np.ndarray | None = None,
 ) -> mx.array:
-    """One draw per row from softmax(logits / temperature) after top-k and top-p (vLLM's
-    semantics, above); `top_k` of the vocabulary size or more and `top_p` of 1 keep every
-    token. Rows with a temperature below epsilon are drawn at temperature 1 (the caller keeps
-    their argmax)."""
+    """One draw per row from softmax(logits / temperature) after min-p, top-k and top-p (vLLM's
+    semantics, above); `min_p` of 0, `top_k` of the vocabulary size or more and `top_p` of 1
+    keep every token. Rows with a temperature below epsilon are drawn at temperature 1 (the
+    caller keeps their argmax)."""
     t = np.where(temperature < _SAMPLING_EPS, 1.0, temperature).astype(np.float32)
     scaled = logits / mx.array(t)[:, None]
+    if min_p is not None:
+        probs = mx.softmax(scaled, axis=-1, precise=True)
+        floor = mx.max(probs, axis=-1, keepdims=True) * mx.array(min_p)[:, None]
+        scaled = mx.where(probs < floor, -mx.inf, scaled)
     noise = mx.random.gumbel(shape=scaled.shape, key=key)
     if top_k is None and top_p is None:
         return mx.argmax(scaled + noise, axis=-1)

@@ -23,6 +23,20 @@ from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
 
 
+def step_metadata(packed: PackedBatch, key_ends: np.ndarray | None = None) -> StepMetadata:
+    """The step's varlen metadata, moved to the device."""
+    return StepMetadata(
+        positions=mx.array(packed.positions),
+        seq_lens=mx.array(packed.seq_lens),
+        cu_seqlens_q=mx.array(packed.cu_seqlens_q),
+        groups=[
+            GroupTables(block_tables=mx.array(t), slot_mapping=mx.array(s))
+            for t, s in zip(packed.block_tables, packed.slot_mappings)
+        ],
+        key_ends=key_ends,
+    )
+
+
 def layer_caches(
     pool: KVPool,
     packed: PackedBatch,
@@ -33,16 +47,7 @@ def layer_caches(
 ) -> list[PagedLayerCache | LatentLayerCache | StateLayerCache]:
     """One cache view per layer of `kinds`; `key_ends` (media attended both ways) apply to every
     attention layer, or with `key_ends_sliding_only` to the sliding-window ones."""
-    meta = StepMetadata(
-        positions=mx.array(packed.positions),
-        seq_lens=mx.array(packed.seq_lens),
-        cu_seqlens_q=mx.array(packed.cu_seqlens_q),
-        groups=[
-            GroupTables(block_tables=mx.array(t), slot_mapping=mx.array(s))
-            for t, s in zip(packed.block_tables, packed.slot_mappings)
-        ],
-        key_ends=key_ends,
-    )
+    meta = step_metadata(packed, key_ends)
     layout = pool.layout
     block_sizes = layout.block_sizes()
     computed = packed.seq_lens - packed.num_scheduled
@@ -63,21 +68,27 @@ def layer_caches(
         elif kind.latent:
             caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
         else:
-            page_shape = (block_sizes[group], *kind.kv_shape(*pool.kv_shape))
-            caches.append(
-                PagedLayerCache(
-                    pool,
-                    region,
-                    meta,
-                    meta.groups[group],
-                    kind.sliding_window,
-                    page_shape=page_shape,
-                    writes=kind.kv_source is None,
-                    bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
-                    quant=None if pool.layer_quant is None else pool.layer_quant[i],
-                )
-            )
+            caches.append(attention_cache(pool, i, kind, meta, key_ends_sliding_only))
     return caches
+
+
+def attention_cache(
+    pool: KVPool, layer: int, kind: LayerKind, meta: StepMetadata, key_ends_sliding_only: bool
+) -> PagedLayerCache:
+    """The paged view of attention layer `layer` (of kind `kind`) for the step of `meta`."""
+    layout = pool.layout
+    group = layout.group_of_layer[layer]
+    return PagedLayerCache(
+        pool,
+        layout.region_of_layer[layer],
+        meta,
+        meta.groups[group],
+        kind.sliding_window,
+        page_shape=(layout.block_sizes()[group], *kind.kv_shape(*pool.kv_shape)),
+        writes=kind.kv_source is None,
+        bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
+        quant=None if pool.layer_quant is None else pool.layer_quant[layer],
+    )
 
 
 def hidden_states(

@@ -211,7 +211,14 @@ class MLXModelRunner:
         if not self.last_stage:
             return stages.to_next(hidden, kv_arrays)
         forward = Forward(
-            scheduler_output, packed, hidden, started, kv_arrays, self.connector, inputs.drafts
+            scheduler_output,
+            packed,
+            hidden,
+            started,
+            kv_arrays,
+            self.connector,
+            inputs.drafts,
+            self.kv_pool,
         )
         output = self.output.finish_step(self.state, forward)
         if self.lora is not None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
     from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+    from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
 
@@ -33,6 +34,7 @@ class Forward:
     connector: ConnectorSteps | None  # collects the step's KV transfers once it is queued
     # A hybrid model's states of requests verifying drafts, stored once they are sampled.
     drafts: StepDrafts | None = None
+    kv_pool: KVPool | None = None  # the pool the step ran on
 
 
 class OutputStage(Protocol):

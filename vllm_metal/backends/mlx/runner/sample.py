@@ -66,6 +66,10 @@ class Sampling:
     def _drafter_reads_hidden(self) -> bool:
         return self.spec is not None and self.spec.drafter.reads_hidden_states
 
+    @property
+    def _drafter_reads_target_kv(self) -> bool:
+        return self.spec is not None and self.spec.drafter.reads_target_kv
+
     def supported_tasks(self, state: ModelState) -> tuple[SupportedTask, ...]:
         return state.generation_tasks()
 
@@ -92,6 +96,7 @@ class Sampling:
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
             hidden=forward.hidden if self._drafter_reads_hidden else None,
+            kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
         )
 
     def drain(self) -> None:
@@ -188,10 +193,11 @@ def _recorded(
 
 def tokens_on_device(step: StepState, metadata) -> bool:
     """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
-    row's argmax, or unseeded samples beside greedy rows; `DeviceSampler.tokens` draws them only
-    for such steps) as vLLM's `Sampler` would pick them: no logprobs, no grammar, no drafts, no prompt logprobs, and
-    nothing applied to the logits before sampling (allowed or bad words, penalties, a logit
-    bias, min tokens, a thinking budget, custom logits processors)."""
+    row's argmax, or unseeded samples beside greedy rows, after the penalties;
+    `DeviceSampler.tokens` draws them only for such steps) as vLLM's `Sampler` would pick them:
+    no logprobs, no grammar, no drafts, no prompt logprobs, and nothing else applied to the
+    logits before sampling (allowed or bad words, a logit bias, min tokens, a thinking budget,
+    custom logits processors)."""
     if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
         return False
     if step.packed.num_draft_tokens.any():
@@ -202,7 +208,6 @@ def tokens_on_device(step: StepState, metadata) -> bool:
         and not metadata.logprob_token_ids
         and metadata.allowed_token_ids_mask is None
         and not metadata.bad_words_token_ids
-        and metadata.no_penalties
         and (holder is None or not holder.has_tracked_requests())
         and not any(_moves_argmax(p) for p in metadata.logitsprocs.non_argmax_invariant)
     )

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
+    from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
 
@@ -41,6 +42,9 @@ class StepState:
     # The final hidden states of every packed token, `[T, 1, hidden]`, kept for a drafter that
     # reads them (an MTP head, `spec_decode/mtp.py`); None otherwise.
     hidden: mx.array | None = None
+    # The target's KV pool the step wrote, kept for a drafter that attends over the target's K/V
+    # (an MTP assistant, `spec_decode/assistant.py`); None otherwise.
+    kv_pool: KVPool | None = None
 
 
 class PendingOutput(AsyncModelRunnerOutput):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.forward import hidden_states
 from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, StepInputs
 from vllm_metal.backends.mlx.runner.warmup import DummyRuns
@@ -33,6 +34,8 @@ class DecoderState(ModelState):
         parallel = vllm_config.parallel_config
         self.num_layers = self.model_config.get_num_layers(parallel)
         self.layers = pipeline_stage(vllm_config)
+        # Decode steps through mx.compile (`compiled.py`), made per load; None: all eager.
+        self.compiled: compiled.CompiledDecode | None = None
 
     def load(self) -> str:
         config = self.model_config
@@ -55,7 +58,28 @@ class DecoderState(ModelState):
             )
         self.layer_kinds = adapter.layer_kinds()
         stage = "" if self.layers is None else f"pipeline stage {self.layers}; "
-        return stage + "layers: " + _summarize(kind.label for kind in self.layer_kinds)
+        return (
+            stage
+            + "layers: "
+            + _summarize(kind.label for kind in self.layer_kinds)
+            + (self._compile_decode())
+        )
+
+    def _compile_decode(self) -> str:
+        """Set up compiled decode steps where they are on and the model allows them; what the
+        load log line says of it."""
+        self.compiled = None
+        if not compiled.enabled(self.vllm_config):
+            return ""
+        reason = compiled.eager_reason(self.adapter, self.layer_kinds, self.vllm_config)
+        if reason is not None:
+            return f"; decode steps eager ({reason})"
+        self.compiled = compiled.CompiledDecode(self.adapter, self.layer_kinds)
+        return "; decode steps compiled"
+
+    def discard_weights(self) -> None:
+        super().discard_weights()
+        self.compiled = None  # its traces hold the discarded weights
 
     def classifier(self) -> Classifier:
         from vllm_metal.backends.mlx.runner.pool.heads import decoder_classifier
@@ -93,6 +117,11 @@ class DecoderState(ModelState):
         self, pool: KVPool | None, packed: PackedBatch, inputs: StepInputs
     ) -> mx.array:
         assert pool is not None, "KV cache not initialized"
+        step = self.compiled
+        if step is not None and step.failed is None and step.takes(packed, inputs):
+            hidden = step.hidden_states(pool, packed)
+            if hidden is not None:
+                return hidden
         return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
 
 

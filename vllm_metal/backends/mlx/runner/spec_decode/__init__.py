@@ -1,7 +1,9 @@
 """Speculative decoding on the MLX runner (vLLM's `--speculative-config`).
 
 Proposers (`ngram.py`: vLLM's n-gram proposer; `draft_model.py`: a smaller mlx-lm model with its
-own paged KV; `mtp.py`: the target's own multi-token-prediction head) fill `take_draft_token_ids` after each step; the scheduler sends the drafts back
+own paged KV; `mtp.py`: the target's own multi-token-prediction head; `assistant.py`: an MTP
+assistant checkpoint over the target's K/V) fill `take_draft_token_ids` after each step; the
+scheduler sends the drafts back
 as `scheduled_spec_decode_tokens`, and the runner verifies them as ordinary varlen query rows
 (q_len = 1 + drafts) with vLLM's rejection sampler (`verify.py`, kernels in `kernels.py`).
 `backoff.py` stops drafting where it does not pay; `decoder.py` ties the pieces together.
@@ -47,9 +49,17 @@ def make_spec_decoder(
             dequantize=target.dequantize,
         )
     elif spec.method == "mtp":
-        from vllm_metal.backends.mlx.runner.spec_decode.mtp import MTPDrafter
+        from vllm_metal.models.families import mtp_module
 
-        drafter = MTPDrafter(vllm_config, target, kv_dtype=target.mlx_kv_dtype)
+        module = mtp_module(vllm_config.model_config.hf_text_config.model_type)
+        if module is not None and not module.HEAD_IN_TARGET:
+            from vllm_metal.backends.mlx.runner.spec_decode.assistant import AssistantDrafter
+
+            drafter = AssistantDrafter(vllm_config, target)
+        else:
+            from vllm_metal.backends.mlx.runner.spec_decode.mtp import MTPDrafter
+
+            drafter = MTPDrafter(vllm_config, target, kv_dtype=target.mlx_kv_dtype)
     else:  # the platform refuses other methods at startup
         raise ValueError(f"speculative method {spec.method!r} is not supported by vllm-metal")
     return SpecDecoder(vllm_config, sampler, drafter, Backoff(enabled=envs.VLLM_METAL_SPEC_BACKOFF))

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 class Drafter:
     # Whether `propose` reads the target's final hidden states of the step (`StepState.hidden`).
     reads_hidden_states = False
+    # Whether `propose` attends over the target's K/V of the step (`StepState.kv_pool`).
+    reads_target_kv = False
 
     def propose(
         self,

@@ -39,6 +39,23 @@ if TYPE_CHECKING:
 MTP_LAYER_PREFIX = "mtp."
 
 
+def new_positions(
+    step: StepState, states: RequestStates, sampled: list[list[int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of the batch: the first position the target computed this step, and how many
+    positions from there it computed and kept (accepted drafts included) whose next token is
+    known. The last of them, where the count is positive, is the position a draft chain starts
+    from: its next token is the one just sampled."""
+    batch = states.input_batch
+    packed = step.packed
+    n = batch.num_reqs
+    start = packed.seq_lens - packed.num_scheduled
+    num_sampled = np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
+    kept = packed.num_scheduled - packed.num_draft_tokens + np.maximum(num_sampled - 1, 0)
+    known = batch.num_tokens_no_spec[:n].astype(np.int32)
+    return start, np.minimum(kept, known - 1 - start)
+
+
 class MTPDrafter(PagedDrafter):
     reads_hidden_states = True
 
@@ -107,13 +124,7 @@ class MTPDrafter(PagedDrafter):
         tables = block_tables(states, len(packed.block_tables))
         drafts: list[list[int]] = [[] for _ in range(n)]
 
-        # The head's positions this step: those the target computed and kept (accepted drafts
-        # included) whose next token is known.
-        start = packed.seq_lens - packed.num_scheduled
-        num_sampled = np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
-        kept = packed.num_scheduled - packed.num_draft_tokens + np.maximum(num_sampled - 1, 0)
-        known = batch.num_tokens_no_spec[:n].astype(np.int32)
-        count = np.minimum(kept, known - 1 - start)
+        start, count = new_positions(step, states, sampled)
         rows = np.nonzero(count > 0)[0]
         if rows.size == 0:
             return drafts

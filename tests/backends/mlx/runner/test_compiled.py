@@ -1,0 +1,254 @@
+"""Compiled decode steps (`runner/compiled.py`) equal eager ones: the same tokens, hidden states
+and written K/V, step after step, for dense, sliding-window, soft-capped, MoE, KV-sharing, sink
+and quantized decoders, at batch sizes and context lengths that pad rows and block-table columns,
+on the native ops and on their pure-MLX versions (the GPU proxy's path); the kinds it does not
+trace stay eager by name.
+An engine with compiled decode gives transformers float32's greedy tokens and logprobs over a
+mixed batch with chunked prefill, preemption and a prefix-cache round (one engine, CI).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.backends.mlx.runner.jobs import greedy, kv_block_bytes, random_prompts, run_engine_job
+from tests.backends.mlx.runner.jobs import tokens as tokens_of
+from tests.fixtures.oracles import hf_greedy, hf_logprobs
+from vllm_metal.backends.mlx.runner import compiled
+from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
+from vllm_metal.backends.mlx.runner.forward import hidden_states
+from vllm_metal.kv.pool import KVLayout, pool_for
+from vllm_metal.models import load_model
+from vllm_metal.models.layers import memory_layers
+
+BLOCK = 16
+PROMPT_LENS = (5, 21, 40, 9, 30)  # one, two and three blocks
+STEPS = 20  # every row crosses a block boundary; block tables grow from 3 to 4 columns
+
+
+def _prefilled(model_dir):
+    """A loaded model and a pool holding three prompts (eager prefill), with what decodes next."""
+    adapter = load_model(str(model_dir), compute_dtype=mx.float32)
+    kinds = adapter.layer_kinds()
+    heads, dim = _kv_shape(model_dir)
+    layout = KVLayout.single_group(len(kinds), 48, BLOCK, memory_layers(kinds))
+    pool = pool_for(layout, kinds, heads, dim, mx.float32)
+    n = len(PROMPT_LENS)
+    tables = np.zeros((n, 8), dtype=np.int32)
+    for i in range(n):
+        tables[i] = np.arange(1 + 8 * i, 9 + 8 * i)
+    rng = np.random.default_rng(0)
+    table = np.zeros((n, 128), dtype=np.int64)
+    for i, length in enumerate(PROMPT_LENS):
+        table[i, :length] = rng.integers(1, 200, size=length)
+    ids = [str(i) for i in range(n)]
+    lens = np.array(PROMPT_LENS)
+    packed = pack_batch(
+        ids, dict(zip(ids, PROMPT_LENS)), np.zeros(n), lens, table, [tables], [BLOCK]
+    )
+    hidden = hidden_states(adapter, pool, kinds, packed)
+    first = mx.argmax(adapter.logits(hidden[mx.array(packed.logits_indices)]), axis=-1)
+    mx.eval(first, pool.arrays())
+    return adapter, kinds, pool, tables, lens, np.array(first).reshape(-1)
+
+
+def _kv_shape(model_dir) -> tuple[int, int]:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    return heads, config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _decode(adapter, kinds, pool, tables, lens, first, rows, step_fn):
+    """`STEPS` greedy decode steps of the first `rows` requests: each step's hidden states and
+    tokens, and the K/V the requests' positions hold in the pool afterwards."""
+    positions, toks, out = lens[:rows].copy(), first[:rows].copy(), []
+    ids = [str(i) for i in range(rows)]
+    for _ in range(STEPS):
+        packed = decode_batch(ids, positions, toks, [tables[:rows]], [BLOCK])
+        hidden = step_fn(pool, packed)
+        logits = adapter.logits(hidden)
+        mx.eval(logits, pool.arrays())
+        toks = np.array(mx.argmax(logits, axis=-1)).reshape(-1)
+        out.append((np.array(hidden), toks))
+        positions = positions + 1
+    slots = np.concatenate(
+        [
+            tables[r, np.arange(p) // BLOCK] * BLOCK + np.arange(p) % BLOCK
+            for r, p in enumerate(positions)
+        ]
+    )
+    written = [np.array(a).reshape(-1, *a.shape[2:])[slots] for a in pool.arrays()]
+    return out, written
+
+
+def _eager(adapter, kinds):
+    """The eager forward as a step function of `_decode`."""
+    return lambda pool, packed: hidden_states(adapter, pool, kinds, packed)
+
+
+def _assert_same(got, want, tol: float = 5e-4) -> None:
+    """The same tokens at every step; hidden states and written K/V within `tol` (values of a
+    few units: MLX's fused elementwise kernels round differently from the separate ops)."""
+    (got_steps, got_kv), (want_steps, want_kv) = got, want
+    for (hidden, toks), (want_hidden, want_toks) in zip(got_steps, want_steps, strict=True):
+        assert toks.tolist() == want_toks.tolist()
+        np.testing.assert_allclose(hidden, want_hidden, rtol=tol, atol=tol)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+FAMILY_CASES = {
+    "qwen3": {},
+    "gemma2": {"sliding_window": 24},  # soft-capped logits, every other layer a window
+    "gemma3": {"sliding_window": 24},
+    "mistral": {"sliding_window": 24},
+}
+
+
+@pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
+@pytest.mark.parametrize("arch", list(FAMILY_CASES))
+def test_compiled_steps_equal_eager(tiny_model_dir, monkeypatch, arch, reference_ops):
+    if reference_ops:
+        monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    model = tiny_model_dir(arch, **FAMILY_CASES[arch])
+    for rows in (5, 3):  # 5 rows pad to 6, 3 fill their bucket
+        adapter, kinds, pool, tables, lens, first = _prefilled(model)
+        assert compiled.eager_reason(adapter, kinds, _Config()) is None
+        want = _decode(adapter, kinds, pool, tables, lens, first, rows, _eager(adapter, kinds))
+        adapter, kinds, pool, tables, lens, first = _prefilled(model)
+        step = compiled.CompiledDecode(adapter, kinds)
+        got = _decode(adapter, kinds, pool, tables, lens, first, rows, step.hidden_states)
+        assert step.steps == STEPS
+        _assert_same(got, want)
+
+
+OTHER_MODELS = {
+    # MoE and KV-sharing layers (Gemma 4 MoE), two head sizes, shared KV layers and per-layer
+    # inputs (Gemma 4 as E2B), MoE (Qwen3-MoE), sinks and MXFP4 experts (GPT-OSS), 4-bit weights
+    "gemma4_moe": lambda request, tmp: request.getfixturevalue("tiny_gemma4_moe_dir"),
+    "gemma4": lambda request, tmp: request.getfixturevalue("tiny_gemma4_dir"),
+    "qwen3_moe": lambda request, tmp: _moe(tmp),
+    "gpt_oss": lambda request, tmp: _gpt_oss(tmp),
+    "llama_q4": lambda request, tmp: request.getfixturevalue("tiny_quantized_dir")("llama"),
+}
+
+
+def _moe(tmp):
+    from tests.fixtures.tiny_moe import write_tiny_moe
+
+    return write_tiny_moe(tmp / "moe", "qwen3_moe")
+
+
+def _gpt_oss(tmp):
+    from tests.fixtures.tiny_gpt_oss import write_tiny_gpt_oss
+
+    return write_tiny_gpt_oss(tmp / "gpt-oss", mxfp4=True)
+
+
+@pytest.mark.parametrize("name", list(OTHER_MODELS))
+def test_other_decoders(request, tmp_path, name):
+    model = OTHER_MODELS[name](request, tmp_path)
+    adapter, kinds, pool, tables, lens, first = _prefilled(model)
+    want = _decode(adapter, kinds, pool, tables, lens, first, 5, _eager(adapter, kinds))
+    adapter, kinds, pool, tables, lens, first = _prefilled(model)
+    step = compiled.CompiledDecode(adapter, kinds)
+    got = _decode(adapter, kinds, pool, tables, lens, first, 5, step.hidden_states)
+    _assert_same(got, want, tol=5e-3)  # experts and quantized weights: larger activations
+
+
+class _Config:
+    """The parts of a vLLM config `eager_reason` reads, for a plain engine."""
+
+    lora_config = None
+
+    class cache_config:
+        cache_dtype = "auto"
+
+
+def test_kinds_that_stay_eager(tiny_qwen3_5_dir, tiny_glm4_moe_lite_dir):
+    for model, reason in (
+        (tiny_qwen3_5_dir, "state or latent"),
+        (tiny_glm4_moe_lite_dir, "state or latent"),
+    ):
+        adapter = load_model(str(model), compute_dtype=mx.float32)
+        got = compiled.eager_reason(adapter, adapter.layer_kinds(), _Config())
+        assert got is not None and reason in got, got
+
+
+def test_buckets():
+    sizes = range(200)
+    buckets = sorted({compiled.bucket(n) for n in sizes})
+    assert buckets[:12] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert all(n <= compiled.bucket(n) <= max(1, n * 3 // 2) for n in sizes)
+
+
+# ------------------------------------------------------------------------------ the engine
+
+MIXED = random_prompts(11, [1, 5, 17, 40, 75])
+PREEMPTED = random_prompts(12, [48] * 5)
+SHARED = random_prompts(13, [48])[0]
+HITS = [SHARED + tail for tail in random_prompts(14, [3, 9])]
+NEW_TOKENS = 24
+
+
+@pytest.mark.slow
+def test_engine_with_compiled_decode_matches_transformers(tiny_model_dir):
+    """Gemma 2 (two KV-cache groups: sliding and full; soft-capped attention), async scheduling,
+    16-token chunks, a pool too small for the preempted batch, a prefix round."""
+    model = tiny_model_dir("gemma2", sliding_window=24)
+    engine = {
+        "max_num_batched_tokens": 16,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": 20 * kv_block_bytes(model),
+        "max_model_len": 256,
+        "async_scheduling": True,
+        "disable_log_stats": False,
+    }
+    jobs = [
+        {"prompts": MIXED, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": PREEMPTED, "params": [greedy(40)]},
+        {"prompts": [SHARED + [5]], "params": [greedy(4)]},
+        {"prompts": HITS, "params": [greedy(NEW_TOKENS)]},
+        {"action": "compiled_steps"},
+    ]
+    env = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    (mixed, preempted, _, hits, steps), metrics = run_engine_job(
+        model, jobs, engine=engine, env=env, with_metrics=True
+    )
+    assert steps > 50, steps  # decode steps ran compiled
+    assert metrics.get("vllm:num_preemptions", 0) > 0, metrics
+    assert tokens_of(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
+    assert tokens_of(preempted) == hf_greedy(model, PREEMPTED, 40)
+    assert tokens_of(hits) == hf_greedy(model, HITS, NEW_TOKENS)
+    assert all(r["num_cached_tokens"] >= 32 for r in hits)
+    for prompt, result in zip(MIXED, mixed):
+        sample = result["outputs"][0]
+        ref = hf_logprobs(model, prompt + sample["token_ids"])
+        for step, token in enumerate(sample["token_ids"]):
+            got = sample["logprobs"][step][str(token)]
+            assert abs(got - ref[len(prompt) - 1 + step, token]) < 1e-3, (step, got)
+
+
+def test_a_forward_that_cannot_be_traced_stays_eager(tiny_model_dir, monkeypatch):
+    """A family whose forward reads a value on the host cannot be traced: the compiled step
+    gives None, says why, and leaves the pool as it was; the step then runs eagerly."""
+    adapter, kinds, pool, tables, lens, first = _prefilled(tiny_model_dir("qwen3"))
+    forward = adapter.forward
+
+    def reads_the_host(embeds, caches, **kwargs):
+        float(embeds.sum())  # evaluates inside mx.compile
+        return forward(embeds, caches, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", reads_the_host)
+    step = compiled.CompiledDecode(adapter, kinds)
+    before = list(pool.keys)
+    packed = decode_batch(["0"], lens[:1], first[:1], [tables[:1]], [BLOCK])
+    assert step.hidden_states(pool, packed) is None
+    assert "eval" in step.failed and step.steps == 0
+    assert all(a is b for a, b in zip(pool.keys, before))
