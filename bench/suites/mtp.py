@@ -11,8 +11,8 @@ bound what a trained head gives:
 - *random*: the head's drafts are almost never accepted: what a useless head costs, with the
   back-off on (the default) and off.
 
-Speculative decoding runs with async scheduling off, so each plain case runs twice: as the engine
-defaults (async on) and with it off (`_sync`); the `_vs_sync` ratios isolate what MTP does.
+Each plain case runs twice: as the engine defaults (async scheduling on, as MTP runs too) and
+with it off (`_sync`); the `_vs_sync` ratios compare MTP with plain decoding without it.
 
 Each case is one `vllm.LLM` in a fresh process (`bench.suites.spec_decode`'s case runner), greedy,
 128-token prompts; ratios are taken against the plain case of the same target in the same run.
@@ -44,7 +44,7 @@ def cases(concurrency: list[int]) -> list[dict[str, Any]]:
         for n in concurrency:
             out += [
                 {"name": f"plain_{head}_c{n}", "head": head, "spec": None, "concurrency": n},
-                # Speculative decoding runs with async scheduling off: plain decoding so too.
+                # Plain decoding with async scheduling off: what it alone is worth.
                 {"name": f"plain_{head}_c{n}_sync", "head": head, "spec": None,
                  "concurrency": n, "engine": {"async_scheduling": False}},
                 {"name": f"mtp_{head}_c{n}", "head": head, "spec": SPEC, "concurrency": n},

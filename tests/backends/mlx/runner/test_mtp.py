@@ -3,13 +3,19 @@
 without speculation (transformers float32) on a mixed batch in 32-token chunks, after a prefix
 hit, and for max_tokens 1 to 5.
 
-Two heads: a random one, drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`; its drafts are
-nearly all rejected, so the target's state layers roll back on most verifications), and a
+Two heads, both drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`): a random one, whose drafts
+are nearly all rejected, so the target's state layers roll back on most verifications, and a
 self-drafting one (`tests.fixtures.tiny_qwen3_5_mtp`: the head computes what the target will, so
 at least 90% of its drafts are accepted, which only holds if the head reads the right hidden
-states, tokens and positions across chunks, steps and chained drafts), with the back-off on (the
-default): there a seeded sampled batch gives the same tokens twice and the tokens an engine
-without speculation gives."""
+states, tokens and positions across chunks, steps and chained drafts). With either head a
+seeded sampled batch gives the same tokens twice and the tokens an engine without speculation
+gives.
+
+The self-drafting head runs with async scheduling on (vLLM's default): each step is scheduled
+before the previous one is sampled, and the runner puts its drafts in for the scheduler's
+placeholders and corrects the positions after rejections; its acceptance holds there too. The
+random head runs with it off. (The back-off with MTP runs in the `mtp` benchmark suite's quick
+test.)"""
 
 from __future__ import annotations
 
@@ -45,48 +51,59 @@ def mtp_dirs(tiny_qwen3_5_causal_lm_dir, tmp_path_factory):
     }
 
 
+ENGINE = {"max_num_batched_tokens": 32}
+BS = BLOCK_SIZE["qwen3_5"]
+PROMPTS = random_prompts(43, [1, 9, BS - 5, 2 * BS + 3])
+SEEDED = {"prompts": [PROMPTS[1], PROMPTS[2]] * 2, "params": SEEDED_PARAMS}
+
+
+@pytest.fixture
+def plain_seeded(mtp_dirs, head):
+    """The seeded batch decoded by the head's target without speculation."""
+    (plain,) = run_engine_job(mtp_dirs[head], [SEEDED], engine=ENGINE)
+    return tokens(plain)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["self_drafting", "random"])
-def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, head):
+def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
     from tests.fixtures.oracles import hf_greedy
 
     path = mtp_dirs[head]
-    bs = BLOCK_SIZE["qwen3_5"]
-    prompts = random_prompts(43, [1, 9, bs - 5, 2 * bs + 3])
+    prompts = PROMPTS
     expected = hf_greedy(path, prompts, NEW_TOKENS)
     # Prompts that go on from the long ones' answers: prefix hits on the first job's blocks.
-    resend = [p + o[:12] + [30, 31, 32] for p, o in zip(prompts, expected) if len(p) > bs]
+    resend = [p + o[:12] + [30, 31, 32] for p, o in zip(prompts, expected) if len(p) > BS]
     short = prompts[1]
-    seeded = {"prompts": [prompts[1], prompts[2]] * 2, "params": SEEDED_PARAMS}
     jobs = [
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         {"prompts": resend, "params": [greedy(8)]},
         {"prompts": [short] * 5, "params": [greedy(m) for m in range(1, 6)]},
-        seeded,
-        seeded,
+        SEEDED,
+        SEEDED,
+        {"action": "async_scheduling"},
     ]
-    engine = {"max_num_batched_tokens": 32}
-    # The random head drafts on every step, whatever it costs; the other runs the back-off.
-    backoff = {"VLLM_METAL_SPEC_BACKOFF": "0" if head == "random" else "1"}
-    (batch, resent, shorts, sampled, again), per_job = run_engine_job(
+    async_scheduling = head == "self_drafting"
+    (batch, resent, shorts, sampled, again, ran_async), per_job = run_engine_job(
         path,
         jobs,
-        engine={**engine, "disable_log_stats": False, "speculative_config": SPEC},
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": SPEC,
+                "async_scheduling": async_scheduling},
         with_metrics="per_job",
-        env=backoff,
-    )
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},  # draft on every step, whatever it costs
+    )  # fmt: skip
     counters = per_job[2]  # after the greedy jobs (sampled requests reject drafts by chance)
 
+    assert ran_async is async_scheduling
     assert tokens(batch) == expected
     assert_logprobs_match_hf(path, prompts, batch)
     assert tokens(resent) == hf_greedy(path, resend, 8)
-    assert all(r["num_cached_tokens"] >= bs for r in resent), resent
+    assert all(r["num_cached_tokens"] >= BS for r in resent), resent
     assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
     proposed = counters.get("vllm:spec_decode_num_draft_tokens", 0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     assert proposed > 0, counters
     if head == "self_drafting":
         assert accepted >= 0.9 * proposed, counters
-        (plain,) = run_engine_job(path, [seeded], engine=engine)
-        assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
-        assert tokens(sampled) == tokens(again) == tokens(plain)
+    assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
+    assert tokens(sampled) == tokens(again) == plain_seeded

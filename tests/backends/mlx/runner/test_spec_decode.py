@@ -89,6 +89,7 @@ JOBS = [
     {"prompts": [REPETITIVE[0]], "params": [greedy(NEW_TOKENS)]},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
+    {"action": "async_scheduling"},  # last: the counter snapshots follow generating jobs only
 ]
 (
     MIXED_JOB,
@@ -99,6 +100,7 @@ JOBS = [
     CACHED_JOB,
     SEEDED_JOB,
     SEEDED_AGAIN_JOB,
+    ASYNC_JOB,
 ) = range(len(JOBS))
 
 
@@ -113,11 +115,11 @@ def models(tmp_path_factory):
     return {"target": target, "draft": draft}
 
 
-def _run(models, speculative_config, env=None):
+def _run(models, speculative_config, env=None, engine=None):
     return run_engine_job(
         models["target"],
         JOBS,
-        engine={**ENGINE, "speculative_config": speculative_config},
+        engine={**ENGINE, "speculative_config": speculative_config, **(engine or {})},
         with_metrics="per_job",
         env=env,
     )
@@ -145,11 +147,14 @@ def ngram(models):
 def self_draft(models):
     """The target as its own draft model: every greedy draft is the target's own argmax.
     Without the back-off (drafting with a copy of the target never pays), so every request
-    drafts up to its cap."""
+    drafts up to its cap. With async scheduling off: drafts then stop one short of max_tokens
+    and the scheduler counts only the drafts the runner made, so the counts below are exact;
+    `small_draft` runs the same draft-model path with async scheduling on."""
     return _run(
         models,
         {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": K},
         env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+        engine={"async_scheduling": False},
     )
 
 
@@ -159,6 +164,16 @@ def small_draft(models):
         models,
         {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": K},
     )
+
+
+def test_engines_run_with_the_async_scheduling_expected(request):
+    """Async scheduling is on with a draft model (vLLM's default), off where the engine asks
+    for it off, and off with n-gram (vLLM turns it off for its host-side proposer); plain
+    decoding, the reference of every comparison here, runs with it on."""
+    expected = {"plain": True, "small_draft": True, "self_draft": False, "ngram": False}
+    for name, on in expected.items():
+        results, _ = request.getfixturevalue(name)
+        assert results[ASYNC_JOB] is on, name
 
 
 def _spec_counts(metrics: list[dict], job: int) -> dict[str, float]:
@@ -272,7 +287,7 @@ def test_seeded_requests_repeat_with_and_without_speculation(request, plain, met
         assert 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "small_draft"])
 def test_structured_output_stays_valid(request, method):
     import jsonschema
 

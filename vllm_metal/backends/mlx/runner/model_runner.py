@@ -176,7 +176,7 @@ class MLXModelRunner:
             for req_id in scheduler_output.finished_req_ids:
                 self.spec.forget(req_id)
             self.spec.restart(scheduler_output)
-        self.states.update(scheduler_output)
+        self.states.update(scheduler_output, None if self.spec is None else self.spec.proposed())
         self.output.add_requests(scheduler_output)
         batch = self.states.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
@@ -231,7 +231,7 @@ class MLXModelRunner:
         num_groups = 0 if self.kv_layout is None else self.kv_layout.num_groups
         return pack_batch(
             batch.req_ids,
-            scheduler_output.num_scheduled_tokens,
+            self.states.num_scheduled(scheduler_output),
             batch.num_computed_tokens_cpu,
             batch.num_tokens_no_spec,
             batch.token_ids_cpu,

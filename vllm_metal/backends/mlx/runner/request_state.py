@@ -8,6 +8,7 @@ vLLM's sampling metadata for the sampler.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +52,13 @@ class RequestStates:
         # A pipeline stage before the last samples nothing: the scheduler sends each step's
         # tokens back (`CachedRequestData.new_token_ids`), sampled ones included.
         self.tokens_from_scheduler = False
+        # req_id -> tokens computed once its last sampled step's rejected drafts are dropped
+        # (`SpecDecoder.after_step`). Under async scheduling the scheduler plans a step before
+        # it has seen the previous one's rejections and counts every draft as computed.
+        self.computed_after_step: dict[str, int] = {}
+        # req_id -> placeholders of this step the runner had no draft for: left out of the
+        # step (`num_scheduled`), which the scheduler counts as rejected drafts.
+        self.unfilled: dict[str, int] = {}
 
     def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
         config = self.vllm_config
@@ -78,10 +86,17 @@ class RequestStates:
             self.block_sizes = list(block_sizes)
             self.input_batch = self._make_input_batch(self.block_sizes)
 
-    def update(self, scheduler_output: SchedulerOutput) -> None:
+    def update(
+        self,
+        scheduler_output: SchedulerOutput,
+        proposed: dict[str, list[int]] | None = None,
+    ) -> None:
+        """The scheduler's changes; `proposed`: under async scheduling, the drafts proposed after
+        the previous step, which stand in for the scheduler's `-1` placeholders."""
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.computed_after_step.pop(req_id, None)
             self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
 
@@ -91,6 +106,11 @@ class RequestStates:
         scheduled = scheduler_output.num_scheduled_tokens.keys()
         cached = scheduler_output.scheduled_cached_reqs
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        self.unfilled = {}
+        if proposed is not None:
+            filled = {r: fill_placeholders(d, proposed.get(r, ())) for r, d in drafts.items()}
+            self.unfilled = {r: len(d) - len(filled[r]) for r, d in drafts.items()}
+            drafts = filled
         for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
             batch.remove_request(req_id)
 
@@ -102,6 +122,8 @@ class RequestStates:
             new_block_ids = cached.new_block_ids[i]
             num_output = cached.num_output_tokens[i]
             index = batch.req_id_to_index.get(req_id)
+            if req_id not in cached.resumed_req_ids:
+                num_computed = min(num_computed, self.computed_after_step.get(req_id, num_computed))
             state.num_computed_tokens = num_computed
             if num_output < len(state.output_token_ids):
                 # The scheduler dropped tokens (e.g. rejected); keep our copy in step.
@@ -197,6 +219,13 @@ class RequestStates:
         state.output_token_ids.clear()
         return state
 
+    def num_scheduled(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """This step's tokens per request, less the placeholders left unfilled (`update`)."""
+        counts = scheduler_output.num_scheduled_tokens
+        if not self.unfilled:
+            return counts
+        return {r: n - self.unfilled.get(r, 0) for r, n in counts.items()}
+
     def num_draft_tokens(self) -> np.ndarray:
         """Drafts each row verifies this step ([num_reqs] int32)."""
         batch = self.input_batch
@@ -218,3 +247,17 @@ class RequestStates:
             batch.is_token_ids[i, start:end] = True
             batch.num_tokens_no_spec[i] = end
             self.requests[batch.req_ids[i]].output_token_ids.extend(token_ids)
+
+
+def fill_placeholders(scheduled: list[int], proposed: Sequence[int]) -> list[int]:
+    """The scheduler's `-1` placeholders of a request replaced, in order, by the drafts proposed
+    for it, up to the first placeholder without one: a placeholder left out is a draft
+    rejected without being verified (the scheduler rolls back every unaccepted one)."""
+    out = []
+    for j, token in enumerate(scheduled):
+        if token < 0:
+            if j >= len(proposed):
+                break
+            token = proposed[j]
+        out.append(token)
+    return out

@@ -8,6 +8,8 @@ tokens drawn on the device instead, and its logits never reach the host (`tokens
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -136,7 +138,7 @@ def sample_step(
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-        apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
+        apply_grammar_bitmask(*_grammar_for_step_drafts(step, batch), batch, logits)
 
     seeded.reseed(states)
     if step.packed.num_draft_tokens.any():
@@ -150,6 +152,28 @@ def sample_step(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode
     )
     return _recorded(states, sampled, logprobs, prompt_logprobs)
+
+
+def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
+    """The scheduler output and grammar bitmask laid out for the drafts the step verifies.
+
+    vLLM lays the bitmask out for its own drafts of each structured-output request (1 + drafts
+    rows, placeholders included); under async scheduling the step may verify fewer (placeholders
+    without a draft are left out, `request_state.fill_placeholders`): each request keeps its
+    first 1 + (drafts in the step) rows, and the logits are laid out by the step's drafts.
+    """
+    grammar = step.grammar_output
+    theirs = step.scheduler_output.scheduled_spec_decode_tokens
+    ours = {r: batch.spec_token_ids[i] for i, r in enumerate(batch.req_ids)}
+    if all(len(ours[r]) == len(theirs.get(r, ())) for r in ours):
+        return step.scheduler_output, grammar
+    rows: list[int] = []
+    start = 0
+    for req_id in grammar.structured_output_request_ids:
+        rows.extend(range(start, start + 1 + len(ours.get(req_id, ()))))
+        start += 1 + len(theirs.get(req_id, ()))
+    view = SimpleNamespace(scheduled_spec_decode_tokens={r: d for r, d in ours.items() if d})
+    return view, replace(grammar, grammar_bitmask=grammar.grammar_bitmask[rows])
 
 
 def _recorded(

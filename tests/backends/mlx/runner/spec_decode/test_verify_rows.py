@@ -1,6 +1,7 @@
 """Verification rows in hand-built schedules: drafts packed after the last sampled token, logits
 rows and vLLM's SpecDecodeMetadata for them, -1 placeholders, rejected drafts rolled back, and
-the drafts' caps at max_tokens - 1 and max_model_len."""
+the drafts' caps at max_tokens - 1 and max_model_len, and async scheduling's placeholders filled
+with the proposed drafts at the positions really computed."""
 
 from __future__ import annotations
 
@@ -189,3 +190,54 @@ def test_backoff_disabled_drafts_every_row_up_to_its_cap():
     backoff.enabled = False
     backoff.record_verification("poor", 4, 0)
     assert backoff.choose(["poor", "b"], [4, 2], 2) == [4, 2]
+
+
+def test_async_placeholders_take_the_proposed_drafts_where_the_tokens_really_are(states):
+    """Under async scheduling step N+1 arrives with -1 placeholders and counts step N's drafts as
+    accepted: the runner puts in the drafts it proposed after step N, leaves out the placeholders
+    it has none for, and starts each row at the tokens it really computed."""
+    from vllm_metal.backends.mlx.runner.batch import pack_batch
+
+    _two_decoding(states)
+    # Step N: a verifies two drafts; d1 is accepted, d2 rejected (777 recovered).
+    step(
+        states,
+        schedule(
+            {"a": 3, "b": 1},
+            cached=[Cached("a", 7, 1, ([9],)), Cached("b", 3, 1)],
+            drafts={"a": [501, 502]},
+        ),
+    )
+    sample(states, {"a": [501, 777], "b": 601})
+    # What `SpecDecoder.after_step` records: a computed 7 + 3 - 1 rejected, b 3 + 1.
+    states.computed_after_step.update({"a": 9, "b": 4})
+
+    # Step N+1 as the async scheduler plans it before step N's output reaches it: a at 7 + 3
+    # computed (every draft taken as accepted), b at 4; three placeholders each.
+    out = schedule(
+        {"a": 4, "b": 4},
+        cached=[Cached("a", 10, 4), Cached("b", 4, 2, ([6],))],
+        drafts={"a": [-1, -1, -1], "b": [-1, -1, -1]},
+    )
+    states.update(out, {"a": [778, 779], "b": []})
+    batch = states.input_batch
+    num_scheduled = states.num_scheduled(out)
+    packed = pack_batch(
+        batch.req_ids,
+        num_scheduled,
+        batch.num_computed_tokens_cpu,
+        batch.num_tokens_no_spec,
+        batch.token_ids_cpu,
+        [batch.block_table[0].get_numpy_array()],
+        states.block_sizes,
+        states.num_draft_tokens(),
+    )
+    assert num_scheduled == {"a": 3, "b": 1}
+    assert_array_equal(packed.token_ids, [777, 778, 779, 601])
+    assert_array_equal(packed.positions, [9, 10, 11, 4])
+    assert_array_equal(packed.num_draft_tokens, [2, 0])
+    assert_array_equal(packed.discard, [False, False])
+    # b's position 4 opens its new block 6; a's rows stay in block 9.
+    assert_array_equal(packed.slot_mappings[0], [37, 38, 39, 24])
+    meta = spec_decode_metadata(packed, batch)
+    assert meta.draft_token_ids.tolist() == [778, 779]

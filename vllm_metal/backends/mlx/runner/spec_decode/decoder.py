@@ -35,6 +35,11 @@ class SpecDecoder:
         self.backoff = backoff
         self.rejection_sampler = RejectionSampler(sampler, spec)
         self._drafts: DraftTokenIds | None = None
+        # Under async scheduling vLLM schedules each step before the previous one is sampled,
+        # with `-1` placeholders for its drafts: the runner puts in the drafts it proposed
+        # (`proposed`) and corrects the positions for the previous step's rejections.
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self._proposed: dict[str, list[int]] = {}
 
     def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
         """Called once the step's tokens are recorded in `states`."""
@@ -48,6 +53,11 @@ class SpecDecoder:
             if real and sampled[i]:
                 verified = True
                 self.backoff.record_verification(req_id, real, len(sampled[i]) - 1)
+            if self.async_scheduling:
+                rejected = len(batch.spec_token_ids[i]) - len(sampled[i]) + 1 if sampled[i] else 0
+                states.computed_after_step[req_id] = (
+                    int(batch.num_computed_tokens_cpu[i]) + int(packed.num_scheduled[i]) - rejected
+                )
         # Decode steps only (one known token per row, drafts aside): a prefill chunk's cost
         # says nothing about what drafting costs.
         if not (packed.num_scheduled - packed.num_draft_tokens != 1).any():
@@ -61,13 +71,18 @@ class SpecDecoder:
         self._drafts = DraftTokenIds(
             list(req_ids), [list(d[:c]) for d, c in zip(drafts, caps.tolist())]
         )
+        if self.async_scheduling:
+            self._proposed = dict(zip(self._drafts.req_ids, self._drafts.draft_token_ids))
 
     def caps(self, states: RequestStates, sampled: list[list[int]]) -> np.ndarray:
         """The most drafts each row may propose for the next step.
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
-        drafts nor verifies tokens it cannot return. A seeded sampled request drafts only where
+        drafts nor verifies tokens it cannot return. Under async scheduling only `max_model_len`
+        caps them: the scheduler has already placed its placeholders, and drafts verified past
+        `max_tokens` are dropped by it, as on vLLM's GPU runner, while a placeholder left out
+        would count as a rejected draft in its metrics. A seeded sampled request drafts only where
         its drafts can be verified by position (`seeded.drafts_by_position`), which keeps its
         tokens those of decoding without drafts whenever the back-off lets it draft: a seed
         promises the same tokens every run. The back-off then keeps only the rows where
@@ -83,18 +98,27 @@ class SpecDecoder:
             seeded_row = params is not None and params.sampling_type == SamplingType.RANDOM_SEED
             if seeded_row and not seeded.drafts_by_position(params):
                 continue
+            if self.async_scheduling and params is not None and params.structured_outputs:
+                # vLLM checks drafts against the grammar only after the runner has put them in
+                # the step: a request with a grammar does not draft under async scheduling.
+                continue
             cap = min(
                 self.num_speculative_tokens,
                 self.max_model_len - int(batch.num_tokens_no_spec[i]) - 1,
             )
             max_tokens = state.sampling_params.max_tokens if state.sampling_params else None
-            if max_tokens is not None:
+            if max_tokens is not None and not self.async_scheduling:
                 cap = min(cap, max_tokens - len(state.output_token_ids) - 1)
             caps[i] = max(cap, 0)
         num_decoding = sum(1 for s in sampled if s)
         return np.array(
             self.backoff.choose(batch.req_ids, caps.tolist(), num_decoding), dtype=np.int32
         )
+
+    def proposed(self) -> dict[str, list[int]] | None:
+        """Under async scheduling, the drafts proposed after the last sampled step, by request:
+        what the next step's placeholders stand for (None without async scheduling)."""
+        return self._proposed if self.async_scheduling else None
 
     def take(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
