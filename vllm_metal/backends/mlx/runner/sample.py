@@ -30,7 +30,7 @@ from vllm_metal.backends.mlx.runner.prompt_logprobs import (
 )
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
-from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
+from vllm_metal.backends.mlx.runner.step import CarriedTokens, StepPipeline, StepState
 from vllm_metal.backends.mlx.runner.tensors import to_host, to_torch
 
 if TYPE_CHECKING:
@@ -99,8 +99,23 @@ class Sampling:
             kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
         )
 
-    def drain(self) -> None:
-        self.pipeline.drain()
+    def drain(self) -> CarriedTokens | None:
+        step = self.pipeline.drain(self._carries)
+        return None if step is None else CarriedTokens.of(step)
+
+    def _carries(self, step: StepState) -> bool:
+        """Whether the next step may take `step`'s tokens on the device, leaving it pending:
+        its output is the tokens drawn on the device, and nothing before the next forward reads
+        them on the host (no drafter proposes from them, no penalty counts them; a pipeline
+        stage before the last takes its tokens from the scheduler)."""
+        metadata = self.states.input_batch.sampling_metadata
+        return (
+            self.spec is None
+            and not self.states.tokens_from_scheduler
+            and not self.states.num_prompt_logprobs
+            and metadata.no_penalties
+            and tokens_on_device(step, metadata)
+        )
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
@@ -132,7 +147,9 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
 ) -> ModelRunnerOutput:
     batch = states.input_batch
-    if not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata):
+    if step.carried or (
+        not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata)
+    ):
         return _device_output(step, states)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
@@ -151,7 +168,7 @@ def sample_step(
     prompt_logprobs = gather_prompt_logprobs(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode
     )
-    return _recorded(states, sampled, logprobs, prompt_logprobs)
+    return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
 
 
 def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
@@ -177,14 +194,17 @@ def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
 
 
 def _recorded(
-    states: RequestStates, sampled: list[list[int]], logprobs, prompt_logprobs: dict
+    states: RequestStates,
+    req_ids: list[str],
+    sampled: list[list[int]],
+    logprobs,
+    prompt_logprobs: dict,
 ) -> ModelRunnerOutput:
-    """Record the step's tokens in the request state; the step's output."""
-    batch = states.input_batch
-    states.record_sampled(sampled)
+    """Record the tokens of the step's rows (`req_ids`) in the request state; its output."""
+    states.record_sampled(sampled, req_ids)
     return ModelRunnerOutput(
-        req_ids=batch.req_ids.copy(),
-        req_id_to_index=batch.req_id_to_index.copy(),
+        req_ids=list(req_ids),
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
         logprobs=logprobs,
         prompt_logprobs_dict=prompt_logprobs,
@@ -227,7 +247,7 @@ def _device_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
     """The step's output from the tokens drawn on the device (waits for the forward)."""
     tokens = to_host(step.device_tokens).tolist()
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
-    return _recorded(states, sampled, None, {})
+    return _recorded(states, step.packed.req_ids, sampled, None, {})
 
 
 def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):
