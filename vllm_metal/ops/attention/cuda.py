@@ -23,6 +23,7 @@ SHARED_BYTES = 48 * 1024  # static shared memory a block may take without opting
 SOURCE = """
     constexpr int G = HQ / HKV;  // query heads per KV head
     constexpr int PER = D / 32;  // elements of a row per lane
+    const float neg_inf = __int_as_float(0xff800000);
     const int s = blockIdx.x / HKV;
     const int g = blockIdx.x % HKV;
     const int lane = threadIdx.x & 31;
@@ -39,7 +40,7 @@ SOURCE = """
             qv[j][i] = static_cast<float>(query[row + i]) * sc;
             acc[j][i] = 0.f;
         }
-        m[j] = -inf;
+        m[j] = neg_inf;
         l[j] = 0.f;
     }
     for (int k = first + warp; k < seq_len; k += WARPS) {
@@ -85,13 +86,13 @@ SOURCE = """
     for (int e = threadIdx.x; e < G * D; e += WARPS * 32) {
         const int j = e / D;
         const int d = e % D;
-        float top = -inf;
+        float top = neg_inf;
         for (int w = 0; w < WARPS; ++w) {
             top = fmaxf(top, part_m[w][j]);
         }
         float total = 0.f, value = 0.f;
         for (int w = 0; w < WARPS; ++w) {
-            if (part_m[w][j] == -inf) {
+            if (part_m[w][j] == neg_inf) {
                 continue;  // a warp that saw no key
             }
             const float c = __expf(part_m[w][j] - top);
