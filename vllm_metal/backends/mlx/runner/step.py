@@ -39,6 +39,9 @@ class StepState:
     # when nothing reads its logits but their argmax, temperature, top-k and top-p
     # (`sample.tokens_on_device`), so the logits never reach the host. None: the host samples.
     device_tokens: mx.array | None = None
+    # (ids, logprobs, ranks) of `device_tokens` as vLLM's sampler gives them, drawn with them
+    # where the step asks for logprobs the device gives (`device_sampling.raw_logprobs`).
+    device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
