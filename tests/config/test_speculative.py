@@ -139,3 +139,18 @@ def test_a_nemotron_h_mtp_pattern_not_built_is_refused(tiny_nemotron_h_dir, tmp_
     )
     with pytest.raises(ValueError, match=r"its MTP pattern '\*E\*E' is not served"):
         _engine_config(model, speculative_config=MTP)
+
+
+def test_kimi_k2_with_mtp_layers_is_refused_by_vllm(tiny_deepseek_v3_dir, tmp_path):
+    """vLLM 0.32 maps only deepseek_v3 (not kimi_k2) to its DeepSeek MTP drafter and refuses the
+    method before the platform sees it; were that to change, `deepseek_mtp` would serve Kimi K2
+    untested by the engine tests."""
+    import json
+
+    from tests.fixtures.tiny_deepseek_mtp import add_mtp_layer
+
+    model = add_mtp_layer(tiny_deepseek_v3_dir, tmp_path / "kimi_k2")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    with pytest.raises(NotImplementedError, match=r"Unsupported speculative method: 'mtp'"):
+        _engine_config(model, speculative_config=MTP)

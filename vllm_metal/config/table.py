@@ -150,9 +150,10 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
 
 def _refuse_missing_mtp_head(config: VllmConfig, prefix: str, fallback: str) -> None:
     """method 'mtp' drafts with a model's multi-token-prediction drafter: the target's own head
-    (Qwen3.5) or an assistant checkpoint named by the speculative config's `model` (Gemma 4). The
-    target's family must have one built here, the draft vLLM read must be that drafter, and the
-    two configs must fit together (the weights are checked when they load)."""
+    (Qwen3.5, DeepSeek-V3, GLM-4.7-Flash, Nemotron-H) or an assistant checkpoint named by the
+    speculative config's `model` (Gemma 4). The target's family must have one built here, the
+    draft vLLM read must be that drafter, and the two configs must fit together (the weights are
+    checked when they load). `fallback`: what to do instead, for the kind's other methods."""
     from vllm_metal.models.families import mtp_drafter_module, mtp_model_types, mtp_module
 
     spec = config.speculative_config
