@@ -99,6 +99,8 @@ def test_a_checkpoint_without_the_step_is_refused(tiny_nemotron_h_dir):
         ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers is 2"),
         ({"mtp_hybrid_override_pattern": None, "mtp_layers_block_type": ["full_attention", "moe"]},
          None),
+        ({"mtp_hybrid_override_pattern": None, "mtp_layers_block_type": ["mamba", "moe"]},
+         r"MTP pattern 'ME' is not served"),
     ],
 )  # fmt: skip
 def test_the_served_patterns(fields, message):

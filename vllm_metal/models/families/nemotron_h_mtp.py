@@ -35,8 +35,16 @@ DRAFT_MODEL_TYPES = ("nemotron_h_mtp",)
 HEAD_IN_TARGET = True
 PREFIX = "mtp."
 NUM_LAYERS_KEY = "num_nextn_predict_layers"
-# The block kinds vLLM builds in an MTP step, and how transformers 5 names them.
-BLOCK_CHARS = {"full_attention": "*", "attention": "*", "moe": "E"}
+# How transformers 5 names the block kinds (`mtp_layers_block_type`) that the pattern's
+# characters name; vLLM builds an MTP step of "*" and "E" blocks only.
+BLOCK_CHARS = {
+    "full_attention": "*",
+    "attention": "*",
+    "moe": "E",
+    "linear_attention": "M",
+    "mamba": "M",
+    "mlp": "-",
+}
 
 
 class MTPBlock(NemotronHBlock):
