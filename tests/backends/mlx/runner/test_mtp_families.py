@@ -14,7 +14,9 @@ tiny_deepseek_mtp`, `tiny_nemotron_h_mtp`: the layer computes what the target wi
 positions and K/V across chunks, steps and chained drafts). With either a seeded sampled batch
 gives the same tokens twice and the tokens an engine without speculation gives. The self-drafting
 layer runs with async scheduling on (vLLM's default), the random one with it off, and each is
-compared with the other setting, the back-off on, on the greedy and seeded batches."""
+compared with the other setting, the back-off on, on the greedy and seeded batches. On
+GLM-4.7-Flash a batch from a pool so small that vLLM preempts requests still gives
+transformers' tokens."""
 
 from __future__ import annotations
 
@@ -139,3 +141,45 @@ def test_mtp_layers_give_the_tokens_of_plain_decoding(mtp_dirs, family, plain_se
     assert ran_other is not async_scheduling
     assert tokens(other) == expected
     assert tokens(other_sampled) == plain_seeded
+
+
+# A latent row of the tiny MLA checkpoints is 64 + 16 float32 values, in each of the 3 target
+# layers and the MTP layer.
+MLA_TOKEN_BYTES = 4 * (64 + 16) * 4
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_mla_mtp_through_preemption(tiny_glm4_moe_lite_dir, tmp_path_factory):
+    """A mixed batch from a pool so small that vLLM preempts requests: the resumed requests
+    recompute the MTP layer's latent rows with their prompts, and greedy tokens still equal
+    transformers, with at least 90% of the self-drafting layer's drafts accepted."""
+    from tests.fixtures.oracles import hf_greedy
+    from tests.fixtures.tiny_deepseek_mtp import add_mtp_layer
+
+    path = add_mtp_layer(
+        tiny_glm4_moe_lite_dir, tmp_path_factory.mktemp("mtp-preempt") / "self", self_drafting=True
+    )
+    prompts = random_prompts(21, [30, 26, 35, 1, 5])
+    engine = {
+        **ENGINE_OF["glm4_moe_lite"],
+        "max_model_len": 96,
+        # 8 blocks (7 usable: 112 tokens) for a batch that needs 16 at its longest.
+        "kv_cache_memory_bytes": 8 * 16 * MLA_TOKEN_BYTES,
+        "disable_log_stats": False,
+        "speculative_config": SPEC,
+        # Counters of the drafts themselves (under async scheduling they count placeholders).
+        "async_scheduling": False,
+    }
+    (batch,), (counters,) = run_engine_job(
+        path,
+        [{"prompts": prompts, "params": [greedy(24)]}],
+        engine=engine,
+        with_metrics="per_job",
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert counters.get("vllm:num_preemptions", 0) >= 1, sorted(counters.items())
+    assert tokens(batch) == hf_greedy(path, prompts, 24)
+    proposed = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert proposed > 0 and accepted >= 0.9 * proposed, counters
