@@ -36,7 +36,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "speech_to_text": _MLX_ANY,
         # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
         "audio_language": frozenset(),
-        "latent_attention": _MLX_ANY,
+        "latent_attention": _MLX_ANY | {"speculative_decoding"},
         "state_hybrid": _MLX_ANY | {"speculative_decoding"},
         "vision_state_hybrid": _MLX_ANY,
         "short_conv_hybrid": _MLX_ANY,
@@ -60,6 +60,8 @@ SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
     # Verification through state layers is tested with n-gram drafts and the target's own MTP
     # head (a draft model beside a hybrid target is not).
     "state_hybrid": ("ngram", "mtp"),
+    # MLA models verify through their latent cache with their own MTP layers' drafts.
+    "latent_attention": ("mtp",),
 }
 
 
@@ -133,7 +135,8 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             + " or ".join(repr(m) for m in methods)
         )
     if spec.method == "mtp":
-        _refuse_missing_mtp_head(config, prefix)
+        fallback = "use method 'ngram'" if "ngram" in methods else "serve it without drafts"
+        _refuse_missing_mtp_head(config, prefix, fallback)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -145,11 +148,12 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             )
 
 
-def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
+def _refuse_missing_mtp_head(config: VllmConfig, prefix: str, fallback: str) -> None:
     """method 'mtp' drafts with a model's multi-token-prediction drafter: the target's own head
-    (Qwen3.5) or an assistant checkpoint named by the speculative config's `model` (Gemma 4). The
-    target's family must have one built here, the draft vLLM read must be that drafter, and the
-    two configs must fit together (the weights are checked when they load)."""
+    (Qwen3.5, DeepSeek-V3, GLM-4.7-Flash, Nemotron-H) or an assistant checkpoint named by the
+    speculative config's `model` (Gemma 4). The target's family must have one built here, the
+    draft vLLM read must be that drafter, and the two configs must fit together (the weights are
+    checked when they load). `fallback`: what to do instead, for the kind's other methods."""
     from vllm_metal.models.families import mtp_drafter_module, mtp_model_types, mtp_module
 
     spec = config.speculative_config
@@ -163,20 +167,20 @@ def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
             return
         raise MetalConfigError(
             f"{prefix} method='mtp' with {model_label(config)} and model={spec.model!r}: "
-            f"{problem}; use method 'ngram'"
+            f"{problem}; {fallback}"
         )
     other = mtp_drafter_module(draft_type)
     if other is not None and other is not module:  # another family's drafter
         targets = ", ".join(other.MODEL_TYPES)
         raise MetalConfigError(
             f"{prefix} method='mtp': model={spec.model!r} is an MTP drafter ({draft_type}) for "
-            f"{targets} targets, not for {model_label(config)}; use method 'ngram'"
+            f"{targets} targets, not for {model_label(config)}; {fallback}"
         )
     if module is None:
         raise MetalConfigError(
             f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head or "
             f"its MTP assistant, built for {', '.join(sorted(mtp_model_types()))}, not for "
-            f"{model_label(config)}; use method 'ngram'"
+            f"{model_label(config)}; {fallback}"
         )
     raise MetalConfigError(
         f"{prefix} method='mtp' with {model_label(config)}: model={spec.model!r} "
