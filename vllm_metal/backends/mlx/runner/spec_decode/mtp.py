@@ -148,7 +148,9 @@ class MTPDrafter(PagedDrafter):
         # Rows that draft: their head output at the last position gives draft 1.
         drafting = [i for i, r in enumerate(rows) if caps[r] > 0]
         if not drafting:
-            mx.eval(*self.pool.arrays())
+            # Queued, not waited for: no draft is read now, and the next step's reads of the
+            # head's K/V come after these writes in MLX's graph.
+            mx.async_eval(*self.pool.arrays())
             return drafts
         last = first.cu_seqlens_q[1:][drafting] - 1
         rows = rows[drafting]
