@@ -99,6 +99,23 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
         assert device["c"] == [5]
 
 
+def test_a_seeded_row_is_drawn_apart_on_the_host(vllm_config, monkeypatch):
+    """A seeded row beside greedy and unseeded ones: only its logits row reaches the host, and
+    its token is the one vLLM's sampler draws for it over the whole batch."""
+    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0),
+              "c": SamplingParams(temperature=0.9, top_k=20, seed=11)}  # fmt: skip
+    shapes = []
+    real = sample.to_torch
+    monkeypatch.setattr(sample, "to_torch", lambda a: shapes.append(a.shape) or real(a))
+    device, _ = _run(vllm_config, params, True, monkeypatch)
+    assert [s[0] for s in shapes] == [1], shapes  # one row copied
+    host, _ = _run(vllm_config, params, False, monkeypatch)
+    assert device == host
+    draws = {_run(vllm_config, {**params, "c": SamplingParams(temperature=0.9, top_k=20, seed=s)},
+                  True, monkeypatch)[0]["c"][0] for s in range(12)}  # fmt: skip
+    assert len(draws) > 1  # sampled, not the argmax
+
+
 @pytest.mark.parametrize("k", [0, 2, 5])
 def test_logprobs_come_from_the_device_as_the_host_sampler_gives_them(vllm_config, monkeypatch, k):
     """vLLM's raw logprobs: the sampled token's and the k most likely, with its rank; one row

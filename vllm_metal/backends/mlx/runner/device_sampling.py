@@ -13,8 +13,8 @@ Greedy rows (temperature below vLLM's epsilon) keep their argmax. Logprobs in vL
 `raw_logprobs` mode, up to `MAX_DEVICE_LOGPROBS` per row, are computed with the tokens
 (`raw_logprobs`). Whether the step may use these tokens is decided when it is sampled
 (`sample.tokens_on_device`): a grammar or anything else that reads the logits sends it to vLLM's
-`Sampler` on the host instead. Seeded rows stay on the host, where their randomness is keyed by
-position (`seeded.py`).
+`Sampler` on the host instead. Seeded rows are drawn on the host, where their randomness is keyed
+by position (`seeded.py`): their logits rows alone are copied.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 
 def samples_random_rows(metadata: SamplingMetadata) -> bool:
-    """Whether the step's random rows can be sampled on the device: none is seeded, and the
-    only processor acting on them before top-k/top-p is vLLM's min-p (what else reads the logits
-    is checked when the step is sampled)."""
-    if metadata.all_greedy or metadata.generators:
+    """Whether the step's random rows can be sampled on the device: the only processor acting
+    on them before top-k/top-p is vLLM's min-p (what else reads the logits is checked when the
+    step is sampled; a seeded row's draw is replaced there by the host's, `seeded.py`)."""
+    if metadata.all_greedy:
         return False
     return all(isinstance(p, MinPLogitsProcessor) for p in metadata.logitsprocs.argmax_invariant)
 

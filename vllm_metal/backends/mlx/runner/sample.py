@@ -157,6 +157,12 @@ def sample_step(
         not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata)
     ):
         return _device_output(step, states)
+    seeded_rows = _seeded_apart(step, states)
+    if seeded_rows is not None:
+        drawn = seeded.sample_apart(
+            sampler, to_torch(step.logits[mx.array(seeded_rows)]), seeded_rows, states
+        )
+        return _device_output(step, states, dict(zip(seeded_rows, drawn)))
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -217,14 +223,17 @@ def _recorded(
     )
 
 
-def tokens_on_device(step: StepState, metadata) -> bool:
+def tokens_on_device(step: StepState, metadata, seeded_apart: bool = False) -> bool:
     """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
     row's argmax, or unseeded samples beside greedy rows, after the penalties;
     `DeviceSampler.tokens` draws them only for such steps) as vLLM's `Sampler` would pick them:
     no logprobs but those drawn with them (`step.device_logprobs`), no grammar, no drafts, no
     prompt logprobs, and nothing else applied to the logits before sampling (allowed or bad
-    words, a logit bias, min tokens, a thinking budget, custom logits processors)."""
+    words, a logit bias, min tokens, a thinking budget, custom logits processors), and no
+    seeded row (`seeded_apart`: but for its seeded rows, which `_seeded_apart` draws)."""
     if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
+        return False
+    if metadata.generators and not seeded_apart:  # seeded rows: drawn on the host
         return False
     if step.packed.num_draft_tokens.any():
         return False
@@ -249,10 +258,26 @@ def _moves_argmax(processor) -> bool:
     return True
 
 
-def _device_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
-    """The step's output from the tokens (and logprobs) drawn on the device (waits for the
-    forward)."""
+def _seeded_apart(step: StepState, states: RequestStates) -> list[int] | None:
+    """The seeded rows of a step whose tokens are otherwise those drawn on the device, when
+    they can be drawn apart on the host (`seeded.host_rows`); None when the whole step goes to
+    the host."""
+    metadata = states.input_batch.sampling_metadata
+    if not metadata.generators or states.num_prompt_logprobs or step.device_logprobs is not None:
+        return None
+    if not tokens_on_device(step, metadata, seeded_apart=True):
+        return None
+    return seeded.host_rows(states)
+
+
+def _device_output(
+    step: StepState, states: RequestStates, host: dict[int, int] | None = None
+) -> ModelRunnerOutput:
+    """The step's output from the tokens (and logprobs) drawn on the device, but the rows of
+    `host` (row -> token), drawn on the host (waits for the forward)."""
     tokens = to_host(step.device_tokens).tolist()
+    for row, token in (host or {}).items():
+        tokens[row] = token
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
     logprobs = None
     if step.device_logprobs is not None:
