@@ -57,6 +57,17 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "mlx": ("ngram", "draft_model", "mtp", "eagle3"),
     "mps": (),
 }
+# Methods vLLM 0.32 defines that are not built here: what is missing.
+SPECULATIVE_NOT_BUILT: dict[str, str] = {
+    "dflash": "the block-diffusion draft head (vLLM's DFlashQwen3ForCausalLM: a whole block of "
+    "drafts at once from mask tokens and the target's aux hidden states, parallel drafting) is "
+    "not built",
+    "dspark": "the DSpark block drafter (vLLM's Qwen3DSparkForCausalLM, Gemma4DSparkForCausalLM "
+    "and DeepSeek-V4's: parallel block drafting with a Markov head and adaptive verification) is "
+    "not built",
+    "eagle": "EAGLE-1 heads (vLLM's EagleLlamaForCausalLM, fed the target's last hidden state) "
+    "are not built",
+}
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
     # Verification through state layers is tested with n-gram drafts and the target's own MTP
     # head (a draft model beside a hybrid target is not).
@@ -131,8 +142,11 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
     methods = SPECULATIVE_METHODS_OF_KIND.get(kind.name, methods)
     prefix = f"vllm-metal ({backend} backend): --speculative-config"
     if spec.method not in methods:
+        missing = SPECULATIVE_NOT_BUILT.get(spec.method)
         raise MetalConfigError(
-            f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
+            f"{prefix} method={spec.method!r} is not supported with {kind.words()}"
+            + ("" if missing is None else f": {missing}")
+            + "; use method "
             + " or ".join(repr(m) for m in methods)
         )
     if spec.method == "mtp":
