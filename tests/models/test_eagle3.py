@@ -43,7 +43,7 @@ def _hf_aux(model_dir, tokens: list[int], layer_ids) -> torch.Tensor:
         layer.register_forward_pre_hook(
             lambda m, a, k, i=i: seen.__setitem__(i, k.get("hidden_states", a[0] if a else None)),
             with_kwargs=True,
-        )  # noqa: E501
+        )
         for i, layer in enumerate(layers)
     ]
     hooks.append(layers[-1].register_forward_hook(

@@ -36,8 +36,12 @@ ARCHITECTURES = {
 # Targets whose decoder is embeddings -> layers -> final norm, so the runner keeps their aux
 # states (`ModelAdapter.forward_with_aux`).
 TARGET_TYPES = ("llama", "qwen3")
-# vLLM's default aux layers of an L-layer target, when the head's config names none.
-DEFAULT_AUX_LAYERS = lambda num_layers: (2, num_layers // 2, num_layers - 3)  # noqa: E731
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's aux layers of an L-layer target when the head's config names none
+    (`SupportsEagle3.get_eagle3_default_aux_hidden_state_layers`)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def aux_layer_ids(draft: dict[str, Any], num_target_layers: int) -> tuple[int, .
     ids = draft.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         ids = (draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return tuple(ids) if ids else DEFAULT_AUX_LAYERS(num_target_layers)
+    return tuple(ids) if ids else default_aux_layers(num_target_layers)
 
 
 def missing(architecture: str, draft: dict[str, Any], target: dict[str, Any]) -> str | None:
@@ -242,9 +246,20 @@ def _flat(module: nn.Module) -> list[tuple[str, mx.array]]:
 
 
 def _read(model_dir: Path) -> dict[str, mx.array]:
+    """The head's tensors: its safetensors files, else its `pytorch_model.bin` (some published
+    EAGLE-3 heads ship only that)."""
     from vllm_metal.models.loaders.safetensors import tensor_files
 
     weights: dict[str, mx.array] = {}
     for path in sorted(set(tensor_files(model_dir).values())):
         weights |= mx.load(str(path))
+    if not weights and (model_dir / "pytorch_model.bin").is_file():
+        import torch
+
+        state = torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        for name, value in state.items():
+            value = value.float() if value.is_floating_point() else value
+            weights[name] = mx.array(value.numpy())
+    if not weights:
+        raise ValueError(f"{model_dir}: no safetensors or pytorch_model.bin weights")
     return weights

@@ -98,6 +98,7 @@ def plain_seeded(eagle3_dirs, head):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("head", ["self_drafting", "leaky", "random"])
 def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, head):
     from tests.fixtures.oracles import hf_greedy
