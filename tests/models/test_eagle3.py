@@ -1,5 +1,6 @@
 """EAGLE-3 heads in MLX (`families/eagle3.py`): the target's aux hidden states
-(`ModelAdapter.forward_with_aux`) equal the inputs of the named layers in transformers float32,
+(`ModelAdapter.forward_with_aux`, Qwen3 and Llama targets) equal the inputs of the named layers
+in transformers float32,
 and the head over the paged cache (a prompt in two chunks, then a chained draft step fed its own
 output) equals a float32 torch port of vLLM's `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM`
 (`tests/fixtures/tiny_eagle3.py`), draft vocabulary and `d2t` included; unfit heads are refused
@@ -63,7 +64,9 @@ def _packed(tokens, start, end, table):
     )  # fmt: skip
 
 
-def test_target_keeps_the_aux_states_of_transformers(target_dir):
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_target_keeps_the_aux_states_of_transformers(tiny_model_dir, arch):
+    target_dir = tiny_model_dir(arch, **TARGET)
     tokens = np.random.default_rng(1).integers(16, 700, size=21).tolist()
     adapter = load_model(str(target_dir), compute_dtype=mx.float32)
     adapter.install_paged_attention()

@@ -11,8 +11,10 @@ chunks, steps and chained drafts); a leaky one, whose hidden states (the target'
 own outputs) and draft vocabulary make only some drafts right, whose accepted drafts per position
 equal those of vLLM's own CPU backend running the same head (the aux states, `fc`, the chained
 hidden states and `d2t` then agree with vLLM's); and a random head with a draft vocabulary over an
-ordinary target. The self-drafting and random heads run with async scheduling on (vLLM's default),
-the leaky one with it off.
+ordinary target. The leaky and random heads run with async scheduling on (vLLM's default; there the
+runner does not cap drafts at the remaining max_tokens, so vLLM's CPU backend drafts alike), the
+self-drafting one with it off (and on in the CI case). With the back-off on (the default), the
+leaky head's seeded batch is still the same twice and without speculation.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, he
         SEEDED,
         {"action": "async_scheduling"},
     ]
-    async_scheduling = head != "leaky"
+    async_scheduling = head != "self_drafting"
     engine = {**ENGINE, "disable_log_stats": False, "speculative_config": spec(head_dir),
               "async_scheduling": async_scheduling}  # fmt: skip
     (batch, resent, shorts, sampled, again, ran_async), per_job = run_engine_job(
@@ -145,3 +147,19 @@ def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, he
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos"):
             key = f"vllm:spec_decode_{name}"
             assert ours[key] == cpu[0][key], (ours, cpu[0])
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("head", ["leaky"])
+def test_seeded_batches_with_the_backoff_on(eagle3_dirs, plain_seeded, head):
+    """With the back-off deciding from measured times which steps draft, a seeded batch still
+    gives the same tokens twice and the tokens of decoding without speculation."""
+    target, head_dir = eagle3_dirs[head]
+    sampled, again = run_engine_job(
+        target,
+        [SEEDED, SEEDED],
+        engine={**ENGINE, "speculative_config": spec(head_dir)},
+        env={"VLLM_METAL_SPEC_BACKOFF": "1"},
+    )
+    assert tokens(sampled) == tokens(again) == plain_seeded
