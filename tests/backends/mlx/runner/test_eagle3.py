@@ -4,14 +4,15 @@ speculation (transformers float32) on a mixed batch in 32-token chunks, after a 
 max_tokens 1 to 5; a seeded sampled batch gives the same tokens twice and the tokens an engine
 without speculation gives.
 
-Three heads (`tests/fixtures/tiny_eagle3.py`), drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`):
+Four heads (`tests/fixtures/tiny_eagle3.py`), drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`):
 a self-drafting one over a target whose next token depends on the current one alone (at least 90%
 of its drafts accepted, which only holds if the head reads the right tokens and positions across
 chunks, steps and chained drafts); a leaky one, whose hidden states (the target's aux states, its
-own outputs) and draft vocabulary make only some drafts right, whose accepted drafts per position
+own outputs) and draft vocabulary make only some drafts right (two: as `Eagle3LlamaForCausalLM`
+and as `Eagle3Qwen3ForCausalLM`), whose accepted drafts per position
 equal those of vLLM's own CPU backend running the same head (the aux states, `fc`, the chained
-hidden states and `d2t` then agree with vLLM's); and a random head with a draft vocabulary over an
-ordinary target. The leaky and random heads run with async scheduling on (vLLM's default; there the
+hidden states and `d2t` then agree with vLLM's); and a random head with a draft vocabulary over
+an ordinary target. The leaky and random heads run with async scheduling on (vLLM's default; there the
 runner does not cap drafts at the remaining max_tokens, so vLLM's CPU backend drafts alike), the
 self-drafting one with it off (and on in the CI case). With the back-off on (the default), the
 leaky head's seeded batch is still the same twice and without speculation.
@@ -61,6 +62,17 @@ def eagle3_dirs(tiny_model_dir, tmp_path_factory):
                 target, root / "leaky", self_drafting=True, leak=0.1, even_vocabulary=True
             ),
         ),
+        "leaky_qwen3": (
+            target,
+            write_eagle3_head(
+                target,
+                root / "leaky_qwen3",
+                arch="qwen3",
+                self_drafting=True,
+                leak=0.1,
+                even_vocabulary=True,
+            ),
+        ),
         "random": (plain, write_eagle3_head(plain, root / "random")),
     }
 
@@ -101,7 +113,7 @@ def plain_seeded(eagle3_dirs, head):
 
 @pytest.mark.slow
 @pytest.mark.full
-@pytest.mark.parametrize("head", ["self_drafting", "leaky", "random"])
+@pytest.mark.parametrize("head", ["self_drafting", "leaky", "leaky_qwen3", "random"])
 def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, head):
     from tests.fixtures.oracles import hf_greedy
 
@@ -136,7 +148,9 @@ def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, he
     assert proposed > 0, counters
     if head == "self_drafting":
         assert accepted >= 0.9 * proposed, counters
-    if head == "leaky":  # some drafts right, some wrong, each as vLLM's CPU backend has them
+    if head.startswith(
+        "leaky"
+    ):  # some drafts right, some wrong, each as vLLM's CPU backend has them
         assert 0 < accepted < proposed, counters
         cpu_engine = {**engine, "gpu_memory_utilization": 0.3}
         (cpu_batch,), cpu = run_engine_job(
