@@ -5,17 +5,17 @@ max_tokens 1 to 5; a seeded sampled batch gives the same tokens twice and the to
 without speculation gives.
 
 Four heads (`tests/fixtures/tiny_eagle3.py`), drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`):
-a self-drafting one over a target whose next token depends on the current one alone (at least 90%
-of its drafts accepted, which only holds if the head reads the right tokens and positions across
+a self-drafting one over a target whose next token depends on the current one alone (at least 90% of
+its drafts accepted, which only holds if the head reads the right tokens and positions across
 chunks, steps and chained drafts); a leaky one, whose hidden states (the target's aux states, its
-own outputs) and draft vocabulary make only some drafts right (two: as `Eagle3LlamaForCausalLM`
-and as `Eagle3Qwen3ForCausalLM`), whose accepted drafts per position
-equal those of vLLM's own CPU backend running the same head (the aux states, `fc`, the chained
-hidden states and `d2t` then agree with vLLM's); and a random head with a draft vocabulary over
-an ordinary target. The leaky and random heads run with async scheduling on (vLLM's default; there the
-runner does not cap drafts at the remaining max_tokens, so vLLM's CPU backend drafts alike), the
-self-drafting one with it off (and on in the CI case). With the back-off on (the default), the
-leaky head's seeded batch is still the same twice and without speculation.
+own outputs) and draft vocabulary make only some drafts right (two: as `Eagle3LlamaForCausalLM` and
+as `Eagle3Qwen3ForCausalLM`), whose accepted drafts per position equal those of vLLM's own CPU
+backend running the same head (the aux states, `fc`, the chained hidden states and `d2t` then agree
+with vLLM's); and a random head with a draft vocabulary over an ordinary target. The leaky and
+random heads run with async scheduling on (vLLM's default; there the runner does not cap drafts at
+the remaining max_tokens, so vLLM's CPU backend drafts alike), the self-drafting one with it off
+(and on in the CI case). With the back-off on (the default), the leaky head's seeded batch is still
+the same twice and without speculation.
 """
 
 from __future__ import annotations
