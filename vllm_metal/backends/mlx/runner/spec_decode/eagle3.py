@@ -138,7 +138,9 @@ class Eagle3Drafter(PagedDrafter):
         # Rows that draft: the head's output at their last position gives draft 1.
         drafting = [i for i, r in enumerate(rows) if caps[r] > 0]
         if not drafting:
-            mx.eval(*self.pool.arrays())
+            # Queued, not waited for: no draft is read now, and the next step's reads of the
+            # head's K/V come after these writes in MLX's graph.
+            mx.async_eval(*self.pool.arrays())
             return drafts
         last = mx.array((first.cu_seqlens_q[1:][drafting] - 1).astype(np.int32))
         rows = rows[drafting]
