@@ -87,7 +87,7 @@ def test_an_assistant_that_does_not_fit_its_gemma4_target_is_refused(tiny_gemma4
 def test_dspark_is_refused_by_name(tiny_gemma4_dir, gemma4_assistant):
     """DSpark drafters (Gemma4DSparkForCausalLM among them) are not built."""
     spec = {**_assistant_spec(gemma4_assistant), "method": "dspark"}
-    with pytest.raises(ValueError, match=r"method='dspark' is not supported"):
+    with pytest.raises(ValueError, match=r"method=.dspark. is not supported .* DSpark block"):
         _engine_config(tiny_gemma4_dir, speculative_config=spec)
 
 
@@ -154,3 +154,68 @@ def test_kimi_k2_with_mtp_layers_is_refused_by_vllm(tiny_deepseek_v3_dir, tmp_pa
     (model / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
     with pytest.raises(NotImplementedError, match=r"Unsupported speculative method: 'mtp'"):
         _engine_config(model, speculative_config=MTP)
+
+
+def _eagle3_spec(head, method="eagle3") -> dict:
+    return {"method": method, "model": str(head), "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def eagle3_target(tiny_model_dir):
+    return tiny_model_dir("qwen3", hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_qwen3_target_drafts_with_an_eagle3_head(eagle3_target, tmp_path, arch):
+    """vLLM reads the head as its EAGLE-3 architecture; async scheduling stays on."""
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+
+    head = write_eagle3_head(eagle3_target, tmp_path / arch, arch=arch)
+    config = _engine_config(eagle3_target, speculative_config=_eagle3_spec(head))
+    spec = config.speculative_config
+    assert spec.method == "eagle3"
+    assert spec.draft_model_config.architectures[0] == (
+        "LlamaForCausalLMEagle3" if arch == "llama" else "Eagle3Qwen3ForCausalLM"
+    )
+    assert config.scheduler_config.async_scheduling is True
+
+
+def test_an_eagle3_head_beside_an_unbuilt_target_is_refused(tiny_model_dir, tmp_path):
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+
+    target = tiny_model_dir("qwen2", hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64)
+    head = write_eagle3_head(target, tmp_path / "h")
+    with pytest.raises(
+        ValueError, match=r"method='eagle3' .* kept for llama, qwen3 targets, not 'qwen2'"
+    ):
+        _engine_config(target, speculative_config=_eagle3_spec(head))
+
+
+def test_an_eagle3_head_with_other_kv_heads_is_refused(eagle3_target, tmp_path):
+    import json
+
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+
+    head = write_eagle3_head(eagle3_target, tmp_path / "h")
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match="K/V heads or head size differ from the target's"):
+        _engine_config(eagle3_target, speculative_config=_eagle3_spec(head))
+
+
+def test_dflash_is_refused_by_name(eagle3_target, tmp_path):
+    """A DFlash draft's config (`DFlashDraftModel`, `dflash_config`) reaches the platform."""
+    import json
+
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+
+    head = write_eagle3_head(eagle3_target, tmp_path / "h", arch="qwen3")
+    config = json.loads((head / "config.json").read_text())
+    config |= {
+        "architectures": ["DFlashDraftModel"],
+        "block_size": 4,
+        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 5},
+    }
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"method='dflash' .* block-diffusion draft head"):
+        _engine_config(eagle3_target, speculative_config=_eagle3_spec(head, "dflash"))

@@ -245,10 +245,10 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
 def _drafts_under_async(vllm_config: VllmConfig) -> bool:
     """Whether the runner serves the speculative method under async scheduling (the drafts it
     proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
-    model and a target's own MTP head are tested there; a separate MTP assistant (Gemma 4's)
-    is not yet. vLLM keeps it off for n-gram itself."""
+    model, an EAGLE-3 head and a target's own MTP head are tested there; a separate MTP
+    assistant (Gemma 4's) is not yet. vLLM keeps it off for n-gram itself."""
     spec = vllm_config.speculative_config
-    if spec.method == "draft_model":
+    if spec.method in ("draft_model", "eagle3"):
         return True
     if spec.method == "mtp":
         from vllm_metal.models.families import mtp_module

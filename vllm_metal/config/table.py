@@ -52,9 +52,21 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
 
 # Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
-    # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`).
-    "mlx": ("ngram", "draft_model", "mtp"),
+    # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`); eagle3: a head
+    # vLLM 0.32 defines beside a Llama / Qwen3 target (`_refuse_unfit_eagle3_head`).
+    "mlx": ("ngram", "draft_model", "mtp", "eagle3"),
     "mps": (),
+}
+# Methods vLLM 0.32 defines that are not built here: what is missing.
+SPECULATIVE_NOT_BUILT: dict[str, str] = {
+    "dflash": "the block-diffusion draft head (vLLM's DFlashQwen3ForCausalLM: a whole block of "
+    "drafts at once from mask tokens and the target's aux hidden states, parallel drafting) is "
+    "not built",
+    "dspark": "the DSpark block drafter (vLLM's Qwen3DSparkForCausalLM, Gemma4DSparkForCausalLM "
+    "and DeepSeek-V4's: parallel block drafting with a Markov head and adaptive verification) is "
+    "not built",
+    "eagle": "EAGLE-1 heads (vLLM's EagleLlamaForCausalLM, fed the target's last hidden state) "
+    "are not built",
 }
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
     # Verification through state layers is tested with n-gram drafts and the target's own MTP
@@ -130,13 +142,18 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
     methods = SPECULATIVE_METHODS_OF_KIND.get(kind.name, methods)
     prefix = f"vllm-metal ({backend} backend): --speculative-config"
     if spec.method not in methods:
+        missing = SPECULATIVE_NOT_BUILT.get(spec.method)
         raise MetalConfigError(
-            f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
+            f"{prefix} method={spec.method!r} is not supported with {kind.words()}"
+            + ("" if missing is None else f": {missing}")
+            + "; use method "
             + " or ".join(repr(m) for m in methods)
         )
     if spec.method == "mtp":
         fallback = "use method 'ngram'" if "ngram" in methods else "serve it without drafts"
         _refuse_missing_mtp_head(config, prefix, fallback)
+    if spec.method == "eagle3":
+        _refuse_unfit_eagle3_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -146,6 +163,30 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             raise MetalConfigError(
                 f"{prefix} {name}={value!r} is not supported; use {wanted!r} (the default)"
             )
+
+
+def _refuse_unfit_eagle3_head(config: VllmConfig, prefix: str) -> None:
+    """method 'eagle3' drafts with a head of vLLM's EAGLE-3 architectures over a target whose aux
+    hidden states the runner keeps; its attention layers share the target's KV-cache group, so
+    their K/V heads and head size must be the target's (the weights are checked when it loads)."""
+    from vllm_metal.models.families import eagle3
+
+    spec = config.speculative_config
+    draft = spec.draft_model_config
+    target = config.model_config
+    problem = eagle3.missing(
+        draft.architectures[0], draft.hf_config.to_dict(), target.hf_text_config.to_dict()
+    )
+    if problem is None and (
+        draft.get_num_kv_heads(spec.draft_parallel_config),
+        draft.get_head_size(),
+    ) != (target.get_num_kv_heads(config.parallel_config), target.get_head_size()):
+        problem = "its K/V heads or head size differ from the target's"
+    if problem is not None:
+        raise MetalConfigError(
+            f"{prefix} method='eagle3' with {model_label(config)} and model={spec.model!r}: "
+            f"{problem}; use method 'ngram' or 'draft_model'"
+        )
 
 
 def _refuse_missing_mtp_head(config: VllmConfig, prefix: str, fallback: str) -> None:

@@ -115,7 +115,8 @@ def hidden_states(
     step's K/V into the pool. From `inputs`: `mm_rows` (encoder outputs of images) replace the
     embeddings of their placeholder tokens; an M-RoPE model takes `mrope_positions` (without
     them every token is text, at its index on all three streams); a prefix-LM model the
-    `key_ends` of its image tokens (`mm.spans`). Lazy."""
+    `key_ends` of its image tokens (`mm.spans`); with `aux`, the aux states an EAGLE-3 head reads are
+    kept there. Lazy."""
     sliding_only = getattr(adapter, "bidirectional_sliding_only", False)
     caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts, sliding_only)
     token_ids = step_token_ids(packed)[:, None]  # [T, 1]
@@ -124,6 +125,9 @@ def hidden_states(
         return adapter.forward_stage(stage_in, caches)
     embeds = merge(adapter.embed(token_ids), inputs.mm_rows)  # [T, 1, hidden]
     extra = {"token_ids": token_ids} if adapter.takes_token_ids else {}
+    if inputs.aux is not None:  # an EAGLE-3 drafter's target (`families.eagle3.TARGET_TYPES`)
+        hidden, inputs.aux.states = adapter.forward_with_aux(embeds, caches, inputs.aux.layer_ids)
+        return hidden
     if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches, **extra)
     mrope_positions = inputs.mrope_positions

@@ -93,6 +93,8 @@ class Sampling:
             logprobs = raw_logprobs(logits, tokens, metadata, self.logprobs_mode)
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
+        if forward.aux_hidden is not None:
+            pending.append(forward.aux_hidden)
         mx.async_eval(*pending, *([] if tokens is None else [tokens]), *(logprobs or ()))
         connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
@@ -107,6 +109,7 @@ class Sampling:
             drafts=forward.drafts,
             hidden=forward.hidden if self._drafter_reads_hidden else None,
             kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
+            aux_hidden=forward.aux_hidden,
         )
 
     def drain(self) -> CarriedTokens | None:

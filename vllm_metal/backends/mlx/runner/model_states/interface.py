@@ -70,6 +70,18 @@ class StepInputs:
     # Pipeline stages after the first: the previous stage's hidden states of every packed token
     # (`[T, 1, hidden]`), in place of the token embeddings.
     stage_hidden: mx.array | None = None
+    # An EAGLE-3 drafter: the target layers whose input hidden states the step keeps.
+    aux: AuxHidden | None = None
+
+
+@dataclass
+class AuxHidden:
+    """The target's hidden states an EAGLE-3 head reads (`spec_decode/eagle3.py`): the input of
+    each decoder layer in `layer_ids` (L: the last layer's output before the final norm), filled
+    by the forward for every packed token, joined in layer order (`[T, 1, n * hidden]`, lazy)."""
+
+    layer_ids: tuple[int, ...]
+    states: mx.array | None = None
 
 
 NO_INPUTS = StepInputs()

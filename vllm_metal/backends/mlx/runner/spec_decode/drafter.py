@@ -26,6 +26,9 @@ class Drafter:
     reads_hidden_states = False
     # Whether `propose` attends over the target's K/V of the step (`StepState.kv_pool`).
     reads_target_kv = False
+    # The target layers whose input hidden states `propose` reads (`StepState.aux_hidden`: an
+    # EAGLE-3 head's aux states); empty: none are kept.
+    aux_layer_ids: tuple[int, ...] = ()
 
     def propose(
         self,
