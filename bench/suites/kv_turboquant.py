@@ -194,7 +194,7 @@ def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
             "kv_heads": hkv,
             "head_dim": d,
             "block_size": bs,
-        },  # fmt: skip
+        },
         "attention_ms": {c: round(statistics.median(v), 3) for c, v in attention.items()},
         "cache_write_ms": {c: round(statistics.median(v), 3) for c, v in write_ms.items()},
         "pool_bytes": pool_bytes,

@@ -50,8 +50,10 @@ def _markdown(report: dict[str, Any]) -> str:
             "measured side by side in one run, are figures to read.**"
         ),
         "",
-        "| cache | tokens held in the budget | / unquantized | decode tok/s (median TPOT) | "
-        "/ unquantized |",
+        (
+            "| cache | tokens held in the budget | / unquantized | decode tok/s (median TPOT) | "
+            "/ unquantized |"
+        ),
         "|---|---:|---:|---:|---:|",
     ]
     base = e["auto"]
@@ -73,8 +75,10 @@ def _markdown(report: dict[str, Any]) -> str:
             f"{shape['head_dim']}, block size {shape['block_size']}, median of {s['op_reps']} calls:"
         ),
         "",
-        "| cache | pools (K + V) | `paged_attention`, one decode row per sequence | "
-        "`reshape_and_cache`, one row per sequence |",
+        (
+            "| cache | pools (K + V) | `paged_attention`, one decode row per sequence | "
+            "`reshape_and_cache`, one row per sequence |"
+        ),
         "|---|---:|---:|---:|",
     ]
     for cache in caches:
