@@ -152,8 +152,9 @@ class TurboQuantPool(KVPool):
     """A `KVPool` whose quantized layers' regions hold TurboQuant bytes: keys ``[num_blocks,
     block_size, heads, fmt.key_bytes]`` and values ``[..., fmt.value_bytes]`` (uint8); the other
     regions are the model's dtype as in any pool. `layer_formats[i]`: layer i's format or None.
-    `fresh[region]`: the step's unquantized K/V rows its writer saw (prefill steps), which a
-    layer reading that region attends over as vLLM's prefill does (`ops.turboquant`)."""
+    `fresh[region]`: the unquantized K/V rows its writer saw in the step of `fresh_step` (a
+    prefill step; dropped when the next step writes), which a layer reading that region attends
+    over as vLLM's prefill does (`ops.turboquant`)."""
 
     def __init__(
         self,
@@ -171,6 +172,7 @@ class TurboQuantPool(KVPool):
         self.kv_shape = (num_kv_heads, head_dim)
         self.layer_formats = list(layer_formats)
         self.fresh: dict[int, tuple[mx.array, mx.array]] = {}
+        self.fresh_step: StepMetadata | None = None
         shapes = self._region_shapes(layout, (num_kv_heads, head_dim), layer_shapes)
         region_formats: list[TurboQuantFormat | None] = [None] * layout.num_regions
         for i, fmt in enumerate(self.layer_formats):
@@ -241,6 +243,8 @@ class TurboQuantLayerCache(PagedLayerCache):
         )
         self.pool.keys[self.region] = kc.reshape(self.pool.keys[self.region].shape)
         self.pool.values[self.region] = vc.reshape(self.pool.values[self.region].shape)
+        if self.pool.fresh_step is not self.meta:
+            self.pool.fresh_step, self.pool.fresh = self.meta, {}
         if not self.meta.decode:
             self.pool.fresh[self.region] = rows
         return keys, values
@@ -255,7 +259,9 @@ class TurboQuantLayerCache(PagedLayerCache):
         if self.key_ends is not None:
             raise ValueError("a TurboQuant cache has no rows attended both ways (media)")
         t, h, _, d = queries.shape  # [T, H_q, 1, D]
-        fresh = None if self.meta.decode else self.pool.fresh.get(self.region)
+        fresh = None
+        if not self.meta.decode and self.pool.fresh_step is self.meta:
+            fresh = self.pool.fresh.get(self.region)
         out = turboquant.paged_attention(
             queries.reshape(t, h, d),
             self._pages(self.pool.keys),

@@ -19,8 +19,7 @@ from tests.backends.mlx.runner.jobs import (
     run_engine_job,
     tokens,
 )
-from tests.backends.mlx.runner.test_fp8_kv import teacher_forced
-from tests.fixtures.oracles import hf_greedy
+from tests.fixtures.oracles import hf_greedy, hf_logprobs
 from tests.fixtures.turboquant_reference import PRESETS, hf_turboquant_logprobs
 
 pytestmark = pytest.mark.slow
@@ -33,15 +32,15 @@ MAX_TOKENS = 24
 # coordinate near a rounding decision may store the neighbouring level (measured in the report
 # of the commit that set it).
 ORACLE_TOL = 5e-3
-# Against the unquantized cache (teacher forced, 192 positions): bounds under the measured cost
-# (docs/kv-cache.md); a wrong dequantization costs whole nats.
+# Against the unquantized cache (192 generated tokens, `own_path_cost`): bounds under the measured
+# cost (docs/kv-cache.md); a wrong dequantization costs whole nats.
 MIN_AGREEMENT = {
-    "turboquant_k8v4": 0.85,
-    "turboquant_4bit_nc": 0.8,
-    "turboquant_k3v4_nc": 0.75,
-    "turboquant_3bit_nc": 0.7,
+    "turboquant_k8v4": 0.97,
+    "turboquant_4bit_nc": 0.97,
+    "turboquant_k3v4_nc": 0.95,
+    "turboquant_3bit_nc": 0.95,
 }
-MAX_MEAN_ERROR = 0.3
+MAX_MEAN_ERROR = 0.06
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +80,26 @@ def test_every_preset_matches_the_oracle(model, name) -> None:
     assert_matches_oracle(model, prompts, batch, name)
 
 
-def _jobs(model) -> list[dict]:
+def own_path_cost(model, batch: list[dict]) -> tuple[float, float]:
+    """Over every generated token of `batch` (PROMPTS run greedily with logprobs=1): the share
+    that are transformers float32's (the unquantized cache's) greedy choice after the same
+    prefix, and the mean |logprob error| of the token against it. Decode steps read the cache, so
+    this measures the format where it is read (a prompt's first chunk attends unquantized)."""
+    agree, errors = [], []
+    for prompt, result in zip(PROMPTS, batch):
+        sample = result["outputs"][0]
+        ref = hf_logprobs(model, prompt + sample["token_ids"])
+        for step, token in enumerate(sample["token_ids"]):
+            row = ref[len(prompt) - 1 + step]
+            agree.append(row.max() - row[token] <= 1e-4)
+            errors.append(abs(sample["logprobs"][step][str(token)] - row[token]))
+    return float(np.mean(agree)), float(np.mean(errors))
+
+
+def _jobs() -> list[dict]:
     params = [greedy(MAX_TOKENS, logprobs=1)]
-    want = hf_greedy(model, PROMPTS, MAX_TOKENS)
-    forced = [p + w for p, w in zip(PROMPTS, want)]
-    return [
-        {"prompts": PROMPTS, "params": params},
-        # The same prompts again: their prefixes are read back from the cached blocks.
-        {"prompts": PROMPTS, "params": params},
-        {"prompts": forced, "params": [greedy(1, prompt_logprobs=1)]},
-    ]
+    # The same prompts twice: the second round reads their prefixes from the cached blocks.
+    return [{"prompts": PROMPTS, "params": params}, {"prompts": PROMPTS, "params": params}]
 
 
 @functools.cache
@@ -105,26 +114,26 @@ def _composed_run(model, name):
         "max_num_batched_tokens": 32,
         "disable_log_stats": False,
     }
-    return run_engine_job(model, _jobs(model), engine=engine, with_metrics="per_job")
+    return run_engine_job(model, _jobs(), engine=engine, with_metrics="per_job")
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_cost_against_the_unquantized_cache(model, name) -> None:
-    """Chunked prefill, preemption and prefix-cache hits over TurboQuant pages: the teacher-forced
-    agreement with the unquantized cache and the mean |logprob error| stay within the format's
-    measured cost (docs/kv-cache.md)."""
-    (first, second, forced), metrics = _composed_run(model, name)
+    """Chunked prefill, preemption and prefix-cache hits over TurboQuant pages: agreement with
+    the unquantized cache and the mean |logprob error| stay within the format's measured cost
+    (docs/kv-cache.md), both rounds."""
+    (first, second), metrics = _composed_run(model, name)
     assert metrics[0].get("vllm:num_preemptions", 0) >= 1, sorted(metrics[0].items())
     hits = [m.get("vllm:prefix_cache_hits", 0) for m in metrics]
     assert hits[1] > hits[0], hits
     want = hf_greedy(model, PROMPTS, MAX_TOKENS)
-    share, error = teacher_forced(model, forced, want)
-    greedy_share = np.mean([a == b for t, w in zip(tokens(first), want) for a, b in zip(t, w)])
-    print(f"plugin {name}: teacher-forced agreement {share:.3f}, logprob error {error:.4f}, "
-          f"greedy tokens equal to the unquantized run {greedy_share:.3f}")  # fmt: skip
-    assert share >= MIN_AGREEMENT[name] and error <= MAX_MEAN_ERROR
-    assert len(tokens(second)) == len(PROMPTS)
+    for batch in (first, second):
+        share, error = own_path_cost(model, batch)
+        same = np.mean([a == b for t, w in zip(tokens(batch), want) for a, b in zip(t, w)])
+        print(f"plugin {name}: agreement {share:.3f}, logprob error {error:.4f}, greedy tokens "
+              f"equal to the unquantized run's {same:.3f}")  # fmt: skip
+        assert share >= MIN_AGREEMENT[name] and error <= MAX_MEAN_ERROR
 
 
 @pytest.mark.full
@@ -159,16 +168,16 @@ def test_agreement_beside_vllm_cpus(model, name) -> None:
     """vLLM's CPU backend with the same setting, measured the same way. It does not refuse the
     TurboQuant names, but runs them through its fp8 path (`is_quantized_kv_cache`): one byte per
     element, per-tensor scale 1.0, in the layers outside the boundary, which is not TurboQuant.
-    Its figures are reported beside the plugin's (docs/kv-cache.md); the plugin's own bound is
-    the format's measured cost."""
-    want = hf_greedy(model, PROMPTS, MAX_TOKENS)
-    forced = _jobs(model)[2:]
-    (ours,) = run_engine_job(model, forced, engine={"kv_cache_dtype": name})
-    (cpu,) = run_engine_job(model, forced, backend="cpu", engine={"kv_cache_dtype": name})
+    Its figures are reported beside the plugin's (docs/kv-cache.md); the plugin agrees with the
+    unquantized cache at least as well (the issue's bar) and within its own measured cost."""
+    jobs = _jobs()[:1]
+    (ours,) = run_engine_job(model, jobs, engine={"kv_cache_dtype": name})
+    (cpu,) = run_engine_job(model, jobs, backend="cpu", engine={"kv_cache_dtype": name})
     (our_share, our_error), (cpu_share, cpu_error) = (
-        teacher_forced(model, ours, want),
-        teacher_forced(model, cpu, want),
+        own_path_cost(model, ours),
+        own_path_cost(model, cpu),
     )
     print(f"{name}: agreement plugin {our_share:.3f} vLLM CPU {cpu_share:.3f}; logprob error "
           f"plugin {our_error:.4f} vLLM CPU {cpu_error:.4f}")  # fmt: skip
     assert our_share >= MIN_AGREEMENT[name] and our_error <= MAX_MEAN_ERROR
+    assert our_share >= cpu_share
