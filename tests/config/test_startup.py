@@ -309,3 +309,12 @@ def test_mla_models_are_not_warned_of_their_head_size(
     config = _engine_config(tiny_minicpm3_dir)
     assert config.model_config.get_head_size() == 16
     assert not any("head size" in m for m in seen), seen
+
+
+def test_turboquant_is_refused_where_windowed_and_full_layers_share_memory(tiny_model_dir):
+    """Gemma 3 (sliding and full layers): vLLM overlays its two KV-cache groups in one region,
+    where TurboQuant slots and the boundary layers' unquantized pages would meet."""
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_model_dir("gemma3"), kv_cache_dtype="turboquant_k8v4")
+    assert "sliding-window and full-attention layers" in str(info.value)
+    assert "--kv-cache-dtype turboquant_k8v4" in str(info.value)

@@ -137,12 +137,30 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
         problem = turboquant.head_size_problem(dtype, vllm_config.model_config.get_head_size())
         if problem is not None:
             refused = (f"a model whose {problem}", "use --kv-cache-dtype turboquant_k8v4 or fp8")
+        elif _mixes_windowed_and_full_layers(vllm_config):
+            refused = (
+                (
+                    "a model of both sliding-window and full-attention layers (their KV-cache groups "
+                    "share memory, where TurboQuant and unquantized boundary-layer pages would overlay)"
+                ),
+                "use --kv-cache-dtype fp8",
+            )
     if refused is not None:
         raise MetalConfigError(
             f"vllm-metal: --kv-cache-dtype {dtype} is not supported with {refused[0]}; "
             f"{refused[1]}, or --kv-cache-dtype auto"
         )
     return True
+
+
+def _mixes_windowed_and_full_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the checkpoint's config declares sliding-window and full-attention layers both."""
+    from vllm_metal.models.layers import kinds_from_config
+
+    text = vllm_config.model_config.hf_text_config
+    num_layers = getattr(text, "num_hidden_layers", 0) or 0
+    kinds = kinds_from_config(text.to_dict(), num_layers)
+    return len({kind.sliding_window is None for kind in kinds}) > 1
 
 
 def _reads_target_kv(vllm_config: VllmConfig) -> bool:
