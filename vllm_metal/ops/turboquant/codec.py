@@ -151,13 +151,38 @@ def quantize_values(value: mx.array, fmt: TurboQuantFormat) -> mx.array:
     return mx.concatenate(parts, axis=-1)
 
 
+def _e4m3_values(codes: mx.array) -> mx.array:
+    """float32 values of E4M3 bytes by their bits (elementwise; a table gather costs more on the
+    CPU): normal ``(1 + m/8) * 2^(e-7)``, subnormal ``m * 2^-9``. The store never writes NaN
+    codes but for NaN keys, which read here as 480 (0x7f is otherwise unused)."""
+    b = codes.astype(mx.uint32)
+    exponent, mantissa = (b >> 3) & 0xF, b & 0x7
+    sign = (b & 0x80) << 24
+    normal = mx.view(sign | ((exponent + 120) << 23) | (mantissa << 20), mx.float32)
+    subnormal = mx.view(
+        sign | mx.view(mantissa.astype(mx.float32) * 2.0**-9, mx.uint32), mx.float32
+    )
+    return mx.where(exponent == 0, subnormal, normal)
+
+
+@cache
+def _pair_table(fmt: TurboQuantFormat) -> mx.array:
+    """``[256, 2]``: the centroids of a byte's low and high 4-bit indices."""
+    c = np.asarray(fmt.centroids, np.float32)
+    codes = np.arange(256)
+    return mx.array(np.stack([c[codes & 0xF], c[codes >> 4]], axis=-1))
+
+
 def dequantize_keys(data: mx.array, fmt: TurboQuantFormat) -> mx.array:
     """``[..., key_bytes]`` -> ``[..., D]`` float32 keys as attention scores them: fp8 keys as
     they are, MSE keys in the rotated space (score them with ``query @ hadamard``)."""
     if fmt.fp8_keys:
-        return fp8.dequantize(data, _E4M3, 1.0, mx.float32)
-    centroids, _ = _table(fmt)
-    c = centroids[unpack(data[..., :-2], fmt.key_bits, fmt.head_dim)]
+        return _e4m3_values(data)
+    if fmt.key_bits == 4:  # two indices a byte: one gather of both centroids
+        c = _pair_table(fmt)[data[..., :-2]].reshape(*data.shape[:-1], fmt.head_dim)
+    else:
+        centroids, _ = _table(fmt)
+        c = centroids[unpack(data[..., :-2], fmt.key_bits, fmt.head_dim)]
     if fmt.norm_correction:
         c = c * (1.0 / mx.sqrt((c * c).sum(-1, keepdims=True) + 1e-16))
     return _f16_value(data[..., -2:])[..., None] * c
