@@ -23,14 +23,16 @@ if TYPE_CHECKING:
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
 _MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
 _MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload", "fp8_kv_cache"}
+# TurboQuant pages (`kv.turboquant`) on plain attention decoders, in one process.
+_MLX_TURBOQUANT = frozenset({"turboquant_kv_cache"})
 # What a pipeline stage serves beside its layers (`pipeline_refusal`); the rest is refused there.
 PIPELINE_FEATURES = frozenset({"pipeline_parallel"})
 
 SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
     "mlx": {
         # Pipeline stages: the families of `models.families.PIPELINE_STAGE_TYPES`.
-        "text": _MLX_DECODER | {"pipeline_parallel"},
-        "moe": _MLX_DECODER | {"pipeline_parallel"},
+        "text": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
+        "moe": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,

@@ -18,6 +18,8 @@ from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.kv.state import StateBlocks, StateLayerCache
 from vllm_metal.kv.state_drafts import StepDrafts
+from vllm_metal.kv.turboquant import TurboQuantPool
+from vllm_metal.kv.turboquant import layer_cache as turboquant_layer_cache
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -89,6 +91,9 @@ def attention_cache(
     pool: KVPool, layer: int, kind: LayerKind, meta: StepMetadata, key_ends_sliding_only: bool
 ) -> PagedLayerCache:
     """The paged view of attention layer `layer` (of kind `kind`) for the step of `meta`."""
+    bidirectional = not key_ends_sliding_only or kind.sliding_window is not None
+    if isinstance(pool, TurboQuantPool):
+        return turboquant_layer_cache(pool, layer, kind, meta, bidirectional)
     layout = pool.layout
     group = layout.group_of_layer[layer]
     return PagedLayerCache(
@@ -99,7 +104,7 @@ def attention_cache(
         kind.sliding_window,
         page_shape=(layout.block_sizes()[group], *kind.kv_shape(*pool.kv_shape)),
         writes=kind.kv_source is None,
-        bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
+        bidirectional=bidirectional,
         quant=None if pool.layer_quant is None else pool.layer_quant[layer],
     )
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm_metal.kv.pool import KVLayout, KVPool
     from vllm_metal.kv.quant import KVCacheQuant
     from vllm_metal.kv.state_drafts import StepDrafts
+    from vllm_metal.kv.turboquant import TurboQuantCache
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.models.multimodal import TokenRows
 
@@ -168,13 +169,18 @@ class ModelState:
             self.kv_cache_quant(),
         )
 
-    def kv_cache_quant(self) -> KVCacheQuant | None:
+    def kv_cache_quant(self) -> KVCacheQuant | TurboQuantCache | None:
         """The fp8 cache `--kv-cache-dtype` asks for (`kv.quant`), its scales from the
-        checkpoint where it has them (a local checkpoint directory); None for an unquantized
-        cache."""
+        checkpoint where it has them (a local checkpoint directory), or the TurboQuant one
+        (`kv.turboquant`); None for an unquantized cache."""
         from pathlib import Path
 
+        from vllm_metal.kv import turboquant
         from vllm_metal.kv.quant import kv_cache_quant
+
+        cache_config = self.vllm_config.cache_config
+        if turboquant.requested(cache_config.cache_dtype):
+            return turboquant.TurboQuantCache.of(cache_config, self.layer_kinds)
 
         local = Path(self.model_config.model).expanduser()
         return kv_cache_quant(
