@@ -106,9 +106,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
         ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
-        ({"kv_cache_dtype": "int8_per_token_head"}, ["kv_cache_dtype", "int8_per_token_head"]),
-        ({"kv_cache_dtype": "int4_per_token_head"}, ["kv_cache_dtype", "int4_per_token_head"]),
-        ({"kv_cache_dtype": "fp8_per_token_head"}, ["kv_cache_dtype", "fp8_per_token_head"]),
         ({"kv_cache_dtype": "turboquant_k8v4"}, ["kv_cache_dtype", "turboquant_k8v4"]),
         ({"kv_cache_dtype": "turboquant_4bit_nc"}, ["kv_cache_dtype", "turboquant_4bit_nc"]),
         (
@@ -117,6 +114,13 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
                 "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
             },
             ["--kv-cache-dtype fp8", "method='draft_model'", "method='ngram'"],
+        ),
+        (
+            {
+                "kv_cache_dtype": "int4_per_token_head",
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["--kv-cache-dtype int4_per_token_head", "method='draft_model'"],
         ),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
         (
@@ -165,12 +169,10 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "pp_lora",
         "pp_dp",
         "block_size",
-        "kv_int8_per_token_head",
-        "kv_int4_per_token_head",
-        "kv_fp8_per_token_head",
         "kv_turboquant_k8v4",
         "kv_turboquant_4bit_nc",
         "kv_fp8_draft_model",
+        "kv_int4_per_token_head_draft_model",
         "quantization",
         "spec_eagle3",
         "spec_probabilistic",
@@ -193,7 +195,17 @@ def test_unsupported_settings_are_refused_by_name(
         assert name in message
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+    ],
+)
 def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> None:
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
     assert config.cache_config.cache_dtype == dtype
@@ -202,7 +214,7 @@ def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> 
     assert config.speculative_config.method == "ngram"
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8_per_token_head"])
 def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen3_dir, dtype):
     from vllm_metal.config.table import refusal
 
@@ -210,7 +222,7 @@ def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen
     config.cache_config.cache_dtype = dtype
     assert refusal(config, "mlx") is None
     message = refusal(config, "mps")
-    assert f"fp8 KV caches with text decoders: --kv-cache-dtype {dtype}" in message
+    assert f"quantized KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,7 @@ def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, wor
     model = _model_config(request.getfixturevalue(fixture))
     message = refusal(_config(model, cache_config=CacheConfig(cache_dtype="fp8")), "mlx")
     assert message is not None
-    assert f"fp8 KV caches with {words}" in message
+    assert f"quantized KV caches with {words}" in message
     assert "--kv-cache-dtype fp8" in message and "use --kv-cache-dtype auto" in message
 
 
@@ -234,5 +234,5 @@ def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
         cache_config=CacheConfig(cache_dtype="fp8"),
     )
     message = pipeline_refusal(config, "mlx")
-    assert "pipeline parallelism with fp8 KV caches" in message
+    assert "pipeline parallelism with quantized KV caches" in message
     assert "--kv-cache-dtype fp8" in message

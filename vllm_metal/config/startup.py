@@ -85,8 +85,9 @@ def check_config(vllm_config: VllmConfig) -> Backend:
 
 def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
-    serves fp8 KV caches, fp8 / fp8_e4m3 / fp8_e5m2 (`kv.quant`); every other format is refused
-    by name, and so is fp8 beside any drafter with KV memory of its own (only n-gram drafts,
+    serves quantized KV caches, fp8 / fp8_e4m3 / fp8_e5m2 and int8 / fp8 / int4_per_token_head
+    (`kv.quant`); every other format is refused by name, and so is a quantized cache beside any
+    drafter with KV memory of its own (only n-gram drafts,
     which have none, and an MTP assistant, which reads the target's, are verified over an fp8
     cache)."""
     from vllm_metal.kv.quant import requested
@@ -104,9 +105,10 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
     raise MetalConfigError(
-        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the per-token-head int8/int4/"
-        "fp8, TurboQuant, NVFP4 and other quantized formats are not built); use 'auto', or "
-        "'fp8' / 'fp8_e4m3' / 'fp8_e5m2' on the MLX backend"
+        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the TurboQuant, NVFP4 and "
+        "other quantized formats are not built); use 'auto', or 'fp8' / 'fp8_e4m3' / "
+        "'fp8_e5m2' / 'int8_per_token_head' / 'fp8_per_token_head' / 'int4_per_token_head' on "
+        "the MLX backend"
     )
 
 

@@ -84,7 +84,10 @@ def attention_cache(
         meta,
         meta.groups[group],
         kind.sliding_window,
-        page_shape=(layout.block_sizes()[group], *kind.kv_shape(*pool.kv_shape)),
+        page_shape=(
+            layout.block_sizes()[group],
+            *pool.stored_shape(*kind.kv_shape(*pool.kv_shape)),
+        ),
         writes=kind.kv_source is None,
         bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
         quant=None if pool.layer_quant is None else pool.layer_quant[layer],
