@@ -55,6 +55,8 @@ SUITES = (
     Suite("kv_offload", "KV offload tiers: host and disk against recomputing", ("kv_offload",)),
     Suite("kv_fp8", "fp8 KV cache against unquantized: tokens held, long-context decode",
           ("kv_fp8",)),
+    Suite("kv_ptk", "per-token-head KV caches against unquantized: tokens held, decode",
+          ("kv_ptk",)),
     Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
     Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
     Suite("mtp", "MTP speculative decoding on Qwen3.5: its own head, with and without", ("mtp",)),
