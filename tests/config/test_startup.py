@@ -214,6 +214,15 @@ def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> 
     assert config.speculative_config.method == "ngram"
 
 
+def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):
+    """Gemma 4's full-attention layers have rows of another head size: with each row's scale
+    beside it vLLM pads the narrower layers' pages, which the pools do not lay out."""
+    with pytest.raises(ValueError, match="global_head_dim") as info:
+        _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
+    assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
+    assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8_per_token_head"])
 def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen3_dir, dtype):
     from vllm_metal.config.table import refusal

@@ -94,6 +94,7 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
 
     dtype = vllm_config.cache_config.cache_dtype
     if requested(dtype):
+        _check_row_widths(vllm_config, dtype)
         spec = vllm_config.speculative_config
         if spec is not None and spec.method != "ngram" and not _reads_target_kv(vllm_config):
             raise MetalConfigError(
@@ -110,6 +111,28 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         "'fp8_e5m2' / 'int8_per_token_head' / 'fp8_per_token_head' / 'int4_per_token_head' on "
         "the MLX backend"
     )
+
+
+def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
+    """A per-token-head cache of a model whose attention layers have two head sizes (Gemma 4's
+    full-attention layers: `global_head_dim`, or `per_layer_config` in transformers 5) is
+    refused: with each row's scale beside it the two rows are no whole multiple of each other,
+    and vLLM pads the narrower layers' pages, which the pools do not lay out (`kv.pool`)."""
+    from vllm_metal.ops.per_token_head import is_per_token_head
+
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    if not is_per_token_head(dtype) or text is None:
+        return
+    config = text.to_dict()
+    sizes = {config.get("head_dim"), config.get("global_head_dim")}
+    sizes |= {layer.get("head_dim") for layer in (config.get("per_layer_config") or {}).values()}
+    sizes.discard(None)
+    if len(sizes) > 1:
+        raise MetalConfigError(
+            f"vllm-metal: --kv-cache-dtype {dtype} is not supported for a model whose attention "
+            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim); use "
+            "--kv-cache-dtype fp8 or auto"
+        )
 
 
 def _reads_target_kv(vllm_config: VllmConfig) -> bool:
