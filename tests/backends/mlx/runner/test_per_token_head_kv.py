@@ -136,3 +136,17 @@ def test_ngram_verification_over_per_token_head_pages_is_lossless(model) -> None
     # Drafts were verified (accepted or not: either way verification rows read the pages).
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) >= 1, metrics
     assert tokens(drafted) == tokens(plain)
+
+
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head"])
+def test_compiled_decode_reads_per_token_head_pages(model, dtype) -> None:
+    """Decode steps traced by mx.compile (the default on a GPU) write and read the rows as the
+    eager steps do: the same greedy tokens and logprobs."""
+    jobs = [{"prompts": random_prompts(46, [20, 37, 9]), "params": [greedy(12, logprobs=1)]}]
+    engine = {"kv_cache_dtype": dtype}
+    (eager,) = run_engine_job(model, jobs, engine=engine, env={"VLLM_METAL_COMPILE": "0"})
+    (traced,) = run_engine_job(model, jobs, engine=engine, env={"VLLM_METAL_COMPILE": "1"})
+    assert tokens(traced) == tokens(eager)
+    for a, b in zip(traced, eager):
+        for x, y in zip(a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]):
+            assert abs(next(iter(x.values())) - next(iter(y.values()))) <= 1e-4
