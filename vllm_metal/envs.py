@@ -136,13 +136,15 @@ ENV_VARS: dict[str, EnvVar] = {
         _choice("VLLM_METAL_DEVICE", "auto", ("auto", "gpu", "cpu")),
         "auto",
         "MLX device: `auto` picks MLX's GPU when it has one (Metal; CUDA too, where the ops run "
-        "their pure-MLX versions: [gpu-proxy.md](gpu-proxy.md)), else the CPU.",
+        "their pure-MLX versions and a CUDA decode kernel: [gpu-proxy.md](gpu-proxy.md)), else "
+        "the CPU.",
     ),
     "VLLM_METAL_USE_REFERENCE_OPS": EnvVar(
         _bool("VLLM_METAL_USE_REFERENCE_OPS", False),
         "0",
         "1 runs the paged attention and cache write through their pure-MLX versions (one batched "
-        "graph per call) instead of the native extension.",
+        "graph per call) instead of the native extension (or, on MLX's CUDA GPU, the CUDA decode "
+        "kernel).",
     ),
     "VLLM_METAL_DISABLE_GQA_DECODE": EnvVar(
         _bool("VLLM_METAL_DISABLE_GQA_DECODE", False),

@@ -93,13 +93,17 @@ def _attention(report: dict[str, Any]) -> list[str]:
     lines = ["", (f"## A decode step's attention alone: ms for all {att['layers']} layers at a "
              f"{att['context']}-token context"), "",
              ("The plugin's pure-MLX paged attention gathers each sequence's blocks before attending "
-             "(the Metal kernels read the pages in place); mlx-lm attends over its contiguous "
-             "cache. Both compiled."), "",
+             "(the Metal kernels read the pages in place, as its CUDA decode kernel does); mlx-lm "
+             "attends over its contiguous cache. All compiled."), "",
              "| | " + " | ".join(f"{n} stream{'s' if int(n) > 1 else ''}" for n in streams) + " |",
              "|---|" + "---:|" * len(streams)]  # fmt: skip
-    for key, label in (("paged_ms", "paged, pure MLX"), ("contiguous_ms", "contiguous cache")):
-        lines.append(f"| {label} | " + " | ".join(num(att["cases"][n][key], 2) for n in streams)
-                     + " |")  # fmt: skip
+    rows = (("paged_ms", "paged, pure MLX", 2), ("cuda_kernel_ms", "paged, CUDA kernel", 2),
+            ("cuda_kernel_max_error", "CUDA kernel, largest difference from pure MLX", 4),
+            ("contiguous_ms", "contiguous cache", 2))  # fmt: skip
+    for key, label, digits in rows:
+        if all(key in att["cases"][n] for n in streams):
+            values = " | ".join(num(att["cases"][n][key], digits) for n in streams)
+            lines.append(f"| {label} | {values} |")
     return lines
 
 

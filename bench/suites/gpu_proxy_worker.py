@@ -213,9 +213,10 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_attention(spec: dict[str, Any]) -> dict[str, Any]:
     """A decode step's attention alone, every layer of the checkpoint's shape at the run's last
-    context (prompt + output): the plugin's pure-MLX paged attention (what the proxy runs where
-    the Metal kernels would) against `mx.fast.scaled_dot_product_attention` over a contiguous
-    cache (what mlx-lm runs), both `mx.compile`d; ms per step, the best of a few repetitions."""
+    context (prompt + output): the plugin's pure-MLX paged attention and, on MLX's CUDA GPU, its
+    CUDA decode kernel (`ops/attention/cuda.py`, with its largest difference from the pure-MLX
+    op), against `mx.fast.scaled_dot_product_attention` over a contiguous cache (what mlx-lm
+    runs), all `mx.compile`d; ms per step, the best of a few repetitions."""
     import math
 
     import mlx.core as mx
@@ -224,6 +225,11 @@ def run_attention(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("plugin_tree"):
         sys.path.insert(0, spec["plugin_tree"])
     from vllm_metal.ops.attention import batched
+
+    try:  # trees before the CUDA decode kernel
+        from vllm_metal.ops.attention import cuda
+    except ImportError:
+        cuda = None
 
     config = json.loads((Path(spec["model"]) / "config.json").read_text())
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -264,6 +270,15 @@ def run_attention(spec: dict[str, Any]) -> dict[str, Any]:
 
         cases[str(n)] = {"paged_ms": round(best_ms(mx.compile(paged)), 3),
                          "contiguous_ms": round(best_ms(mx.compile(contiguous)), 3)}  # fmt: skip
+        if cuda is not None and cuda.available():
+
+            def kernel(pools=pools, tables=tables, lens=lens, q=q):
+                return [cuda.decode_attention(q, pools[2 * i], pools[2 * i + 1], tables, lens,
+                                              scale=scale) for i in range(layers)]  # fmt: skip
+
+            error = mx.max(mx.abs(kernel()[0].astype(mx.float32) - paged()[0].astype(mx.float32)))
+            cases[str(n)]["cuda_kernel_ms"] = round(best_ms(mx.compile(kernel)), 3)
+            cases[str(n)]["cuda_kernel_max_error"] = float(error.item())
         del pools, cache
     return {"cases": cases, "layers": layers, "context": context, "device": device_facts()}
 

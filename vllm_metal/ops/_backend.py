@@ -1,6 +1,6 @@
 """Which implementation the ops run: the compiled extension when it loads for this MLX and can run
-on the default device, otherwise (or with VLLM_METAL_USE_REFERENCE_OPS=1) the pure-MLX ones; and
-the opt-in value checks."""
+on the default device, otherwise (or with VLLM_METAL_USE_REFERENCE_OPS=1) the pure-MLX ones, with
+CUDA kernels for some calls on MLX's CUDA GPU; and the opt-in value checks."""
 
 from __future__ import annotations
 
@@ -40,6 +40,14 @@ def native() -> ModuleType | None:
     if not _native_ops.HAS_METAL and mx.default_device() == mx.gpu:
         return None
     return _native_ops
+
+
+def cuda_kernels() -> bool:
+    """Whether the ops may run their CUDA kernels (`ops/attention/cuda.py`): the default device
+    is MLX's CUDA GPU (the GPU proxy) and the reference ops are not asked for."""
+    from vllm_metal.ops.attention import cuda
+
+    return not envs.VLLM_METAL_USE_REFERENCE_OPS and cuda.available()
 
 
 def native_for(size: object, sizes: str = "HEAD_SIZES") -> ModuleType | None:

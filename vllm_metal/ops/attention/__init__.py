@@ -14,7 +14,7 @@ import numpy as np
 
 from vllm_metal.ops import _backend, fp8, per_token_head
 from vllm_metal.ops import _validate as v
-from vllm_metal.ops.attention import batched, reference
+from vllm_metal.ops.attention import batched, cuda, reference
 
 _PASSED: set = set()  # argument signatures that passed check_paged_attention
 
@@ -98,7 +98,11 @@ def paged_attention(
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     if quant is not None:
         options["quant"] = quant
-    out = impl.paged_attention(*arrays, scale=scale, decode=decode, **options)
+    out = None
+    if impl is batched and decode and _backend.cuda_kernels() and not (softcap or sinks or quant):
+        out = cuda.decode_attention(*arrays[:5], scale=scale, sliding_window=sliding_window)
+    if out is None:
+        out = impl.paged_attention(*arrays, scale=scale, decode=decode, **options)
     if key_ends is not None:
         ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
         for s, rows, positions in ahead:

@@ -155,6 +155,10 @@ def run(spec: dict) -> dict:
             state = llm.llm_engine.model_executor.driver_worker.worker.model_runner.state
             results.append(0 if state.compiled is None else state.compiled.steps)
             continue
+        if job.get("action") == "carried_steps":  # steps whose tokens stayed on the device
+            output = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output
+            results.append(output.pipeline.carried_steps)
+            continue
         if job.get("action") == "memory_usage":  # every worker's (each pipeline stage's)
             results.append(llm.collective_rpc("memory_usage"))
             continue

@@ -215,8 +215,9 @@ NEW_TOKENS = 24
 
 @pytest.mark.slow
 def test_engine_with_compiled_decode_matches_transformers(tiny_model_dir):
-    """Gemma 2 (two KV-cache groups: sliding and full; soft-capped attention), async scheduling,
-    16-token chunks, a pool too small for the preempted batch, a prefix round."""
+    """Gemma 2 (two KV-cache groups: sliding and full; soft-capped attention), async scheduling
+    with steps pipelined (tokens carried on the device), 16-token chunks, a pool too small for
+    the preempted batch, a prefix round."""
     model = tiny_model_dir("gemma2", sliding_window=24)
     engine = {
         "max_num_batched_tokens": 16,
@@ -232,12 +233,15 @@ def test_engine_with_compiled_decode_matches_transformers(tiny_model_dir):
         {"prompts": [SHARED + [5]], "params": [greedy(4)]},
         {"prompts": HITS, "params": [greedy(NEW_TOKENS)]},
         {"action": "compiled_steps"},
+        {"action": "carried_steps"},
     ]
     env = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    (mixed, preempted, _, hits, steps), metrics = run_engine_job(
+    (mixed, preempted, _, hits, steps, carried), metrics = run_engine_job(
         model, jobs, engine=engine, env=env, with_metrics=True
     )
     assert steps > 50, steps  # decode steps ran compiled
+    # Greedy rounds without logprobs: the next step took each step's tokens on the device.
+    assert carried > 40, carried
     assert metrics.get("vllm:num_preemptions", 0) > 0, metrics
     assert tokens_of(mixed) == hf_greedy(model, MIXED, NEW_TOKENS)
     assert tokens_of(preempted) == hf_greedy(model, PREEMPTED, 40)

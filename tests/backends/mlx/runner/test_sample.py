@@ -19,7 +19,12 @@ from vllm.v1.sample.sampler import Sampler
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, penalized, sample_rows
+from vllm_metal.backends.mlx.runner.device_sampling import (
+    DeviceSampler,
+    penalized,
+    raw_logprobs,
+    sample_rows,
+)
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -27,7 +32,9 @@ from vllm_metal.backends.mlx.runner.step import StepState
 VOCAB = 64  # logits columns used (the rest of the tiny model's vocabulary is -inf)
 
 
-def _run(vllm_config, params: dict[str, SamplingParams], on_device: bool, monkeypatch):
+def _run(
+    vllm_config, params: dict[str, SamplingParams], on_device: bool, monkeypatch, with_output=False
+):
     """One step of requests a (decode-sized prompt, sampled), b (mid-prefill: discarded) and c,
     sampled from fixed logits; returns (sampled ids, whether the logits went to the host)."""
     states = RequestStates(vllm_config, [BS])
@@ -45,13 +52,21 @@ def _run(vllm_config, params: dict[str, SamplingParams], on_device: bool, monkey
     table = np.full((3, vocab), -np.inf, np.float32)
     table[:, :VOCAB] = rng.standard_normal((3, VOCAB))
     logits = mx.array(table)
-    tokens = DeviceSampler(0).tokens(logits, states.input_batch) if on_device else None
+    tokens = logprobs = None
+    if on_device:  # as `Sampling.finish_step` queues them
+        tokens = DeviceSampler(0).tokens(logits, states.input_batch)
+        metadata = states.input_batch.sampling_metadata
+        logprobs = (
+            None if tokens is None else raw_logprobs(logits, tokens, metadata, "raw_logprobs")
+        )
     copied = []
     real = sample.to_torch
     monkeypatch.setattr(sample, "to_torch", lambda a: copied.append(a) or real(a))
-    state = StepState(sched, packed, logits, {}, device_tokens=tokens)
+    state = StepState(sched, packed, logits, {}, device_tokens=tokens, device_logprobs=logprobs)
     output = sample.sample_step(state, states, Sampler(), "raw_logprobs")
     by_req = dict(zip(output.req_ids, output.sampled_token_ids))
+    if with_output:
+        return by_req, bool(copied), output
     return by_req, bool(copied)
 
 
@@ -69,10 +84,10 @@ def test_greedy_rows_sample_on_the_device_like_the_host_sampler(vllm_config, mon
     [
         SamplingParams(temperature=0.0, logit_bias={5: 50.0}),
         SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7]),
-        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, logprobs=-1),
         SamplingParams(temperature=1.0, seed=3),
     ],
-    ids=["logit_bias", "min_tokens", "logprobs", "seeded"],
+    ids=["logit_bias", "min_tokens", "every_logprob", "seeded"],
 )
 def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatch, odd):
     params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0), "c": odd}
@@ -82,6 +97,27 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
     assert device == host
     if odd.logit_bias:
         assert device["c"] == [5]
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_logprobs_come_from_the_device_as_the_host_sampler_gives_them(vllm_config, monkeypatch, k):
+    """vLLM's raw logprobs: the sampled token's and the k most likely, with its rank; one row
+    asks for k, another for fewer (the batch's largest k is computed for every row)."""
+    params = {"a": SamplingParams(temperature=0.0, logprobs=k), "b": SamplingParams(temperature=0.0),
+              "c": SamplingParams(temperature=0.0, logprobs=min(k, 1), repetition_penalty=2.0)}  # fmt: skip
+    device, copied, ours = _run(vllm_config, params, True, monkeypatch, with_output=True)
+    host, _, theirs = _run(vllm_config, params, False, monkeypatch, with_output=True)
+    assert not copied and device == host
+    assert ours.logprobs.logprob_token_ids.shape == (3, k + 1)
+    np.testing.assert_array_equal(
+        ours.logprobs.logprob_token_ids, theirs.logprobs.logprob_token_ids
+    )
+    np.testing.assert_array_equal(
+        ours.logprobs.sampled_token_ranks, theirs.logprobs.sampled_token_ranks
+    )
+    np.testing.assert_allclose(
+        ours.logprobs.logprobs, theirs.logprobs.logprobs, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,7 +173,7 @@ def test_penalties_equal_vllms():
 
 def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     """Random rows beside a greedy one: no logits copied, the greedy row's argmax, the random
-    rows' tokens among their top 3; a logprobs request beside them sends the step to the host."""
+    rows' tokens among their top 3; a logprobs request beside them stays on the device too."""
     params = {
         "a": SamplingParams(temperature=0.8, top_k=3, min_p=0.1),
         "b": SamplingParams(temperature=1.0, top_p=0.5),
@@ -151,10 +187,9 @@ def test_unseeded_random_rows_sample_on_the_device(vllm_config, monkeypatch):
     assert device["b"] == [] and device["c"] == greedy["c"]
     table = np.random.default_rng(0).standard_normal((3, VOCAB))
     assert device["a"][0] in np.argsort(-table[0])[:3]
-    _, copied = _run(
-        vllm_config, {**params, "c": SamplingParams(temperature=0.0, logprobs=1)}, True, monkeypatch
-    )
-    assert copied
+    with_logprobs = {**params, "c": SamplingParams(temperature=0.0, logprobs=1)}
+    _, copied, output = _run(vllm_config, with_logprobs, True, monkeypatch, with_output=True)
+    assert not copied and output.logprobs.logprobs.shape == (3, 2)
 
 
 def _min_p_processor(vllm_config, min_p: float, n: int) -> MinPLogitsProcessor:

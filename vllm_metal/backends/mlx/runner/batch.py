@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,9 @@ class PackedBatch:
     logits_indices: np.ndarray  # [S + sum(num_draft_tokens)]
     discard: np.ndarray  # [S] bool: mid-prefill, the sampled token is thrown away
     num_draft_tokens: np.ndarray  # [S] drafts verified per request (all 0 without speculation)
+    # Tokens the host does not know yet: a pending step's samples still on the device
+    # (`step.CarriedTokens`), as (indices into token_ids, an MLX array of those tokens).
+    carried: tuple[np.ndarray, Any] | None = None
 
     @property
     def num_tokens(self) -> int:

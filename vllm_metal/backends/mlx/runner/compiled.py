@@ -23,7 +23,7 @@ import numpy as np
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import device_kind
-from vllm_metal.backends.mlx.runner.forward import attention_cache
+from vllm_metal.backends.mlx.runner.forward import attention_cache, step_token_ids
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -105,7 +105,6 @@ class CompiledDecode:
         the caller runs the step eagerly, as every later one."""
         num_seqs = packed.num_tokens
         rows = bucket(num_seqs)
-        token_ids = _padded(packed.token_ids, rows, 0)
         positions = _padded(packed.positions, rows, 0)
         seq_lens = _padded(packed.seq_lens, rows, 1)
         tables, slots = [], []
@@ -117,7 +116,7 @@ class CompiledDecode:
         self._pool = pool
         try:
             hidden, keys, values = self._forward(
-                mx.array(token_ids),
+                step_token_ids(packed, rows),
                 mx.array(positions),
                 mx.array(seq_lens),
                 self._arange(rows + 1),

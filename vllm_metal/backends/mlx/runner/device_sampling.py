@@ -9,10 +9,12 @@ row's temperature; min-p drops each token whose probability (at that temperature
 min-p times the row's largest; top-k keeps the k largest; top-p keeps, in descending order, each token whose
 preceding mass (after top-k) is below p, so the smallest set holding at least p survives, as
 vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept (Gumbel-max).
-Greedy rows (temperature below vLLM's epsilon) keep their argmax. Whether the step may use these
-tokens is decided when it is sampled (`sample.tokens_on_device`): a grammar, logprobs or anything
-else that reads the logits sends it to vLLM's `Sampler` on the host instead. Seeded rows stay on
-the host, where their randomness is keyed by position (`seeded.py`).
+Greedy rows (temperature below vLLM's epsilon) keep their argmax. Logprobs in vLLM's default
+`raw_logprobs` mode, up to `MAX_DEVICE_LOGPROBS` per row, are computed with the tokens
+(`raw_logprobs`). Whether the step may use these tokens is decided when it is sampled
+(`sample.tokens_on_device`): a grammar or anything else that reads the logits sends it to vLLM's
+`Sampler` on the host instead. Seeded rows stay on the host, where their randomness is keyed by
+position (`seeded.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,40 @@ def min_p_of(metadata: SamplingMetadata, n: int) -> np.ndarray | None:
         if isinstance(p, MinPLogitsProcessor) and p.min_p_count:
             return p.min_p_cpu[:n].astype(np.float32)
     return None
+
+
+# The most top logprobs per row drawn on the device (OpenAI's `top_logprobs` limit); a request
+# for more, or for every token's (`logprobs=-1`), sends the step's logits to the host.
+MAX_DEVICE_LOGPROBS = 20
+
+
+def raw_logprobs(
+    logits: mx.array, tokens: mx.array, metadata: SamplingMetadata, logprobs_mode: str
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The step's logprobs as vLLM's `Sampler` returns them in its default `raw_logprobs` mode,
+    computed on the device: each row's log-softmax of its raw logits (before penalties and
+    temperature), then `[rows, 1 + k]` token ids (the sampled token, then the row's k most
+    likely tokens, most likely first), their logprobs, and `[rows]` ranks of the sampled tokens
+    (how many logprobs are at least the sampled one's), k being the batch's largest request.
+    None when the step asks for no logprobs, or for what the host gives instead (another mode,
+    more than `MAX_DEVICE_LOGPROBS`, logprobs of named tokens)."""
+    k = metadata.max_num_logprobs
+    if k is None or not 0 <= k <= MAX_DEVICE_LOGPROBS or metadata.logprob_token_ids:
+        return None
+    if logprobs_mode != "raw_logprobs":
+        return None
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampled = tokens.astype(mx.int32)[:, None]
+    chosen = mx.take_along_axis(logprobs, sampled, axis=-1)
+    ranks = mx.sum(logprobs >= chosen, axis=-1)
+    ids, values = [sampled], [chosen]
+    if k > 0:
+        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(logprobs, top, axis=-1)
+        order = mx.argsort(-top_values, axis=-1)
+        ids.append(mx.take_along_axis(top, order, axis=-1).astype(mx.int32))
+        values.append(mx.take_along_axis(top_values, order, axis=-1))
+    return mx.concatenate(ids, axis=-1), mx.concatenate(values, axis=-1), ranks
 
 
 class DeviceSampler:

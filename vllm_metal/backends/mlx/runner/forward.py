@@ -23,6 +23,19 @@ from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
 
 
+def step_token_ids(packed: PackedBatch, rows: int | None = None) -> mx.array:
+    """The step's token ids on the device (`[T]` int32, zero-padded to `rows`), with the tokens
+    a pending step drew on the device in their places (`PackedBatch.carried`)."""
+    ids = packed.token_ids
+    if rows is not None and rows > ids.shape[0]:
+        ids = np.concatenate([ids, np.zeros(rows - ids.shape[0], dtype=ids.dtype)])
+    out = mx.array(ids)
+    if packed.carried is not None:
+        index, tokens = packed.carried
+        out[mx.array(index)] = tokens.astype(out.dtype)
+    return out
+
+
 def step_metadata(packed: PackedBatch, key_ends: np.ndarray | None = None) -> StepMetadata:
     """The step's varlen metadata, moved to the device."""
     return StepMetadata(
@@ -108,7 +121,7 @@ def hidden_states(
     `key_ends` of its image tokens (`mm.spans`). Lazy."""
     sliding_only = getattr(adapter, "bidirectional_sliding_only", False)
     caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts, sliding_only)
-    token_ids = mx.array(packed.token_ids)[:, None]  # [T, 1]
+    token_ids = step_token_ids(packed)[:, None]  # [T, 1]
     if adapter.stage is not None:  # a pipeline stage: its layers, from tokens or hidden states
         stage_in = adapter.embed(token_ids) if inputs.stage_hidden is None else inputs.stage_hidden
         return adapter.forward_stage(stage_in, caches)

@@ -167,7 +167,9 @@ class MLXModelRunner:
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         """A step; under pipeline parallelism a stage after the first starts from the previous
         stage's `intermediate_tensors`, and a stage before the last returns its own."""
-        self.output.drain()  # the previous step's tokens are inputs of this one
+        # The previous step's tokens are inputs of this one: sampled now, or left on the
+        # device when it drew them there (`step.CarriedTokens`).
+        carried = self.output.drain()
         started = time.perf_counter()
         if self.connector is not None:
             self.connector.start(scheduler_output)
@@ -188,6 +190,8 @@ class MLXModelRunner:
         assert self.kv_pool is not None or not self.state.uses_kv_cache, "KV cache not initialized"
 
         packed = self._pack(scheduler_output)
+        if carried is not None:
+            packed = carried.into(packed)
         if self.lora is not None:
             self.lora.prepare(
                 batch.request_lora_mapping[: batch.num_reqs],

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
     from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+    from vllm_metal.backends.mlx.runner.step import CarriedTokens
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
@@ -57,8 +58,9 @@ class OutputStage(Protocol):
         `sample_tokens`."""
         ...
 
-    def drain(self) -> None:
-        """Finish a step still pending: its tokens are inputs of the next one."""
+    def drain(self) -> CarriedTokens | None:
+        """Before the next step: finish the steps still pending whose tokens it needs on the
+        host; a pending step whose tokens stay on the device for it returns them."""
         ...
 
     def sample_tokens(

@@ -235,18 +235,27 @@ class RequestStates:
             count=batch.num_reqs,
         )
 
-    def record_sampled(self, sampled: list[list[int]]) -> None:
-        """Append each row's sampled tokens to the batch and to its request's outputs."""
+    def record_sampled(
+        self, sampled: list[list[int]], req_ids: Sequence[str] | None = None
+    ) -> None:
+        """Append each row's sampled tokens to its request's outputs and, while the request is
+        in the batch, to its batch row. `req_ids`: the rows' requests when the step was packed
+        (default: the batch's rows now); a later step may have moved, dropped or finished
+        them since (`step.CarriedTokens`)."""
         batch = self.input_batch
-        for i, token_ids in enumerate(sampled):
-            if not token_ids:
+        for req_id, token_ids in zip(req_ids or batch.req_ids, sampled):
+            state = self.requests.get(req_id)
+            if not token_ids or state is None:
+                continue
+            state.output_token_ids.extend(token_ids)
+            i = batch.req_id_to_index.get(req_id)
+            if i is None:
                 continue
             start = int(batch.num_tokens_no_spec[i])
             end = start + len(token_ids)
             batch.token_ids_cpu[i, start:end] = token_ids
             batch.is_token_ids[i, start:end] = True
             batch.num_tokens_no_spec[i] = end
-            self.requests[batch.req_ids[i]].output_token_ids.extend(token_ids)
 
 
 def fill_placeholders(scheduled: list[int], proposed: Sequence[int]) -> list[int]:

@@ -2,8 +2,8 @@
 the device and sampled with vLLM's own `Sampler` (grammar bitmask included), or its
 `RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); a step whose rows
 read nothing but their logits, temperature, top-k and top-p (greedy, or unseeded) takes the
-tokens drawn on the device instead, and its logits never reach the host (`tokens_on_device`,
-`device_sampling.py`); token write-back into the request state, and the step's
+tokens (and raw logprobs) drawn on the device instead, and its logits never reach the host
+(`tokens_on_device`, `device_sampling.py`); token write-back into the request state, and the step's
 `ModelRunnerOutput`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
     MinTokensLogitsProcessor,
@@ -23,14 +23,14 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner import seeded
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, raw_logprobs
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
 )
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
-from vllm_metal.backends.mlx.runner.step import StepPipeline, StepState
+from vllm_metal.backends.mlx.runner.step import CarriedTokens, StepPipeline, StepState
 from vllm_metal.backends.mlx.runner.tensors import to_host, to_torch
 
 if TYPE_CHECKING:
@@ -81,10 +81,15 @@ class Sampling:
         packed = forward.packed
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
-        tokens = self.device.tokens(logits, self.states.input_batch) if logits.size else None
+        batch = self.states.input_batch
+        tokens = self.device.tokens(logits, batch) if logits.size else None
+        logprobs = None
+        if tokens is not None:
+            metadata = batch.sampling_metadata
+            logprobs = raw_logprobs(logits, tokens, metadata, self.logprobs_mode)
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
-        mx.async_eval(*pending, *([] if tokens is None else [tokens]))
+        mx.async_eval(*pending, *([] if tokens is None else [tokens]), *(logprobs or ()))
         connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
             scheduler_output,
@@ -92,6 +97,7 @@ class Sampling:
             logits,
             prompt_logits,
             device_tokens=tokens,
+            device_logprobs=logprobs,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
@@ -99,8 +105,23 @@ class Sampling:
             kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
         )
 
-    def drain(self) -> None:
-        self.pipeline.drain()
+    def drain(self) -> CarriedTokens | None:
+        step = self.pipeline.drain(self._carries)
+        return None if step is None else CarriedTokens.of(step)
+
+    def _carries(self, step: StepState) -> bool:
+        """Whether the next step may take `step`'s tokens on the device, leaving it pending:
+        its output is the tokens drawn on the device, and nothing before the next forward reads
+        them on the host (no drafter proposes from them, no penalty counts them; a pipeline
+        stage before the last takes its tokens from the scheduler)."""
+        metadata = self.states.input_batch.sampling_metadata
+        return (
+            self.spec is None
+            and not self.states.tokens_from_scheduler
+            and not self.states.num_prompt_logprobs
+            and metadata.no_penalties
+            and tokens_on_device(step, metadata)
+        )
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
@@ -132,7 +153,9 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
 ) -> ModelRunnerOutput:
     batch = states.input_batch
-    if not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata):
+    if step.carried or (
+        not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata)
+    ):
         return _device_output(step, states)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
@@ -151,7 +174,7 @@ def sample_step(
     prompt_logprobs = gather_prompt_logprobs(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode
     )
-    return _recorded(states, sampled, logprobs, prompt_logprobs)
+    return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
 
 
 def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
@@ -177,14 +200,17 @@ def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
 
 
 def _recorded(
-    states: RequestStates, sampled: list[list[int]], logprobs, prompt_logprobs: dict
+    states: RequestStates,
+    req_ids: list[str],
+    sampled: list[list[int]],
+    logprobs,
+    prompt_logprobs: dict,
 ) -> ModelRunnerOutput:
-    """Record the step's tokens in the request state; the step's output."""
-    batch = states.input_batch
-    states.record_sampled(sampled)
+    """Record the tokens of the step's rows (`req_ids`) in the request state; its output."""
+    states.record_sampled(sampled, req_ids)
     return ModelRunnerOutput(
-        req_ids=batch.req_ids.copy(),
-        req_id_to_index=batch.req_id_to_index.copy(),
+        req_ids=list(req_ids),
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
         logprobs=logprobs,
         prompt_logprobs_dict=prompt_logprobs,
@@ -195,16 +221,16 @@ def tokens_on_device(step: StepState, metadata) -> bool:
     """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
     row's argmax, or unseeded samples beside greedy rows, after the penalties;
     `DeviceSampler.tokens` draws them only for such steps) as vLLM's `Sampler` would pick them:
-    no logprobs, no grammar, no drafts, no prompt logprobs, and nothing else applied to the
-    logits before sampling (allowed or bad words, a logit bias, min tokens, a thinking budget,
-    custom logits processors)."""
+    no logprobs but those drawn with them (`step.device_logprobs`), no grammar, no drafts, no
+    prompt logprobs, and nothing else applied to the logits before sampling (allowed or bad
+    words, a logit bias, min tokens, a thinking budget, custom logits processors)."""
     if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
         return False
     if step.packed.num_draft_tokens.any():
         return False
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     return bool(
-        metadata.max_num_logprobs is None
+        (metadata.max_num_logprobs is None or step.device_logprobs is not None)
         and not metadata.logprob_token_ids
         and metadata.allowed_token_ids_mask is None
         and not metadata.bad_words_token_ids
@@ -224,10 +250,15 @@ def _moves_argmax(processor) -> bool:
 
 
 def _device_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
-    """The step's output from the tokens drawn on the device (waits for the forward)."""
+    """The step's output from the tokens (and logprobs) drawn on the device (waits for the
+    forward)."""
     tokens = to_host(step.device_tokens).tolist()
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
-    return _recorded(states, sampled, None, {})
+    logprobs = None
+    if step.device_logprobs is not None:
+        ids, values, ranks = (to_host(a) for a in step.device_logprobs)
+        logprobs = LogprobsLists(ids, values, ranks.astype(np.int64), None)
+    return _recorded(states, step.packed.req_ids, sampled, logprobs, {})
 
 
 def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):

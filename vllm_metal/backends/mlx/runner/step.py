@@ -3,7 +3,11 @@
 Under async scheduling vLLM schedules step N+1 while step N computes. `execute_model` queues the
 forward with `mx.async_eval` and keeps a `StepState`; `sample_tokens` hands vLLM a
 `PendingOutput`, and the step is sampled when vLLM asks for the output or when the next step
-needs its tokens, whichever comes first (exactly once).
+needs its tokens on the host, whichever comes first (exactly once, in step order).
+
+A step whose tokens were drawn on the device need not be sampled before the next one: step
+N+1 takes them as a device array (`CarriedTokens`), so its graph is built and queued while step
+N still runs, and N's tokens reach the host only when vLLM asks for N's output.
 """
 
 from __future__ import annotations
@@ -12,19 +16,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+import numpy as np
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, ModelRunnerOutput
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
 
 if TYPE_CHECKING:
-    import mlx.core as mx
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
 
-@dataclass
+@dataclass(eq=False)
 class StepState:
     scheduler_output: SchedulerOutput
     packed: PackedBatch
@@ -34,6 +39,9 @@ class StepState:
     # when nothing reads its logits but their argmax, temperature, top-k and top-p
     # (`sample.tokens_on_device`), so the logits never reach the host. None: the host samples.
     device_tokens: mx.array | None = None
+    # (ids, logprobs, ranks) of `device_tokens` as vLLM's sampler gives them, drawn with them
+    # where the step asks for logprobs the device gives (`device_sampling.raw_logprobs`).
+    device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
@@ -45,6 +53,45 @@ class StepState:
     # The target's KV pool the step wrote, kept for a drafter that attends over the target's K/V
     # (an MTP assistant, `spec_decode/assistant.py`); None otherwise.
     kv_pool: KVPool | None = None
+    # Set when a later step took `device_tokens` on the device (`StepPipeline.drain`): the
+    # step's output is those tokens, whatever the batch holds by the time it is sampled.
+    carried: bool = False
+
+
+@dataclass
+class CarriedTokens:
+    """A pending step's tokens drawn on the device, as inputs of the next step's forward."""
+
+    req_ids: list[str]  # the pending step's rows
+    positions: np.ndarray  # [S] the position of each row's new token (its context length)
+    sampled: np.ndarray  # [S] bool: the row drew a token (not mid-prefill)
+    tokens: mx.array  # [S] the rows' tokens (being evaluated)
+
+    @classmethod
+    def of(cls, step: StepState) -> CarriedTokens:
+        packed = step.packed
+        assert step.device_tokens is not None
+        return cls(packed.req_ids, packed.seq_lens, ~packed.discard, step.device_tokens)
+
+    def into(self, packed: PackedBatch) -> PackedBatch:
+        """`packed` with the carried tokens it reads (a request's token at the position its
+        previous row sampled) recorded as `packed.carried`: (token indices, their tokens)."""
+        row_of = {req_id: i for i, req_id in enumerate(self.req_ids)}
+        prev = np.fromiter(
+            (row_of.get(r, -1) for r in packed.req_ids), np.int64, len(packed.req_ids)
+        )
+        starts = packed.cu_seqlens_q[:-1]
+        found = prev >= 0
+        found[found] &= self.sampled[prev[found]]
+        rows = np.nonzero(found)[0]
+        offset = self.positions[prev[rows]] - packed.positions[starts[rows]]
+        inside = (offset >= 0) & (offset < packed.num_scheduled[rows])
+        rows, offset = rows[inside], offset[inside]
+        if rows.size == 0:
+            return packed
+        index = (starts[rows] + offset).astype(np.int32)
+        packed.carried = (index, self.tokens[mx.array(prev[rows].astype(np.int32))])
+        return packed
 
 
 class PendingOutput(AsyncModelRunnerOutput):
@@ -57,26 +104,40 @@ class PendingOutput(AsyncModelRunnerOutput):
 
 
 class StepPipeline:
-    """At most one executed step waiting for `sample_tokens`, and one sampled lazily."""
+    """At most one executed step waiting for `sample_tokens`; the steps handed out and not yet
+    sampled, sampled lazily and in order."""
 
     def __init__(self, finish: Callable[[StepState], ModelRunnerOutput], async_scheduling: bool):
         self._finish_fn = finish
         self.async_scheduling = async_scheduling
         self.executed: StepState | None = None  # waiting for sample_tokens
-        self.pending: StepState | None = None  # handed out, not yet sampled
+        self.pending: list[StepState] = []  # handed out, not yet sampled; oldest first
+        self.carried_steps = 0  # steps whose tokens went into the next one on the device
 
     def finish(self, step: StepState) -> ModelRunnerOutput:
-        """Sample a step and record its tokens, once; later calls return the same output."""
-        if step.output is None:
-            if self.pending is step:
-                self.pending = None
+        """Sample a step and record its tokens, once, after every step handed out before it;
+        later calls return the same output."""
+        while step.output is None and self.pending:
+            earlier = self.pending.pop(0)
+            earlier.output = self._finish_fn(earlier)
+        if step.output is None:  # never handed out (no async scheduling)
             step.output = self._finish_fn(step)
         return step.output
 
-    def drain(self) -> None:
-        """Sample the pending step: its tokens are inputs of the next one."""
-        if self.pending is not None:
-            self.finish(self.pending)
+    def drain(self, carries: Callable[[StepState], bool]) -> StepState | None:
+        """Before the next step: sample the pending steps, except the newest when `carries` it
+        (its tokens drawn on the device go into the next step as they are); returns that one."""
+        if not self.pending:
+            return None
+        newest = self.pending[-1]
+        if not carries(newest):
+            self.finish(newest)
+            return None
+        if len(self.pending) > 1:
+            self.finish(self.pending[-2])
+        newest.carried = True
+        self.carried_steps += 1
+        return newest
 
     def hand_out(
         self, grammar_output: GrammarOutput | None
@@ -86,6 +147,6 @@ class StepPipeline:
             return None
         step.grammar_output = grammar_output
         if self.async_scheduling:
-            self.pending = step
+            self.pending.append(step)
             return PendingOutput(self.finish, step)
         return self.finish(step)

@@ -19,7 +19,7 @@ import numpy as np
 from vllm.v1.kv_cache_interface import CrossAttentionSpec
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
-from vllm_metal.backends.mlx.runner.forward import layer_caches
+from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
 from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, StepInputs
 from vllm_metal.backends.mlx.runner.speech.cross import cross_inputs
 from vllm_metal.backends.mlx.runner.warmup import activation_peak
@@ -216,7 +216,7 @@ class EncoderDecoderState(ModelState):
                 )
             states = encoded.reshape(-1, encoded.shape[-1])
         return adapter.decode(
-            mx.array(packed.token_ids), mx.array(packed.positions), caches, cross_caches, states
+            step_token_ids(packed), mx.array(packed.positions), caches, cross_caches, states
         )
 
 

@@ -111,7 +111,7 @@ class Pooling:
         )
 
     def drain(self) -> None:
-        pass  # pooling steps finish in execute_model
+        return None  # pooling steps finish in execute_model
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> None:
         return None

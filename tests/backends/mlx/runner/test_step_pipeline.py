@@ -1,0 +1,113 @@
+"""A step's tokens carried on the device into the next step (`step.CarriedTokens`): the next
+step's token ids equal those packed after the tokens reached the host, whatever the next
+schedule did to the batch (rows reordered, a request added, one finished, a prefill mid-chunk),
+and the tokens recorded later land in the right rows; the pipeline samples steps in order."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from numpy.testing import assert_array_equal
+
+from tests.backends.mlx.runner.schedules import Cached, new_req, schedule, span, step
+from vllm_metal.backends.mlx.runner.forward import step_token_ids
+from vllm_metal.backends.mlx.runner.request_state import RequestStates
+from vllm_metal.backends.mlx.runner.step import CarriedTokens, StepPipeline
+
+A, B, C, E = span(100, 5), span(200, 6), span(300, 2), span(400, 3)
+SAMPLED = {"a": 11, "c": 13, "e": 15}  # b is mid-prefill after the first step: no token
+
+
+def _first(states: RequestStates):
+    return step(
+        states,
+        schedule(
+            {"a": 5, "b": 3, "c": 2, "e": 3},
+            new=[
+                new_req("a", A, [[1, 2]]),
+                new_req("b", B, [[3, 4]]),
+                new_req("c", C, [[5]]),
+                new_req("e", E, [[6]]),
+            ],
+        ),
+    )
+
+
+# The next schedule, planned before the first step's tokens are known (async scheduling): a and
+# c decode the token the first step drew, b finishes its prompt, d is new, e has finished.
+SECOND = schedule(
+    {"a": 1, "b": 3, "c": 1, "d": 4},
+    new=[new_req("d", span(500, 4), [[7]])],
+    cached=[Cached("a", 5, 1), Cached("b", 3, 0), Cached("c", 2, 1)],
+    finished=["e"],
+)
+
+
+def _rows(req_ids) -> list[list[int]]:
+    return [[SAMPLED[r]] if r in SAMPLED else [] for r in req_ids]
+
+
+def test_carried_tokens_are_the_ones_the_host_would_have_packed(vllm_config):
+    host = RequestStates(vllm_config, [4])
+    first = _first(host)
+    host.record_sampled(_rows(first.req_ids))
+    expected = step(host, SECOND)
+
+    device = RequestStates(vllm_config, [4])
+    first = _first(device)
+    assert not first.discard[first.req_ids.index("a")] and first.discard[first.req_ids.index("b")]
+    drawn = mx.array([SAMPLED.get(r, 999) for r in first.req_ids], dtype=mx.uint32)
+    carried = CarriedTokens(first.req_ids, first.seq_lens, ~first.discard, drawn)
+    second = carried.into(step(device, SECOND))
+
+    assert second.req_ids == expected.req_ids and second.req_ids != first.req_ids  # reordered
+    index, _ = second.carried
+    assert sorted(
+        second.req_ids[i] for i in np.searchsorted(second.cu_seqlens_q, index, "right") - 1
+    ) == ["a", "c"]
+    assert_array_equal(np.asarray(step_token_ids(second)), expected.token_ids)
+    padded = np.asarray(step_token_ids(second, second.num_tokens + 3))
+    assert_array_equal(padded, [*expected.token_ids, 0, 0, 0])
+
+    # The first step is sampled after the second was packed: its tokens land by request.
+    device.record_sampled(_rows(first.req_ids), first.req_ids)
+    for req_id in ("a", "b", "c", "d"):
+        i, j = device.input_batch.req_id_to_index[req_id], host.input_batch.req_id_to_index[req_id]
+        n = int(host.input_batch.num_tokens_no_spec[j])
+        assert int(device.input_batch.num_tokens_no_spec[i]) == n, req_id
+        assert_array_equal(
+            device.input_batch.token_ids_cpu[i, :n], host.input_batch.token_ids_cpu[j, :n]
+        )
+        assert device.requests[req_id].output_token_ids == host.requests[req_id].output_token_ids
+
+
+def test_nothing_carried_into_rows_that_do_not_read_the_token(vllm_config):
+    """A row that restarts elsewhere (here: a prefix recomputed from position 0) reads no
+    carried token unless its span covers the sampled position."""
+    states = RequestStates(vllm_config, [4])
+    first = _first(states)
+    drawn = mx.array([7] * len(first.req_ids), dtype=mx.uint32)
+    carried = CarriedTokens(first.req_ids, first.seq_lens + 10, ~first.discard, drawn)
+    second = carried.into(step(states, SECOND))
+    assert second.carried is None
+    assert_array_equal(np.asarray(step_token_ids(second)), second.token_ids)
+
+
+class _Step:
+    def __init__(self, name):
+        self.name, self.output, self.carried = name, None, False
+
+
+def test_the_pipeline_samples_in_order_and_carries_only_the_newest():
+    order = []
+    pipeline = StepPipeline(lambda s: order.append(s.name) or s.name, async_scheduling=True)
+    for name in ("n", "n+1"):
+        pipeline.executed = _Step(name)
+        pipeline.hand_out(None)
+    newest = pipeline.drain(lambda s: True)
+    assert newest.name == "n+1" and newest.carried and order == ["n"]
+    assert pipeline.carried_steps == 1
+    pipeline.executed = _Step("n+2")
+    later = pipeline.hand_out(None)
+    assert later.get_output() == "n+2" and order == ["n", "n+1", "n+2"]  # in step order
+    assert pipeline.drain(lambda s: True) is None  # nothing left pending
