@@ -150,3 +150,34 @@ def test_compiled_decode_reads_per_token_head_pages(model, dtype) -> None:
     for a, b in zip(traced, eager):
         for x, y in zip(a["outputs"][0]["logprobs"], b["outputs"][0]["logprobs"]):
             assert abs(next(iter(x.values())) - next(iter(y.values()))) <= 1e-4
+
+
+def test_the_host_tier_moves_rows_with_their_scales(tiny_model_dir) -> None:
+    """A prompt evicted from the pool comes back from the KV offload's host tier: the bytes
+    stored per block are the pages' data and scales, and the tokens equal a run that recomputed
+    it."""
+    from tests.kv.test_offload_engine import (
+        BLOCK,
+        ENGINE,
+        FULL_BLOCKS,
+        HOST_GIB,
+        A,
+        B,
+        C,
+        _delta,
+        _one,
+        _tokens,
+    )
+
+    model = tiny_model_dir("llama")
+    page = 2 * 2 * BLOCK * 2 * (64 + 4)  # layers x K/V x tokens x heads x (int8 row + scale)
+    engine = {**ENGINE, "kv_cache_dtype": "int8_per_token_head", "kv_cache_memory_bytes": 40 * page}
+    jobs = [_one(A), _one(B), _one(C), _one(A)]
+    expected, _ = run_engine_job(model, jobs, engine=engine, with_metrics="per_job")
+    engine["kv_offloading_size"] = HOST_GIB
+    results, metrics = run_engine_job(model, jobs, engine=engine, with_metrics="per_job")
+    assert expected[3][0]["num_cached_tokens"] == 0  # evicted, recomputed
+    assert results[3][0]["num_cached_tokens"] == FULL_BLOCKS * BLOCK
+    assert [_tokens(b) for b in results] == [_tokens(b) for b in expected]
+    assert _delta(metrics, "vllm:kv_offload_store_bytes")[0] == FULL_BLOCKS * page
+    assert _delta(metrics, "vllm:kv_offload_host_hit_blocks")[3] == FULL_BLOCKS
