@@ -130,7 +130,8 @@ OPTIONS = {"causal": {}, "window": {"sliding_window": 5}, "softcap": {"softcap":
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize(
-    "name,dtype", [(n, "float32") for n in FORMATS] + [(FORMATS[0], "bfloat16")]
+    "name,dtype",
+    [(n, "float32") for n in FORMATS] + [(FORMATS[0], "bfloat16"), (FORMATS[2], "bfloat16")],
 )
 def test_attention_reads_vllms_values(name: str, dtype: str, case: str, option: str) -> None:
     rng = np.random.default_rng(len(case) + 3 * len(option))
