@@ -57,6 +57,8 @@ SUITES = (
           ("kv_fp8",)),
     Suite("kv_ptk", "per-token-head KV caches against unquantized: tokens held, decode",
           ("kv_ptk",)),
+    Suite("kv_turboquant", "TurboQuant KV caches against unquantized: tokens held, decode",
+          ("kv_turboquant",)),
     Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),
     Suite("spec_decode", "speculative decoding: n-gram and draft model", ("spec_decode",)),
     Suite("mtp", "MTP speculative decoding on Qwen3.5: its own head, with and without", ("mtp",)),

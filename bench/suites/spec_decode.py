@@ -9,7 +9,11 @@ with the same prompts and output length:
 - single stream, sampled at temperature 1 (the *non-repetitive* workload: the random model's
   distribution is close to uniform, so drafts are almost never right), plain / n-gram / draft
   model, and the two speculative ones again with the back-off off (what it saves);
-- 8 and 32 concurrent requests, greedy, plain / n-gram.
+- 8 and 32 concurrent requests, greedy, plain / n-gram;
+- single stream, greedy, plain / EAGLE-3 on a *self-drafting* target: the benchmark checkpoint
+  with every attention output and MLP down projection zero (the same cost per step), whose next
+  token depends on the current one alone, and an EAGLE-3 head that computes that function
+  (`tests.fixtures.tiny_eagle3`), so nearly all of its drafts are accepted.
 
 The target is the benchmark checkpoint made *draftable* (`bench.harness.checkpoints.write_draftable`): the
 layers between the second and the last add nothing and the last adds a scaled-down part, so its
@@ -61,11 +65,18 @@ TARGETS = {
 
 # `--quick --peers` runs one case of each kind (each case is an engine start of its own),
 # `--quick` the n-gram one.
-QUICK_CASES = ("plain_repetitive", "ngram_repetitive", "draft_repetitive")
+QUICK_CASES = (
+    "plain_repetitive",
+    "ngram_repetitive",
+    "draft_repetitive",
+    "plain_self_drafting",
+    "eagle3_self_drafting",
+)
 
 
-def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
+def cases(draft: str, eagle3_head: str, concurrency: list[int]) -> list[dict[str, Any]]:
     draft_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": DRAFT_TOKENS}
+    eagle3_cfg = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": DRAFT_TOKENS}
     out = []
     for workload, params in (("repetitive", GREEDY), ("non_repetitive", SAMPLED)):
         out += [
@@ -87,6 +98,12 @@ def cases(draft: str, concurrency: list[int]) -> list[dict[str, Any]]:
             {"name": f"plain_c{n}", "spec": None, "params": GREEDY, "concurrency": n},
             {"name": f"ngram_c{n}", "spec": NGRAM, "params": GREEDY, "concurrency": n},
         ]
+    out += [
+        {"name": "plain_self_drafting", "spec": None, "params": GREEDY, "concurrency": 1,
+         "target": "self_drafting"},
+        {"name": "eagle3_self_drafting", "spec": eagle3_cfg, "params": GREEDY, "concurrency": 1,
+         "target": "self_drafting"},
+    ]  # fmt: skip
     return out
 
 
@@ -174,6 +191,18 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- the whole run
 
 
+def _self_drafting_pair(source: Path, work: Path) -> tuple[Path, Path]:
+    """(or reuse) the self-drafting target of `source` and its EAGLE-3 head."""
+    from tests.fixtures.tiny_eagle3 import self_drafting_target, write_eagle3_head
+
+    target = work / f"{source.name}-self-drafting"
+    head = work / f"{source.name}-eagle3-head"
+    if not (head / "config.json").is_file():
+        self_drafting_target(source, target)
+        write_eagle3_head(target, head, self_drafting=True)
+    return target, head
+
+
 def run_cases(
     suite: str,
     chosen: list[dict[str, Any]],
@@ -221,6 +250,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 speedups[f"{name}_tpot_speedup"] = ratio(
                     name, f"plain_{workload}", "median_tpot_ms", invert=True
                 )
+    speedups["eagle3_self_drafting_tpot_speedup"] = ratio(
+        "eagle3_self_drafting", "plain_self_drafting", "median_tpot_ms", invert=True
+    )
     for name in results:
         if name.startswith("ngram_c"):
             n = name.removeprefix("ngram_c")
@@ -325,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     model = write_draftable(source, work / f"{source.name}-draftable", DRAFT_LAYERS,
                             LAST_LAYER_SCALE)  # fmt: skip
     draft = write_layer_subset(model, work / f"{model.name}-first{DRAFT_LAYERS}", DRAFT_LAYERS)
+    self_target, eagle3_head = _self_drafting_pair(source, work)
     logs = Path(args.work_dir) / "spec_decode"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -333,15 +366,22 @@ def main(argv: list[str] | None = None) -> int:
         "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
     ]  # fmt: skip
-    chosen = cases(str(draft), args.concurrency)
+    chosen = cases(str(draft), str(eagle3_head), args.concurrency)
     if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone
         quick = QUICK_CASES if runs_peers(args) else ("ngram_repetitive",)
         chosen = [c for c in chosen if c["name"] in quick]
-    results = run_cases("spec_decode", chosen, lambda case: common, args.timeout, logs)
+    targets = {"self_drafting": str(self_target)}
+
+    def argv_of(case: dict[str, Any]) -> list[str]:
+        target = targets.get(case.get("target", ""))
+        return common if target is None else [*common, "--model", target]
+
+    results = run_cases("spec_decode", chosen, argv_of, args.timeout, logs)
     report = {
         "settings": {
             "model": str(model),
             "draft": str(draft),
+            "eagle3_head": str(eagle3_head),
             "dtype": args.dtype,
             "input_len": args.input_len,
             "output_len": args.output_len,

@@ -106,8 +106,18 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
         ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
-        ({"kv_cache_dtype": "turboquant_k8v4"}, ["kv_cache_dtype", "turboquant_k8v4"]),
-        ({"kv_cache_dtype": "turboquant_4bit_nc"}, ["kv_cache_dtype", "turboquant_4bit_nc"]),
+        ({"kv_cache_dtype": "ultraquant_4bit"}, ["kv_cache_dtype", "ultraquant_4bit"]),
+        (
+            {
+                "kv_cache_dtype": "turboquant_4bit_nc",
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["--kv-cache-dtype turboquant_4bit_nc", "method='draft_model'", "method='ngram'"],
+        ),
+        (
+            {"kv_cache_dtype": "turboquant_k8v4", "kv_offloading_size": 1.0},
+            ["--kv-cache-dtype turboquant_k8v4", "kv_offloading_size=1.0", "offload"],
+        ),
         (
             {
                 "kv_cache_dtype": "fp8",
@@ -169,8 +179,9 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "pp_lora",
         "pp_dp",
         "block_size",
-        "kv_turboquant_k8v4",
-        "kv_turboquant_4bit_nc",
+        "kv_ultraquant_4bit",
+        "kv_turboquant_draft_model",
+        "kv_turboquant_offload",
         "kv_fp8_draft_model",
         "kv_int4_per_token_head_draft_model",
         "quantization",
@@ -221,6 +232,21 @@ def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tin
         _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
     assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
     assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
+
+
+@pytest.mark.parametrize("dtype", ["turboquant_k8v4", "turboquant_3bit_nc"])
+def test_turboquant_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> None:
+    from vllm_metal.config.table import refusal
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=ngram)
+    assert config.cache_config.cache_dtype == dtype
+    # vLLM keeps the boundary layers (here both of two) at the model's dtype.
+    assert config.cache_config.kv_cache_dtype_skip_layers == ["0", "1"]
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
+    assert refusal(config, "mlx") is None
+    message = refusal(config, "mps")
+    assert f"TurboQuant KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8_per_token_head"])
@@ -304,3 +330,12 @@ def test_mla_models_are_not_warned_of_their_head_size(
     config = _engine_config(tiny_minicpm3_dir)
     assert config.model_config.get_head_size() == 16
     assert not any("head size" in m for m in seen), seen
+
+
+def test_turboquant_is_refused_where_windowed_and_full_layers_share_memory(tiny_model_dir):
+    """Gemma 3 (sliding and full layers): vLLM overlays its two KV-cache groups in one region,
+    where TurboQuant slots and the boundary layers' unquantized pages would meet."""
+    with pytest.raises(ValueError) as info:
+        _engine_config(tiny_model_dir("gemma3"), kv_cache_dtype="turboquant_k8v4")
+    assert "sliding-window and full-attention layers" in str(info.value)
+    assert "--kv-cache-dtype turboquant_k8v4" in str(info.value)

@@ -80,6 +80,13 @@ def _fp8_kv_cache(config: VllmConfig) -> str | None:
     return f"--kv-cache-dtype {dtype}" if requested(dtype) else None
 
 
+def _turboquant_kv_cache(config: VllmConfig) -> str | None:
+    from vllm_metal.kv.turboquant import requested
+
+    dtype = getattr(config.cache_config, "cache_dtype", None)
+    return f"--kv-cache-dtype {dtype}" if requested(dtype) else None
+
+
 def _kv_connector(config: VllmConfig) -> str | None:
     connector = getattr(config.kv_transfer_config, "kv_connector", None)
     if connector in (None, CONNECTOR):
@@ -173,6 +180,12 @@ FEATURES: tuple[Feature, ...] = (
         "quantized KV caches",
         "use --kv-cache-dtype auto",
         _fp8_kv_cache,
+    ),
+    Feature(
+        "turboquant_kv_cache",
+        "TurboQuant KV caches",
+        "use --kv-cache-dtype auto",
+        _turboquant_kv_cache,
     ),
     Feature(
         "kv_connector",

@@ -105,10 +105,13 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
+    if _turboquant_served(vllm_config):
+        return
     raise MetalConfigError(
-        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the TurboQuant, NVFP4 and "
-        "other quantized formats are not built); use 'auto', or 'fp8' / 'fp8_e4m3' / "
-        "'fp8_e5m2' / 'int8_per_token_head' / 'fp8_per_token_head' / 'int4_per_token_head' on "
+        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the NVFP4 and other "
+        "quantized formats are not built); use 'auto', or 'fp8' / 'fp8_e4m3' / 'fp8_e5m2' / "
+        "'int8_per_token_head' / 'fp8_per_token_head' / 'int4_per_token_head' / a TurboQuant "
+        "preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) on "
         "the MLX backend"
     )
 
@@ -133,6 +136,56 @@ def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
             f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim); use "
             "--kv-cache-dtype fp8 or auto"
         )
+
+
+def _turboquant_served(vllm_config: VllmConfig) -> bool:
+    """Whether the cache dtype is a TurboQuant preset (`kv.turboquant`) served with this config;
+    False for any other name. Refuses, by name, what TurboQuant pages are not built for: KV
+    offload tiers, speculative methods but n-gram, head sizes the format cannot pack (the
+    capability table refuses the model kinds and backends it does not serve)."""
+    from vllm_metal.config.features import offload_setting
+    from vllm_metal.kv import turboquant
+
+    dtype = vllm_config.cache_config.cache_dtype
+    if not turboquant.requested(dtype):
+        return False
+    refused = None
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        refused = (
+            f"--speculative-config method={spec.method!r}",
+            "use method='ngram' (the only drafts verified over TurboQuant pages)",
+        )
+    elif offload_setting(vllm_config) is not None:
+        refused = (offload_setting(vllm_config), "remove the KV offload tier")
+    elif vllm_config.model_config is not None:
+        problem = turboquant.head_size_problem(dtype, vllm_config.model_config.get_head_size())
+        if problem is not None:
+            refused = (f"a model whose {problem}", "use --kv-cache-dtype turboquant_k8v4 or fp8")
+        elif _mixes_windowed_and_full_layers(vllm_config):
+            refused = (
+                (
+                    "a model of both sliding-window and full-attention layers (their KV-cache groups "
+                    "share memory, where TurboQuant and unquantized boundary-layer pages would overlay)"
+                ),
+                "use --kv-cache-dtype fp8",
+            )
+    if refused is not None:
+        raise MetalConfigError(
+            f"vllm-metal: --kv-cache-dtype {dtype} is not supported with {refused[0]}; "
+            f"{refused[1]}, or --kv-cache-dtype auto"
+        )
+    return True
+
+
+def _mixes_windowed_and_full_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the checkpoint's config declares sliding-window and full-attention layers both."""
+    from vllm_metal.models.layers import kinds_from_config
+
+    text = vllm_config.model_config.hf_text_config
+    num_layers = getattr(text, "num_hidden_layers", 0) or 0
+    kinds = kinds_from_config(text.to_dict(), num_layers)
+    return len({kind.sliding_window is None for kind in kinds}) > 1
 
 
 def _reads_target_kv(vllm_config: VllmConfig) -> bool:
@@ -270,10 +323,10 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
 def _drafts_under_async(vllm_config: VllmConfig) -> bool:
     """Whether the runner serves the speculative method under async scheduling (the drafts it
     proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
-    model and a target's own MTP head are tested there; a separate MTP assistant (Gemma 4's)
-    is not yet. vLLM keeps it off for n-gram itself."""
+    model, an EAGLE-3 head and a target's own MTP head are tested there; a separate MTP
+    assistant (Gemma 4's) is not yet. vLLM keeps it off for n-gram itself."""
     spec = vllm_config.speculative_config
-    if spec.method == "draft_model":
+    if spec.method in ("draft_model", "eagle3"):
         return True
     if spec.method == "mtp":
         from vllm_metal.models.families import mtp_module

@@ -23,20 +23,22 @@ if TYPE_CHECKING:
 # What the MLX runner serves with any model it loads: checkpoint formats and sleep mode.
 _MLX_ANY = frozenset({"mlx_quantized", "gguf", "sleep_mode", "data_parallel"})
 _MLX_DECODER = _MLX_ANY | {"lora", "speculative_decoding", "kv_offload", "fp8_kv_cache"}
+# TurboQuant pages (`kv.turboquant`) on plain attention decoders, in one process.
+_MLX_TURBOQUANT = frozenset({"turboquant_kv_cache"})
 # What a pipeline stage serves beside its layers (`pipeline_refusal`); the rest is refused there.
 PIPELINE_FEATURES = frozenset({"pipeline_parallel"})
 
 SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
     "mlx": {
         # Pipeline stages: the families of `models.families.PIPELINE_STAGE_TYPES`.
-        "text": _MLX_DECODER | {"pipeline_parallel"},
-        "moe": _MLX_DECODER | {"pipeline_parallel"},
+        "text": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
+        "moe": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
         "vision_language": _MLX_ANY,
         "speech_to_text": _MLX_ANY,
         # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
         "audio_language": frozenset(),
-        "latent_attention": _MLX_ANY,
+        "latent_attention": _MLX_ANY | {"speculative_decoding"},
         "state_hybrid": _MLX_ANY | {"speculative_decoding"},
         "vision_state_hybrid": _MLX_ANY,
         "short_conv_hybrid": _MLX_ANY,
@@ -52,14 +54,28 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
 
 # Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
-    # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`).
-    "mlx": ("ngram", "draft_model", "mtp"),
+    # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`); eagle3: a head
+    # vLLM 0.32 defines beside a Llama / Qwen3 target (`_refuse_unfit_eagle3_head`).
+    "mlx": ("ngram", "draft_model", "mtp", "eagle3"),
     "mps": (),
+}
+# Methods vLLM 0.32 defines that are not built here: what is missing.
+SPECULATIVE_NOT_BUILT: dict[str, str] = {
+    "dflash": "the block-diffusion draft head (vLLM's DFlashQwen3ForCausalLM: a whole block of "
+    "drafts at once from mask tokens and the target's aux hidden states, parallel drafting) is "
+    "not built",
+    "dspark": "the DSpark block drafter (vLLM's Qwen3DSparkForCausalLM, Gemma4DSparkForCausalLM "
+    "and DeepSeek-V4's: parallel block drafting with a Markov head and adaptive verification) is "
+    "not built",
+    "eagle": "EAGLE-1 heads (vLLM's EagleLlamaForCausalLM, fed the target's last hidden state) "
+    "are not built",
 }
 SPECULATIVE_METHODS_OF_KIND: dict[str, tuple[str, ...]] = {
     # Verification through state layers is tested with n-gram drafts and the target's own MTP
     # head (a draft model beside a hybrid target is not).
     "state_hybrid": ("ngram", "mtp"),
+    # MLA models verify through their latent cache with their own MTP layers' drafts.
+    "latent_attention": ("mtp",),
 }
 
 
@@ -128,12 +144,18 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
     methods = SPECULATIVE_METHODS_OF_KIND.get(kind.name, methods)
     prefix = f"vllm-metal ({backend} backend): --speculative-config"
     if spec.method not in methods:
+        missing = SPECULATIVE_NOT_BUILT.get(spec.method)
         raise MetalConfigError(
-            f"{prefix} method={spec.method!r} is not supported with {kind.words()}; use method "
+            f"{prefix} method={spec.method!r} is not supported with {kind.words()}"
+            + ("" if missing is None else f": {missing}")
+            + "; use method "
             + " or ".join(repr(m) for m in methods)
         )
     if spec.method == "mtp":
-        _refuse_missing_mtp_head(config, prefix)
+        fallback = "use method 'ngram'" if "ngram" in methods else "serve it without drafts"
+        _refuse_missing_mtp_head(config, prefix, fallback)
+    if spec.method == "eagle3":
+        _refuse_unfit_eagle3_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -145,11 +167,36 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             )
 
 
-def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
+def _refuse_unfit_eagle3_head(config: VllmConfig, prefix: str) -> None:
+    """method 'eagle3' drafts with a head of vLLM's EAGLE-3 architectures over a target whose aux
+    hidden states the runner keeps; its attention layers share the target's KV-cache group, so
+    their K/V heads and head size must be the target's (the weights are checked when it loads)."""
+    from vllm_metal.models.families import eagle3
+
+    spec = config.speculative_config
+    draft = spec.draft_model_config
+    target = config.model_config
+    problem = eagle3.missing(
+        draft.architectures[0], draft.hf_config.to_dict(), target.hf_text_config.to_dict()
+    )
+    if problem is None and (
+        draft.get_num_kv_heads(spec.draft_parallel_config),
+        draft.get_head_size(),
+    ) != (target.get_num_kv_heads(config.parallel_config), target.get_head_size()):
+        problem = "its K/V heads or head size differ from the target's"
+    if problem is not None:
+        raise MetalConfigError(
+            f"{prefix} method='eagle3' with {model_label(config)} and model={spec.model!r}: "
+            f"{problem}; use method 'ngram' or 'draft_model'"
+        )
+
+
+def _refuse_missing_mtp_head(config: VllmConfig, prefix: str, fallback: str) -> None:
     """method 'mtp' drafts with a model's multi-token-prediction drafter: the target's own head
-    (Qwen3.5) or an assistant checkpoint named by the speculative config's `model` (Gemma 4). The
-    target's family must have one built here, the draft vLLM read must be that drafter, and the
-    two configs must fit together (the weights are checked when they load)."""
+    (Qwen3.5, DeepSeek-V3, GLM-4.7-Flash, Nemotron-H) or an assistant checkpoint named by the
+    speculative config's `model` (Gemma 4). The target's family must have one built here, the
+    draft vLLM read must be that drafter, and the two configs must fit together (the weights are
+    checked when they load). `fallback`: what to do instead, for the kind's other methods."""
     from vllm_metal.models.families import mtp_drafter_module, mtp_model_types, mtp_module
 
     spec = config.speculative_config
@@ -163,20 +210,20 @@ def _refuse_missing_mtp_head(config: VllmConfig, prefix: str) -> None:
             return
         raise MetalConfigError(
             f"{prefix} method='mtp' with {model_label(config)} and model={spec.model!r}: "
-            f"{problem}; use method 'ngram'"
+            f"{problem}; {fallback}"
         )
     other = mtp_drafter_module(draft_type)
     if other is not None and other is not module:  # another family's drafter
         targets = ", ".join(other.MODEL_TYPES)
         raise MetalConfigError(
             f"{prefix} method='mtp': model={spec.model!r} is an MTP drafter ({draft_type}) for "
-            f"{targets} targets, not for {model_label(config)}; use method 'ngram'"
+            f"{targets} targets, not for {model_label(config)}; {fallback}"
         )
     if module is None:
         raise MetalConfigError(
             f"{prefix} method='mtp' drafts with a model's own multi-token-prediction head or "
             f"its MTP assistant, built for {', '.join(sorted(mtp_model_types()))}, not for "
-            f"{model_label(config)}; use method 'ngram'"
+            f"{model_label(config)}; {fallback}"
         )
     raise MetalConfigError(
         f"{prefix} method='mtp' with {model_label(config)}: model={spec.model!r} "

@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from vllm_metal.kv.quant import KVCacheQuant
+    from vllm_metal.kv.turboquant import TurboQuantCache
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.ops.fp8 import KVQuant
     from vllm_metal.ops.per_token_head import PerTokenHeadQuant
@@ -298,10 +299,14 @@ def pool_for(
     num_kv_heads: int,
     head_dim: int,
     dtype: mx.Dtype,
-    quant: KVCacheQuant | None = None,
+    quant: KVCacheQuant | TurboQuantCache | None = None,
 ) -> KVPool:
     """The pool of a decoder whose layers are `kinds`, laid out by `layout`; `quant`: an fp8
-    cache (`kv.quant`), rows of `dtype` stored as bytes."""
+    cache (`kv.quant`), rows of `dtype` stored as bytes, or a TurboQuant one (`kv.turboquant`)."""
+    from vllm_metal.kv.turboquant import TurboQuantCache
+
+    if isinstance(quant, TurboQuantCache):
+        return quant.pool(layout, kinds, num_kv_heads, head_dim, dtype)
     shapes = [
         None if kind.is_state or kind.latent else kind.kv_shape(num_kv_heads, head_dim)
         for kind in kinds

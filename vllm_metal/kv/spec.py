@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm_metal.kv import quant
+from vllm_metal.kv import quant, turboquant
 from vllm_metal.kv.state import mamba_spec
 from vllm_metal.models.layers import LayerKind, memory_layers
 
@@ -84,8 +84,13 @@ def kv_cache_specs(
     if len(layer_names) != len(layer_kinds):
         raise ValueError(f"{len(layer_names)} layer names for {len(layer_kinds)} layer kinds")
     return {
-        name: attention_spec(kind, block_size, num_kv_heads, head_dim, dtype, cache_config)
-        for name, kind in zip(layer_names, layer_kinds)
+        name: turboquant.layer_spec(
+            attention_spec(kind, block_size, num_kv_heads, head_dim, dtype, cache_config),
+            index,
+            kind,
+            cache_config,
+        )
+        for index, (name, kind) in enumerate(zip(layer_names, layer_kinds))
         if kind.kv_source is None
     }
 

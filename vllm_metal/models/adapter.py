@@ -152,6 +152,22 @@ class ModelAdapter:
             )
         return self.decoder(None, caches, input_embeddings=input_embeds)
 
+    def forward_with_aux(
+        self, input_embeds: mx.array, caches: list[Any], layer_ids: tuple[int, ...]
+    ) -> tuple[mx.array, mx.array]:
+        """`forward`'s hidden states and the aux states an EAGLE-3 head reads: the input of each
+        decoder layer in `layer_ids` (id L: the last layer's output before the final norm), joined
+        in layer order (`[T, 1, n * hidden]`). For decoders that are embeddings -> layers -> final
+        norm and nothing else (`families.eagle3.TARGET_TYPES`)."""
+        wanted = set(layer_ids)
+        h = input_embeds
+        aux = [h] if 0 in wanted else []
+        for i, (layer, cache) in enumerate(zip(self.decoder.layers, caches), start=1):
+            h = layer(h, None, cache)
+            if i in wanted:
+                aux.append(h)
+        return self.decoder.norm(h), mx.concatenate(aux, axis=-1)
+
     def decode_layers(self, h: mx.array, caches: list[Any]) -> mx.array:
         """The decoder's layers over packed rows, then its final norm: the rest of mlx-lm's
         decoder `__call__` once the embeddings are in, for families whose decoder takes no input

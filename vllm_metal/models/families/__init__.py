@@ -134,7 +134,7 @@ def adapter_class(model_type: str | None) -> type[ModelAdapter]:
 # drafter is tensors of the target's checkpoint (`HEAD_IN_TARGET`: `load_head`) or a checkpoint of
 # its own that the speculative config's `model` names (`load_assistant`), and in `missing(target,
 # draft)` what keeps the two configs from drafting together.
-MTP_MODULES = ("gemma4_mtp", "qwen3_5_mtp")
+MTP_MODULES = ("deepseek_mtp", "gemma4_mtp", "nemotron_h_mtp", "qwen3_5_mtp")
 
 
 @cache
@@ -159,6 +159,8 @@ def mtp_drafter_module(draft_type: str | None):
 # model_type -> module in this package defining `sanitize(weights) -> weights`, run on the
 # checkpoint's tensors before mlx-lm's own `sanitize` (layouts mlx-lm does not read).
 SANITIZERS = {
+    "deepseek_v3": "deepseek_mtp",
+    "kimi_k2": "deepseek_mtp",
     "gpt_oss": "gpt_oss",
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",

@@ -21,6 +21,7 @@ from mlx import nn
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from vllm_metal.models.families import qwen3_5
+from vllm_metal.models.layers import FULL_ATTENTION, LayerKind
 
 # The targets whose checkpoints carry this head (`families.mtp_model_types`).
 MODEL_TYPES = qwen3_5.MODEL_TYPES
@@ -43,6 +44,10 @@ class MTPHead(nn.Module):
         full_attention_index = args.full_attention_interval - 1
         self.layers = [DecoderLayer(args, full_attention_index) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(size, eps=eps)
+
+    def layer_kinds(self) -> list[LayerKind]:
+        """The KV memory of each layer: full attention, in the target's shape."""
+        return [FULL_ATTENTION] * len(self.layers)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: Any, step: int) -> mx.array:
         """Normed hidden states (`[T, 1, hidden]`) from the next tokens' embeddings and the

@@ -33,7 +33,12 @@ VOCAB = 64  # logits columns used (the rest of the tiny model's vocabulary is -i
 
 
 def _run(
-    vllm_config, params: dict[str, SamplingParams], on_device: bool, monkeypatch, with_output=False
+    vllm_config,
+    params: dict[str, SamplingParams],
+    on_device: bool,
+    monkeypatch,
+    with_output=False,
+    grammar=None,
 ):
     """One step of requests a (decode-sized prompt, sampled), b (mid-prefill: discarded) and c,
     sampled from fixed logits; returns (sampled ids, whether the logits went to the host)."""
@@ -63,7 +68,9 @@ def _run(
     real = sample.to_torch
     monkeypatch.setattr(sample, "to_torch", lambda a: copied.append(a) or real(a))
     state = StepState(sched, packed, logits, {}, device_tokens=tokens, device_logprobs=logprobs)
-    output = sample.sample_step(state, states, Sampler(), "raw_logprobs")
+    state.grammar_output = grammar
+    device = DeviceSampler(0) if on_device else None
+    output = sample.sample_step(state, states, Sampler(), "raw_logprobs", None, device)
     by_req = dict(zip(output.req_ids, output.sampled_token_ids))
     if with_output:
         return by_req, bool(copied), output
@@ -97,6 +104,51 @@ def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatc
     assert device == host
     if odd.logit_bias:
         assert device["c"] == [5]
+
+
+def _bitmask(vocab: int, allowed: list[list[int]]) -> np.ndarray:
+    """xgrammar's layout: bit j of word i allows token 32 i + j."""
+    bits = np.zeros((len(allowed), -(-vocab // 32) * 32), dtype=np.uint8)
+    for row, tokens in enumerate(allowed):
+        bits[row, tokens] = 1
+    words = np.packbits(bits.reshape(len(allowed), -1, 32), axis=-1, bitorder="little")
+    return words.view(np.uint32).reshape(len(allowed), -1).view(np.int32)
+
+
+@pytest.mark.parametrize("c", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)])
+def test_grammar_rows_are_masked_on_the_device(vllm_config, monkeypatch, c):
+    """A grammar's bitmask applied on the device: the rows it constrains pick among the tokens
+    it allows, as vLLM's `apply_grammar_bitmask` and sampler pick, without copying logits."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    vocab = RequestStates(vllm_config, [BS]).vocab_size
+    allowed = [2, 7, 40, 63]  # c's grammar; a is unconstrained, b mid-prefill
+    grammar = GrammarOutput(["c", "b"], _bitmask(vocab, [allowed, [5]]))
+    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0), "c": c}
+    device, copied = _run(vllm_config, params, True, monkeypatch, grammar=grammar)
+    host, host_copied = _run(vllm_config, params, False, monkeypatch, grammar=grammar)
+    free, _ = _run(vllm_config, params, True, monkeypatch)
+    assert not copied and host_copied
+    assert device["c"][0] in allowed and device["a"] == free["a"] == host["a"]
+    if c.temperature == 0.0:
+        assert device == host and free["c"][0] not in allowed  # the mask moved the argmax
+
+
+def test_a_seeded_row_is_drawn_apart_on_the_host(vllm_config, monkeypatch):
+    """A seeded row beside greedy and unseeded ones: only its logits row reaches the host, and
+    its token is the one vLLM's sampler draws for it over the whole batch."""
+    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0),
+              "c": SamplingParams(temperature=0.9, top_k=20, seed=11)}  # fmt: skip
+    shapes = []
+    real = sample.to_torch
+    monkeypatch.setattr(sample, "to_torch", lambda a: shapes.append(a.shape) or real(a))
+    device, _ = _run(vllm_config, params, True, monkeypatch)
+    assert [s[0] for s in shapes] == [1], shapes  # one row copied
+    host, _ = _run(vllm_config, params, False, monkeypatch)
+    assert device == host
+    draws = {_run(vllm_config, {**params, "c": SamplingParams(temperature=0.9, top_k=20, seed=s)},
+                  True, monkeypatch)[0]["c"][0] for s in range(12)}  # fmt: skip
+    assert len(draws) > 1  # sampled, not the argmax
 
 
 @pytest.mark.parametrize("k", [0, 2, 5])

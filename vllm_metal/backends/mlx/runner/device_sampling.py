@@ -12,9 +12,10 @@ vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept 
 Greedy rows (temperature below vLLM's epsilon) keep their argmax. Logprobs in vLLM's default
 `raw_logprobs` mode, up to `MAX_DEVICE_LOGPROBS` per row, are computed with the tokens
 (`raw_logprobs`). Whether the step may use these tokens is decided when it is sampled
-(`sample.tokens_on_device`): a grammar or anything else that reads the logits sends it to vLLM's
-`Sampler` on the host instead. Seeded rows stay on the host, where their randomness is keyed by
-position (`seeded.py`).
+(`sample.tokens_on_device`): a grammar's bitmask is applied on the device and the tokens drawn
+again (`grammar_masked`); anything else that reads the logits sends the step to vLLM's
+`Sampler` on the host instead. Seeded rows are drawn on the host, where their randomness is keyed
+by position (`seeded.py`): their logits rows alone are copied.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ if TYPE_CHECKING:
 
 
 def samples_random_rows(metadata: SamplingMetadata) -> bool:
-    """Whether the step's random rows can be sampled on the device: none is seeded, and the
-    only processor acting on them before top-k/top-p is vLLM's min-p (what else reads the logits
-    is checked when the step is sampled)."""
-    if metadata.all_greedy or metadata.generators:
+    """Whether the step's random rows can be sampled on the device: the only processor acting
+    on them before top-k/top-p is vLLM's min-p (what else reads the logits is checked when the
+    step is sampled; a seeded row's draw is replaced there by the host's, `seeded.py`)."""
+    if metadata.all_greedy:
         return False
     return all(isinstance(p, MinPLogitsProcessor) for p in metadata.logitsprocs.argmax_invariant)
 
@@ -81,6 +82,24 @@ def raw_logprobs(
         ids.append(mx.take_along_axis(top, order, axis=-1).astype(mx.int32))
         values.append(mx.take_along_axis(top_values, order, axis=-1))
     return mx.concatenate(ids, axis=-1), mx.concatenate(values, axis=-1), ranks
+
+
+def grammar_masked(logits: mx.array, rows: np.ndarray, bitmask: np.ndarray) -> mx.array:
+    """`logits` (`[n, V]`) with rows `rows` masked by their grammars' bitmasks (`[len(rows),
+    words]` int32, bit j of word i allowing token 32 i + j), as vLLM's `apply_grammar_bitmask`
+    masks them through xgrammar: a token not allowed gets -inf; columns past the bitmask's
+    width, and the other rows, are left as they are."""
+    n, vocab = logits.shape
+    width = min(vocab, bitmask.shape[1] * 32)
+    words = mx.array(np.ascontiguousarray(bitmask).view(np.uint32))
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :width] > 0
+    if width < vocab:
+        allowed = mx.concatenate([allowed, mx.ones((len(rows), vocab - width), mx.bool_)], 1)
+    allowed = mx.concatenate([allowed, mx.ones((1, vocab), mx.bool_)])  # the unmasked row
+    pick = np.full(n, len(rows), dtype=np.int32)
+    pick[rows] = np.arange(len(rows), dtype=np.int32)
+    return mx.where(allowed[mx.array(pick)], logits, -mx.inf)
 
 
 class DeviceSampler:

@@ -18,6 +18,8 @@ from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
 from vllm_metal.kv.state import StateBlocks, StateLayerCache
 from vllm_metal.kv.state_drafts import StepDrafts
+from vllm_metal.kv.turboquant import TurboQuantPool
+from vllm_metal.kv.turboquant import layer_cache as turboquant_layer_cache
 from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -89,6 +91,9 @@ def attention_cache(
     pool: KVPool, layer: int, kind: LayerKind, meta: StepMetadata, key_ends_sliding_only: bool
 ) -> PagedLayerCache:
     """The paged view of attention layer `layer` (of kind `kind`) for the step of `meta`."""
+    bidirectional = not key_ends_sliding_only or kind.sliding_window is not None
+    if isinstance(pool, TurboQuantPool):
+        return turboquant_layer_cache(pool, layer, kind, meta, bidirectional)
     layout = pool.layout
     group = layout.group_of_layer[layer]
     return PagedLayerCache(
@@ -102,7 +107,7 @@ def attention_cache(
             *pool.stored_shape(*kind.kv_shape(*pool.kv_shape)),
         ),
         writes=kind.kv_source is None,
-        bidirectional=not key_ends_sliding_only or kind.sliding_window is not None,
+        bidirectional=bidirectional,
         quant=None if pool.layer_quant is None else pool.layer_quant[layer],
     )
 
@@ -118,7 +123,8 @@ def hidden_states(
     step's K/V into the pool. From `inputs`: `mm_rows` (encoder outputs of images) replace the
     embeddings of their placeholder tokens; an M-RoPE model takes `mrope_positions` (without
     them every token is text, at its index on all three streams); a prefix-LM model the
-    `key_ends` of its image tokens (`mm.spans`). Lazy."""
+    `key_ends` of its image tokens (`mm.spans`); with `aux`, the aux states an EAGLE-3 head reads are
+    kept there. Lazy."""
     sliding_only = getattr(adapter, "bidirectional_sliding_only", False)
     caches = layer_caches(pool, packed, kinds, inputs.key_ends, inputs.drafts, sliding_only)
     token_ids = step_token_ids(packed)[:, None]  # [T, 1]
@@ -127,6 +133,9 @@ def hidden_states(
         return adapter.forward_stage(stage_in, caches)
     embeds = merge(adapter.embed(token_ids), inputs.mm_rows)  # [T, 1, hidden]
     extra = {"token_ids": token_ids} if adapter.takes_token_ids else {}
+    if inputs.aux is not None:  # an EAGLE-3 drafter's target (`families.eagle3.TARGET_TYPES`)
+        hidden, inputs.aux.states = adapter.forward_with_aux(embeds, caches, inputs.aux.layer_ids)
+        return hidden
     if not isinstance(adapter, MultimodalAdapter):
         return adapter.forward(embeds, caches, **extra)
     mrope_positions = inputs.mrope_positions

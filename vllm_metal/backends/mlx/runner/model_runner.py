@@ -28,6 +28,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
 from vllm_metal.backends.mlx.runner.lora import make_lora_manager
 from vllm_metal.backends.mlx.runner.model_states import FEATURE_FLAGS, ModelState, select
+from vllm_metal.backends.mlx.runner.model_states.interface import AuxHidden
 from vllm_metal.backends.mlx.runner.output import Forward, output_stage_class
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.self_check import startup_stage
@@ -203,6 +204,9 @@ class MLXModelRunner:
             inputs = replace(
                 inputs, drafts=StepDrafts(packed.num_scheduled, packed.num_draft_tokens)
             )
+        aux_layers = () if self.spec is None else self.spec.drafter.aux_layer_ids
+        if aux_layers:
+            inputs = replace(inputs, aux=AuxHidden(aux_layers))
         if intermediate_tensors is not None:
             inputs = replace(
                 inputs,
@@ -223,6 +227,7 @@ class MLXModelRunner:
             self.connector,
             inputs.drafts,
             self.kv_pool,
+            None if inputs.aux is None else inputs.aux.states,
         )
         output = self.output.finish_step(self.state, forward)
         if self.lora is not None:

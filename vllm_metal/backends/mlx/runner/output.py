@@ -36,6 +36,7 @@ class Forward:
     # A hybrid model's states of requests verifying drafts, stored once they are sampled.
     drafts: StepDrafts | None = None
     kv_pool: KVPool | None = None  # the pool the step ran on
+    aux_hidden: mx.array | None = None  # the aux states an EAGLE-3 head reads (`AuxHidden`)
 
 
 class OutputStage(Protocol):

@@ -23,7 +23,11 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner import seeded
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, raw_logprobs
+from vllm_metal.backends.mlx.runner.device_sampling import (
+    DeviceSampler,
+    grammar_masked,
+    raw_logprobs,
+)
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -89,6 +93,8 @@ class Sampling:
             logprobs = raw_logprobs(logits, tokens, metadata, self.logprobs_mode)
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
+        if forward.aux_hidden is not None:
+            pending.append(forward.aux_hidden)
         mx.async_eval(*pending, *([] if tokens is None else [tokens]), *(logprobs or ()))
         connector, scheduler_output = forward.connector, forward.scheduler_output
         self.pipeline.executed = StepState(
@@ -103,6 +109,7 @@ class Sampling:
             drafts=forward.drafts,
             hidden=forward.hidden if self._drafter_reads_hidden else None,
             kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
+            aux_hidden=forward.aux_hidden,
         )
 
     def drain(self) -> CarriedTokens | None:
@@ -136,6 +143,7 @@ class Sampling:
             self.sampler,
             self.logprobs_mode,
             None if spec is None else spec.rejection_sampler,
+            self.device,
         )
         if step.drafts is not None:  # a hybrid's states after the accepted drafts
             step.drafts.commit(np.array([max(len(t) - 1, 0) for t in output.sampled_token_ids]))
@@ -151,12 +159,23 @@ def sample_step(
     sampler: Sampler,
     logprobs_mode: str,
     rejection_sampler: RejectionSampler | None = None,
+    device: DeviceSampler | None = None,
 ) -> ModelRunnerOutput:
+    """The step's output: its tokens drawn on the device where they may be (`device` draws a
+    grammar step's tokens again over the masked logits), else by vLLM's samplers on the host."""
     batch = states.input_batch
     if step.carried or (
         not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata)
     ):
         return _device_output(step, states)
+    if device is not None and _grammar_on_device(step, states, device):
+        return _device_output(step, states)
+    seeded_rows = _seeded_apart(step, states)
+    if seeded_rows is not None:
+        drawn = seeded.sample_apart(
+            sampler, to_torch(step.logits[mx.array(seeded_rows)]), seeded_rows, states
+        )
+        return _device_output(step, states, dict(zip(seeded_rows, drawn)))
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -217,14 +236,22 @@ def _recorded(
     )
 
 
-def tokens_on_device(step: StepState, metadata) -> bool:
+def tokens_on_device(
+    step: StepState, metadata, seeded_apart: bool = False, grammar_on_device: bool = False
+) -> bool:
     """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
     row's argmax, or unseeded samples beside greedy rows, after the penalties;
     `DeviceSampler.tokens` draws them only for such steps) as vLLM's `Sampler` would pick them:
     no logprobs but those drawn with them (`step.device_logprobs`), no grammar, no drafts, no
     prompt logprobs, and nothing else applied to the logits before sampling (allowed or bad
-    words, a logit bias, min tokens, a thinking budget, custom logits processors)."""
-    if step.device_tokens is None or step.grammar_output is not None or step.prompt_logits:
+    words, a logit bias, min tokens, a thinking budget, custom logits processors), and no
+    seeded row (`seeded_apart`: but for its seeded rows, which `_seeded_apart` draws); a
+    grammar only where `grammar_on_device` (`_grammar_on_device` masks and draws again)."""
+    if step.device_tokens is None or step.prompt_logits:
+        return False
+    if step.grammar_output is not None and not grammar_on_device:
+        return False
+    if metadata.generators and not seeded_apart:  # seeded rows: drawn on the host
         return False
     if step.packed.num_draft_tokens.any():
         return False
@@ -249,10 +276,47 @@ def _moves_argmax(processor) -> bool:
     return True
 
 
-def _device_output(step: StepState, states: RequestStates) -> ModelRunnerOutput:
-    """The step's output from the tokens (and logprobs) drawn on the device (waits for the
-    forward)."""
+def _grammar_on_device(step: StepState, states: RequestStates, device: DeviceSampler) -> bool:
+    """Whether the step's grammars were applied on the device and its tokens drawn again over
+    the masked logits (`device_sampling.grammar_masked`; `step.device_tokens` replaced): a
+    step without drafts, logprobs or seeded rows, whose tokens are otherwise the device's."""
+    grammar = step.grammar_output
+    metadata = states.input_batch.sampling_metadata
+    if grammar is None or step.device_logprobs is not None or states.num_prompt_logprobs:
+        return False
+    if not tokens_on_device(step, metadata, grammar_on_device=True):
+        return False
+    index = {req_id: i for i, req_id in enumerate(step.packed.req_ids)}
+    kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
+    rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
+    masked = grammar_masked(step.logits, rows, grammar.grammar_bitmask[kept])
+    tokens = device.tokens(masked, states.input_batch)
+    if tokens is None:
+        return False
+    step.device_tokens = tokens
+    return True
+
+
+def _seeded_apart(step: StepState, states: RequestStates) -> list[int] | None:
+    """The seeded rows of a step whose tokens are otherwise those drawn on the device, when
+    they can be drawn apart on the host (`seeded.host_rows`); None when the whole step goes to
+    the host."""
+    metadata = states.input_batch.sampling_metadata
+    if not metadata.generators or states.num_prompt_logprobs or step.device_logprobs is not None:
+        return None
+    if not tokens_on_device(step, metadata, seeded_apart=True):
+        return None
+    return seeded.host_rows(states)
+
+
+def _device_output(
+    step: StepState, states: RequestStates, host: dict[int, int] | None = None
+) -> ModelRunnerOutput:
+    """The step's output from the tokens (and logprobs) drawn on the device, but the rows of
+    `host` (row -> token), drawn on the host (waits for the forward)."""
     tokens = to_host(step.device_tokens).tolist()
+    for row, token in (host or {}).items():
+        tokens[row] = token
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
     logprobs = None
     if step.device_logprobs is not None:

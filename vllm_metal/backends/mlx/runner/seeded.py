@@ -126,6 +126,25 @@ def resample_drafts(
         at += k + 1
 
 
+def host_rows(states: RequestStates) -> list[int] | None:
+    """The seeded rows of a step whose other rows take their tokens from the device, when every
+    one of them reads nothing but its logits, temperature, top-k and top-p (their tokens are
+    then drawn apart, `sample_apart`); None when some seeded row reads more."""
+    rows = sorted(states.input_batch.generators)
+    if all(drafts_by_position(_params(states, i)) for i in rows):
+        return rows
+    return None
+
+
+def sample_apart(sampler: Sampler, logits: torch.Tensor, rows: list[int], states: RequestStates):
+    """The tokens of seeded batch rows `rows` from their logits alone (`[len(rows), V]`), each
+    drawn with its generator keyed to the position it samples, as the whole batch's sampler
+    would draw them (a seeded row's draw depends on nothing but its own row)."""
+    reseed(states)
+    generators = {j: states.input_batch.generators[i] for j, i in enumerate(rows)}
+    return sampler(logits, _metadata(states, rows, generators)).sampled_token_ids.view(-1).tolist()
+
+
 def _params(states: RequestStates, index: int) -> SamplingParams | None:
     return states.requests[states.input_batch.req_ids[index]].sampling_params
 

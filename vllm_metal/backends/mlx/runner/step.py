@@ -56,6 +56,9 @@ class StepState:
     # Set when a later step took `device_tokens` on the device (`StepPipeline.drain`): the
     # step's output is those tokens, whatever the batch holds by the time it is sampled.
     carried: bool = False
+    # The target's aux hidden states of every packed token, `[T, 1, n * hidden]`, kept for an
+    # EAGLE-3 head (`spec_decode/eagle3.py`); None otherwise.
+    aux_hidden: mx.array | None = None
 
 
 @dataclass

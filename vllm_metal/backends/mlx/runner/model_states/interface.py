@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm_metal.kv.pool import KVLayout, KVPool
     from vllm_metal.kv.quant import KVCacheQuant
     from vllm_metal.kv.state_drafts import StepDrafts
+    from vllm_metal.kv.turboquant import TurboQuantCache
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.models.multimodal import TokenRows
 
@@ -70,6 +71,18 @@ class StepInputs:
     # Pipeline stages after the first: the previous stage's hidden states of every packed token
     # (`[T, 1, hidden]`), in place of the token embeddings.
     stage_hidden: mx.array | None = None
+    # An EAGLE-3 drafter: the target layers whose input hidden states the step keeps.
+    aux: AuxHidden | None = None
+
+
+@dataclass
+class AuxHidden:
+    """The target's hidden states an EAGLE-3 head reads (`spec_decode/eagle3.py`): the input of
+    each decoder layer in `layer_ids` (L: the last layer's output before the final norm), filled
+    by the forward for every packed token, joined in layer order (`[T, 1, n * hidden]`, lazy)."""
+
+    layer_ids: tuple[int, ...]
+    states: mx.array | None = None
 
 
 NO_INPUTS = StepInputs()
@@ -156,13 +169,18 @@ class ModelState:
             self.kv_cache_quant(),
         )
 
-    def kv_cache_quant(self) -> KVCacheQuant | None:
+    def kv_cache_quant(self) -> KVCacheQuant | TurboQuantCache | None:
         """The fp8 cache `--kv-cache-dtype` asks for (`kv.quant`), its scales from the
-        checkpoint where it has them (a local checkpoint directory); None for an unquantized
-        cache."""
+        checkpoint where it has them (a local checkpoint directory), or the TurboQuant one
+        (`kv.turboquant`); None for an unquantized cache."""
         from pathlib import Path
 
+        from vllm_metal.kv import turboquant
         from vllm_metal.kv.quant import kv_cache_quant
+
+        cache_config = self.vllm_config.cache_config
+        if turboquant.requested(cache_config.cache_dtype):
+            return turboquant.TurboQuantCache.of(cache_config, self.layer_kinds)
 
         local = Path(self.model_config.model).expanduser()
         return kv_cache_quant(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm_metal.kv.pool import KVLayout, KVPool
+from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
 from vllm_metal.kv.spec import kv_cache_specs
 
 if TYPE_CHECKING:
@@ -26,6 +26,9 @@ class Drafter:
     reads_hidden_states = False
     # Whether `propose` attends over the target's K/V of the step (`StepState.kv_pool`).
     reads_target_kv = False
+    # The target layers whose input hidden states `propose` reads (`StepState.aux_hidden`: an
+    # EAGLE-3 head's aux states); empty: none are kept.
+    aux_layer_ids: tuple[int, ...] = ()
 
     def propose(
         self,
@@ -108,7 +111,10 @@ class PagedDrafter(Drafter):
         self._allocate()
 
     def _allocate(self) -> None:
-        self.pool = KVPool(self.layout, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        # Latent (MLA) layers get a latent pool (`kv.latent`), the others K and V.
+        self.pool = pool_for(
+            self.layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype
+        )
 
     def discard(self, tags: tuple[str, ...]) -> None:
         if "kv_cache" in tags:

@@ -26,7 +26,6 @@ from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import layer_caches
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
 from vllm_metal.models.families import mtp_module
-from vllm_metal.models.layers import FULL_ATTENTION
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,9 +82,9 @@ class MTPDrafter(PagedDrafter):
             raise ValueError(f"{adapter.model_type}: no multi-token-prediction head is built")
         path = resolve_model_path(self.model_path, self.revision, self.download_dir)
         self.head = module.load_head(adapter.config, path, self.target.compute_dtype)
-        self.kinds = [FULL_ATTENTION] * len(self.head.layers)
+        self.kinds = self.head.layer_kinds()
         self.layer_names = [
-            f"{MTP_LAYER_PREFIX}layers.{i}.self_attn" for i in range(len(self.head.layers))
+            f"{MTP_LAYER_PREFIX}layers.{i}.self_attn" for i in range(len(self.kinds))
         ]
 
     @property
@@ -144,16 +143,19 @@ class MTPDrafter(PagedDrafter):
         offsets = packed.cu_seqlens_q[rows]
         gather = np.concatenate([o + np.arange(c) for o, c in zip(offsets, count[rows])])
         hidden = step.hidden[mx.array(gather.astype(np.int32))]
-        out = self._run(first, hidden, 0)
+        out, fed_back = self._run(first, hidden, 0)
 
         # Rows that draft: their head output at the last position gives draft 1.
         drafting = [i for i, r in enumerate(rows) if caps[r] > 0]
         if not drafting:
-            mx.eval(*self.pool.arrays())
+            # Queued, not waited for: no draft is read now, and the next step's reads of the
+            # head's K/V come after these writes in MLX's graph.
+            mx.async_eval(*self.pool.arrays())
             return drafts
         last = first.cu_seqlens_q[1:][drafting] - 1
         rows = rows[drafting]
-        out = out[mx.array(last.astype(np.int32))]
+        at_last = mx.array(last.astype(np.int32))
+        out, fed_back = out[at_last], fed_back[at_last]
         positions = start[rows] + count[rows] - 1
         for j in range(int(caps[rows].max())):
             if j > 0:
@@ -161,7 +163,7 @@ class MTPDrafter(PagedDrafter):
                 rows, positions = rows[keep], positions[keep]
                 if rows.size == 0:
                     break
-                out = out[mx.array(np.nonzero(keep)[0].astype(np.int32))]
+                fed_back = fed_back[mx.array(np.nonzero(keep)[0].astype(np.int32))]
                 tokens = np.array([drafts[r][-1] for r in rows], dtype=np.int32)
                 positions = positions + 1
                 fed = decode_batch(
@@ -171,17 +173,19 @@ class MTPDrafter(PagedDrafter):
                     [t[rows] for t in tables],
                     states.block_sizes,
                 )
-                out = self._run(fed, out, j)
+                out, fed_back = self._run(fed, fed_back, j)
             tokens = mx.argmax(self.target.adapter.logits(out).reshape(out.shape[0], -1), axis=-1)
             mx.eval(tokens, *self.pool.arrays())
             for r, token in zip(rows, np.array(tokens).tolist()):
                 drafts[r].append(int(token))
         return drafts
 
-    def _run(self, packed, hidden: mx.array, step: int) -> mx.array:
+    def _run(self, packed, hidden: mx.array, step: int) -> tuple[mx.array, mx.array]:
         """The head over `packed` (tokens at p + 1, positions p) with the hidden states of its
-        rows; its K/V written to layer `step mod layers`."""
+        rows, its K/V written to layer `step mod layers`: the normed output the LM head reads,
+        and the hidden state a chained step is fed (a head returning one array feeds it back)."""
         caches = layer_caches(self.pool, packed, self.kinds)
         layer = step % len(self.kinds)
         embeds = self.target.adapter.embed(mx.array(packed.token_ids)[:, None])
-        return self.head(embeds, hidden, caches[layer], step)
+        out = self.head(embeds, hidden, caches[layer], step)
+        return out if isinstance(out, tuple) else (out, out)

@@ -1,0 +1,179 @@
+"""EAGLE-3 speculative decoding (`--speculative-config '{"method": "eagle3", "model": HEAD}'`,
+`spec_decode/eagle3.py`) on a tiny Qwen3 target: greedy tokens and logprobs equal decoding without
+speculation (transformers float32) on a mixed batch in 32-token chunks, after a prefix hit, and for
+max_tokens 1 to 5; a seeded sampled batch gives the same tokens twice and the tokens an engine
+without speculation gives.
+
+Four heads (`tests/fixtures/tiny_eagle3.py`), drafting on every step (`VLLM_METAL_SPEC_BACKOFF=0`):
+a self-drafting one over a target whose next token depends on the current one alone (at least 90% of
+its drafts accepted, which only holds if the head reads the right tokens and positions across
+chunks, steps and chained drafts); a leaky one, whose hidden states (the target's aux states, its
+own outputs) and draft vocabulary make only some drafts right (two: as `Eagle3LlamaForCausalLM` and
+as `Eagle3Qwen3ForCausalLM`), whose accepted drafts per position equal those of vLLM's own CPU
+backend running the same head (the aux states, `fc`, the chained hidden states and `d2t` then agree
+with vLLM's); and a random head with a draft vocabulary over an ordinary target. The leaky and
+random heads run with async scheduling on (vLLM's default; there the runner does not cap drafts at
+the remaining max_tokens, so vLLM's CPU backend drafts alike), the self-drafting one with it off
+(and on in the CI case). With the back-off on (the default), the leaky head's seeded batch is still
+the same twice and without speculation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.mlx.runner.jobs import (
+    assert_logprobs_match_hf,
+    greedy,
+    random_prompts,
+    run_engine_job,
+    tokens,
+)
+
+NEW_TOKENS = 16
+BS = 16
+TARGET = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 2, "head_dim": 64}
+PROMPTS = random_prompts(43, [1, 9, BS - 5, 2 * BS + 3])
+ENGINE = {"max_num_batched_tokens": 32}
+SEEDED_PARAMS = [
+    {"max_tokens": 16, "temperature": 0.8, "top_k": 3, "seed": 40 + i, "ignore_eos": True}
+    for i in range(4)
+]
+SEEDED = {"prompts": [PROMPTS[1], PROMPTS[2]] * 2, "params": SEEDED_PARAMS}
+
+
+def spec(head) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def eagle3_dirs(tiny_model_dir, tmp_path_factory):
+    """head name -> (target, head) checkpoint directories."""
+    from tests.fixtures.tiny_eagle3 import self_drafting_target, write_eagle3_head
+
+    root = tmp_path_factory.mktemp("eagle3")
+    plain = tiny_model_dir("qwen3", **TARGET)
+    target = self_drafting_target(plain, root / "target")
+    return {
+        "self_drafting": (target, write_eagle3_head(target, root / "self", self_drafting=True)),
+        "leaky": (
+            target,
+            write_eagle3_head(
+                target, root / "leaky", self_drafting=True, leak=0.1, even_vocabulary=True
+            ),
+        ),
+        "leaky_qwen3": (
+            target,
+            write_eagle3_head(
+                target,
+                root / "leaky_qwen3",
+                arch="qwen3",
+                self_drafting=True,
+                leak=0.1,
+                even_vocabulary=True,
+            ),
+        ),
+        "random": (plain, write_eagle3_head(plain, root / "random")),
+    }
+
+
+def test_self_drafting_head_is_accepted_and_exact(eagle3_dirs):
+    """The CI case: one engine, greedy batch and max_tokens 1..5 equal transformers; >= 90%
+    of the drafts accepted under async scheduling."""
+    from tests.fixtures.oracles import hf_greedy
+
+    target, head = eagle3_dirs["self_drafting"]
+    expected = hf_greedy(target, PROMPTS, NEW_TOKENS)
+    jobs = [
+        {"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]},
+        {"prompts": [PROMPTS[1]] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        {"action": "async_scheduling"},
+    ]
+    (batch, shorts, ran_async), counters = run_engine_job(
+        target,
+        jobs,
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert ran_async is True
+    assert tokens(batch) == expected
+    assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
+    proposed = counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert proposed > 0 and accepted >= 0.9 * proposed, counters
+
+
+@pytest.fixture
+def plain_seeded(eagle3_dirs, head):
+    """The seeded batch decoded by the head's target without speculation."""
+    (plain,) = run_engine_job(eagle3_dirs[head][0], [SEEDED], engine=ENGINE)
+    return tokens(plain)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("head", ["self_drafting", "leaky", "leaky_qwen3", "random"])
+def test_eagle3_gives_the_tokens_of_plain_decoding(eagle3_dirs, plain_seeded, head):
+    from tests.fixtures.oracles import hf_greedy
+
+    target, head_dir = eagle3_dirs[head]
+    expected = hf_greedy(target, PROMPTS, NEW_TOKENS)
+    resend = [p + o[:12] + [30, 31, 32] for p, o in zip(PROMPTS, expected) if len(p) > BS]
+    jobs = [
+        {"prompts": PROMPTS, "params": [greedy(NEW_TOKENS, logprobs=1)]},
+        {"prompts": resend, "params": [greedy(8)]},
+        {"prompts": [PROMPTS[1]] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        SEEDED,
+        SEEDED,
+        {"action": "async_scheduling"},
+    ]
+    async_scheduling = head != "self_drafting"
+    engine = {**ENGINE, "disable_log_stats": False, "speculative_config": spec(head_dir),
+              "async_scheduling": async_scheduling}  # fmt: skip
+    (batch, resent, shorts, sampled, again, ran_async), per_job = run_engine_job(
+        target, jobs, engine=engine, with_metrics="per_job", env={"VLLM_METAL_SPEC_BACKOFF": "0"}
+    )
+    assert ran_async is async_scheduling
+    assert tokens(batch) == expected
+    assert_logprobs_match_hf(target, PROMPTS, batch)
+    assert tokens(resent) == hf_greedy(target, resend, 8)
+    assert all(r["num_cached_tokens"] >= BS for r in resent), resent
+    assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
+    assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
+    assert tokens(sampled) == tokens(again) == plain_seeded
+    counters = per_job[2]  # after the greedy jobs
+    proposed = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert proposed > 0, counters
+    if head == "self_drafting":
+        assert accepted >= 0.9 * proposed, counters
+    if head.startswith(
+        "leaky"
+    ):  # some drafts right, some wrong, each as vLLM's CPU backend has them
+        assert 0 < accepted < proposed, counters
+        cpu_engine = {**engine, "gpu_memory_utilization": 0.3}
+        (cpu_batch,), cpu = run_engine_job(
+            target, jobs[:1], engine=cpu_engine, backend="cpu", with_metrics="per_job"
+        )
+        assert tokens(cpu_batch) == expected
+        ours = per_job[0]
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos"):
+            key = f"vllm:spec_decode_{name}"
+            assert ours[key] == cpu[0][key], (ours, cpu[0])
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("head", ["leaky"])
+def test_seeded_batches_with_the_backoff_on(eagle3_dirs, plain_seeded, head):
+    """With the back-off deciding from measured times which steps draft, a seeded batch still
+    gives the same tokens twice and the tokens of decoding without speculation."""
+    target, head_dir = eagle3_dirs[head]
+    sampled, again = run_engine_job(
+        target,
+        [SEEDED, SEEDED],
+        engine={**ENGINE, "speculative_config": spec(head_dir)},
+        env={"VLLM_METAL_SPEC_BACKOFF": "1"},
+    )
+    assert tokens(sampled) == tokens(again) == plain_seeded
