@@ -55,6 +55,8 @@ SUITES = (
     Suite("kv_offload", "KV offload tiers: host and disk against recomputing", ("kv_offload",)),
     Suite("kv_fp8", "fp8 KV cache against unquantized: tokens held, long-context decode",
           ("kv_fp8",)),
+    Suite("kv_ptk", "per-token-head KV caches against unquantized: tokens held, decode",
+          ("kv_ptk",)),
     Suite("kv_turboquant", "TurboQuant KV caches against unquantized: tokens held, decode",
           ("kv_turboquant",)),
     Suite("lora", "LoRA adapters: the projection update and served engines", ("lora",)),

@@ -30,8 +30,12 @@ STEM = "kv_fp8"
 CACHES = ("auto", "fp8")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = suite_parser("kv_fp8", __doc__.splitlines()[0], "the tiny model, short context, one round")
+def parse_args(
+    argv: list[str] | None, name: str = STEM, description: str | None = None
+) -> argparse.Namespace:
+    p = suite_parser(
+        name, description or __doc__.splitlines()[0], "the tiny model, short context, one round"
+    )
     p.add_argument(
         "--size", default=None, help="benchmark checkpoint (default 0.17b; tiny --quick)"
     )
@@ -45,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="rounds per engine (2; 1 --quick)")
     p.add_argument("--op-reps", type=int, default=None, help="timed op calls (30; 3 --quick)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker reply")
+    p.add_argument("--caches", default=",".join(CACHES), help=argparse.SUPPRESS)
     p.add_argument("--op-stage", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -61,11 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.caches = tuple(args.caches.split(","))
     return args
 
 
 def engine_rounds(args: argparse.Namespace, model: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Both engines: KV cache size for the budget, then the decode rounds, alternating."""
+    """An engine per cache of `args.caches`: KV cache size for the budget, then the decode rounds,
+    in turn (the order reversed every other round)."""
     from bench.harness.decode_rounds import kv_log
     from bench.harness.single_stream import make_prompts
     from bench.harness.workers import Worker, close_all
@@ -73,6 +80,7 @@ def engine_rounds(args: argparse.Namespace, model: dict[str, Any], work: Path) -
     n = args.streams
     # Round 0 warms both engines up on short prompts (a long prefill costs minutes on the CPU).
     prompts = make_prompts(n, 64, seed=1) + make_prompts(n * args.rounds, args.context, seed=0)
+    caches = args.caches
     inputs = work / "kv_fp8_prompts.json"
     inputs.write_text(json.dumps(prompts))
     engine = {
@@ -87,15 +95,15 @@ def engine_rounds(args: argparse.Namespace, model: dict[str, Any], work: Path) -
         "seed": 0,
     }
     workers, logs = {}, {}
-    for cache in CACHES:
+    for cache in caches:
         logs[cache] = work / f"kv_fp8_{cache}.log"
         workers[cache] = Worker(cache, "mlx", dict(engine, kv_cache_dtype=cache), inputs,
                                 logs[cache], args.timeout)  # fmt: skip
     try:
         ready = {cache: w.receive() for cache, w in workers.items()}
-        calls: dict[str, list[dict[str, Any]]] = {cache: [] for cache in CACHES}
+        calls: dict[str, list[dict[str, Any]]] = {cache: [] for cache in caches}
         for r in range(args.rounds + 1):  # round 0: the warm-up
-            order = CACHES if r % 2 == 0 else CACHES[::-1]
+            order = caches if r % 2 == 0 else caches[::-1]
             for cache in order:
                 workers[cache].settle()
                 reply = workers[cache].call(op="generate", start=r * n, n=n,
@@ -105,7 +113,7 @@ def engine_rounds(args: argparse.Namespace, model: dict[str, Any], work: Path) -
     finally:
         close_all(list(workers.values()))
     result: dict[str, Any] = {}
-    for cache in CACHES:
+    for cache in caches:
         tpot = [t for reply in calls[cache] for t in reply["tpot_ms"]]
         median = statistics.median(tpot)
         result[cache] = {
@@ -123,12 +131,15 @@ def engine_rounds(args: argparse.Namespace, model: dict[str, Any], work: Path) -
 
 def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
     """ops.paged_attention (decode rows) and ops.reshape_and_cache over pools of the model's dtype
-    and fp8 pools of its attention shape, `streams` sequences of `context` keys, calls
-    interleaved."""
+    and quantized pools (`args.caches`) of its attention shape, `streams` sequences of `context`
+    keys, calls interleaved."""
     import mlx.core as mx
     import numpy as np
 
     from vllm_metal import ops
+    from vllm_metal.ops import per_token_head
+
+    caches = args.caches
 
     hq, hkv, d = model["num_heads"], model["num_kv_heads"], model["head_dim"]
     s, ctx, bs = args.streams, args.context, 16
@@ -141,11 +152,12 @@ def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
     query = mx.array(rng.standard_normal((s, hq, d)).astype(np.float32)).astype(dtype)
     rows = mx.array(rng.standard_normal((s, hkv, d)).astype(np.float32)).astype(dtype)
     slots = mx.array((np.arange(s) * blocks * bs + ctx - 1).astype(np.int64))
-    shape = (s * blocks, bs, hkv, d)
     pools: dict[str, list[mx.array]] = {}
-    for cache in CACHES:
+    for cache in caches:
         quant = {} if cache == "auto" else {"kv_cache_dtype": cache, "k_scale": 1.0, "v_scale": 1.0}
         pool = dtype if cache == "auto" else mx.uint8
+        width = per_token_head.row_bytes(cache, d) if per_token_head.is_per_token_head(cache) else d
+        shape = (s * blocks, bs, hkv, width)
         kv = [mx.zeros(shape, pool), mx.zeros(shape, pool)]
         full = mx.array(rng.standard_normal((s * blocks * bs, hkv, d)).astype(np.float32))
         full = full.astype(dtype)
@@ -159,10 +171,10 @@ def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
         mx.eval(fn())
         return (time.perf_counter() - t0) * 1e3
 
-    attention: dict[str, list[float]] = {c: [] for c in CACHES}
-    write: dict[str, list[float]] = {c: [] for c in CACHES}
+    attention: dict[str, list[float]] = {c: [] for c in caches}
+    write: dict[str, list[float]] = {c: [] for c in caches}
     for rep in range(args.op_reps + 1):  # rep 0 warms up
-        for cache in CACHES if rep % 2 == 0 else CACHES[::-1]:
+        for cache in caches if rep % 2 == 0 else caches[::-1]:
             quant = {} if cache == "auto" else {"kv_cache_dtype": cache}
             kc, vc = pools[cache]
             a = timed(partial(ops.paged_attention, query, kc, vc, tables, seq_lens, cu,
@@ -184,12 +196,18 @@ def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
         },
         "attention_ms": {c: round(statistics.median(v), 3) for c, v in attention.items()},
         "cache_write_ms": {c: round(statistics.median(v), 3) for c, v in write.items()},
-        "pool_bytes": {c: int(pools[c][0].nbytes) * 2 for c in CACHES},
+        "pool_bytes": {c: int(pools[c][0].nbytes) * 2 for c in caches},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    from bench.suites.kv_fp8_report import write_report
+
+    return run(parse_args(argv), argv, STEM, write_report)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, stem: str, write_report: Any) -> int:
+    """The suite `stem` over `args.caches`, its report written by `write_report(report, out)`."""
     from bench.harness.checkpoints import describe_model, write_model
 
     work = Path(args.work_dir)
@@ -199,18 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(op_stage(args, model)))
         return 0
     from bench.harness.machine import describe_machine
-    from bench.suites.kv_fp8_report import write_report
 
     started = time.perf_counter()
     machine = describe_machine()
     engines = engine_rounds(args, model, work)
     stage_argv = [f"--{k.replace('_', '-')}={getattr(args, k)}"
                   for k in ("size", "dtype", "context", "streams", "op_reps")]  # fmt: skip
-    stage_argv += ["--op-stage", "--work-dir", str(work)]
-    op = python_stage("bench.suites.kv_fp8", stage_argv, args.timeout, work / "kv_fp8_ops.log")
+    stage_argv += ["--caches", ",".join(args.caches), "--op-stage", "--work-dir", str(work)]
+    op = python_stage("bench.suites.kv_fp8", stage_argv, args.timeout, work / f"{stem}_ops.log")
     report = {
         "settings": {
-            "command": command_line("kv_fp8", argv),
+            "command": command_line(stem, argv),
             "quick": args.quick,
             "dtype": args.dtype,
             "kv_budget_mib": args.kv_budget_mib,

@@ -205,6 +205,29 @@ def test_kv_fp8_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
+def test_kv_ptk_quick(run_suite) -> None:
+    run = run_suite("kv_ptk")
+    data = run.results()
+    engines, ops = data["engines"], data["ops"]
+    auto = engines["auto"]
+    m = data["model"]
+    d = m["head_dim"]
+    row = 4 * d  # the float32 checkpoint's unquantized row
+    for cache, stored in (("int8_per_token_head", d + 4), ("fp8_per_token_head", d + 4),
+                          ("int4_per_token_head", d // 2 + 4)):  # fmt: skip
+        # Same budget, rows of data and a float32 scale: that many more tokens, to whole blocks.
+        want = auto["kv_cache_tokens"] * row / stored
+        assert abs(engines[cache]["kv_cache_tokens"] - want) < 2 * 16 * row / stored
+        assert ops["pool_bytes"][cache] * row == ops["pool_bytes"]["auto"] * stored
+    for engine in engines.values():
+        assert engine["platform"] == "MetalPlatform" and engine["decode_tok_s"] > 0
+        assert all(n == data["settings"]["output_len"] for r in engine["tokens"] for n in r)
+    assert all(ops["attention_ms"][c] > 0 for c in engines)
+    run.report("kv_ptk", headings=("tokens held in the budget", "The machine is shared"))
+
+
+@pytest.mark.slow
 def test_blas_matmul_quick(run_suite) -> None:
     data = run_suite("blas_matmul").results()
     assert "reference" in data["results"]

@@ -106,9 +106,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             ["pipeline parallelism with data parallelism", "data_parallel_size=2"],
         ),
         ({"block_size": 12}, ["block_size=12", "multiple of 8"]),
-        ({"kv_cache_dtype": "int8_per_token_head"}, ["kv_cache_dtype", "int8_per_token_head"]),
-        ({"kv_cache_dtype": "int4_per_token_head"}, ["kv_cache_dtype", "int4_per_token_head"]),
-        ({"kv_cache_dtype": "fp8_per_token_head"}, ["kv_cache_dtype", "fp8_per_token_head"]),
         ({"kv_cache_dtype": "ultraquant_4bit"}, ["kv_cache_dtype", "ultraquant_4bit"]),
         (
             {
@@ -127,6 +124,13 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
                 "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
             },
             ["--kv-cache-dtype fp8", "method='draft_model'", "method='ngram'"],
+        ),
+        (
+            {
+                "kv_cache_dtype": "int4_per_token_head",
+                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+            },
+            ["--kv-cache-dtype int4_per_token_head", "method='draft_model'"],
         ),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
         (
@@ -175,13 +179,11 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "pp_lora",
         "pp_dp",
         "block_size",
-        "kv_int8_per_token_head",
-        "kv_int4_per_token_head",
-        "kv_fp8_per_token_head",
         "kv_ultraquant_4bit",
         "kv_turboquant_draft_model",
         "kv_turboquant_offload",
         "kv_fp8_draft_model",
+        "kv_int4_per_token_head_draft_model",
         "quantization",
         "spec_eagle3",
         "spec_probabilistic",
@@ -204,13 +206,32 @@ def test_unsupported_settings_are_refused_by_name(
         assert name in message
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+    ],
+)
 def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> None:
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
     assert config.cache_config.cache_dtype == dtype
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=ngram)
     assert config.speculative_config.method == "ngram"
+
+
+def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):
+    """Gemma 4's full-attention layers have rows of another head size: with each row's scale
+    beside it vLLM pads the narrower layers' pages, which the pools do not lay out."""
+    with pytest.raises(ValueError, match="global_head_dim") as info:
+        _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
+    assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
+    assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize("dtype", ["turboquant_k8v4", "turboquant_3bit_nc"])
@@ -228,7 +249,7 @@ def test_turboquant_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: s
     assert f"TurboQuant KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8_per_token_head"])
 def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen3_dir, dtype):
     from vllm_metal.config.table import refusal
 
@@ -236,7 +257,7 @@ def test_fp8_kv_caches_are_refused_where_the_table_lacks_them(metal_config, qwen
     config.cache_config.cache_dtype = dtype
     assert refusal(config, "mlx") is None
     message = refusal(config, "mps")
-    assert f"fp8 KV caches with text decoders: --kv-cache-dtype {dtype}" in message
+    assert f"quantized KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 
 
 @pytest.mark.parametrize(

@@ -201,6 +201,7 @@ def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny
     assert "pipeline_parallel_size=2" in refusal(config("qwen3"), "mps")
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head"])
 @pytest.mark.parametrize(
     ("fixture", "words"),
     [
@@ -209,18 +210,18 @@ def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny
         ("tiny_idefics3_dir", "vision-language models"),
     ],
 )
-def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words):
+def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words, dtype):
     """MLA latent caches, state-page hybrids and towers' models keep unquantized caches: an fp8
-    cache is refused naming the kind and the flag; text decoders are served."""
+    or per-token-head cache is refused naming the kind and the flag; text decoders are served."""
     from vllm.config import CacheConfig
 
     from vllm_metal.config.table import refusal
 
     model = _model_config(request.getfixturevalue(fixture))
-    message = refusal(_config(model, cache_config=CacheConfig(cache_dtype="fp8")), "mlx")
+    message = refusal(_config(model, cache_config=CacheConfig(cache_dtype=dtype)), "mlx")
     assert message is not None
-    assert f"fp8 KV caches with {words}" in message
-    assert "--kv-cache-dtype fp8" in message and "use --kv-cache-dtype auto" in message
+    assert f"quantized KV caches with {words}" in message
+    assert f"--kv-cache-dtype {dtype}" in message and "use --kv-cache-dtype auto" in message
 
 
 def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
@@ -234,5 +235,5 @@ def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
         cache_config=CacheConfig(cache_dtype="fp8"),
     )
     message = pipeline_refusal(config, "mlx")
-    assert "pipeline parallelism with fp8 KV caches" in message
+    assert "pipeline parallelism with quantized KV caches" in message
     assert "--kv-cache-dtype fp8" in message

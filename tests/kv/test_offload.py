@@ -18,6 +18,7 @@ from vllm_metal.kv.offload.manager import DISK_HITS, HOST_HITS, ON_DISK, HostDis
 from vllm_metal.kv.offload.transfer import MLXTransfer
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.ops.fp8 import FORMATS, KVQuant
+from vllm_metal.ops.per_token_head import PerTokenHeadQuant
 
 BLOCK, HEADS, DIM = 4, 2, 8
 # Two KV-cache groups (e.g. sliding-window and full layers) overlaid on two regions, as vLLM
@@ -28,12 +29,14 @@ LAYOUT = KVLayout(
 
 
 def _random_pool(dtype=mx.bfloat16, seed: int = 0) -> KVPool:
-    """A pool of random rows; dtype "fp8": an fp8 cache's pool (`kv.quant`) of random bytes."""
-    fp8 = dtype == "fp8"
-    quant = [KVQuant(FORMATS["fp8_e4m3"])] * len(LAYOUT.region_of_layer) if fp8 else None
+    """A pool of random rows; dtype "fp8": an fp8 cache's pool (`kv.quant`) of random bytes, a
+    per-token-head format's name: its pool of random bytes (rows of data and a scale)."""
+    fp8 = isinstance(dtype, str)
+    layer = KVQuant(FORMATS["fp8_e4m3"]) if dtype == "fp8" else PerTokenHeadQuant(dtype)
+    quant = [layer] * len(LAYOUT.region_of_layer) if fp8 else None
     pool = KVPool(LAYOUT, HEADS, DIM, mx.bfloat16 if fp8 else dtype, layer_quant=quant)
     rng = np.random.default_rng(seed)
-    shape = (LAYOUT.num_blocks, BLOCK, HEADS, DIM)
+    shape = pool.keys[0].shape
     for arrays in (pool.keys, pool.values):
         for r in range(len(arrays)):
             if fp8:
@@ -70,10 +73,11 @@ def _gpu(ids_per_group: list[list[int]], first_block: int = 0) -> GPULoadStoreSp
 KEYS = [make_offload_key(bytes([i]) * 32, g) for i, g in ((1, 0), (2, 0), (3, 1))]
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, "fp8"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, "fp8", "int8_per_token_head"])
 def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
+    """Per-token-head pools: each row's scale is in its page, so it moves with the row's data."""
     pool = _random_pool(dtype)
-    assert pool.dtype == (mx.uint8 if dtype == "fp8" else dtype)
+    assert pool.dtype == (mx.uint8 if isinstance(dtype, str) else dtype)
     source = _blocks(pool, [1, 2, 5])
     transfer = MLXTransfer(pool, [0, 1], num_chunks=4, disk=None)
     assert transfer.regions == [[0, 1], [0, 1]]
@@ -81,7 +85,7 @@ def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
     _finish(transfer, {7})
 
     # The pool is overwritten (a new allocation after sleep, or blocks reused); load into 3, 4, 6.
-    zeros = np.zeros((LAYOUT.num_blocks, BLOCK, HEADS, DIM), np.float32)
+    zeros = np.zeros(pool.keys[0].shape, np.float32)
     for arrays in (pool.keys, pool.values):
         for r in range(len(arrays)):
             arrays[r] = mx.array(zeros).astype(pool.dtype)

@@ -68,3 +68,48 @@ def test_the_pool_stores_bytes_and_readers_use_the_writers_scales(tmp_path) -> N
     assert pool.layer_quant[0].fmt.name == "fp8_e4m3"
     assert not np.asarray(pool.keys[0][0]).any()  # the null block is zero bytes (+0.0)
     assert pool_for(layout, kinds, 2, 64, mx.bfloat16).layer_quant is None
+
+
+PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
+
+
+@pytest.mark.parametrize("kind", [FULL_ATTENTION, LayerKind(sliding_window=8)])
+@pytest.mark.parametrize("dtype", PER_TOKEN_HEAD)
+def test_per_token_head_pages_are_the_ones_vllms_attention_sizes(kind: LayerKind, dtype: str):
+    """The page vLLM plans is what vLLM's own attention backend declares for the format
+    (`TritonAttentionBackend.customize_spec`: data and one float32 scale per K/V side and head),
+    and the pool's arrays for that many blocks hold exactly those bytes."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    spec = attention_spec(kind, 16, 2, 64, torch.bfloat16, CacheConfig(cache_dtype=dtype))
+    plain = attention_spec(kind, 16, 2, 64, torch.bfloat16, CacheConfig(cache_dtype="auto"))
+    vllms = TritonAttentionBackend.customize_spec(
+        type(plain)(
+            **{
+                **{f: getattr(plain, f) for f in ("block_size", "num_kv_heads", "head_size")},
+                **({"sliding_window": 8} if kind.sliding_window else {}),
+                "dtype": STR_DTYPE_TO_TORCH_DTYPE[dtype],
+                "kv_quant_mode": get_kv_quant_mode(dtype),
+            }
+        )
+    )
+    assert spec == vllms and type(spec) is type(plain)
+    data = 64 // 2 if dtype.startswith("int4") else 64
+    assert spec.page_size_bytes == 2 * 16 * 2 * (data + 4)
+    layout = KVLayout.single_group(1, 3, 16)
+    pool = pool_for(layout, [kind], 2, 64, mx.bfloat16, kv_cache_quant(dtype, 1))
+    assert pool.nbytes == 3 * spec.page_size_bytes
+    assert pool.keys[0].shape == (3, 16, 2, data + 4) and pool.keys[0].dtype == mx.uint8
+    assert not np.asarray(pool.keys[0][0]).any()  # the null block: zero rows, scale 0.0
+
+
+def test_per_token_head_pools_read_layers_of_their_own_shape() -> None:
+    """A layer with its own heads and head size reads its region as rows of its own width."""
+    kinds = [FULL_ATTENTION, LayerKind(num_kv_heads=1, head_dim=128)]
+    quant = kv_cache_quant("int4_per_token_head", 2)
+    pool = pool_for(KVLayout.single_group(2, 2, 16), kinds, 2, 64, mx.float32, quant)
+    assert pool.stored_shape(2, 64) == (2, 36) and pool.stored_shape(1, 128) == (1, 68)
+    assert [k.shape for k in pool.keys] == [(2, 16, 2, 36), (2, 16, 1, 68)]
+    assert [q.kv_cache_dtype for q in pool.layer_quant] == ["int4_per_token_head"] * 2

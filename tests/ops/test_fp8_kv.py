@@ -213,9 +213,7 @@ def test_fp8_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="must be uint8"):
         ops.paged_attention(*batch.args, scale=0.1, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        ops.paged_attention(
-            batch.query, kc, vc, *index, scale=0.1, kv_cache_dtype="int8_per_token_head"
-        )
+        ops.paged_attention(batch.query, kc, vc, *index, scale=0.1, kv_cache_dtype="nvfp4")
     with pytest.raises(ValueError, match="k_scale"):
         ops.paged_attention(
             batch.query, kc, vc, *index, scale=0.1, kv_cache_dtype="fp8", k_scale=0.0

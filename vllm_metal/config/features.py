@@ -177,7 +177,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         "fp8_kv_cache",
-        "fp8 KV caches",
+        "quantized KV caches",
         "use --kv-cache-dtype auto",
         _fp8_kv_cache,
     ),

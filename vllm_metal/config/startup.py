@@ -85,14 +85,16 @@ def check_config(vllm_config: VllmConfig) -> Backend:
 
 def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
-    serves fp8 KV caches, fp8 / fp8_e4m3 / fp8_e5m2 (`kv.quant`); every other format is refused
-    by name, and so is fp8 beside any drafter with KV memory of its own (only n-gram drafts,
+    serves quantized KV caches, fp8 / fp8_e4m3 / fp8_e5m2 and int8 / fp8 / int4_per_token_head
+    (`kv.quant`); every other format is refused by name, and so is a quantized cache beside any
+    drafter with KV memory of its own (only n-gram drafts,
     which have none, and an MTP assistant, which reads the target's, are verified over an fp8
     cache)."""
     from vllm_metal.kv.quant import requested
 
     dtype = vllm_config.cache_config.cache_dtype
     if requested(dtype):
+        _check_row_widths(vllm_config, dtype)
         spec = vllm_config.speculative_config
         if spec is not None and spec.method != "ngram" and not _reads_target_kv(vllm_config):
             raise MetalConfigError(
@@ -106,11 +108,34 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     if _turboquant_served(vllm_config):
         return
     raise MetalConfigError(
-        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the per-token-head int8/int4/"
-        "fp8, NVFP4 and other quantized formats are not built); use 'auto', or "
-        "'fp8' / 'fp8_e4m3' / 'fp8_e5m2' / a TurboQuant preset (turboquant_k8v4, "
-        "turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) on the MLX backend"
+        f"vllm-metal: kv_cache_dtype={dtype!r} is not supported (the NVFP4 and other "
+        "quantized formats are not built); use 'auto', or 'fp8' / 'fp8_e4m3' / 'fp8_e5m2' / "
+        "'int8_per_token_head' / 'fp8_per_token_head' / 'int4_per_token_head' / a TurboQuant "
+        "preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) on "
+        "the MLX backend"
     )
+
+
+def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
+    """A per-token-head cache of a model whose attention layers have two head sizes (Gemma 4's
+    full-attention layers: `global_head_dim`, or `per_layer_config` in transformers 5) is
+    refused: with each row's scale beside it the two rows are no whole multiple of each other,
+    and vLLM pads the narrower layers' pages, which the pools do not lay out (`kv.pool`)."""
+    from vllm_metal.ops.per_token_head import is_per_token_head
+
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    if not is_per_token_head(dtype) or text is None:
+        return
+    config = text.to_dict()
+    sizes = {config.get("head_dim"), config.get("global_head_dim")}
+    sizes |= {layer.get("head_dim") for layer in (config.get("per_layer_config") or {}).values()}
+    sizes.discard(None)
+    if len(sizes) > 1:
+        raise MetalConfigError(
+            f"vllm-metal: --kv-cache-dtype {dtype} is not supported for a model whose attention "
+            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim); use "
+            "--kv-cache-dtype fp8 or auto"
+        )
 
 
 def _turboquant_served(vllm_config: VllmConfig) -> bool:

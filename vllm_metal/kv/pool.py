@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm_metal.kv.turboquant import TurboQuantCache
     from vllm_metal.models.layers import LayerKind
     from vllm_metal.ops.fp8 import KVQuant
+    from vllm_metal.ops.per_token_head import PerTokenHeadQuant
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,10 @@ class KVPool:
     head size]` (`page_view`): vLLM gives every layer sharing a region pages of one size, so only
     the rows per page differ. A region is allocated in the shape of its first such layer.
 
-    `layer_quant` (one per layer, `kv.quant`): an fp8 cache, whose arrays are uint8 bytes;
-    `row_dtype` is then the dtype rows are written from and queries read in (`dtype` otherwise)."""
+    `layer_quant` (one per layer, `kv.quant`): a quantized cache, whose arrays are uint8 bytes;
+    `row_dtype` is then the dtype rows are written from and queries read in (`dtype` otherwise).
+    A per-token-head cache's rows are its stored rows, data and scale
+    (`ops.per_token_head.row_bytes`): `stored_shape` says their shape."""
 
     def __init__(
         self,
@@ -168,14 +171,14 @@ class KVPool:
         *,
         latent: bool = False,
         layer_shapes: Sequence[tuple[int, int] | None] = (),
-        layer_quant: Sequence[KVQuant] | None = None,
+        layer_quant: Sequence[KVQuant | PerTokenHeadQuant] | None = None,
     ):
         self.layout = layout
         self.row_dtype = dtype
         self.layer_quant = None if layer_quant is None else list(layer_quant)
         if self.layer_quant is not None:
             if latent:
-                raise ValueError("a latent (MLA) cache cannot be fp8")
+                raise ValueError("a latent (MLA) cache cannot be quantized")
             dtype = mx.uint8
         self.dtype = dtype
         self.latent = latent
@@ -185,13 +188,23 @@ class KVPool:
                 raise ValueError(f"a latent (MLA) cache has one KV head, got {num_kv_heads}")
             shapes: list[tuple[int, ...]] = [(layout.block_size, head_dim)] * layout.num_regions
         else:
-            shapes = self._region_shapes(layout, (num_kv_heads, head_dim), layer_shapes)
+            stored = [
+                None if shape is None else self.stored_shape(*shape) for shape in layer_shapes
+            ]
+            default = self.stored_shape(num_kv_heads, head_dim)
+            shapes = self._region_shapes(layout, default, stored)
         self.keys = [uncommitted((layout.num_blocks, *shape), dtype) for shape in shapes]
         self.values = (
             [] if latent else [uncommitted((layout.num_blocks, *shape), dtype) for shape in shapes]
         )
         self._zero_block(0)
         mx.eval(self.keys, self.values)
+
+    def stored_shape(self, heads: int, head_dim: int) -> tuple[int, int]:
+        """(heads, elements per stored row) of a layer whose rows are `head_dim` wide: a
+        per-token-head cache stores bytes of data and a scale per row."""
+        row_bytes = getattr(self.layer_quant[0], "row_bytes", None) if self.layer_quant else None
+        return (heads, head_dim if row_bytes is None else row_bytes(head_dim))
 
     @property
     def num_blocks(self) -> int:

@@ -1,5 +1,7 @@
-"""fp8 KV caches (``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``): the pools hold one byte
-per element (`ops.fp8`) and every attention layer has a key and a value scale.
+"""Quantized KV caches. fp8 (``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``): the pools
+hold one byte per element (`ops.fp8`) and every attention layer has a key and a value scale.
+Per-token-head (``int8_per_token_head`` / ``fp8_per_token_head`` / ``int4_per_token_head``,
+`ops.per_token_head`): every stored (token, KV head) row carries its own scale in its page.
 
 The scales follow vLLM 0.32's per-tensor FP8 KV cache: one ``k_scale`` and one ``v_scale`` per
 attention layer, loaded from the checkpoint where it carries them (``...layers.N...k_scale`` /
@@ -18,10 +20,17 @@ from pathlib import Path
 import torch
 
 from vllm_metal.models.layers import LayerKind, memory_layers
-from vllm_metal.ops import fp8
+from vllm_metal.ops import fp8, per_token_head
+from vllm_metal.ops.per_token_head import PerTokenHeadQuant
 
 # What the pool holds per element of an fp8 cache, as vLLM sizes it (one byte).
 STORAGE_DTYPE = torch.uint8
+# vLLM's element dtype of each per-token-head cache (`STR_DTYPE_TO_TORCH_DTYPE`).
+PER_TOKEN_HEAD_DTYPES = {
+    "int8_per_token_head": torch.int8,
+    "fp8_per_token_head": torch.uint8,
+    "int4_per_token_head": torch.uint8,
+}
 _SCALE_NAME = re.compile(r"layers\.(\d+)\..*?(k_scale|v_scale|kv_scale)$")
 
 
@@ -40,16 +49,49 @@ class KVCacheQuant:
         return [fp8.KVQuant(fmt, self.k_scales[m], self.v_scales[m]) for m in memory_layers(kinds)]
 
 
+@dataclass(frozen=True)
+class PerTokenHeadCache:
+    """A per-token-head cache: every layer writes and reads its pages the same way."""
+
+    kv_cache_dtype: str
+
+    def layer_reads(self, kinds: Sequence[LayerKind]) -> list[PerTokenHeadQuant]:
+        return [PerTokenHeadQuant(self.kv_cache_dtype) for _ in memory_layers(kinds)]
+
+
 def requested(cache_dtype: str | None) -> bool:
-    """Whether vLLM's cache_dtype asks for an fp8 cache this module builds."""
-    return fp8.format_of(str(cache_dtype)) is not None
+    """Whether vLLM's cache_dtype asks for a quantized cache this module builds."""
+    return fp8.format_of(str(cache_dtype)) is not None or per_token_head.is_per_token_head(
+        cache_dtype
+    )
+
+
+def spec_storage(cache_dtype: str, head_size: int) -> dict[str, object]:
+    """The storage fields of an attention layer's vLLM spec for a quantized cache: what vLLM's
+    own attention layers declare (the element dtype and `kv_quant_mode`; a per-token-head cache
+    also its content bytes per head slot, K and V with one float32 scale each, as
+    `TritonAttentionBackend.customize_spec` packs them), so vLLM sizes the pages the pool lays
+    out."""
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    mode = get_kv_quant_mode(cache_dtype)
+    if not per_token_head.is_per_token_head(cache_dtype):
+        return {"dtype": STORAGE_DTYPE, "kv_quant_mode": mode}
+    return {
+        "dtype": PER_TOKEN_HEAD_DTYPES[cache_dtype],
+        "kv_quant_mode": mode,
+        "state_content_bytes": 2 * per_token_head.row_bytes(cache_dtype, head_size),
+    }
 
 
 def kv_cache_quant(
     cache_dtype: str | None, num_layers: int, checkpoint: str | Path | None = None
-) -> KVCacheQuant | None:
-    """The fp8 cache of a model of `num_layers` layers, its scales from `checkpoint` (a directory
-    of safetensors files) where it has them; None for an unquantized cache."""
+) -> KVCacheQuant | PerTokenHeadCache | None:
+    """The quantized cache of a model of `num_layers` layers: fp8 with its scales from
+    `checkpoint` (a directory of safetensors files) where it has them, or a per-token-head
+    cache; None for an unquantized cache."""
+    if per_token_head.is_per_token_head(cache_dtype):
+        return PerTokenHeadCache(str(cache_dtype))
     if not requested(cache_dtype):
         return None
     k_scales, v_scales = [1.0] * num_layers, [1.0] * num_layers

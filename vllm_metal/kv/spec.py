@@ -20,7 +20,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
-    get_kv_quant_mode,
 )
 
 from vllm_metal.kv import quant, turboquant
@@ -55,11 +54,8 @@ def attention_spec(
     num_kv_heads, head_dim = kind.kv_shape(num_kv_heads, head_dim)
     storage = {"dtype": dtype}
     if cache_config is not None and quant.requested(cache_config.cache_dtype):
-        # An fp8 cache: one byte per element, as vLLM's own attention layers declare it.
-        storage = {
-            "dtype": quant.STORAGE_DTYPE,
-            "kv_quant_mode": get_kv_quant_mode(cache_config.cache_dtype),
-        }
+        # A quantized cache, declared as vLLM's own attention layers declare it.
+        storage = quant.spec_storage(cache_config.cache_dtype, head_dim)
     if kind.sliding_window is not None:
         return SlidingWindowSpec(
             block_size=block_size,

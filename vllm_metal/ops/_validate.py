@@ -116,11 +116,13 @@ def latent_pool(name: str, cache: object) -> tuple[int, int, int]:
 
 
 def kv_cache_dtype(name: object, k_scale: object, v_scale: object) -> bool:
-    """Checks the storage options of the paged ops; True when they ask for fp8 pools."""
-    from vllm_metal.ops import fp8
+    """Checks the storage options of the paged ops; True when they ask for quantized (uint8)
+    pools: fp8 (`ops.fp8`) or per-token-head (`ops.per_token_head`)."""
+    from vllm_metal.ops import fp8, per_token_head
 
-    if not isinstance(name, str) or (name != "auto" and name not in fp8.KV_CACHE_DTYPES):
-        choices = ", ".join(repr(n) for n in ("auto", *fp8.KV_CACHE_DTYPES))
+    names = ("auto", *fp8.KV_CACHE_DTYPES, *per_token_head.KV_CACHE_DTYPES)
+    if not isinstance(name, str) or name not in names:
+        choices = ", ".join(repr(n) for n in names)
         fail(f"kv_cache_dtype must be one of {choices}, got {name!r}")
     for arg, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
@@ -134,7 +136,7 @@ def pools(
     key_cache: object, value_cache: object, quantized: bool = False
 ) -> tuple[int, int, int, int]:
     """Checks the K/V pools against each other and the supported sizes; returns their shape.
-    ``quantized``: fp8 pools, uint8 (`ops.fp8`)."""
+    ``quantized``: fp8 or per-token-head pools, uint8 (whose last axis is bytes per row)."""
     pool = shape("key_cache", key_cache, 4, POOL_LAYOUT)
     block_size("key_cache", pool[1])
     if pool[0] <= 0 or pool[2] <= 0:
@@ -144,12 +146,30 @@ def pools(
     if quantized:
         if key_cache.dtype != mx.uint8:
             got = dtype_name(key_cache.dtype)
-            fail(f"key_cache of an fp8 kv_cache_dtype must be uint8, got {got}")
+            fail(f"key_cache of a quantized kv_cache_dtype must be uint8, got {got}")
     else:
         float_dtype("key_cache", key_cache)
     same_dtype("value_cache", value_cache, "key_cache", key_cache)
     head_size("key_cache", pool[3])
     return pool  # type: ignore[return-value]
+
+
+def pool_row(kv_cache_dtype: str, pool_width: int, head_size: int) -> None:
+    """Checks that a pool's rows hold rows of ``head_size`` elements in that storage."""
+    from vllm_metal.ops import per_token_head
+
+    if not per_token_head.is_per_token_head(kv_cache_dtype):
+        if pool_width != head_size:
+            fail(f"key_cache head_size {pool_width} differs from the rows' head_size {head_size}")
+        return
+    if kv_cache_dtype == "int4_per_token_head" and head_size % 2:
+        fail(f"int4_per_token_head needs an even head_size, got {head_size}")
+    width = per_token_head.row_bytes(kv_cache_dtype, head_size)
+    if pool_width != width:
+        fail(
+            f"key_cache rows of {kv_cache_dtype} with head_size {head_size} are {width} bytes "
+            f"(data and a float32 scale), got {pool_width}"
+        )
 
 
 def batch_tables(block_tables: object, seq_lens: object, cu_seqlens_q: object) -> None:

@@ -12,7 +12,7 @@ from numbers import Integral, Real
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.ops import _backend, fp8
+from vllm_metal.ops import _backend, fp8, per_token_head
 from vllm_metal.ops import _validate as v
 from vllm_metal.ops.attention import batched, cuda, reference
 
@@ -65,6 +65,13 @@ def paged_attention(
     unchanged. The native op (C++ CPU body, every Metal kernel family) reads the bytes as it
     attends.
 
+    ``"int8_per_token_head"`` / ``"fp8_per_token_head"`` / ``"int4_per_token_head"``
+    (`ops.per_token_head`): the pools hold rows with their own scales, ``uint8 [num_blocks,
+    block_size, Hkv, row_bytes]``; a key or value reads as its row's dequantized value, rounded
+    to the query's dtype (int4: the query is rotated as the rows were, attends with ``scale /
+    b``, and the output is rotated back, `ops.per_token_head`). MLX's own ops read these pools
+    on every device (the native ops take no such pools).
+
     ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
     ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host
     while it builds its graph, so it can be traced by ``mx.compile``; ``seq_lens`` and
@@ -77,8 +84,17 @@ def paged_attention(
     decode = _decode_step(max_query_len, query, block_tables, key_ends)
     if _backend.value_checks() and not decode:
         check_paged_attention_values(*arrays)
-    quant = fp8.kv_quant(*options)
-    impl = _backend.native_for(query.shape[2]) or batched
+    per_row = per_token_head.kv_quant(kv_cache_dtype)
+    if per_row is not None:
+        quant, impl = per_row, batched
+        if per_row.rotated:
+            dtype = query.dtype
+            query = per_token_head.rotate(query).astype(dtype)
+            scale = scale / per_token_head.rotation_block(query.shape[2])
+            arrays = (query, *arrays[1:])
+    else:
+        quant = fp8.kv_quant(*options)
+        impl = _backend.native_for(query.shape[2]) or batched
     options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
     if quant is not None:
         options["quant"] = quant
@@ -87,21 +103,23 @@ def paged_attention(
         out = cuda.decode_attention(*arrays[:5], scale=scale, sliding_window=sliding_window)
     if out is None:
         out = impl.paged_attention(*arrays, scale=scale, decode=decode, **options)
-    if key_ends is None:
-        return out
-    ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
-    for s, rows, positions in ahead:
-        out[mx.array(rows)] = reference.attend_rows(
-            query[mx.array(rows)],
-            key_cache,
-            value_cache,
-            block_tables[s],
-            int(seq_lens[s].item()),
-            positions,
-            key_ends[rows],
-            scale=scale,
-            **options,
-        )
+    if key_ends is not None:
+        ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
+        for s, rows, positions in ahead:
+            out[mx.array(rows)] = reference.attend_rows(
+                query[mx.array(rows)],
+                key_cache,
+                value_cache,
+                block_tables[s],
+                int(seq_lens[s].item()),
+                positions,
+                key_ends[rows],
+                scale=scale,
+                **options,
+            )
+    if per_row is not None and per_row.rotated:
+        b = per_token_head.rotation_block(query.shape[2])
+        out = (per_token_head.rotate(out, inverse=True) / b).astype(query.dtype)
     return out
 
 
@@ -171,11 +189,10 @@ def check_paged_attention(
     v.float_dtype("query", query)
     v.head_size("query", q_shape[2])
     quantized = v.kv_cache_dtype(kv_cache_dtype, k_scale, v_scale)
-    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache, quantized)
+    _, _, num_kv_heads, width = v.pools(key_cache, value_cache, quantized)
     if not quantized:
         v.same_dtype("key_cache", key_cache, "query", query)
-    if head_size != q_shape[2]:
-        v.fail(f"key_cache head_size {head_size} differs from query head_size {q_shape[2]}")
+    v.pool_row(kv_cache_dtype, width, q_shape[2])
     if q_shape[1] % num_kv_heads:
         v.fail(
             f"query num_heads ({q_shape[1]}) must be a multiple of key_cache num_kv_heads "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.ops import _backend, fp8
+from vllm_metal.ops import _backend, fp8, per_token_head
 from vllm_metal.ops import _validate as v
 from vllm_metal.ops.cache import batched
 
@@ -46,6 +46,10 @@ def reshape_and_cache(
     v.once(_PASSED, (*arrays, *options), check_reshape_and_cache)
     if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
+    per_row = per_token_head.kv_quant(kv_cache_dtype)
+    if per_row is not None:
+        key, value = per_row.quantize(key), per_row.quantize(value)
+        return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
     native = _backend.native_for(key.shape[2])
     quant = fp8.kv_quant(*options)
     if native is not None:
@@ -70,12 +74,13 @@ def check_reshape_and_cache(
     if tuple(v.array("value", value).shape) != k_shape:
         v.fail(f"value shape {tuple(value.shape)} differs from key shape {k_shape}")
     quantized = v.kv_cache_dtype(kv_cache_dtype, k_scale, v_scale)
-    _, _, num_kv_heads, head_size = v.pools(key_cache, value_cache, quantized)
-    if k_shape[1:] != (num_kv_heads, head_size):
+    _, _, num_kv_heads, width = v.pools(key_cache, value_cache, quantized)
+    if k_shape[1] != num_kv_heads:
         v.fail(
-            f"key rows [num_kv_heads, head_size] = {list(k_shape[1:])} do not match key_cache "
-            f"[num_kv_heads, head_size] = {[num_kv_heads, head_size]}"
+            f"key rows num_kv_heads = {k_shape[1]} do not match key_cache num_kv_heads = "
+            f"{num_kv_heads}"
         )
+    v.pool_row(kv_cache_dtype, width, k_shape[2])
     if quantized:
         v.float_dtype("key", key)
         v.same_dtype("value", value, "key", key)

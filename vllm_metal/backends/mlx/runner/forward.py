@@ -102,7 +102,10 @@ def attention_cache(
         meta,
         meta.groups[group],
         kind.sliding_window,
-        page_shape=(layout.block_sizes()[group], *kind.kv_shape(*pool.kv_shape)),
+        page_shape=(
+            layout.block_sizes()[group],
+            *pool.stored_shape(*kind.kv_shape(*pool.kv_shape)),
+        ),
         writes=kind.kv_source is None,
         bidirectional=bidirectional,
         quant=None if pool.layer_quant is None else pool.layer_quant[layer],
