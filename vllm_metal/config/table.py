@@ -39,7 +39,8 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
         "audio_language": frozenset(),
         "latent_attention": _MLX_ANY | {"speculative_decoding"},
-        "state_hybrid": _MLX_ANY | {"speculative_decoding"},
+        # Their attention layers' pages quantized, the state pages in the model's dtypes.
+        "state_hybrid": _MLX_ANY | {"speculative_decoding", "fp8_kv_cache"},
         "vision_state_hybrid": _MLX_ANY,
         "short_conv_hybrid": _MLX_ANY,
         "latent_state_hybrid": _MLX_ANY,

@@ -6,9 +6,10 @@ over the same memory as the attention groups, one page per block id, which is so
 block id belongs to one group at a time. So a state layer keeps its pages in the K/V pools of the
 region it shares: block `b`'s page is the bytes of `keys[region][b]` followed by those of
 `values[region][b]`, holding the float32 recurrent state (`StateShapes.recurrent`) and then the
-convolution window `[K-1, conv_dim]` in the cache dtype. Pages are read by gathering those rows
-and written with `ops.reshape_and_cache` (a block's tokens are the page's rows), which copies
-bytes as they are, in place. Beside MLA layers (Kimi-Linear) the region is the latent cache's one
+convolution window `[K-1, conv_dim]` in the model's dtype, also beside a quantized cache
+(`kv.quant`: the attention pages alone hold its bytes). Pages are read by gathering those rows
+and written with `ops.reshape_and_cache` (a block's tokens are the page's rows; over a quantized
+cache's byte pools, its pure-MLX scatter), which copies bytes as they are, in place. Beside MLA layers (Kimi-Linear) the region is the latent cache's one
 array: the page is its rows alone, written with `ops.mla_reshape_and_cache`.
 
 Which page a step reads and which it writes follow vLLM's two mamba cache modes, through one
@@ -43,6 +44,7 @@ import numpy as np
 from vllm_metal import ops
 from vllm_metal._logging import init_logger
 from vllm_metal.models.layers import RECURRENT_DTYPE, StateShapes, state_shapes_of
+from vllm_metal.ops.cache.batched import reshape_and_cache as batched_write
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig, VllmConfig
@@ -68,13 +70,7 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     hf = model.hf_text_config.to_dict()
     shapes = state_shapes_of(hf.get("model_type", ""), hf)
     itemsize = get_dtype_size(model.dtype)
-    # An MLA model's attention page holds one latent row per token and no values.
-    rows_per_token = 1 if model.use_mla else 2
-    token_bytes = (
-        rows_per_token
-        * model.get_num_kv_heads(vllm_config.parallel_config)
-        * (model.get_head_size() * itemsize)
-    )
+    token_bytes = _attention_token_bytes(vllm_config)
     state_bytes = shapes.page_bytes(itemsize)
     align = _BLOCK_ALIGN * token_bytes
     needed = _BLOCK_ALIGN * (-(-state_bytes // align))
@@ -96,6 +92,30 @@ def align_block_size(vllm_config: VllmConfig) -> None:
     else:
         cache.mamba_cache_mode = "none"
         cache.mamba_block_size = model.max_model_len
+
+
+def _attention_token_bytes(vllm_config: VllmConfig) -> int:
+    """Bytes one token takes in an attention page: K and V rows in the model's dtype, one latent
+    row for an MLA model, or the rows of a quantized cache as its spec declares them (`kv.quant`:
+    the state pages themselves stay in the model's dtypes)."""
+    from vllm.utils.torch_utils import get_dtype_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_metal.kv import quant
+
+    model = vllm_config.model_config
+    heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    row_bytes = model.get_head_size() * get_dtype_size(model.dtype)
+    if model.use_mla:  # one latent row per token and no values
+        return heads * row_bytes
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if not quant.requested(cache_dtype):
+        return 2 * heads * row_bytes
+    storage = quant.spec_storage(cache_dtype, model.get_head_size())
+    spec = FullAttentionSpec(
+        block_size=1, num_kv_heads=heads, head_size=model.get_head_size(), **storage
+    )
+    return spec.page_size_bytes
 
 
 def _check_prefix_match_unit(cache: CacheConfig) -> None:
@@ -212,7 +232,7 @@ class StateLayerCache:
         keys = self.pool.keys[self.region]
         block_size = keys.shape[1]
         row_words = int(np.prod(keys.shape[2:])) * self.pool.dtype.size // _WORD.size
-        conv_words = -(-int(np.prod(self.shapes.conv)) * self.pool.dtype.size // _WORD.size)
+        conv_words = -(-int(np.prod(self.shapes.conv)) * self.pool.row_dtype.size // _WORD.size)
         used = self.shapes.recurrent_bytes() // _WORD.size + conv_words
         rows = -(-used // row_words)
         if self.pool.latent and rows > block_size:
@@ -238,7 +258,7 @@ class StateLayerCache:
             recurrent = recurrent.reshape(num, *self.shapes.recurrent)
         else:  # a short convolution: the window alone
             recurrent = mx.zeros((num, 0), dtype=RECURRENT_DTYPE)
-        conv = mx.view(page[:, split : split + conv_words], self.pool.dtype)
+        conv = mx.view(page[:, split : split + conv_words], self.pool.row_dtype)
         conv = conv[:, : int(np.prod(self.shapes.conv))].reshape(num, *self.shapes.conv)
         if self.blocks.fresh.any():
             keep = mx.array(~self.blocks.fresh)
@@ -263,8 +283,8 @@ class StateLayerCache:
         keys = self.pool.keys[self.region]
         block_size = keys.shape[1]
         row_words, k_rows, _, conv_words = self._layout()
-        conv = conv.astype(self.pool.dtype).reshape(num, -1)
-        pad = conv_words * _WORD.size // self.pool.dtype.size - conv.shape[1]
+        conv = conv.astype(self.pool.row_dtype).reshape(num, -1)
+        pad = conv_words * _WORD.size // self.pool.row_dtype.size - conv.shape[1]
         if pad:
             conv = mx.concatenate([conv, mx.zeros((num, pad), dtype=conv.dtype)], axis=1)
         parts = [mx.view(conv, _WORD)]
@@ -286,7 +306,10 @@ class StateLayerCache:
         if self.pool.latent:
             self.pool.keys[self.region] = ops.mla_reshape_and_cache(rows(page), keys, slots)
             return
-        kc, vc = ops.reshape_and_cache(
+        # A quantized pool's attention rows are bytes, and so is a page: it is copied as it is,
+        # never quantized (`cache.batched` writes what it is given).
+        write = ops.reshape_and_cache if self.pool.layer_quant is None else batched_write
+        kc, vc = write(
             rows(page[:, :half]), rows(page[:, half:]), keys, self.pool.values[self.region], slots
         )
         self.pool.keys[self.region] = kc
