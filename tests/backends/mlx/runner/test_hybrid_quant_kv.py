@@ -24,17 +24,38 @@ from tests.fixtures.per_token_head_reference import hf_per_token_head_kv_logprob
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 FORMATS = ["fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
-# The tiny Qwen3.5's attention layer: 1 KV head of 64. Bytes per token of its page (K and V) in
-# each format, and the block size the platform picks so that a block holds the 35,840-byte state
-# page (`kv.state.align_block_size`: a multiple of 16 tokens).
-TOKEN_BYTES = {"fp8": 128, "int8_per_token_head": 136, "fp8_per_token_head": 136,
-               "int4_per_token_head": 72}  # fmt: skip
-BLOCK_SIZE = {"fp8": 288, "int8_per_token_head": 272, "fp8_per_token_head": 272,
-              "int4_per_token_head": 512}  # fmt: skip
+# Bytes per token and KV head of an attention page (K and V) for a head size of 32 / 64.
+HEAD_BYTES = {
+    32: {"fp8": 64, "int8_per_token_head": 72, "fp8_per_token_head": 72, "int4_per_token_head": 40},
+    64: {"fp8": 128, "int8_per_token_head": 136, "fp8_per_token_head": 136,
+         "int4_per_token_head": 72},
+}  # fmt: skip
+# Per family: its checkpoint fixture, (KV heads, head size) of its attention layers, the bytes
+# of one state page (float32 model: tests/backends/mlx/runner/test_hybrid.py) and the KV
+# tensors vLLM allocates per block id.
+FAMILIES = {
+    "qwen3_5": ("tiny_qwen3_5_dir", (1, 64), 35_840, 1),
+    "nemotron_h": ("tiny_nemotron_h_dir", (2, 32), 10_496, 1),
+    "falcon_h1": ("tiny_falcon_h1_dir", (1, 64), 10_496, 2),
+}
 # Each sampled token's logprob against the port's oracle; float32 accumulation order now and then
 # moves a value across a rounding boundary of the format (as on dense models).
 ORACLE_TOL = {"fp8": 2e-3, "int8_per_token_head": 2e-3, "fp8_per_token_head": 5e-3,
               "int4_per_token_head": 2e-2}  # fmt: skip
+
+
+def _token_bytes(family: str, dtype: str) -> int:
+    heads, head_size = FAMILIES[family][1]
+    return heads * HEAD_BYTES[head_size][dtype]
+
+
+def _block_size(family: str, dtype: str) -> int:
+    """The block size the platform must pick so that a block's attention page holds a state
+    page: the smallest multiple of 16 tokens that does (`kv.state.align_block_size`)."""
+    per16 = 16 * _token_bytes(family, dtype)
+    return 16 * -(-FAMILIES[family][2] // per16)
+
+
 MAX_TOKENS = 16
 
 
@@ -63,24 +84,30 @@ def _prompts(block_size: int) -> list[list[int]]:
     return random_prompts(61, [block_size - 10, block_size - 14, block_size - 5, 1, 5])
 
 
-@pytest.mark.parametrize("dtype", FORMATS)
-def test_attention_pages_quantized_state_pages_not(tiny_qwen3_5_dir, dtype) -> None:
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("qwen3_5", dtype) for dtype in FORMATS]
+    + [(family, dtype) for family in ("nemotron_h", "falcon_h1")
+       for dtype in ("fp8", "int4_per_token_head")],
+)  # fmt: skip
+def test_attention_pages_quantized_state_pages_not(request, family, dtype) -> None:
     """Chunked prefill (32 tokens) and preemption (a pool of 13 blocks: three requests take
-    three state blocks and an attention block each and cannot all take their next)."""
-    model = tiny_qwen3_5_dir
-    block = BLOCK_SIZE[dtype]
+    their state blocks and an attention block each and cannot all take their next)."""
+    fixture, _, _, tensors = FAMILIES[family]
+    model = request.getfixturevalue(fixture)
+    block = _block_size(family, dtype)
     prompts = _prompts(block)
     engine = {
         "kv_cache_dtype": dtype,
         "max_num_batched_tokens": 32,
-        "kv_cache_memory_bytes": 13 * block * TOKEN_BYTES[dtype],
+        "kv_cache_memory_bytes": 13 * block * _token_bytes(family, dtype) * tensors,
         "max_model_len": 2 * block,
         "disable_log_stats": False,
     }
     jobs = [{"prompts": prompts, "params": [greedy(MAX_TOKENS, logprobs=1)]}]
     (batch,), metrics = run_engine_job(model, jobs, engine=engine, with_metrics=True)
     errors = _errors(model, prompts, batch, _oracle(dtype))
-    print(f"qwen3_5 {dtype}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}")
+    print(f"{family} {dtype}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}")
     assert errors.mean() <= ORACLE_TOL[dtype] / 4 and errors.max() <= 10 * ORACLE_TOL[dtype]
     assert metrics.get("vllm:num_preemptions", 0) >= 1, sorted(metrics.items())
 
@@ -103,7 +130,7 @@ def test_prefix_hits_and_cost_against_the_unquantized_cache(tiny_qwen3_5_dir, dt
     of teacher-forced positions whose top-1 token is the unquantized cache's (transformers
     float32), and the mean |logprob error| of that token."""
     model = tiny_qwen3_5_dir
-    block = BLOCK_SIZE[dtype]
+    block = _block_size("qwen3_5", dtype)
     long = random_prompts(62, [block + 20, block + 60])
     want = hf_greedy(model, FORCED_PROMPTS, FORCED_TOKENS)
     forced = [p + w for p, w in zip(FORCED_PROMPTS, want)]
@@ -117,7 +144,7 @@ def test_prefix_hits_and_cost_against_the_unquantized_cache(tiny_qwen3_5_dir, dt
         "kv_cache_dtype": dtype,
         "enable_prefix_caching": True,
         "max_num_batched_tokens": 2 * block,
-        "kv_cache_memory_bytes": 24 * block * TOKEN_BYTES[dtype],
+        "kv_cache_memory_bytes": 24 * block * _token_bytes("qwen3_5", dtype),
         "max_model_len": 2 * block,
         "disable_log_stats": False,
     }
