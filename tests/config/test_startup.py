@@ -121,16 +121,23 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         (
             {
                 "kv_cache_dtype": "fp8",
-                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+                "speculative_config": {
+                    "model": "{model}",
+                    "num_speculative_tokens": 2,
+                    "kv_cache_dtype": "auto",
+                },
             },
-            ["--kv-cache-dtype fp8", "method='draft_model'", "method='ngram'"],
+            ["kv_cache_dtype='auto' differs from --kv-cache-dtype fp8", "unset"],
         ),
         (
             {
-                "kv_cache_dtype": "int4_per_token_head",
-                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
+                "speculative_config": {
+                    "model": "{model}",
+                    "num_speculative_tokens": 2,
+                    "kv_cache_dtype": "int4_per_token_head",
+                },
             },
-            ["--kv-cache-dtype int4_per_token_head", "method='draft_model'"],
+            ["kv_cache_dtype='int4_per_token_head' differs from --kv-cache-dtype auto"],
         ),
         ({"quantization": "fp8"}, ["quantization", "fp8"]),
         (
@@ -182,8 +189,8 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "kv_ultraquant_4bit",
         "kv_turboquant_draft_model",
         "kv_turboquant_offload",
-        "kv_fp8_draft_model",
-        "kv_int4_per_token_head_draft_model",
+        "kv_fp8_draft_auto",
+        "kv_auto_draft_int4_per_token_head",
         "quantization",
         "spec_eagle3",
         "spec_probabilistic",
@@ -223,6 +230,10 @@ def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> 
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=ngram)
     assert config.speculative_config.method == "ngram"
+    # A draft model's pages take the target's format (vLLM's draft inherits it).
+    draft = {"model": str(qwen3_dir), "num_speculative_tokens": 2}
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=draft)
+    assert config.speculative_config.method == "draft_model"
 
 
 def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):

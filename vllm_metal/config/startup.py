@@ -14,7 +14,7 @@ from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends import get_backend
 from vllm_metal.config.errors import MetalConfigError
-from vllm_metal.config.kinds import kind_of, model_type
+from vllm_metal.config.kinds import kind_of
 from vllm_metal.config.table import refuse_unsupported
 
 if TYPE_CHECKING:
@@ -86,22 +86,16 @@ def check_config(vllm_config: VllmConfig) -> Backend:
 def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     """The cache dtypes served: the model's ('auto', a float name) and, where the capability table
     serves quantized KV caches, fp8 / fp8_e4m3 / fp8_e5m2 and int8 / fp8 / int4_per_token_head
-    (`kv.quant`); every other format is refused by name, and so is a quantized cache beside any
-    drafter with KV memory of its own (only n-gram drafts,
-    which have none, and an MTP assistant, which reads the target's, are verified over an fp8
-    cache)."""
+    (`kv.quant`); every other format is refused by name. A drafter with KV memory of its own (a
+    draft model, an MTP head, an EAGLE-3 head) keeps its pages in the target's format, as vLLM's
+    draft layers inherit `--kv-cache-dtype`; a speculative config naming another
+    `kv_cache_dtype` is refused."""
     from vllm_metal.kv.quant import requested
 
     dtype = vllm_config.cache_config.cache_dtype
+    _check_draft_cache_dtype(vllm_config)
     if requested(dtype):
         _check_row_widths(vllm_config, dtype)
-        spec = vllm_config.speculative_config
-        if spec is not None and spec.method != "ngram" and not _reads_target_kv(vllm_config):
-            raise MetalConfigError(
-                f"vllm-metal: --kv-cache-dtype {dtype} is not supported with "
-                f"--speculative-config method={spec.method!r} (a drafter's own KV cache is not "
-                "quantized); use --kv-cache-dtype auto, or method='ngram'"
-            )
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
@@ -114,6 +108,20 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
         "preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc) on "
         "the MLX backend"
     )
+
+
+def _check_draft_cache_dtype(vllm_config: VllmConfig) -> None:
+    """A draft whose `kv_cache_dtype` differs from the target's would put pages of two formats
+    in one KV-cache group (the drafter's layers share the target's block tables): refused."""
+    spec = vllm_config.speculative_config
+    draft = None if spec is None else getattr(spec, "kv_cache_dtype", None)
+    dtype = vllm_config.cache_config.cache_dtype
+    if draft is not None and draft != dtype:
+        raise MetalConfigError(
+            f"vllm-metal: --speculative-config kv_cache_dtype={draft!r} differs from "
+            f"--kv-cache-dtype {dtype} (a drafter's pages share the target's KV-cache group, in "
+            "its format); leave the draft's kv_cache_dtype unset"
+        )
 
 
 def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
@@ -186,18 +194,6 @@ def _mixes_windowed_and_full_layers(vllm_config: VllmConfig) -> bool:
     num_layers = getattr(text, "num_hidden_layers", 0) or 0
     kinds = kinds_from_config(text.to_dict(), num_layers)
     return len({kind.sliding_window is None for kind in kinds}) > 1
-
-
-def _reads_target_kv(vllm_config: VllmConfig) -> bool:
-    """Whether the drafter keeps no K/V of its own and attends over the target's (an MTP
-    assistant, `models.families.gemma4_mtp`)."""
-    from vllm_metal.models.families import mtp_module
-
-    spec = vllm_config.speculative_config
-    if spec is None or spec.method != "mtp":
-        return False
-    module = mtp_module(model_type(vllm_config, text=True))
-    return module is not None and not module.HEAD_IN_TARGET
 
 
 def refuse_ray(vllm_config: VllmConfig) -> None:

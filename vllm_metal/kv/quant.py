@@ -84,6 +84,19 @@ def spec_storage(cache_dtype: str, head_size: int) -> dict[str, object]:
     }
 
 
+def draft_cache_config(vllm_config):
+    """The cache config a drafter with KV of its own keeps its pages by, as vLLM 0.32 builds the
+    draft's (`_create_draft_vllm_config`): the target's, with the speculative config's
+    `kv_cache_dtype` where it sets one (the draft inherits `--kv-cache-dtype` otherwise)."""
+    from dataclasses import replace
+
+    spec = vllm_config.speculative_config
+    override = None if spec is None else getattr(spec, "kv_cache_dtype", None)
+    if override is None:
+        return vllm_config.cache_config
+    return replace(vllm_config.cache_config, cache_dtype=override)
+
+
 def kv_cache_quant(
     cache_dtype: str | None, num_layers: int, checkpoint: str | Path | None = None
 ) -> KVCacheQuant | PerTokenHeadCache | None:

@@ -22,6 +22,7 @@ import numpy as np
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
+from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models import ModelAdapter, load_model
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class DraftModelDrafter(PagedDrafter):
             self.model_config.get_num_kv_heads(spec.draft_parallel_config),
             self.model_config.get_head_size(),
             kv_dtype,
+            draft_cache_config(vllm_config),
         )
         self.download_dir = vllm_config.load_config.download_dir
         self.compute_dtype = compute_dtype

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
+from vllm_metal.kv.quant import KVCacheQuant, kv_cache_quant
 from vllm_metal.kv.spec import kv_cache_specs
 
 if TYPE_CHECKING:
     import mlx.core as mx
     import torch
+    from vllm.config import CacheConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
@@ -80,12 +82,21 @@ class PagedDrafter(Drafter):
     """A drafter with attention layers of its own, declared to vLLM beside the target's (named
     `layer_names`, with `kinds`), so vLLM's KV sizing counts them and they share the target's
     KV-cache group: they read its block tables and write at the same slots. The subclass sets
-    `layer_names` and `kinds` when it loads."""
+    `layer_names` and `kinds` when it loads. `cache_config`: the draft's (`kv.quant.
+    draft_cache_config`): a quantized `--kv-cache-dtype` quantizes the drafter's pages too, as
+    vLLM's draft layers inherit it; None: the model's dtype."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, kv_dtype: mx.Dtype):
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: mx.Dtype,
+        cache_config: CacheConfig | None = None,
+    ):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.kv_dtype = kv_dtype
+        self.cache_config = cache_config
         self.layer_names: list[str] = []
         self.kinds: list[LayerKind] = []
         self.layout: KVLayout | None = None
@@ -104,6 +115,7 @@ class PagedDrafter(Drafter):
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=dtype,
+            cache_config=self.cache_config,
         )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -113,8 +125,15 @@ class PagedDrafter(Drafter):
     def _allocate(self) -> None:
         # Latent (MLA) layers get a latent pool (`kv.latent`), the others K and V.
         self.pool = pool_for(
-            self.layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype
+            self.layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype, self._quant()
         )
+
+    def _quant(self) -> KVCacheQuant | None:
+        """The drafter's quantized cache (fp8 at vLLM's default scales, 1.0, or per-token-head);
+        None for its model's dtype."""
+        if self.cache_config is None:
+            return None
+        return kv_cache_quant(self.cache_config.cache_dtype, len(self.kinds))
 
     def discard(self, tags: tuple[str, ...]) -> None:
         if "kv_cache" in tags:

@@ -25,6 +25,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack
 from vllm_metal.backends.mlx.runner.forward import layer_caches
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
 from vllm_metal.backends.mlx.runner.spec_decode.mtp import new_positions
+from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import eagle3
 from vllm_metal.models.layers import FULL_ATTENTION
 
@@ -47,6 +48,7 @@ class Eagle3Drafter(PagedDrafter):
             self.draft_config.get_num_kv_heads(spec.draft_parallel_config),
             self.draft_config.get_head_size(),
             kv_dtype,
+            draft_cache_config(vllm_config),
         )
         self.target = target
         self.download_dir = vllm_config.load_config.download_dir

@@ -25,6 +25,7 @@ import numpy as np
 from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import layer_caches
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
+from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import mtp_module
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class MTPDrafter(PagedDrafter):
             model_config.get_num_kv_heads(vllm_config.parallel_config),
             model_config.get_head_size(),
             kv_dtype,
+            draft_cache_config(vllm_config),
         )
         self.target = target
         self.model_path = model_config.model
