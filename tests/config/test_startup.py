@@ -115,10 +115,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
             ["--kv-cache-dtype turboquant_4bit_nc", "method='draft_model'", "method='ngram'"],
         ),
         (
-            {"kv_cache_dtype": "turboquant_k8v4", "kv_offloading_size": 1.0},
-            ["--kv-cache-dtype turboquant_k8v4", "kv_offloading_size=1.0", "offload"],
-        ),
-        (
             {
                 "kv_cache_dtype": "fp8",
                 "speculative_config": {
@@ -188,7 +184,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "block_size",
         "kv_ultraquant_4bit",
         "kv_turboquant_draft_model",
-        "kv_turboquant_offload",
         "kv_fp8_draft_auto",
         "kv_auto_draft_int4_per_token_head",
         "quantization",
@@ -256,6 +251,9 @@ def test_turboquant_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: s
     assert config.cache_config.kv_cache_dtype_skip_layers == ["0", "1"]
     config = _engine_config(qwen3_dir, kv_cache_dtype=dtype)
     assert refusal(config, "mlx") is None
+    # KV offload tiers carry the slots' bytes (tests/backends/mlx/runner/test_turboquant_kv.py).
+    offload = _engine_config(qwen3_dir, kv_cache_dtype=dtype, kv_offloading_size=1.0)
+    assert offload.cache_config.cache_dtype == dtype
     message = refusal(config, "mps")
     assert f"TurboQuant KV caches with text decoders: --kv-cache-dtype {dtype}" in message
 

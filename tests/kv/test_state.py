@@ -88,6 +88,35 @@ def test_pages_round_trip_in_a_latent_pool(dtype):
         np.testing.assert_array_equal(_bytes(pool.keys[0])[b], before[b])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int4_per_token_head"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_pages_round_trip_in_a_quantized_pool(kv_cache_dtype, dtype):
+    """Beside a quantized cache the pool holds bytes (`kv.quant`), its attention rows quantized;
+    a state page is stored as it is, never quantized, its window in the model's dtype."""
+    from vllm_metal.kv.quant import kv_cache_quant
+    from vllm_metal.models.layers import STATE
+
+    quant = kv_cache_quant(kv_cache_dtype, 1).layer_reads([STATE])
+    # int4 rows of 32: 16 bytes + a 4-byte scale; one page 2 * 16 * 4 heads * 20 = 2560 bytes,
+    # which SHAPES (1,504 bytes in float32) fills past its K rows.
+    pool = KVPool(KVLayout.single_group(1, 5, 16), 4, 32, dtype, layer_quant=quant)
+    assert pool.dtype == mx.uint8 and pool.row_dtype == dtype
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2**32, size=(2, *SHAPES.recurrent), dtype=np.uint32)
+    recurrent = mx.view(mx.array(bits), mx.float32)
+    conv = mx.array(rng.standard_normal((2, *SHAPES.conv)).astype(np.float32)).astype(dtype)
+    before_k = _bytes(pool.keys[0])
+
+    _cache(pool, [3, 1], [False, False]).write(conv, recurrent)
+    got_conv, got_recurrent = _cache(pool, [1, 3], [False, False]).read()
+
+    assert got_conv.dtype == dtype
+    np.testing.assert_array_equal(np.array(mx.view(got_recurrent, mx.uint32)), bits[::-1])
+    np.testing.assert_array_equal(_bytes(got_conv), _bytes(conv)[::-1])
+    for b in (0, 2, 4):
+        np.testing.assert_array_equal(_bytes(pool.keys[0])[b], before_k[b])
+
+
 def test_fresh_requests_read_zeros_whatever_their_block_holds():
     pool = _pool()
     ones_r = mx.ones((2, *SHAPES.recurrent), dtype=mx.float32)
@@ -232,6 +261,56 @@ def test_vllm_sizes_qwen3_5_state_pages_as_the_runner_lays_them_out(
     assert [math.prod(s) for s in vllm_spec.shapes] == [math.prod(s) for s in ours.shapes]
     assert vllm_spec.dtypes == ours.dtypes == (torch.float32, torch.float32)
     assert vllm_spec.page_size_bytes == ours.page_size_bytes == cache.block_size * 512
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "block_size", "token_bytes"),
+    # The tiny Qwen3.5's one KV head of 64: fp8 K and V rows of 64 bytes, per-token-head rows
+    # with a 4-byte scale (int8: 68, int4: 36); the 35,840-byte state page then needs 280 -> 288,
+    # 263.5 -> 272 and 497.8 -> 512 tokens (multiples of 16).
+    [("fp8", 288, 128), ("int8_per_token_head", 272, 136), ("int4_per_token_head", 512, 72)],
+)
+def test_quantized_attention_pages_hold_the_state_page(
+    tiny_qwen3_5_dirs, kv_cache_dtype, block_size, token_bytes
+):
+    """With a quantized cache the platform sizes the block by the quantized attention page, pads
+    the (float) state page to it, and vLLM's planner puts both in one block pool, which the pool
+    lays out (`kv.state.align_block_size`)."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    from vllm_metal.kv import KV_CACHE_LAYOUT
+    from vllm_metal.kv.pool import pool_for
+    from vllm_metal.kv.quant import kv_cache_quant
+    from vllm_metal.kv.spec import kv_cache_specs
+    from vllm_metal.models.layers import FULL_ATTENTION, LayerKind, state_shapes_of
+
+    config = _engine_config(tiny_qwen3_5_dirs("causal_lm"), kv_cache_dtype=kv_cache_dtype)
+    model_config, cache = config.model_config, config.cache_config
+    assert cache.block_size == block_size
+    assert cache.mamba_page_size_padded == block_size * token_bytes
+    text = model_config.hf_text_config
+    state = LayerKind(is_state=True, state=state_shapes_of(text.model_type, text.to_dict()))
+    kinds = [state, state, state, FULL_ATTENTION]
+    names = [f"model.layers.{i}.{'self_attn' if i == 3 else 'linear_attn'}" for i in range(4)]
+    specs = kv_cache_specs(
+        names, kinds, block_size=block_size, num_kv_heads=1, head_dim=64,
+        dtype=torch.float32, cache_config=cache,
+    )  # fmt: skip
+    assert {s.page_size_bytes for s in specs.values()} == {block_size * token_bytes}
+    cache.kv_cache_layout = KV_CACHE_LAYOUT
+    groups = get_kv_cache_groups(config, specs)
+    plan = get_kv_cache_config_from_groups(
+        config, groups, available_memory=20 * block_size * token_bytes
+    )
+    layout = KVLayout.from_config(plan, names)
+    quant = kv_cache_quant(kv_cache_dtype, len(kinds))
+    pool = pool_for(layout, kinds, 1, 64, mx.float32, quant)
+    assert pool.nbytes == plan.num_blocks * block_size * token_bytes * pool.layout.num_regions
+    # The state page fits the block's K and V rows.
+    cache_of = StateLayerCache(pool, 0, kinds[0].state, None, None)
+    _, k_rows, v_rows, _ = cache_of._layout()
+    assert k_rows == block_size and 0 < v_rows <= block_size
 
 
 def test_falcon_h1_layers_hold_attention_and_state_memory_as_vllm_plans_them(tiny_falcon_h1_dir):

@@ -148,10 +148,10 @@ def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
 
 def _turboquant_served(vllm_config: VllmConfig) -> bool:
     """Whether the cache dtype is a TurboQuant preset (`kv.turboquant`) served with this config;
-    False for any other name. Refuses, by name, what TurboQuant pages are not built for: KV
-    offload tiers, speculative methods but n-gram, head sizes the format cannot pack (the
-    capability table refuses the model kinds and backends it does not serve)."""
-    from vllm_metal.config.features import offload_setting
+    False for any other name. Refuses, by name, what TurboQuant pages are not built for:
+    speculative methods but n-gram, head sizes the format cannot pack, models of windowed and
+    full-attention layers (the capability table refuses the model kinds and backends it does not
+    serve). KV offload tiers carry the slots' bytes as they are (`kv.offload.transfer`)."""
     from vllm_metal.kv import turboquant
 
     dtype = vllm_config.cache_config.cache_dtype
@@ -164,8 +164,6 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
             f"--speculative-config method={spec.method!r}",
             "use method='ngram' (the only drafts verified over TurboQuant pages)",
         )
-    elif offload_setting(vllm_config) is not None:
-        refused = (offload_setting(vllm_config), "remove the KV offload tier")
     elif vllm_config.model_config is not None:
         problem = turboquant.head_size_problem(dtype, vllm_config.model_config.get_head_size())
         if problem is not None:

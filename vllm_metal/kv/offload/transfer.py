@@ -85,10 +85,13 @@ class MLXTransfer(OffloadingWorker):
             )
             for group in group_ids
         ]
-        # Elements of one block of one region: every region's page has vLLM's one page size,
-        # whatever its layers' rows per block (Gemma 4's groups hold different block sizes).
-        page = int(np.prod(pool.keys[0].shape[1:]))
-        self.group_bytes = [2 * len(rs) * page * pool.dtype.size for rs in self.regions]
+        # Bytes of one block of each group: its regions' K and V pages as they are stored (a
+        # TurboQuant pool's key and value pages have widths of their own, its boundary layers'
+        # the model's dtype), whatever their layers' rows per block.
+        self.group_bytes = [
+            sum(_page_bytes(a) for r in rs for a in (pool.keys[r], pool.values[r]))
+            for rs in self.regions
+        ]
         self.chunk_bytes = max(self.group_bytes, default=0)
         # Pages are committed by the OS as chunks are first written.
         self.host = np.empty((num_chunks, self.chunk_bytes), dtype=np.uint8)
@@ -141,8 +144,9 @@ class MLXTransfer(OffloadingWorker):
         """The group's blocks `ids` as bytes: [n, 2 * regions * block bytes]."""
         pool = self.pool
         regions = self.regions[group]
-        pages = [pool.keys[r][ids] for r in regions] + [pool.values[r][ids] for r in regions]
-        return mx.stack(pages, axis=1).view(mx.uint8).reshape(ids.shape[0], -1)
+        arrays = [pool.keys[r] for r in regions] + [pool.values[r] for r in regions]
+        pages = [a[ids].reshape(ids.shape[0], -1).view(mx.uint8) for a in arrays]
+        return mx.concatenate(pages, axis=1)
 
     def _to_host(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for chunks, data in parts:
@@ -220,16 +224,15 @@ class MLXTransfer(OffloadingWorker):
             if not ok.any():
                 continue
             regions = self.regions[g]
-            k0 = pool.keys[regions[0]]
-            pages = (
-                mx.array(data if ok.all() else data[ok])
-                .view(k0.dtype)
-                .reshape(int(ok.sum()), 2 * len(regions), *k0.shape[1:])
-            )
+            rows = mx.array(data if ok.all() else data[ok])
             dst = mx.array(ids[ok])
-            for i, r in enumerate(regions):
-                pool.keys[r][dst] = pages[:, i]
-                pool.values[r][dst] = pages[:, len(regions) + i]
+            start = 0
+            for arrays in (pool.keys, pool.values):
+                for r in regions:
+                    size = _page_bytes(arrays[r])
+                    page = rows[:, start : start + size].view(arrays[r].dtype)
+                    arrays[r][dst] = page.reshape(len(ids[ok]), *arrays[r].shape[1:])
+                    start += size
 
     # ------------------------------------------------------------ results
 
@@ -276,3 +279,8 @@ class MLXTransfer(OffloadingWorker):
             logger.info("%s", self.counters.line(self.disk))
         if self.disk is not None:
             self.disk.close()
+
+
+def _page_bytes(array: mx.array) -> int:
+    """Bytes of one block of a pool array `[num_blocks, ...]`."""
+    return int(np.prod(array.shape[1:])) * array.dtype.size

@@ -186,3 +186,36 @@ def test_agreement_beside_vllm_cpus(model, name) -> None:
           f"plugin {our_error:.4f} vLLM CPU {cpu_error:.4f}")  # fmt: skip
     assert our_share >= MIN_AGREEMENT[name] and our_error <= MAX_MEAN_ERROR
     assert our_share >= cpu_share
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_3bit_nc"])
+def test_the_host_tier_carries_the_slot_bytes_unchanged(model, name) -> None:
+    """A prompt evicted from the pool and served back from the KV offload's host tier computes
+    what the same prompt computes over its blocks kept in the pool (a prefix-cache hit without
+    offloading): equal tokens and logprobs, so the tier moved every boundary layer's float page
+    and every quantized layer's key and value slots as they were stored."""
+    from tests.kv.test_offload_engine import BLOCK, FULL_BLOCKS, HOST_GIB, A, B, C, _delta
+
+    # Per 16-token block: 4 boundary layers of float32 K/V and 2 layers of slots (2 KV heads).
+    slot = {"turboquant_k8v4": 100, "turboquant_3bit_nc": 54}[name]
+    page = BLOCK * 2 * (4 * 2 * 64 * 4 + 2 * slot)
+    jobs = [{"prompts": [p], "params": [greedy(8, logprobs=1)]} for p in (A, B, C, A)]
+    engine = {
+        "kv_cache_dtype": name,
+        "max_num_batched_tokens": 64,
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+    }
+    # 60 blocks: A's 19 stay cached beside B's and C's.
+    kept = run_engine_job(model, jobs, engine={**engine, "kv_cache_memory_bytes": 60 * page})
+    # 40 blocks: C evicts A; the host tier holds it.
+    engine = {**engine, "kv_cache_memory_bytes": 40 * page, "kv_offloading_size": HOST_GIB}
+    tiered, metrics = run_engine_job(model, jobs, engine=engine, with_metrics="per_job")
+    assert kept[3][0]["num_cached_tokens"] == FULL_BLOCKS * BLOCK  # a device hit
+    assert tiered[3][0]["num_cached_tokens"] == FULL_BLOCKS * BLOCK
+    assert _delta(metrics, "vllm:kv_offload_host_hit_blocks")[3] == FULL_BLOCKS
+    assert _delta(metrics, "vllm:kv_offload_store_bytes")[0] == FULL_BLOCKS * page
+    assert tokens(tiered[3]) == tokens(kept[3])
+    for x, y in zip(tiered[3][0]["outputs"][0]["logprobs"], kept[3][0]["outputs"][0]["logprobs"]):
+        assert next(iter(x.values())) == pytest.approx(next(iter(y.values())), abs=1e-5)
