@@ -99,6 +99,38 @@ def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
     transfer.shutdown()
 
 
+def test_turboquant_slots_and_float_pages_move_as_their_bytes():
+    """A TurboQuant pool: region 0 holds a boundary layer's float pages, region 1 key and value
+    slots of two other widths (`kv.turboquant`); a block comes back byte for byte."""
+    from vllm_metal.kv.turboquant import TurboQuantPool, format_for
+
+    fmt = format_for("turboquant_3bit_nc", DIM)
+    assert fmt.key_bytes != fmt.value_bytes
+    pool = TurboQuantPool(
+        LAYOUT, HEADS, DIM, mx.float32, [None, None, fmt, fmt], [(HEADS, DIM)] * 4
+    )
+    assert pool.keys[0].dtype == mx.float32 and pool.keys[1].dtype == mx.uint8
+    rng = np.random.default_rng(3)
+    for arrays in (pool.keys, pool.values):
+        for r, a in enumerate(arrays):
+            raw = rng.integers(0, 256, (*a.shape[:-1], a.shape[-1] * a.dtype.size), np.uint8)
+            arrays[r] = mx.view(mx.array(raw), a.dtype)
+
+    def block_bytes(ids):
+        idx = mx.array(ids)
+        return [np.array(mx.view(a[idx], mx.uint8)) for a in (*pool.keys, *pool.values)]
+
+    source = block_bytes([1, 2, 5])
+    transfer = MLXTransfer(pool, [0, 1], num_chunks=4, disk=None)
+    transfer.submit_store(7, _gpu([[1, 2], [5]]), TierSpec([0, 3, 1], KEYS))
+    _finish(transfer, {7})
+    transfer.submit_load(8, TierSpec([0, 3, 1], KEYS), _gpu([[3, 4], [6]]))
+    _finish(transfer, {8})
+    for got, want in zip(block_bytes([3, 4, 6]), source):
+        np.testing.assert_array_equal(got, want)
+    transfer.shutdown()
+
+
 def test_the_disk_tier_outlives_the_host_pool_and_never_serves_a_corrupt_file(tmp_path):
     pool = _random_pool()
     source = _blocks(pool, [1, 2, 5])
