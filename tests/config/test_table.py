@@ -206,14 +206,14 @@ def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny
     ("fixture", "words"),
     [
         ("tiny_deepseek_v3_dir", "multi-head latent attention (MLA) models"),
-        ("tiny_lfm2_dir", "short-convolution hybrid models"),
+        ("tiny_kimi_linear_dir", "hybrid models with multi-head latent attention (MLA)"),
         ("tiny_idefics3_dir", "vision-language models"),
     ],
 )
 def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words, dtype):
-    """MLA latent caches, short-convolution hybrids and towers' models keep unquantized caches:
-    an fp8 or per-token-head cache is refused naming the kind and the flag; text decoders are
-    served."""
+    """MLA latent caches (Kimi-Linear's beside its state layers too) and towers' models keep
+    unquantized caches: an fp8 or per-token-head cache is refused naming the kind and the flag;
+    text decoders are served."""
     from vllm.config import CacheConfig
 
     from vllm_metal.config.table import refusal
@@ -226,22 +226,28 @@ def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, wor
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head"])
+@pytest.mark.parametrize(
+    ("fixture", "words"),
+    [
+        ("tiny_qwen3_next_dir", "hybrid models with Gated DeltaNet or Mamba-2 state layers"),
+        ("tiny_lfm2_dir", "short-convolution hybrid models"),
+    ],
+)
 def test_state_hybrids_serve_quantized_attention_pages_but_not_turboquant(
-    tiny_qwen3_next_dir, dtype
+    request, fixture, words, dtype
 ):
-    """A Gated DeltaNet / Mamba-2 hybrid's attention layers take fp8 and per-token-head pages
-    (its state pages stay float: tests/backends/mlx/runner/test_hybrid_quant_kv.py); TurboQuant
-    is refused with it by name."""
+    """A Gated DeltaNet / Mamba-2 / short-convolution hybrid's attention layers take fp8 and
+    per-token-head pages (its state pages stay float:
+    tests/backends/mlx/runner/test_hybrid_quant_kv.py); TurboQuant is refused with it by name."""
     from vllm.config import CacheConfig
 
     from vllm_metal.config.table import refusal
 
-    model = _model_config(tiny_qwen3_next_dir)
+    model = _model_config(request.getfixturevalue(fixture))
     assert refusal(_config(model, cache_config=CacheConfig(cache_dtype=dtype)), "mlx") is None
     turbo = CacheConfig(cache_dtype="turboquant_k8v4")
     message = refusal(_config(model, cache_config=turbo), "mlx")
-    assert "TurboQuant" in message or "turboquant" in message, message
-    assert "hybrid models with Gated DeltaNet or Mamba-2 state layers" in message
+    assert "TurboQuant KV caches with " + words in message, message
 
 
 def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):

@@ -42,7 +42,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         # Their attention layers' pages quantized, the state pages in the model's dtypes.
         "state_hybrid": _MLX_ANY | {"speculative_decoding", "fp8_kv_cache"},
         "vision_state_hybrid": _MLX_ANY,
-        "short_conv_hybrid": _MLX_ANY,
+        "short_conv_hybrid": _MLX_ANY | {"fp8_kv_cache"},
         "latent_state_hybrid": _MLX_ANY,
     },
     # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution
