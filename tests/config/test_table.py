@@ -233,12 +233,11 @@ def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, wor
         ("tiny_lfm2_dir", "short-convolution hybrid models"),
     ],
 )
-def test_state_hybrids_serve_quantized_attention_pages_but_not_turboquant(
-    request, fixture, words, dtype
-):
+def test_hybrids_serve_quantized_attention_pages(request, fixture, words, dtype):
     """A Gated DeltaNet / Mamba-2 / short-convolution hybrid's attention layers take fp8 and
-    per-token-head pages (its state pages stay float:
-    tests/backends/mlx/runner/test_hybrid_quant_kv.py); TurboQuant is refused with it by name."""
+    per-token-head pages, a Gated DeltaNet / Mamba-2 hybrid's TurboQuant slots too (its state
+    pages stay float: tests/backends/mlx/runner/test_hybrid_quant_kv.py); TurboQuant is refused
+    by name with short-convolution hybrids."""
     from vllm.config import CacheConfig
 
     from vllm_metal.config.table import refusal
@@ -247,7 +246,10 @@ def test_state_hybrids_serve_quantized_attention_pages_but_not_turboquant(
     assert refusal(_config(model, cache_config=CacheConfig(cache_dtype=dtype)), "mlx") is None
     turbo = CacheConfig(cache_dtype="turboquant_k8v4")
     message = refusal(_config(model, cache_config=turbo), "mlx")
-    assert "TurboQuant KV caches with " + words in message, message
+    if words.startswith("short-convolution"):
+        assert "TurboQuant KV caches with " + words in message, message
+    else:
+        assert message is None
 
 
 def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):

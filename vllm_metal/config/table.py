@@ -40,7 +40,7 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "audio_language": frozenset(),
         "latent_attention": _MLX_ANY | {"speculative_decoding"},
         # Their attention layers' pages quantized, the state pages in the model's dtypes.
-        "state_hybrid": _MLX_ANY | {"speculative_decoding", "fp8_kv_cache"},
+        "state_hybrid": _MLX_ANY | {"speculative_decoding", "fp8_kv_cache", "turboquant_kv_cache"},
         "vision_state_hybrid": _MLX_ANY,
         "short_conv_hybrid": _MLX_ANY | {"fp8_kv_cache"},
         "latent_state_hybrid": _MLX_ANY,

@@ -56,8 +56,9 @@ logger = init_logger(__name__)
 
 # Attention block sizes stay multiples of this when raised to hold a state page.
 _BLOCK_ALIGN = 16
-# Pages are moved in words of this type (bits as they are).
-_WORD = mx.uint32
+# Pages are moved as bytes of this type (bits as they are: a TurboQuant pool's rows need not be
+# whole 4-byte words).
+_WORD = mx.uint8
 
 
 def align_block_size(vllm_config: VllmConfig) -> None:
@@ -101,7 +102,7 @@ def _attention_token_bytes(vllm_config: VllmConfig) -> int:
     from vllm.utils.torch_utils import get_dtype_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_metal.kv import quant
+    from vllm_metal.kv import quant, turboquant
 
     model = vllm_config.model_config
     heads = model.get_num_kv_heads(vllm_config.parallel_config)
@@ -109,6 +110,10 @@ def _attention_token_bytes(vllm_config: VllmConfig) -> int:
     if model.use_mla:  # one latent row per token and no values
         return heads * row_bytes
     cache_dtype = vllm_config.cache_config.cache_dtype
+    if turboquant.requested(cache_dtype):
+        # vLLM keeps no boundary layers at the model's dtype in a hybrid
+        # (`TurboQuantConfig.get_boundary_skip_layers`): every attention page holds slots.
+        return heads * turboquant.format_for(cache_dtype, model.get_head_size()).slot_bytes
     if not quant.requested(cache_dtype):
         return 2 * heads * row_bytes
     storage = quant.spec_storage(cache_dtype, model.get_head_size())
@@ -222,22 +227,29 @@ class StateLayerCache:
             return call(layer, x, self)
         return self.drafts.run(call, layer, x, self)
 
-    # A page is handled in 4-byte words (never converted, so any bit pattern survives), and
+    # A page is handled in bytes (never converted, so any bit pattern survives), and
     # only the token rows of a block that hold state are read or written: the K rows first,
-    # then as many V rows as the rest needs (the padding vLLM counts is left alone).
+    # then as many V rows as the rest needs (the padding vLLM counts is left alone). K and V
+    # rows may differ in width (a TurboQuant pool's key and value slots, `kv.turboquant`).
+
+    def _words(self, array: mx.array) -> int:
+        """Words per token row of a K or V array (its own dtype: bytes in a quantized pool)."""
+        return int(np.prod(array.shape[2:])) * array.dtype.size // _WORD.size
 
     def _layout(self) -> tuple[int, int, int, int]:
-        """Words per token row, token rows holding state in K and in V, conv window words (a
+        """Words per K token row, token rows holding state in K and in V, conv window words (a
         latent pool's page is its K rows alone: it has no V)."""
         keys = self.pool.keys[self.region]
         block_size = keys.shape[1]
-        row_words = int(np.prod(keys.shape[2:])) * self.pool.dtype.size // _WORD.size
+        row_words = self._words(keys)
         conv_words = -(-int(np.prod(self.shapes.conv)) * self.pool.row_dtype.size // _WORD.size)
         used = self.shapes.recurrent_bytes() // _WORD.size + conv_words
-        rows = -(-used // row_words)
-        if self.pool.latent and rows > block_size:
+        k_rows = min(-(-used // row_words), block_size)
+        rest = used - k_rows * row_words
+        if self.pool.latent and rest > 0:
             raise ValueError(f"a state page of {used} words does not fit a latent block")
-        return row_words, min(rows, block_size), max(0, rows - block_size), conv_words
+        v_rows = 0 if rest <= 0 else -(-rest // self._words(self.pool.values[self.region]))
+        return row_words, k_rows, v_rows, conv_words
 
     def read(self) -> tuple[mx.array, mx.array]:
         """Each request's convolution window `[S, K-1, C]` (cache dtype) and recurrent state
@@ -281,6 +293,7 @@ class StateLayerCache:
         if num == 0:
             return
         keys = self.pool.keys[self.region]
+        values = None if self.pool.latent else self.pool.values[self.region]
         block_size = keys.shape[1]
         row_words, k_rows, _, conv_words = self._layout()
         conv = conv.astype(self.pool.row_dtype).reshape(num, -1)
@@ -292,25 +305,26 @@ class StateLayerCache:
             parts.insert(0, mx.view(recurrent.astype(RECURRENT_DTYPE), _WORD).reshape(num, -1))
         # K and V take the same slots, so the V part is padded to the K rows (a latent pool
         # has no V part).
-        halves = 1 if self.pool.latent else 2
+        half = k_rows * row_words
+        whole = half + (0 if values is None else k_rows * self._words(values))
         used = sum(p.shape[1] for p in parts)
-        parts.append(mx.zeros((num, halves * k_rows * row_words - used), dtype=_WORD))
+        parts.append(mx.zeros((num, whole - used), dtype=_WORD))
         page = mx.concatenate(parts, axis=1)
 
-        def rows(part: mx.array) -> mx.array:
-            return mx.view(part, self.pool.dtype).reshape(num * k_rows, *keys.shape[2:])
+        def rows(part: mx.array, array: mx.array) -> mx.array:
+            return mx.view(part, array.dtype).reshape(num * k_rows, *array.shape[2:])
 
-        half = k_rows * row_words
         slots = blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
         slots = mx.array(slots.reshape(-1))
         if self.pool.latent:
-            self.pool.keys[self.region] = ops.mla_reshape_and_cache(rows(page), keys, slots)
+            self.pool.keys[self.region] = ops.mla_reshape_and_cache(rows(page, keys), keys, slots)
             return
         # A quantized pool's attention rows are bytes, and so is a page: it is copied as it is,
         # never quantized (`cache.batched` writes what it is given).
-        write = ops.reshape_and_cache if self.pool.layer_quant is None else batched_write
+        float_rows = keys.dtype == values.dtype == self.pool.row_dtype
+        write = ops.reshape_and_cache if float_rows else batched_write
         kc, vc = write(
-            rows(page[:, :half]), rows(page[:, half:]), keys, self.pool.values[self.region], slots
+            rows(page[:, :half], keys), rows(page[:, half:], values), keys, values, slots
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc

@@ -182,3 +182,54 @@ def test_prefix_hits_and_cost_against_the_unquantized_cache(tiny_qwen3_5_dir, dt
     print(f"qwen3_5 {dtype}: hits {hits}; teacher-forced agreement {share:.3f}, "
           f"logprob error {error:.4f}")  # fmt: skip
     assert share >= MIN_AGREEMENT[dtype]
+
+
+# TurboQuant slots per token and KV head of 64 / 32 (`ops.turboquant.codec`: k8v4 an fp8 key and
+# 4-bit values with a float16 scale and minimum; 3bit_nc 3-bit key indices with a float16 norm
+# and 3-bit values).
+TURBOQUANT_SLOT = {("turboquant_k8v4", 64): 100, ("turboquant_3bit_nc", 64): 54,
+                   ("turboquant_k8v4", 32): 52}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [("qwen3_5", "turboquant_k8v4"), ("qwen3_5", "turboquant_3bit_nc"),
+     ("nemotron_h", "turboquant_k8v4")],
+)  # fmt: skip
+def test_turboquant_pages_of_a_hybrids_attention_layers(request, family, name) -> None:
+    """vLLM keeps no boundary layers unquantized in a hybrid, so its attention layers store
+    slots beside the float state pages: prompts in one prefill chunk (attending unquantized, as
+    vLLM's first chunk does) and decode rows over the stored slots, against the port's oracle
+    with no layer skipped. (Qwen3.5's 3bit_nc key slots, 26 bytes, are no whole 4-byte word:
+    state pages are moved as bytes.) vLLM 0.32 itself refuses TurboQuant on Falcon-H1 at startup
+    ("requires identifiable full-attention layers")."""
+    from tests.fixtures.turboquant_reference import hf_turboquant_logprobs
+
+    fixture, (heads, head_size), state_bytes, tensors = FAMILIES[family]
+    model = request.getfixturevalue(fixture)
+    token_bytes = heads * TURBOQUANT_SLOT[name, head_size]
+    block = 16 * -(-state_bytes // (16 * token_bytes))
+    prompts = random_prompts(64, [5, 40, 90])
+    engine = {
+        "kv_cache_dtype": name,
+        "max_num_batched_tokens": 256,
+        "kv_cache_memory_bytes": 16 * block * token_bytes * tensors,
+        "max_model_len": max(block, 128),
+    }
+    jobs = [{"prompts": prompts, "params": [greedy(MAX_TOKENS, logprobs=1)]}]
+    (batch,) = run_engine_job(model, jobs, engine=engine)
+    errors, moved = [], []
+    for prompt, result in zip(prompts, batch):
+        sample = result["outputs"][0]
+        ids = prompt + sample["token_ids"]
+        ref = hf_turboquant_logprobs(model, ids, name, len(prompt), skip=())
+        plain = hf_logprobs(model, ids)
+        for step, token in enumerate(sample["token_ids"]):
+            got = sample["logprobs"][step][str(token)]
+            errors.append(abs(got - ref[len(prompt) - 1 + step, token]))
+            moved.append(abs(got - plain[len(prompt) - 1 + step, token]))
+    errors, moved = np.asarray(errors), np.asarray(moved)
+    print(f"{family} {name}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}; "
+          f"the format moves them by {moved.mean():.2e}")  # fmt: skip
+    assert errors.max() <= 5e-3
+    assert errors.mean() * 10 <= moved.mean()
