@@ -172,12 +172,13 @@ def run(spec: dict) -> dict:
     results, snapshots = [], []  # snapshots: the engine's counters after each job
     drafts: list | None = None
     for job in spec["jobs"]:
-        if job.get("action") == "record_drafts":  # from here on (`recorded_drafts` returns them)
+        if job.get("action") == "record_drafts":  # from here on
             drafts = _record_drafts(llm)
             results.append(True)
             continue
-        if job.get("action") == "recorded_drafts":
-            results.append(drafts)
+        if job.get("action") == "recorded_drafts":  # those since the last such action
+            results.append(list(drafts))
+            drafts.clear()
             continue
         if job.get("action") == "corrupt_files":
             results.append(_corrupt_files(job["glob"]))
