@@ -23,6 +23,9 @@ when every step drafts.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
@@ -146,6 +149,38 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
         if tuple(context[:-1]) not in contexts and len(context) - 1 not in prompts:
             after_a_pause += 1
     assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3_moe", "gpt_oss"])
+def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_path, arch):
+    """The other target families vLLM defines EAGLE-3 for (`eagle3.TARGET_TYPES`), each with a
+    random head drafting on every step: greedy tokens equal an engine's without speculation
+    (GPT-OSS: windowed and full layers, sinks; the tiny Mistral without its window, since a
+    target with no full-attention layer is refused)."""
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+    from tests.models.test_eagle3 import _target
+
+    target = _target(tiny_model_dir, arch, tmp_path)
+    if arch == "mistral":
+        config = json.loads((target / "config.json").read_text())
+        config["sliding_window"] = None
+        target = tmp_path / "mistral-full"
+        shutil.copytree(_target(tiny_model_dir, arch, tmp_path), target)
+        (target / "config.json").write_text(json.dumps(config))
+    head = write_eagle3_head(target, tmp_path / "head")
+    jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
+    (plain,) = run_engine_job(target, jobs, engine=ENGINE)
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert tokens(drafted) == tokens(plain)
+    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
 
 
 @pytest.fixture
