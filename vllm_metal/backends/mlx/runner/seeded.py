@@ -127,19 +127,32 @@ def resample_drafts(
 
 
 def host_rows(states: RequestStates) -> list[int] | None:
-    """The seeded rows of a step whose other rows take their tokens from the device, when every
-    one of them reads nothing but its logits, temperature, top-k and top-p (their tokens are
-    then drawn apart, `sample_apart`); None when some seeded row reads more."""
+    """The seeded rows of a step whose other rows take their tokens from the device, when each
+    of them can be drawn apart (`sample_apart`) from its logits row after the rules the device
+    applies (`logits_rules.apply_rules`: allowed and bad words, min tokens, a logit bias,
+    penalties): it asks for no min-p, logprobs, grammar or thinking budget. None when some
+    seeded row asks for one of those."""
     rows = sorted(states.input_batch.generators)
-    if all(drafts_by_position(_params(states, i)) for i in rows):
+    if all(_drawn_apart(_params(states, i)) for i in rows):
         return rows
     return None
 
 
+def _drawn_apart(params: SamplingParams | None) -> bool:
+    return (
+        params is not None
+        and params.sampling_type == SamplingType.RANDOM_SEED
+        and params.min_p == 0.0
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and getattr(params, "thinking_token_budget", None) is None
+    )
+
+
 def sample_apart(sampler: Sampler, logits: torch.Tensor, rows: list[int], states: RequestStates):
-    """The tokens of seeded batch rows `rows` from their logits alone (`[len(rows), V]`), each
-    drawn with its generator keyed to the position it samples, as the whole batch's sampler
-    would draw them (a seeded row's draw depends on nothing but its own row)."""
+    """The tokens of seeded batch rows `rows` from their logits rows (`[len(rows), V]`, after
+    their rules), each drawn with its generator keyed to the position it samples, as the whole
+    batch's sampler would draw them (a seeded row's draw depends on nothing but its own row)."""
     reseed(states)
     generators = {j: states.input_batch.generators[i] for j, i in enumerate(rows)}
     return sampler(logits, _metadata(states, rows, generators)).sampled_token_ids.view(-1).tolist()
