@@ -60,7 +60,16 @@ def _decode_step(vllm_config, params: dict[str, SamplingParams]):
     return states, sched, step(states, sched)
 
 
-def _run(vllm_config, params, on_device, monkeypatch, seed=0, mode="raw_logprobs", setup=None):
+def _run(
+    vllm_config,
+    params,
+    on_device,
+    monkeypatch,
+    seed=0,
+    mode="raw_logprobs",
+    setup=None,
+    grammar=None,
+):
     """The decode step sampled from `_table(seed)`; returns (tokens by request, the row counts
     of the logits copied to the host, the output)."""
     states, sched, packed = _decode_step(vllm_config, params)
@@ -75,6 +84,7 @@ def _run(vllm_config, params, on_device, monkeypatch, seed=0, mode="raw_logprobs
     copied = []
     monkeypatch.setattr(sampling, "to_torch", lambda a: copied.append(a.shape[0]) or to_torch(a))
     state = StepState(sched, packed, logits, {}, device_tokens=tokens, device_logprobs=logprobs)
+    state.grammar_output = grammar
     device = DeviceSampler(seed) if on_device else None
     output = sampling.sample_step(state, states, Sampler(logprobs_mode=mode), mode, None, device)
     return dict(zip(output.req_ids, output.sampled_token_ids)), copied, output
@@ -119,6 +129,31 @@ def test_a_rule_moves_the_argmax_on_the_device_as_on_the_host(vllm_config, monke
     assert device["b"] == []
 
 
+def test_min_tokens_restores_the_stop_tokens_a_grammar_leaves_alone(vllm_config, monkeypatch):
+    """A structured-output row under its minimum whose grammar allows nothing but its stop
+    tokens: vLLM's min-tokens processor gives back their logits (the row is not left all
+    -inf), and the device does the same; the other row's grammar leaves it more to pick."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    from tests.backends.mlx.runner.test_sample import _bitmask
+
+    stops = [int(TOP[4]), int(TOP[7])]
+    top_a = _ranked(0, ROWS["a"])
+    structured = StructuredOutputsParams(regex="a")
+    params = {
+        "a": _greedy(min_tokens=9, stop_token_ids=[int(top_a[0])], structured_outputs=structured),
+        "c": _greedy(min_tokens=9, stop_token_ids=stops, structured_outputs=structured),
+    }
+    vocab = RequestStates(vllm_config, [BS]).vocab_size
+    allowed = [[int(top_a[0]), int(top_a[1])], stops]
+    grammar = GrammarOutput(["a", "c"], _bitmask(vocab, allowed))
+    device, copied, _ = _run(vllm_config, params, True, monkeypatch, grammar=grammar)
+    host, _, _ = _run(vllm_config, params, False, monkeypatch, grammar=grammar)
+    assert copied == [] and device == host
+    assert device["c"] == [stops[0]] and device["a"] == [int(top_a[1])]
+
+
 def _every_rule(rng) -> dict[str, SamplingParams]:
     """Random rules on every row, with penalties over the same tokens."""
     params = {}
@@ -156,10 +191,10 @@ def test_random_rows_with_rules_follow_the_host_samplers_distribution(vllm_confi
     params = {
         "a": _bad_words(
             [[int(top[0])]],
-            logit_bias={int(top[6]): 1.5, int(top[1]): -1.0},
+            logit_bias={int(top[3]): 2.0, int(top[1]): -1.5},
             repetition_penalty=1.5,
             top_k=4,
-            temperature=0.8,
+            temperature=0.5,
         ),
         "c": _greedy(logit_bias={int(TOP[2]): 4.0}),
     }
@@ -258,3 +293,22 @@ def test_processed_logprobs_keep_the_whole_step_on_the_host(vllm_config, monkeyp
     device, copied, _ = _run(vllm_config, params, True, monkeypatch, mode="processed_logprobs")
     host, _, _ = _run(vllm_config, params, False, monkeypatch, mode="processed_logprobs")
     assert copied == [3] and device == host
+
+
+@pytest.mark.parametrize(
+    ("params", "reads"),
+    [
+        (_greedy(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]), False),
+        (_greedy(min_tokens=4, stop_token_ids=[3]), True),
+        (_bad_words([[3]]), True),
+        (_greedy(presence_penalty=0.5), True),
+    ],
+    ids=["bias_and_allowed", "min_tokens", "bad_words", "penalty"],
+)
+def test_rules_that_count_outputs_keep_the_next_step_from_carrying_tokens(
+    vllm_config, params, reads
+):
+    """A step's tokens go into the next step on the device only where no rule counts the
+    outputs so far (the next step's rules would miss the carried token)."""
+    states, _, _ = _decode_step(vllm_config, {"c": params})
+    assert sampling.reads_outputs(states.input_batch.sampling_metadata) is reads
