@@ -210,12 +210,12 @@ def host_route(
     state take every row's logits at once, indexed by batch row, with no way to hand them a
     subset; drafts are verified over the whole step; prompt logprobs read the prompt's logits."""
     metadata = states.input_batch.sampling_metadata
-    if step.device_tokens is None:
-        return "the device drew no tokens (a custom processor beside random rows)", []
-    if step.prompt_logits or states.num_prompt_logprobs:
-        return "prompt logprobs", []
     if step.packed.num_draft_tokens.any():
         return "drafts to verify", []
+    if step.prompt_logits or states.num_prompt_logprobs:
+        return "prompt logprobs", []
+    if step.device_tokens is None:
+        return "the device drew no tokens (a custom processor acts on random rows)", []
     if step.grammar_output is not None and device is None:
         return "a grammar, with no device sampler to draw its rows again", []
     wants_logprobs = metadata.max_num_logprobs is not None or bool(metadata.logprob_token_ids)
@@ -230,7 +230,7 @@ def host_route(
         return None, []
     rows = seeded.host_rows(states)
     if rows is None:
-        return "a seeded row that reads more than its temperature, top-k and top-p", []
+        return "a seeded row asking for min-p, logprobs, a grammar or a thinking budget", []
     if step.grammar_output is not None or step.device_logprobs is not None:
         return "a seeded row beside a grammar or logprobs", []
     return None, rows
