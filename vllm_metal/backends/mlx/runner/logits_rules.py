@@ -118,10 +118,10 @@ def biased(logits: mx.array, biases: dict[int, dict[int, float]]) -> mx.array:
 def _pairs(shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray) -> mx.array:
     """`[rows, V]` bool, True at the pairs (rows[i], tokens[i])."""
     n, vocab = shape
-    flat = mx.zeros((n * vocab,), mx.bool_)
-    if rows.size:
-        flat[mx.array(rows * vocab + tokens)] = True
-    return flat.reshape(n, vocab)
+    flat = mx.zeros((n * vocab,), mx.float32)
+    if rows.size:  # a float scatter-add, as the penalties' counts (`_bin_counts`)
+        flat = flat.at[mx.array(rows * vocab + tokens)].add(1.0)
+    return flat.reshape(n, vocab) > 0
 
 
 def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
