@@ -185,14 +185,18 @@ def test_rules_together_follow_vllms_order(vllm_config, monkeypatch):
 
 
 def test_random_rows_with_rules_follow_the_host_samplers_distribution(vllm_config):
-    """A random row with a temperature, top-k, a logit bias, bad words and a penalty: 800
-    device draws against 800 of vLLM's `Sampler` over the same batch."""
+    """A random row with a temperature, top-k, a logit bias, bad words, allowed tokens, min
+    tokens and a penalty: 800 device draws against 800 of vLLM's `Sampler` over the same
+    batch."""
     top = _ranked(0, 0)
     params = {
         "a": _bad_words(
             [[int(top[0])]],
             logit_bias={int(top[3]): 2.0, int(top[1]): -1.5},
             repetition_penalty=1.5,
+            allowed_token_ids=[int(t) for t in top[:9]],
+            min_tokens=9,
+            stop_token_ids=[int(top[2])],
             top_k=4,
             temperature=0.5,
         ),
@@ -214,7 +218,7 @@ def test_random_rows_with_rules_follow_the_host_samplers_distribution(vllm_confi
         ]
     )
     assert set(drawn[:, 0].tolist()) <= set(host[:, 0].tolist())
-    assert len(set(host[:, 0].tolist())) == 4
+    assert len(set(host[:, 0].tolist())) == 4 and not {top[0], top[2]} & set(host[:, 0])
     assert chi2_pvalue(drawn[:, 0].tolist(), host[:, 0].tolist()) > 1e-3
     c = ROWS["c"]
     assert (drawn[:, c] == host[:, c]).all() and host[0, c] == TOP[2]  # the greedy row
