@@ -246,23 +246,28 @@ def test_logprobs_come_from_the_device_as_the_host_gives_them(vllm_config, monke
 
 
 def test_a_seeded_row_with_rules_is_drawn_apart(vllm_config, monkeypatch):
-    """A seeded row with a logit bias and a bad word beside greedy rows with rules: its logits
-    row alone reaches the host, after its rules, and its token is the one vLLM's sampler draws
-    for it over the whole batch."""
+    """A seeded row with a logit bias, a bad word and min-p beside greedy rows with rules: its
+    logits row alone reaches the host, after its rules, and its token is the one vLLM's sampler
+    draws for it over the whole batch, for each of 12 seeds."""
 
     def seeded(seed: int) -> SamplingParams:
         return _bad_words(
-            [[int(TOP[0])]], logit_bias={int(TOP[5]): 2.0}, top_k=5, seed=seed, temperature=1.0
+            [[int(TOP[0])]],
+            logit_bias={int(TOP[5]): 2.0},
+            min_p=0.2,
+            top_k=6,
+            seed=seed,
+            temperature=1.0,
         )
 
     others = {"a": _greedy(logit_bias={1: 50.0}), "b": _greedy()}
-    device, copied, _ = _run(vllm_config, {**others, "c": seeded(11)}, True, monkeypatch)
-    host, _, _ = _run(vllm_config, {**others, "c": seeded(11)}, False, monkeypatch)
-    assert copied == [1] and device == host and device["a"] == [1]
-    draws = {
-        _run(vllm_config, {**others, "c": seeded(s)}, True, monkeypatch)[0]["c"][0]
-        for s in range(12)
-    }
+    draws = set()
+    for s in range(12):
+        params = {**others, "c": seeded(s)}
+        device, copied, _ = _run(vllm_config, params, True, monkeypatch)
+        host, _, _ = _run(vllm_config, params, False, monkeypatch)
+        assert copied == [1] and device == host and device["a"] == [1], s
+        draws.add(device["c"][0])
     assert len(draws) > 1 and int(TOP[0]) not in draws
 
 

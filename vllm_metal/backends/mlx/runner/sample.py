@@ -230,7 +230,7 @@ def host_route(
         return None, []
     rows = seeded.host_rows(states)
     if rows is None:
-        return "a seeded row asking for min-p, logprobs, a grammar or a thinking budget", []
+        return "a seeded row asking for logprobs, a grammar or a thinking budget", []
     if step.grammar_output is not None or step.device_logprobs is not None:
         return "a seeded row beside a grammar or logprobs", []
     return None, rows

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingParams, SamplingType
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -130,8 +131,8 @@ def host_rows(states: RequestStates) -> list[int] | None:
     """The seeded rows of a step whose other rows take their tokens from the device, when each
     of them can be drawn apart (`sample_apart`) from its logits row after the rules the device
     applies (`logits_rules.apply_rules`: allowed and bad words, min tokens, a logit bias,
-    penalties): it asks for no min-p, logprobs, grammar or thinking budget. None when some
-    seeded row asks for one of those."""
+    penalties): it asks for no logprobs, grammar or thinking budget. None when some seeded row
+    asks for one of those."""
     rows = sorted(states.input_batch.generators)
     if all(_drawn_apart(_params(states, i)) for i in rows):
         return rows
@@ -142,7 +143,6 @@ def _drawn_apart(params: SamplingParams | None) -> bool:
     return (
         params is not None
         and params.sampling_type == SamplingType.RANDOM_SEED
-        and params.min_p == 0.0
         and params.logprobs is None
         and params.structured_outputs is None
         and getattr(params, "thinking_token_budget", None) is None
@@ -166,15 +166,30 @@ def _metadata(
     states: RequestStates, owners: list[int], generators: dict[int, torch.Generator]
 ) -> SamplingMetadata:
     """Sampling metadata for logits rows of the given batch rows (one row per position), with
-    each row's temperature, top-k and top-p and nothing else (`drafts_by_position`)."""
+    each row's temperature, min-p, top-k and top-p and nothing else (its other rules are
+    applied to the rows before, `sample.sample_step`)."""
     batch: InputBatch = states.input_batch
     index = torch.tensor(owners, dtype=torch.long)
-    return sampling_metadata(
+    metadata = sampling_metadata(
         batch.temperature_cpu_tensor[index].float(),
         generators,
         top_k=None if batch.no_top_k else batch.top_k_cpu_tensor[index],
         top_p=None if batch.no_top_p else batch.top_p_cpu_tensor[index],
     )
+    metadata.logitsprocs = _min_p(states, owners)
+    return metadata
+
+
+def _min_p(states: RequestStates, owners: list[int]) -> LogitsProcessors:
+    """vLLM's min-p processor holding each owner's min-p for its logits row (none if no owner
+    asks for min-p)."""
+    params = [_params(states, i) for i in owners]
+    if not any(p is not None and p.min_p for p in params):
+        return LogitsProcessors()
+    processor = MinPLogitsProcessor(states.vllm_config, torch.device("cpu"), False)
+    added = [(row, p, None, []) for row, p in enumerate(params)]
+    processor.update_state(BatchUpdate(len(owners), removed=[], added=added, moved=[]))
+    return LogitsProcessors([processor])
 
 
 def sampling_metadata(
