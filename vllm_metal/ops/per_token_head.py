@@ -36,6 +36,8 @@ import numpy as np
 from vllm_metal.ops import fp8
 
 KV_CACHE_DTYPES = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
+# The formats the native ops take (csrc/common/per_token_head.h, constants.h's VM_PTH_FORMATS).
+NATIVE_KV_CACHE_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
 SCALE_BYTES = 4  # one float32 per (token, KV head) row
 MIN_SCALE = 1e-6
 INT8_MAX, INT8_MIN = 127.0, -128.0
@@ -173,6 +175,12 @@ class PerTokenHeadQuant:
     def rotated(self) -> bool:
         """Whether attention runs in the rotated space (int4)."""
         return self.kv_cache_dtype == "int4_per_token_head"
+
+    @property
+    def native(self) -> bool:
+        """Whether the native ops (C++ CPU bodies, Metal kernels) write and read these pools:
+        int8 and fp8; int4 (rotated, packed) is served by the MLX ops here only."""
+        return self.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
 
     def row_bytes(self, head_size: int) -> int:
         return row_bytes(self.kv_cache_dtype, head_size)
