@@ -81,8 +81,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            f"The paged ops alone ({op['backend']} for the unquantized pools, MLX's ops for the "
-            f"quantized ones, on {op['device']}), {shape['seqs']} sequences of {shape['keys']:,} "
+            f"The paged ops alone ({op['backend']} for the unquantized, int8 and fp8 pools, MLX's "
+            f"ops for int4, on {op['device']}), {shape['seqs']} sequences of {shape['keys']:,} "
             f"keys, {shape['q_heads']} query / {shape['kv_heads']} KV heads of "
             f"{shape['head_dim']}, median of {s['op_reps']} calls each, interleaved:"
         ),
