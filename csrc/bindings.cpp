@@ -57,6 +57,7 @@ nb::dict constants() {
 #define VM_DTYPE_(DT, T, NAME, BYTES, L) L.append(nb::make_tuple(#DT, #T, #NAME, BYTES));
 #define VM_FP8_(NAME, ID, M, BIAS, MAX, FN, L) \
   L.append(nb::make_tuple(#NAME, ID, M, BIAS, MAX, FN));
+#define VM_PTH_(NAME, ID, L) L.append(nb::make_tuple(#NAME, ID));
 #define VM_LIST_(NAME, ENTRY)  \
   {                            \
     nb::list l;                \
@@ -90,6 +91,7 @@ nb::dict constants() {
   VM_NUMBER_(DECODE_SPLIT_OUT_KEYS)
   VM_NUMBER_(KV_FORMAT_SAME)
   VM_NUMBER_(FP8_NAN_CODE)
+  VM_NUMBER_(PTH_SCALE_BYTES)
   VM_LIST_(HALF_DTYPES, VM_DTYPE_)
   VM_LIST_(FLOAT_DTYPES, VM_DTYPE_)
   VM_LIST_(DECODE_HEAD_SIZES, VM_INT_)
@@ -99,11 +101,13 @@ nb::dict constants() {
   VM_LIST_(PREFILL_TILES, VM_PAIR_)
   VM_LIST_(MLA_SIZES, VM_PAIR_)
   VM_LIST_(FP8_FORMATS, VM_FP8_)
+  VM_LIST_(PTH_FORMATS, VM_PTH_)
 #undef VM_NUMBER_
 #undef VM_INT_
 #undef VM_PAIR_
 #undef VM_DTYPE_
 #undef VM_FP8_
+#undef VM_PTH_
 #undef VM_LIST_
   return c;
 }

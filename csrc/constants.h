@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 10
+#define VM_OPS_ABI 11
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -37,6 +37,16 @@
 #define VM_KV_FORMAT_SAME 0
 // The byte a NaN stores (sign clear; NaN in both formats).
 #define VM_FP8_NAN_CODE 127
+
+// ---- per-token-head KV caches -------------------------------------------------------------------
+// X(name, id, ...): --kv-cache-dtype int8_per_token_head / fp8_per_token_head
+// (vllm_metal/ops/per_token_head.py states their semantics, common/per_token_head.h the kernels'
+// store and load). `id` is the kernels' kv_format: uint8 pools whose (token, KV head) rows are
+// head_dim one-byte elements (int8, or fp8_e4m3 bytes) followed by the row's float32 scale
+// (VM_PTH_SCALE_BYTES, little-endian).
+#define VM_PTH_FORMATS(X, ...) \
+  X(int8_per_token_head, 3, __VA_ARGS__) X(fp8_per_token_head, 4, __VA_ARGS__)
+#define VM_PTH_SCALE_BYTES 4
 
 // ---- head sizes --------------------------------------------------------------------------------
 // X(head_size, ...). Every kernel family is built for the decode head sizes; the wide ones only for

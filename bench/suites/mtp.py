@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="rounds per case: 2 (1 quick)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--cases", nargs="+", default=None, help="only these cases (by name)")
     args = p.parse_args(argv)
     if args.output_len is None:
         args.output_len = 8 if args.quick else 64
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # the self-drafting head at one stream (and its plain peer)
         quick = ("mtp_self_drafting_c1", "plain_self_drafting_c1")
         chosen = [c for c in chosen if c["name"] in quick[: 2 if runs_peers(args) else 1]]
+    if args.cases:
+        unknown = set(args.cases) - {c["name"] for c in chosen}
+        if unknown:
+            p.error(f"--cases: no case named {', '.join(sorted(unknown))}")
+        chosen = [c for c in chosen if c["name"] in args.cases]
     started = time.perf_counter()
 
     def argv_of(case: dict[str, Any]) -> list[str]:

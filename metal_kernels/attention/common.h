@@ -1,17 +1,18 @@
 // What the paged-attention kernel families share: buffer parameters, KV addressing and element
-// reads (pools of the query's type, or fp8 bytes), masks, the logit transform, prefill work
+// reads (pools of the query's type, fp8 bytes, or per-token-head rows), masks, the logit transform, prefill work
 // entries, tile staging and the online-softmax step.
 //
 // MSL features used here: metal::tanh, metal::exp, metal::max/min, `constant` struct references,
 // `device` pointers, `threadgroup` pointers and `thread` references as function parameters,
 // simd_shuffle_xor, vec<T, 4> / uchar4 loads, static_cast between half / bfloat / float, class
 // template partial specialisation, as_type. Compiled with -I csrc (constants.h, common/fp8.h,
-// ops/attention/params.h).
+// common/per_token_head.h, ops/attention/params.h).
 #pragma once
 
 #include <metal_stdlib>
 
 #include "common/fp8.h"
+#include "common/per_token_head.h"
 #include "constants.h"
 #include "ops/attention/params.h"
 
@@ -52,22 +53,37 @@ inline long_t pa_token_offset(
 }
 
 // Four consecutive K/V elements of a pool of KV elements as the kernels compute with them, in the
-// query's type T: pools of T as stored; fp8 pools (KV = uchar) as value(byte) * scale rounded to T
-// (the op's contract), `scale` being p.k_scale for keys and p.v_scale for values.
+// query's type T: pools of T as stored; byte pools (KV = uchar) as value(byte) * scale rounded to T
+// (the op's contract), the byte an fp8 one of format kv_format or a per-token-head element
+// (common/per_token_head.h). `scale` is row_scale's: the row's factor.
 template <typename T, typename KV>
 struct PaKv {
+  static float row_scale(const device KV* row, float scale, constant PagedAttentionParams& p) {
+    return scale;
+  }
   static vec<T, 4> load4(const device KV* src, float scale, int kv_format) {
     return *reinterpret_cast<const device vec<T, 4>*>(src);
   }
 };
 template <typename T>
 struct PaKv<T, uchar> {
+  // The factor of one pool row (`row`: its first byte): the per-tensor `scale` (p.k_scale for
+  // keys, p.v_scale for values) of fp8 pools, or a per-token-head row's own scale, the float32
+  // after its p.head_dim element bytes.
+  static float row_scale(const device uchar* row, float scale, constant PagedAttentionParams& p) {
+    if (!vm_pth_is(p.kv_format)) {
+      return scale;
+    }
+    const device uchar* s = row + p.head_dim;
+    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+  static float value(uint code, int kv_format) {
+    return vm_pth_is(kv_format) ? vm_pth_element(code, kv_format) : vm_fp8_to_float(code, kv_format);
+  }
   static vec<T, 4> load4(const device uchar* src, float scale, int kv_format) {
     const uchar4 b = *reinterpret_cast<const device uchar4*>(src);
-    return vec<T, 4>(T(vm_fp8_to_float(b.x, kv_format) * scale),
-                     T(vm_fp8_to_float(b.y, kv_format) * scale),
-                     T(vm_fp8_to_float(b.z, kv_format) * scale),
-                     T(vm_fp8_to_float(b.w, kv_format) * scale));
+    return vec<T, 4>(T(value(b.x, kv_format) * scale), T(value(b.y, kv_format) * scale),
+                     T(value(b.z, kv_format) * scale), T(value(b.w, kv_format) * scale));
   }
 };
 
@@ -155,13 +171,14 @@ inline void pa_stage_query(
 
 // Stages the KB keys b0 .. b0 + KB - 1 of one KV head, COLS columns each, into a threadgroup tile
 // of row pitch `pitch`, THREADS threads cooperating with 4-element vectors. `rows` points at the
-// head's first staged column in the pool and `base` is the element offset of b0's slot
-// (pa_token_offset; < 0 for an unmapped block). Keys outside [lo, hi) and unmapped ones read zero.
-// fp8 pools are dequantized here with `scale` (PaKv), so the tile holds T as for any pool.
+// head's first staged column in the pool, column `col0` of its rows, and `base` is the element
+// offset of b0's slot (pa_token_offset; < 0 for an unmapped block). Keys outside [lo, hi) and
+// unmapped ones read zero. Byte pools are dequantized here with `scale` or each row's own
+// (PaKv::row_scale), so the tile holds T as for any pool.
 template <typename T, typename KV, int KB, int COLS, int THREADS>
 inline void pa_stage_kv(
-    threadgroup T* tile, int pitch, const device KV* rows, float scale, long_t base, int b0,
-    int lo, int hi, constant PagedAttentionParams& p, uint tid) {
+    threadgroup T* tile, int pitch, const device KV* rows, int col0, float scale, long_t base,
+    int b0, int lo, int hi, constant PagedAttentionParams& p, uint tid) {
   constexpr int C4 = COLS / 4;
   for (int i = int(tid); i < KB * C4; i += THREADS) {
     const int j = i / C4;
@@ -169,8 +186,9 @@ inline void pa_stage_kv(
     const int pos = b0 + j;
     vec<T, 4> v4 = vec<T, 4>(T(0.0f));
     if (base >= 0 && pos >= lo && pos < hi) {
-      const device KV* src = rows + base + long_t(j) * p.kv_stride_slot + c;
-      v4 = PaKv<T, KV>::load4(src, scale, p.kv_format);
+      const device KV* row = rows + base + long_t(j) * p.kv_stride_slot;
+      const float row_scale = PaKv<T, KV>::row_scale(row - col0, scale, p);
+      v4 = PaKv<T, KV>::load4(row + c, row_scale, p.kv_format);
     }
     *reinterpret_cast<threadgroup vec<T, 4>*>(tile + j * pitch + c) = v4;
   }

@@ -120,10 +120,11 @@ template <typename T, typename KV, int D, int KB>
       float dot = 0.0f;
       if (valid && base >= 0) {
         const device KV* k_row = key_cache + base + long_t(j) * p.kv_stride_slot + head_off;
+        const float k_scale = PaKv<T, KV>::row_scale(k_row, p.k_scale, p);
         for (int rd = 0; rd < ROUNDS; ++rd) {
           const int c = rd * 32 + sub * 4;
           if (c < D) {
-            const vec<T, 4> k4 = PaKv<T, KV>::load4(k_row + c, p.k_scale, p.kv_format);
+            const vec<T, 4> k4 = PaKv<T, KV>::load4(k_row + c, k_scale, p.kv_format);
             dot += q[rd][0] * float(k4[0]) + q[rd][1] * float(k4[1]) + q[rd][2] * float(k4[2]) +
                    q[rd][3] * float(k4[3]);
           }
@@ -155,10 +156,11 @@ template <typename T, typename KV, int D, int KB>
         l += w;
         if (base >= 0) {
           const device KV* v_row = value_cache + base + long_t(j) * p.kv_stride_slot + head_off;
+          const float v_scale = PaKv<T, KV>::row_scale(v_row, p.v_scale, p);
           for (int rd = 0; rd < ROUNDS; ++rd) {
             const int c = rd * 32 + sub * 4;
             if (c < D) {
-              const vec<T, 4> v4 = PaKv<T, KV>::load4(v_row + c, p.v_scale, p.kv_format);
+              const vec<T, 4> v4 = PaKv<T, KV>::load4(v_row + c, v_scale, p.kv_format);
               for (int e = 0; e < 4; ++e) {
                 o[rd][e] += w * float(v4[e]);
               }

@@ -117,8 +117,8 @@ template <typename T, typename KV, int D, int B>
   for (int b0 = begin - begin % KB; b0 < end; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     // 1. K tile.
-    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, key_cache + head_off, p.k_scale, base, b0,
-                                           begin, end, p, tid);
+    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, key_cache + head_off, 0, p.k_scale, base,
+                                           b0, begin, end, p, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 2. S = Q K^T, one 8-key column tile per simdgroup.
@@ -136,7 +136,7 @@ template <typename T, typename KV, int D, int B>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // 3. V tile (all threads) and online softmax (simdgroup 0).
-    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, value_cache + head_off, p.v_scale, base,
+    pa_stage_kv<T, KV, KB, D, GQA_THREADS>(kv_tile, QP, value_cache + head_off, 0, p.v_scale, base,
                                            b0, begin, end, p, tid);
     if (sg == 0) {
       const float f = pa_softmax_tile<T, KB, 4>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,

@@ -196,6 +196,11 @@ DETERMINISTIC_JOBS = [
         {"prompts": DETERMINISTIC_PROMPTS, "params": [greedy(16, **v)]}
         for v in DETERMINISTIC_VARIANTS
     ),
+    # One batch, one rule per request beside a plain one (each row's rules apply to it alone).
+    {
+        "prompts": [DETERMINISTIC_PROMPTS[0]] * (1 + len(DETERMINISTIC_VARIANTS)),
+        "params": [greedy(16), *(greedy(16, **v) for v in DETERMINISTIC_VARIANTS)],
+    },
 ]
 TRUNCATION_PROMPTS = random_prompts(6, [9, 30])
 TRUNCATION_VARIANTS = [
@@ -253,13 +258,16 @@ def sampling_run(request, family_models) -> dict[str, list]:
 
 def test_sampling_fields_change_greedy_tokens_as_their_rule_says(sampling_run):
     """Penalties, biases and token constraints run through vLLM's own sampler on our logits."""
-    plain, variants = sampling_run["deterministic"][1], sampling_run["deterministic"][2:]
+    plain, variants = sampling_run["deterministic"][1], sampling_run["deterministic"][2:-1]
     # The variants that must change greedy output on these prompts did.
     for i in (1, 2, 3):
         assert tokens(variants[i]) != tokens(plain), DETERMINISTIC_VARIANTS[i]
     assert all(t == [100] * 16 for t in tokens(variants[2]))
     assert all(set(t) <= set(range(100, 160)) for t in tokens(variants[3]))
     assert not any({2, 4} & set(t[:10]) for t in tokens(variants[5]))  # min_tokens holds stops
+    # In one batch, each request's rule acts on its own row as it does alone.
+    mixed = tokens(sampling_run["deterministic"][-1])
+    assert mixed == [tokens(plain)[0], *(tokens(v)[0] for v in variants)]
 
 
 @pytest.mark.full
@@ -267,7 +275,7 @@ def test_same_tokens_as_vllm_cpu_backend(sampling_run):
     """The deterministic processors give vLLM's CPU backend's very tokens (the peer vouches for
     the oracle, so this comparison lives in the `full` tier)."""
     theirs = vllm_cpu_job(sampling_run["model"], DETERMINISTIC_JOBS)
-    for variant, ours, peer in zip([{}, {}, *DETERMINISTIC_VARIANTS],
+    for variant, ours, peer in zip([{}, {}, *DETERMINISTIC_VARIANTS, "one rule per row"],
                                    sampling_run["deterministic"], theirs):  # fmt: skip
         assert tokens(ours) == tokens(peer), variant
 

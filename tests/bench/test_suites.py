@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PNG = b"\x89PNG\r\n\x1a\n"
 NOT_MEASURED = "not measured"
 
 
@@ -52,104 +51,6 @@ def test_quick_all_records_every_suite(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "1/1 suites ok" in proc.stderr
 
 
-# ------------------------------------------------------------------------------------ main run
-
-
-def _main_single_stream(res: dict, name: str) -> None:
-    settings = res["settings"]
-    requests = res[name]["requests"]
-    assert len(requests) == settings["num_prompts"], name
-    for request in requests:
-        # Exactly output_len tokens: EOS is ignored on both sides, so the decode work matches.
-        assert request["output_tokens"] == settings["output_len"], name
-        assert 0 < request["ttft_ms"] < 1e3 * request["e2e_s"] + 1, name
-        assert request["decode_tok_s"] == pytest.approx(1e3 / request["tpot_ms"]), name
-
-
-def _main_common(run) -> dict:
-    from bench.suites.main import SECTIONS
-
-    res = run.results("results")
-    assert set(res) == {"settings", "model", "summary", *SECTIONS}
-    ran = res["settings"]["stages"]
-    for name in SECTIONS:
-        assert res[name]["status"] == ("ok" if name in ran else "skipped"), (name, res[name])
-    assert res["machine"]["ram_bytes"] > 0 and res["machine"]["versions"]["mlx"]
-    assert res["bandwidth"]["gbps"]["roofline"] > 0
-    _main_single_stream(res, "plugin_offline")
-    assert res["plugin_offline"]["platform"] == "MetalPlatform"
-    blas = res["machine"]["cpu_blas"]
-    assert blas["name"] and "active" in blas and "threads" in blas
-    if blas["active"] and "cpu" in res["machine"]["mlx_device"].lower():
-        # The engine core is a process of its own; it says which BLAS it uses in the stage log.
-        assert any(line.startswith(blas["name"]) for line in
-                   res["plugin_offline"].get("cpu_blas_logged", []))  # fmt: skip
-    text = (run.out / "results.md").read_text()
-    for heading in ("## Machine", "## Targets", "## Single stream", "## Decode against"):
-        assert heading in text
-    assert f"| CPU BLAS for MLX | {blas['name']}" in text and "plugin `vllm.LLM`" in text
-    for name in ("decode_single_stream.png", "serve_concurrency.png", "startup.png"):
-        assert f"]({name})" in text, name
-        assert (run.out / name).read_bytes()[:8] == PNG, name
-    return res
-
-
-@pytest.mark.slow
-def test_main_quick(run_suite) -> None:
-    run = run_suite("main")
-    res = _main_common(run)
-    ran = res["settings"]["stages"]
-    assert "serve_plugin" in ran and "mlx_lm" not in ran and "serve_cpu" not in ran
-    runs = res["serve_plugin"]["runs"]
-    assert [r["concurrency"] for r in runs] == res["settings"]["concurrency"]
-    for r in runs:
-        assert r["completed"] >= r["concurrency"] and not r["failed"], r
-        assert r["output_throughput"] > 0 and r["mean_tpot_ms"] > 0, r
-        assert r["command"].startswith("vllm bench serve ")
-    startup = res["startup"]["plugin_tiny"]
-    assert 0 < startup["launch_to_health_s"] <= startup["launch_to_first_token_s"]
-    assert startup["phases_s"]["first_output"] > 0
-    assert res["summary"]["targets"]["tiny_startup_s"]["value"] > 0
-    # The model description matches the tiny Qwen3's shape.
-    model = res["model"]
-    h, inter, layers, vocab = 256, 512, 2, 768
-    q, kv, d = 4 * 64, 2 * 64, 64
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * d
-    params = 2 * vocab * h + layers * per_layer + h  # untied embedding + LM head, final norm
-    assert model["num_parameters"] == params
-    assert model["weight_bytes"] == 2 * params  # bfloat16
-    assert model["weight_bytes_per_token"] == 2 * (params - vocab * h)  # embedding only gathered
-    assert "`mlx_lm`: skipped" in (run.out / "results.md").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.full
-def test_main_with_peers(run_suite) -> None:
-    run = run_suite("main", peers=True)
-    res = _main_common(run)
-    assert {"mlx_lm", "serve_cpu"} <= set(res["settings"]["stages"])
-    assert res["serve_cpu"]["status"] == "ok"
-    _main_single_stream(res, "mlx_lm")
-    blas = res["machine"]["cpu_blas"]
-    if blas["active"] and "cpu" in res["machine"]["mlx_device"].lower():
-        # mlx-lm runs in its own process: it imported the plugin first and got the same library.
-        assert res["mlx_lm"]["cpu_blas"].startswith(blas["name"])
-        assert res["mlx_lm"]["mlx_cblas_sgemm"] == blas["mlx_cblas_sgemm"]
-    # On MLX's CPU device mlx-lm is also measured in float32 (the plugin's compute dtype there);
-    # the target is taken against the faster of the two.
-    mlx = res["mlx_lm"]
-    variants = [mlx] + ([mlx["float32"]] if "float32" in mlx else [])
-    if res["plugin_offline"]["compute_dtype"] == "float32" and mlx["compute_dtype"] != "float32":
-        assert "float32" in mlx, "mlx-lm was not measured in the plugin's compute dtype"
-    best = max(v["median_decode_tok_s"] for v in variants)
-    ratio = res["summary"]["targets"]["single_stream_vs_mlx_lm"]["value"]
-    assert ratio == pytest.approx(res["plugin_offline"]["median_decode_tok_s"] / best)
-    assert "mlx-lm `stream_generate`" in (run.out / "results.md").read_text()
-
-
-# ----------------------------------------------------------------------- kernels and profile
-
-
 @pytest.mark.slow
 def test_attention_quick(run_suite) -> None:
     run = run_suite("attention")
@@ -179,52 +80,6 @@ def test_sliding_window_blocks_quick(run_suite) -> None:
     assert hybrid["kv_cache_groups"] == 2 and single["kv_cache_groups"] == 1
     assert 0 < hybrid["decode_kib"] < single["decode_kib"]
     assert hybrid["tokens"] == single["tokens"]
-
-
-@pytest.mark.slow
-def test_kv_fp8_quick(run_suite) -> None:
-    run = run_suite("kv_fp8")
-    data = run.results()
-    auto, fp8 = data["engines"]["auto"], data["engines"]["fp8"]
-    assert auto["platform"] == fp8["platform"] == "MetalPlatform"
-    # Same budget, one byte per element instead of four (the float32 checkpoint's): four times
-    # the tokens, to a few blocks (each pool count is rounded down to whole blocks).
-    from bench.suites.kv_fp8_report import element_bytes
-
-    n = element_bytes(data["model"])
-    assert n == 4 and 0 <= fp8["kv_cache_tokens"] - n * auto["kv_cache_tokens"] < n * 128
-
-    for engine in (auto, fp8):
-        assert engine["decode_tok_s"] > 0 and engine["log_lines_mentioning_preemption"] == 0
-        assert all(n == data["settings"]["output_len"] for r in engine["tokens"] for n in r)
-    ops = data["ops"]
-    assert ops["backend"] == "native"
-    assert ops["pool_bytes"]["auto"] == n * ops["pool_bytes"]["fp8"]
-    assert all(ops[k][c] > 0 for k in ("attention_ms", "cache_write_ms") for c in ("auto", "fp8"))
-    run.report("kv_fp8", headings=("tokens held in the budget", "The machine is shared"))
-
-
-@pytest.mark.slow
-@pytest.mark.full
-def test_kv_ptk_quick(run_suite) -> None:
-    run = run_suite("kv_ptk")
-    data = run.results()
-    engines, ops = data["engines"], data["ops"]
-    auto = engines["auto"]
-    m = data["model"]
-    d = m["head_dim"]
-    row = 4 * d  # the float32 checkpoint's unquantized row
-    for cache, stored in (("int8_per_token_head", d + 4), ("fp8_per_token_head", d + 4),
-                          ("int4_per_token_head", d // 2 + 4)):  # fmt: skip
-        # Same budget, rows of data and a float32 scale: that many more tokens, to whole blocks.
-        want = auto["kv_cache_tokens"] * row / stored
-        assert abs(engines[cache]["kv_cache_tokens"] - want) < 2 * 16 * row / stored
-        assert ops["pool_bytes"][cache] * row == ops["pool_bytes"]["auto"] * stored
-    for engine in engines.values():
-        assert engine["platform"] == "MetalPlatform" and engine["decode_tok_s"] > 0
-        assert all(n == data["settings"]["output_len"] for r in engine["tokens"] for n in r)
-    assert all(ops["attention_ms"][c] > 0 for c in engines)
-    run.report("kv_ptk", headings=("tokens held in the budget", "The machine is shared"))
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """EAGLE-3 heads in MLX (`families/eagle3.py`): the target's aux hidden states
-(`ModelAdapter.forward_with_aux`, Qwen3 and Llama targets) equal the inputs of the named layers
+(`ModelAdapter.forward_with_aux`, each target family of `eagle3.TARGET_TYPES`) equal the inputs of the named layers
 in transformers float32,
 and the head over the paged cache (a prompt in two chunks, then a chained draft step fed its own
 output) equals a float32 torch port of vLLM's `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM`
@@ -64,14 +64,30 @@ def _packed(tokens, start, end, table):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_target_keeps_the_aux_states_of_transformers(tiny_model_dir, arch):
-    target_dir = tiny_model_dir(arch, **TARGET)
+def _target(tiny_model_dir, arch: str, tmp_path):
+    """A tiny target of each of vLLM's EAGLE-3 target families built here (`TARGET_TYPES`)."""
+    if arch == "qwen3_moe":
+        from tests.fixtures.tiny_moe import write_tiny_moe
+
+        return write_tiny_moe(tmp_path / arch, arch)
+    if arch == "gpt_oss":
+        from tests.fixtures.tiny_gpt_oss import write_tiny_gpt_oss
+
+        return write_tiny_gpt_oss(tmp_path / arch)
+    return tiny_model_dir(arch, **TARGET)
+
+
+@pytest.mark.parametrize("arch", eagle3.TARGET_TYPES)
+def test_target_keeps_the_aux_states_of_transformers(tiny_model_dir, tmp_path, arch):
+    target_dir = _target(tiny_model_dir, arch, tmp_path)
     tokens = np.random.default_rng(1).integers(16, 700, size=21).tolist()
     adapter = load_model(str(target_dir), compute_dtype=mx.float32)
     adapter.install_paged_attention()
     kinds = adapter.layer_kinds()
-    pool = KVPool(KVLayout.single_group(len(kinds), 8, BLOCK), 2, 64, mx.float32)
+    cfg = json.loads((target_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layout = KVLayout.single_group(len(kinds), 8, BLOCK)
+    pool = KVPool(layout, cfg["num_key_value_heads"], head_dim, mx.float32)
     table = np.array([[1, 2, 3, 4]], dtype=np.int32)
     got = []
     for start, end in ((0, 9), (9, len(tokens))):
@@ -141,6 +157,11 @@ def test_unfit_heads_are_refused(target_dir, tmp_path):
     assert "'gemma3_text'" in eagle3.missing(
         "LlamaForCausalLMEagle3", draft, {**target, "model_type": "gemma3_text"}
     )
+    # Every layer windowed, as the tiny Mistral's.
+    windowed = {**target, "sliding_window": 32, "use_sliding_window": True, "layer_types": None}
+    assert "no full-attention layer" in eagle3.missing("LlamaForCausalLMEagle3", draft, windowed)
+    mixed = {**windowed, "layer_types": ["sliding_attention", "full_attention"]}
+    assert eagle3.missing("LlamaForCausalLMEagle3", draft, mixed) is None
     far = {**draft, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 5]}}
     assert "outside the target's 0..2" in eagle3.missing("LlamaForCausalLMEagle3", far, target)
     (head_dir / "model.safetensors").rename(tmp_path / "moved")

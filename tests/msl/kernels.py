@@ -105,9 +105,10 @@ def reshape_and_cache(
     v_scale: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run reshape_and_cache_<dtype>[_fp8]; float32 rows in (already representable in dtype).
-    Pools: float32 in and out, or (kv_cache_dtype fp8_e4m3 / fp8_e5m2) uint8 bytes in and out."""
+    Pools: float32 in and out, or (kv_cache_dtype fp8_e4m3 / fp8_e5m2, int8 / fp8_per_token_head)
+    uint8 bytes in and out (per-token-head rows: D bytes and the row's scale)."""
     T, H, D = key.shape
-    nb, bs = key_cache.shape[:2]
+    nb, bs, _, W = key_cache.shape
     fp8 = kv_cache_dtype != "auto"
     pool_dtype = "u8" if fp8 else dtype
     launch = native().select_reshape_and_cache_kernel(dtype, H, D, kv_cache_dtype)
@@ -116,7 +117,7 @@ def reshape_and_cache(
     p["num_slots"] = nb * bs
     p["key_stride_token"], p["key_stride_head"] = H * D, D
     p["value_stride_token"], p["value_stride_head"] = H * D, D
-    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * H * D, H * D, D
+    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * H * W, H * W, W
     p["block_size"] = bs
     p["kv_format"] = kv_format(kv_cache_dtype)
     p["k_scale"], p["v_scale"] = k_scale, v_scale
@@ -145,7 +146,8 @@ def kv_format(kv_cache_dtype: str) -> int:
     """The kernels' kv_format of a kv_cache_dtype (constants.h's ids)."""
     if kv_cache_dtype == "auto":
         return constant("KV_FORMAT_SAME")
-    return {e[0]: e[1] for e in constant("FP8_FORMATS")}[kv_cache_dtype]
+    formats = (*constant("FP8_FORMATS"), *constant("PTH_FORMATS"))
+    return {e[0]: e[1] for e in formats}[kv_cache_dtype]
 
 
 def pool_to_device(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -430,7 +432,8 @@ class AttentionCase:
     softcap: float | None = None
     sinks: np.ndarray | None = None
     qkv: np.ndarray | None = None  # fused [T, Hq + 2 Hkv, D] buffer the query is a view of
-    # fp8 pools: key_cache / value_cache hold uint8 bytes of this format, read times the scales.
+    # fp8 pools: key_cache / value_cache hold uint8 bytes of this format, read times the scales;
+    # per-token-head pools: uint8 rows of D bytes and their scale [..., Hkv, D + 4].
     kv_cache_dtype: str = "auto"
     k_scale: float = 1.0
     v_scale: float = 1.0
@@ -501,7 +504,7 @@ def paged_attention(
     """Run the launches in order on one output buffer; float32 [T, Hq, D]."""
     dt = case.dtype
     T, Hq, D = case.query.shape
-    nb, bs, Hkv, _ = case.key_cache.shape
+    nb, bs, Hkv, W = case.key_cache.shape
     p = np.zeros((), PA_PARAMS)
     p["num_seqs"], p["num_q_heads"], p["num_kv_heads"] = len(case.seq_lens), Hq, Hkv
     p["num_blocks"], p["block_size"] = nb, bs
@@ -512,7 +515,8 @@ def paged_attention(
     else:
         p["q_stride_token"], p["q_stride_head"] = Hq * D, D
         query_buf = to_device(case.query, dt)
-    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * Hkv * D, Hkv * D, D
+    p["kv_stride_block"], p["kv_stride_slot"], p["kv_stride_head"] = bs * Hkv * W, Hkv * W, W
+    p["head_dim"] = D
     p["scale"] = case.scale
     p["softcap"] = case.softcap or 0.0
     p["sliding_window"] = case.sliding_window or 0

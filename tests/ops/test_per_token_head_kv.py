@@ -160,17 +160,18 @@ def test_attention_reads_vllms_values(name: str, dtype: str, case: str, option: 
     assert_close(got, mx.array(want.astype(np.float32)), dtype)
 
 
-def test_key_ends_rows_read_per_token_head() -> None:
+@pytest.mark.parametrize("name", ["int4_per_token_head", "int8_per_token_head"])
+def test_key_ends_rows_read_per_token_head(name: str) -> None:
+    """Prefix-LM rows (MLX's reference) beside the op's rows (MLX's ops for int4, the native op
+    for int8)."""
     rng = np.random.default_rng(3)
     batch = make_batch(
         rng, q_lens=[6], ctx_lens=[10], num_heads=4, num_kv_heads=2, head_size=64, block_size=16
     )
-    kc, vc, keys, values = _stored_pools(batch, "int4_per_token_head")
+    kc, vc, keys, values = _stored_pools(batch, name)
     key_ends = np.array([0, 0, 9, 9, 9, 0])
     args = (batch.query, kc, vc, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
-    got = ops.paged_attention(
-        *args, scale=0.125, key_ends=key_ends, kv_cache_dtype="int4_per_token_head"
-    )
+    got = ops.paged_attention(*args, scale=0.125, key_ends=key_ends, kv_cache_dtype=name)
     want = naive_attention(
         to_numpy(batch.query), keys, values, *(np.asarray(a) for a in args[3:]),
         scale=0.125, sliding_window=None, softcap=None, sinks=None, key_ends=key_ends,
@@ -239,25 +240,3 @@ def test_planted_bugs_are_caught(monkeypatch, mutant: str) -> None:
     ptk._SIGNS.clear()
     want = ref.quantize_rows(to_numpy(x), name)
     assert (got != want).any(), f"planted bug {mutant!r} not caught"
-
-
-def test_the_native_builders_refuse_per_token_head_pools() -> None:
-    """No native op reads these pools (MLX's ops serve them on every device): the C++ builders
-    (one for the CPU body and the Metal kernels) refuse the format by name, and a uint8 pool
-    given as 'auto', so the bytes are never read as floats."""
-    from vllm_metal.ops import _native
-
-    rng = np.random.default_rng(6)
-    batch = make_batch(
-        rng, q_lens=[1], ctx_lens=[4], num_heads=2, num_kv_heads=2, head_size=64, block_size=16
-    )
-    kc, vc, *_ = _stored_pools(batch, "int8_per_token_head")
-    args = (batch.query, kc, vc, *batch.args[3:])
-    for options in ({"kv_cache_dtype": "int8_per_token_head"}, {}):
-        with pytest.raises(ValueError, match="kv_cache_dtype|uint8"):
-            mx.eval(_native._C.paged_attention(*args, scale=0.1, **options))
-    rows = batch.query
-    slots = mx.array(np.array([0], np.int64))
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        mx.eval(_native._C.reshape_and_cache(rows, rows, kc, vc, slots,
-                                             kv_cache_dtype="int8_per_token_head"))  # fmt: skip

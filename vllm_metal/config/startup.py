@@ -340,14 +340,6 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
 def _drafts_under_async(vllm_config: VllmConfig) -> bool:
     """Whether the runner serves the speculative method under async scheduling (the drafts it
     proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
-    model, an EAGLE-3 head and a target's own MTP head are tested there; a separate MTP
-    assistant (Gemma 4's) is not yet. vLLM keeps it off for n-gram itself."""
-    spec = vllm_config.speculative_config
-    if spec.method in ("draft_model", "eagle3"):
-        return True
-    if spec.method == "mtp":
-        from vllm_metal.models.families import mtp_module
-
-        module = mtp_module(vllm_config.model_config.hf_text_config.model_type)
-        return module is not None and module.HEAD_IN_TARGET
-    return False
+    model, an EAGLE-3 head, a target's own MTP head and an MTP assistant (Gemma 4's) are. vLLM
+    keeps it off for n-gram itself."""
+    return vllm_config.speculative_config.method in ("draft_model", "eagle3", "mtp")

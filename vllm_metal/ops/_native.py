@@ -15,6 +15,7 @@ import mlx.core as mx  # loads libmlx before the extension that links against it
 from vllm_metal._logging import init_logger
 from vllm_metal.ops import _gpu, _header
 from vllm_metal.ops.fp8 import KVQuant
+from vllm_metal.ops.per_token_head import PerTokenHeadQuant
 
 logger = init_logger("vllm_metal.ops")
 
@@ -111,9 +112,11 @@ def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
     return [None if a is None else mx.contiguous(a) for a in arrays]
 
 
-def reshape_and_cache(*arrays: mx.array, quant: KVQuant | None = None) -> tuple[mx.array, mx.array]:
-    """arrays: key, value, key_cache, value_cache, slot_mapping. ``quant``: fp8 pools, which the
-    C++ CPU body and the Metal kernel write quantized."""
+def reshape_and_cache(
+    *arrays: mx.array, quant: KVQuant | PerTokenHeadQuant | None = None
+) -> tuple[mx.array, mx.array]:
+    """arrays: key, value, key_cache, value_cache, slot_mapping. ``quant``: fp8 or (int8 / fp8)
+    per-token-head pools, which the C++ CPU body and the Metal kernel write quantized."""
     key, value, key_cache, value_cache, slot_mapping = arrays
     if on_gpu():
         key, value, slot_mapping = _contiguous(key, value, slot_mapping)
@@ -133,11 +136,12 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
-    quant: KVQuant | None = None,
+    quant: KVQuant | PerTokenHeadQuant | None = None,
     decode: bool = False,
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
-    pools, which the C++ CPU body and every Metal kernel family read. ``decode``: one query row per
+    or (int8 / fp8) per-token-head pools, which the C++ CPU body and every Metal kernel family
+    read. ``decode``: one query row per
     sequence, lengths made from host data (the call may be traced by mx.compile)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():

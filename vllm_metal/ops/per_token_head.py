@@ -33,11 +33,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal.ops import fp8
+from vllm_metal.ops import _header, fp8
 
+_CONSTANTS = _header.header_constants()
 KV_CACHE_DTYPES = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
-SCALE_BYTES = 4  # one float32 per (token, KV head) row
-MIN_SCALE = 1e-6
+# The formats the native ops take (csrc/constants.h's VM_PTH_FORMATS; csrc/common/per_token_head.h
+# states their store and load for the C++ bodies and the Metal kernels).
+NATIVE_KV_CACHE_DTYPES = tuple(name for name, _id in _CONSTANTS["PTH_FORMATS"])
+SCALE_BYTES = _CONSTANTS["PTH_SCALE_BYTES"]  # one float32 per (token, KV head) row
+MIN_SCALE = 1e-6  # VM_PTH_MIN_SCALE of csrc/common/per_token_head.h (the native ops' bytes agree)
 INT8_MAX, INT8_MIN = 127.0, -128.0
 INT4_LEVELS = 15.0
 FP8 = fp8.FORMATS["fp8_e4m3"]
@@ -173,6 +177,12 @@ class PerTokenHeadQuant:
     def rotated(self) -> bool:
         """Whether attention runs in the rotated space (int4)."""
         return self.kv_cache_dtype == "int4_per_token_head"
+
+    @property
+    def native(self) -> bool:
+        """Whether the native ops (C++ CPU bodies, Metal kernels) write and read these pools:
+        int8 and fp8; int4 (rotated, packed) is served by the MLX ops here only."""
+        return self.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
 
     def row_bytes(self, head_size: int) -> int:
         return row_bytes(self.kv_cache_dtype, head_size)

@@ -301,6 +301,7 @@ AttentionArgs attention_args(const Strided& query, const Strided& key_cache,
       .scale = scale,
       .sliding_window = sliding_window,
       .softcap = softcap,
+      .kv_row = key_cache.shape[3],
   };
 }
 

@@ -16,11 +16,12 @@
 namespace vllm_metal::cpu {
 
 // KvFormat (common/fp8.h): fp8 pools read a key as value(byte) * k_scale, a value as
-// value(byte) * v_scale (vllm_metal/ops/fp8.py).
+// value(byte) * v_scale (vllm_metal/ops/fp8.py); per-token-head pools read an element as
+// value(byte) * its row's scale (common/per_token_head.h, vllm_metal/ops/per_token_head.py).
 
 struct AttentionArgs {
   const void* query;            // [T, Hq, D], element strides q_stride_*
-  const void* key_cache;        // [NB, BS, Hkv, D]: strides kc_stride_b/o; heads packed (D apart)
+  const void* key_cache;        // [NB, BS, Hkv, kv_row]: strides kc_stride_b/o; heads packed
   const void* value_cache;      // same shape as key_cache, strides vc_stride_b/o
   const int32_t* block_tables;  // [S, max_blocks] contiguous
   const int32_t* seq_lens;      // [S]
@@ -36,12 +37,13 @@ struct AttentionArgs {
   float scale;
   int32_t sliding_window;  // 0 = none
   float softcap;           // 0 = none
+  int64_t kv_row;          // pool elements per (key, KV head) row: D, or D + 4 per-token-head bytes
   KvFormat kv_format = KvFormat::same;
   float k_scale = 1.0f, v_scale = 1.0f;  // fp8 pools only
 };
 
 // The arguments for arrays described by their views: query [T, Hq, D] (any strides), the pools
-// [NB, BS, Hkv, D] (rows_packed: any block and slot strides), block_tables [S, max_blocks]
+// [NB, BS, Hkv, kv_row] (rows_packed: any block and slot strides), block_tables [S, max_blocks]
 // (contiguous); the other arrays are contiguous. Every caller (the MLX primitive, the DLPack entry
 // points) builds the driver's arguments here; the shapes must already be consistent.
 AttentionArgs attention_args(const Strided& query, const Strided& key_cache,

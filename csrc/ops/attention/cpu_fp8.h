@@ -1,6 +1,7 @@
-// fp8 K/V elements for the CPU inner kernel (cpu_kernel.cpp): the value of every E4M3 / E5M2 byte
-// (common/fp8.h), vector loads through those tables, and the traits the kernel reads K/V
-// with (the query's element type, or fp8 bytes).
+// Quantized K/V elements for the CPU inner kernel (cpu_kernel.cpp): the value of every E4M3 / E5M2
+// byte (common/fp8.h) and of every per-token-head element byte (common/per_token_head.h), vector
+// loads through those tables, and the traits the kernel reads K/V with (the query's element type,
+// fp8 bytes, or per-token-head rows with their own scales).
 //
 // Included only by cpu_kernel.cpp, which is compiled once per ISA: everything here sits in an
 // anonymous namespace, as in cpu_simd.h.
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "common/fp8.h"
+#include "common/per_token_head.h"
 #include "ops/attention/cpu.h"
 #include "ops/attention/cpu_simd.h"
 
@@ -30,6 +32,17 @@ constexpr Fp8Table fp8_table(KvFormat format) {
 constexpr Fp8Table kFp8E4M3 = fp8_table(KvFormat::fp8_e4m3);
 constexpr Fp8Table kFp8E5M2 = fp8_table(KvFormat::fp8_e5m2);
 
+// The unscaled value of every element byte of a per-token-head format.
+constexpr Fp8Table pth_table(KvFormat format) {
+  Fp8Table t{};
+  for (int code = 0; code < 256; ++code) {
+    t.v[code] = vm_pth_element(static_cast<vm_u32>(code), static_cast<int>(format));
+  }
+  return t;
+}
+constexpr Fp8Table kPthInt8 = pth_table(KvFormat::int8_per_token_head);
+constexpr Fp8Table kPthFp8 = pth_table(KvFormat::fp8_per_token_head);
+
 // VW fp8 bytes widened through their format's table (one gather where the ISA has one).
 inline vf fp8_vec(const uint8_t* p, const float* table) {
 #if defined(__AVX512F__)
@@ -46,26 +59,36 @@ inline vf fp8_vec(const uint8_t* p, const float* table) {
 }
 
 // How the kernel reads one K/V element: `load` widens one to float32, `vec` VW of them. F = 0:
-// the pools hold the query's element type E; otherwise fp8 bytes of that KvFormat (unscaled: the
-// run folds the scales into the queries and the probabilities).
+// the pools hold the query's element type E; otherwise bytes of that KvFormat, read unscaled: the
+// run folds the scales into the queries and the probabilities (fp8's per-tensor k_scale /
+// v_scale), or (per_row) multiplies each key's score and each value's probability by the row's
+// own scale, `row_scale` of the row's bytes (head_dim elements, then the scale).
 template <ElemType E, KvFormat F>
 struct KvElem {
   using T = typename Elem<E>::T;
+  static constexpr bool per_row = false;
   static float load(T v) { return Elem<E>::load(v); }
   static vf vec(const T* p) { return load_vec<E>(p); }
 };
-template <ElemType E>
-struct KvElem<E, KvFormat::fp8_e4m3> {
+template <const Fp8Table& Table, bool PerRow>
+struct ByteKv {
   using T = uint8_t;
-  static float load(uint8_t v) { return kFp8E4M3.v[v]; }
-  static vf vec(const uint8_t* p) { return fp8_vec(p, kFp8E4M3.v); }
+  static constexpr bool per_row = PerRow;
+  static float load(uint8_t v) { return Table.v[v]; }
+  static vf vec(const uint8_t* p) { return fp8_vec(p, Table.v); }
+  static float row_scale(const uint8_t* row, int64_t head_dim) {
+    const uint8_t* s = row + head_dim;
+    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
 };
 template <ElemType E>
-struct KvElem<E, KvFormat::fp8_e5m2> {
-  using T = uint8_t;
-  static float load(uint8_t v) { return kFp8E5M2.v[v]; }
-  static vf vec(const uint8_t* p) { return fp8_vec(p, kFp8E5M2.v); }
-};
+struct KvElem<E, KvFormat::fp8_e4m3> : ByteKv<kFp8E4M3, false> {};
+template <ElemType E>
+struct KvElem<E, KvFormat::fp8_e5m2> : ByteKv<kFp8E5M2, false> {};
+template <ElemType E>
+struct KvElem<E, KvFormat::int8_per_token_head> : ByteKv<kPthInt8, true> {};
+template <ElemType E>
+struct KvElem<E, KvFormat::fp8_per_token_head> : ByteKv<kPthFp8, true> {};
 
 }  // namespace
 }  // namespace vllm_metal::cpu

@@ -45,6 +45,7 @@ inline void qk_block(const float* __restrict q, const typename KV::T* const* k, 
     for (int b = 0; b < J; ++b) {
       float s = hsum(acc[r][b]);
       for (int64_t e = d; e < D; ++e) s += q[r * D + e] * KV::load(k[j + b][koff + e]);
+      if constexpr (KV::per_row) s *= KV::row_scale(k[j + b] + koff, D);
       p[r * TK + j + b] = s;
     }
   }
@@ -126,32 +127,33 @@ inline void pv_group(float* o, int64_t G, const float* p, const typename KV::T* 
   for (; r < G; ++r) pv_rows<KV, 1>(o + r * D, p + r * TK, v, voff, D, j0, j1);
 }
 
-// Pool rows of one key tile: rows[j] points at KV head kv_begin of key t0 + j (heads D apart).
+// Pool rows of one key tile: rows[j] points at KV head kv_begin of key t0 + j (heads `pitch`
+// elements apart: head_dim, or a per-token-head row's bytes).
 template <typename T>
 inline void tile_rows(const T* pool, int64_t stride_b, int64_t stride_o, int64_t kv_begin,
                       const int32_t* table, int64_t block_size, int64_t num_blocks, int64_t t0,
-                      int64_t count, int64_t D, const T* zero, const T** rows) {
+                      int64_t count, int64_t pitch, const T* zero, const T** rows) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t t = t0 + j;
     const int64_t block = table[t / block_size];
     // An invalid table entry reads zeros: memory-safe (the optional value checks report it).
     rows[j] = block < 0 || block >= num_blocks
                   ? zero
-                  : pool + block * stride_b + (t % block_size) * stride_o + kv_begin * D;
+                  : pool + block * stride_b + (t % block_size) * stride_o + kv_begin * pitch;
   }
 }
 
 template <typename T>
 inline void prefetch_tile(const T* pool, int64_t stride_b, int64_t stride_o,
                           int64_t kv_begin, int64_t nh, const int32_t* table, int64_t block_size,
-                          int64_t num_blocks, int64_t t0, int64_t count, int64_t D) {
-  const int64_t bytes = nh * D * static_cast<int64_t>(sizeof(*pool));
+                          int64_t num_blocks, int64_t t0, int64_t count, int64_t pitch) {
+  const int64_t bytes = nh * pitch * static_cast<int64_t>(sizeof(*pool));
   for (int64_t j = 0; j < count; ++j) {
     const int64_t t = t0 + j;
     const int64_t block = table[t / block_size];
     if (block < 0 || block >= num_blocks) continue;
     const char* src = reinterpret_cast<const char*>(
-        pool + block * stride_b + (t % block_size) * stride_o + kv_begin * D);
+        pool + block * stride_b + (t % block_size) * stride_o + kv_begin * pitch);
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + b);
   }
 }
@@ -162,10 +164,11 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
   using T = typename Elem<E>::T;
   using KV = KvElem<E, F>;
   using KT = typename KV::T;
-  constexpr bool fp8 = F != KvFormat::same;
+  constexpr bool fp8 = F != KvFormat::same && !KV::per_row;  // per-tensor k_scale / v_scale
   // fp8 pools hold unscaled values: k_scale joins the query scale, v_scale the probabilities.
   const float q_scale = fp8 ? a.scale * a.k_scale : a.scale;
   const int64_t D = a.head_dim;
+  const int64_t pitch = a.kv_row;  // pool elements from one KV head's row to the next
   const int64_t G = a.num_q_heads / a.num_kv_heads;
   const int64_t nq = w.q_end - w.q_begin;
   const int64_t nh = w.kv_end - w.kv_begin;
@@ -217,15 +220,15 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
   for (int64_t t0 = k_lo; t0 < k_hi; t0 += TK) {
     const int64_t count = min64(TK, k_hi - t0);
     tile_rows<KT>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
-                 t0, count, D, zero, krows);
+                 t0, count, pitch, zero, krows);
     tile_rows<KT>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, table, a.block_size, a.num_blocks,
-                 t0, count, D, zero, vrows);
+                 t0, count, pitch, zero, vrows);
     // Keys stream from memory: request this tile's values and the next tile's keys now.
     prefetch_tile<KT>(vc, a.vc_stride_b, a.vc_stride_o, w.kv_begin, nh, table, a.block_size,
-                     a.num_blocks, t0, count, D);
+                     a.num_blocks, t0, count, pitch);
     if (t0 + TK < k_hi) {
       prefetch_tile<KT>(kc, a.kc_stride_b, a.kc_stride_o, w.kv_begin, nh, table, a.block_size,
-                       a.num_blocks, t0 + TK, min64(TK, k_hi - t0 - TK), D);
+                       a.num_blocks, t0 + TK, min64(TK, k_hi - t0 - TK), pitch);
     }
 
     // Token by token: scores, online softmax, then P.V for that token's rows (rows of different
@@ -236,7 +239,7 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
       if (j0 >= j1) continue;
       for (int64_t hk = 0; hk < nh; ++hk) {
         const int64_t r0 = (i * nh + hk) * G;
-        qk_group<KV>(sc.q + r0 * D, G, krows, hk * D, D, sc.p + r0 * TK, j0, j1);
+        qk_group<KV>(sc.q + r0 * D, G, krows, hk * pitch, D, sc.p + r0 * TK, j0, j1);
       }
       for (int64_t r = i * rows_per_token; r < (i + 1) * rows_per_token; ++r) {
         float* pr = sc.p + r * TK;
@@ -269,10 +272,14 @@ void run_item(const AttentionArgs& a, const WorkItem& w, const Scratch& sc, floa
         if (fp8 && a.v_scale != 1.0f) {  // after the sum: only the values are scaled
           for (int64_t jj = j0; jj < j1; ++jj) pr[jj] *= a.v_scale;
         }
+        if constexpr (KV::per_row) {  // each value row by its own scale
+          const int64_t voff = (r - i * rows_per_token) / G * pitch;
+          for (int64_t jj = j0; jj < j1; ++jj) pr[jj] *= KV::row_scale(vrows[jj] + voff, D);
+        }
       }
       for (int64_t hk = 0; hk < nh; ++hk) {
         const int64_t r0 = (i * nh + hk) * G;
-        pv_group<KV>(sc.o + r0 * D, G, sc.p + r0 * TK, vrows, hk * D, D, j0, j1);
+        pv_group<KV>(sc.o + r0 * D, G, sc.p + r0 * TK, vrows, hk * pitch, D, j0, j1);
       }
     }
   }
@@ -339,6 +346,10 @@ void VM_CAT(run_item_, VM_ISA)(const AttentionArgs& a, const WorkItem& w, const 
       return run_item_as<KvFormat::fp8_e4m3>(a, w, sc, partial_o, partial_ml);
     case KvFormat::fp8_e5m2:
       return run_item_as<KvFormat::fp8_e5m2>(a, w, sc, partial_o, partial_ml);
+    case KvFormat::int8_per_token_head:
+      return run_item_as<KvFormat::int8_per_token_head>(a, w, sc, partial_o, partial_ml);
+    case KvFormat::fp8_per_token_head:
+      return run_item_as<KvFormat::fp8_per_token_head>(a, w, sc, partial_o, partial_ml);
   }
 }
 

@@ -65,6 +65,7 @@ metal_args::PagedAttentionParams paged_attention_metal_args(const PagedAttention
       .kv_format = static_cast<int>(op.kv_format),
       .k_scale = op.k_scale,
       .v_scale = op.v_scale,
+      .head_dim = query.shape(2),
   };
 }
 

@@ -40,10 +40,11 @@ struct PagedAttentionParams {
   int num_work;            // entries of the work list bound at PA_BUF_WORK
   int partition_size;      // split-KV partition in tokens; 0 = one pass writing `out` directly
   int scratch_heads;       // rows per partition in the partial buffers (see README)
-  int kv_format;           // VM_KV_FORMAT_SAME, or the fp8 format id of uint8 pools (_fp8 kernels)
+  int kv_format;           // VM_KV_FORMAT_SAME, or the fp8 / per-token-head format id of uint8
+                           // pools (_fp8 kernels)
   float k_scale;           // fp8 pools: a key reads as value(byte) * k_scale, rounded to the dtype
   float v_scale;           // and a value as value(byte) * v_scale
-  int pad0;
+  int head_dim;            // per-token-head pools: a row's scale follows its head_dim bytes
 };
 
 VM_KERNEL_ARGS_END

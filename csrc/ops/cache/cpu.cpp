@@ -3,8 +3,10 @@
 #include "ops/cache/cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "common/per_token_head.h"
 #include "common/thread_pool.h"
 
 namespace vllm_metal::cpu {
@@ -24,6 +26,23 @@ void quantize_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t
   }
 }
 
+// One row of `n` elements of type E (stride src_d) stored as a per-token-head row: n element bytes
+// and then the row's float32 scale (common/per_token_head.h), each byte dst_d apart.
+template <typename E>
+void quantize_pth_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t dst_d,
+                      int64_t n, int format) {
+  float absmax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) absmax = std::max(absmax, std::fabs(E::load(src[d * src_d])));
+  const float scale = vm_pth_scale_of(absmax, format);
+  const float inv = vm_pth_inverse(scale);
+  for (int64_t d = 0; d < n; ++d) {
+    dst[d * dst_d] = static_cast<uint8_t>(vm_pth_store(E::load(src[d * src_d]), inv, format));
+  }
+  for (int i = 0; i < VM_PTH_SCALE_BYTES; ++i) {
+    dst[(n + i) * dst_d] = static_cast<uint8_t>(vm_pth_scale_byte(scale, i));
+  }
+}
+
 void quantize_rows(const CacheWriteArgs& w, int64_t t_begin, int64_t t_end) {
   dispatch_elem(w.src_type, [&](auto elem) {
     using E = decltype(elem);
@@ -36,8 +55,13 @@ void quantize_rows(const CacheWriteArgs& w, int64_t t_begin, int64_t t_end) {
         const T* src = reinterpret_cast<const T*>(w.src) + t * w.src_stride_t + h * w.src_stride_h;
         uint8_t* dst = reinterpret_cast<uint8_t*>(w.dst) + block * w.dst_stride_b +
                        offset * w.dst_stride_o + h * w.dst_stride_h;
-        quantize_row<E>(src, w.src_stride_d, dst, w.dst_stride_d, w.head_dim,
-                        static_cast<int>(w.kv_format), w.scale);
+        if (per_token_head(w.kv_format)) {
+          quantize_pth_row<E>(src, w.src_stride_d, dst, w.dst_stride_d, w.head_dim,
+                              static_cast<int>(w.kv_format));
+        } else {
+          quantize_row<E>(src, w.src_stride_d, dst, w.dst_stride_d, w.head_dim,
+                          static_cast<int>(w.kv_format), w.scale);
+        }
       }
     }
   });

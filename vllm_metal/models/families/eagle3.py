@@ -25,6 +25,7 @@ from mlx import nn
 from mlx_lm.models import llama, qwen3
 
 from vllm_metal.compat.mlx_lm_attention import route_module_sdpa
+from vllm_metal.models.layers import FULL_ATTENTION, kinds_from_config
 
 # vLLM's EAGLE-3 architecture names (after its `EAGLEConfig` rewrite) -> whether the head's
 # attention norms q and k per head (the Qwen3 form).
@@ -35,7 +36,7 @@ ARCHITECTURES = {
 }
 # Targets whose decoder is embeddings -> layers -> final norm, so the runner keeps their aux
 # states (`ModelAdapter.forward_with_aux`).
-TARGET_TYPES = ("llama", "qwen3")
+TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -90,9 +91,14 @@ def missing(architecture: str, draft: dict[str, Any], target: dict[str, Any]) ->
             f"the target's aux hidden states are kept for {', '.join(TARGET_TYPES)} targets, "
             f"not {target.get('model_type')!r}"
         )
+    layers = int(target["num_hidden_layers"])
+    if FULL_ATTENTION not in kinds_from_config(target, layers):
+        return (
+            "the target has no full-attention layer (every layer attends over a sliding window), "
+            "and the head's layers share the target's full-attention KV-cache group"
+        )
     if (draft.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         return "heads without aux hidden states (use_aux_hidden_state false) are not built"
-    layers = int(target["num_hidden_layers"])
     ids = aux_layer_ids(draft, layers)
     if any(not 0 <= i <= layers for i in ids):
         return f"aux layer ids {list(ids)} are outside the target's 0..{layers}"

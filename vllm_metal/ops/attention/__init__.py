@@ -69,8 +69,9 @@ def paged_attention(
     (`ops.per_token_head`): the pools hold rows with their own scales, ``uint8 [num_blocks,
     block_size, Hkv, row_bytes]``; a key or value reads as its row's dequantized value, rounded
     to the query's dtype (int4: the query is rotated as the rows were, attends with ``scale /
-    b``, and the output is rotated back, `ops.per_token_head`). MLX's own ops read these pools
-    on every device (the native ops take no such pools).
+    b``, and the output is rotated back, `ops.per_token_head`). The native op (C++ CPU body,
+    every Metal kernel family) reads int8 and fp8 rows as it attends, multiplying each key's
+    score and each value's weight by its row's scale; int4 runs MLX's ops on every device.
 
     ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
     ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host
@@ -86,7 +87,9 @@ def paged_attention(
         check_paged_attention_values(*arrays)
     per_row = per_token_head.kv_quant(kv_cache_dtype)
     if per_row is not None:
-        quant, impl = per_row, batched
+        quant = per_row
+        impl = _backend.native_for(query.shape[2]) if per_row.native else None
+        impl = impl or batched
         if per_row.rotated:
             dtype = query.dtype
             query = per_token_head.rotate(query).astype(dtype)

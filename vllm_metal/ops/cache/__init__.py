@@ -40,6 +40,11 @@ def reshape_and_cache(
     ``uint8`` and hold ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (rows of any float
     dtype); ``"auto"``: the pools hold the rows as they are. The native op (C++ CPU body, Metal
     kernel) quantizes as it writes.
+
+    ``"int8_per_token_head"`` / ``"fp8_per_token_head"`` / ``"int4_per_token_head"``
+    (`ops.per_token_head`): the pools are ``uint8 [num_blocks, block_size, Hkv, row_bytes]`` and
+    each row is stored with its own scale, by vLLM's rules. The native op writes int8 and fp8
+    rows; int4 runs MLX's ops.
     """
     arrays = (key, value, key_cache, value_cache, slot_mapping)
     options = (kv_cache_dtype, k_scale, v_scale)
@@ -47,10 +52,12 @@ def reshape_and_cache(
     if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
     per_row = per_token_head.kv_quant(kv_cache_dtype)
+    native = _backend.native_for(key.shape[2])
     if per_row is not None:
+        if native is not None and per_row.native:
+            return native.reshape_and_cache(*arrays, quant=per_row)
         key, value = per_row.quantize(key), per_row.quantize(value)
         return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
-    native = _backend.native_for(key.shape[2])
     quant = fp8.kv_quant(*options)
     if native is not None:
         return native.reshape_and_cache(*arrays, quant=quant)

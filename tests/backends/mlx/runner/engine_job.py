@@ -111,6 +111,29 @@ def _corrupt_files(pattern: str) -> dict:
     return {"corrupted": len(paths)}
 
 
+def _record_drafts(llm) -> list:
+    """Record every draft list the in-process engine's drafter proposes from now on, as
+    [tokens it follows, drafts] (cut at the row's cap, as the runner cuts them): the drafter's
+    own `propose` still runs, wrapped."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    drafter = runner.output.spec.drafter
+    propose = drafter.propose
+    recorded: list = []
+
+    def recording(step, states, sampled, caps):
+        drafts = propose(step, states, sampled, caps)
+        batch = states.input_batch
+        for i, row in enumerate(drafts):
+            row = list(row[: int(caps[i])])
+            if row:
+                known = int(batch.num_tokens_no_spec[i])
+                recorded.append([batch.token_ids_cpu[i, :known].tolist(), row])
+        return drafts
+
+    drafter.propose = recording
+    return recorded
+
+
 def _prompt(p):
     """Text, token ids, {"prompt": text, "images": [[seed, width, height], ...]}: images of
     `tests.fixtures.tiny_idefics3.tiny_image` for the prompt's `<image>` markers, or
@@ -147,7 +170,16 @@ def run(spec: dict) -> dict:
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     stats_on = not spec.get("engine", {}).get("disable_log_stats", True)
     results, snapshots = [], []  # snapshots: the engine's counters after each job
+    drafts: list | None = None
     for job in spec["jobs"]:
+        if job.get("action") == "record_drafts":  # from here on
+            drafts = _record_drafts(llm)
+            results.append(True)
+            continue
+        if job.get("action") == "recorded_drafts":  # those since the last such action
+            results.append(list(drafts))
+            drafts.clear()
+            continue
         if job.get("action") == "corrupt_files":
             results.append(_corrupt_files(job["glob"]))
             continue

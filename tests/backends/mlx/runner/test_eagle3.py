@@ -15,10 +15,16 @@ with vLLM's); and a random head with a draft vocabulary over an ordinary target.
 random heads run with async scheduling on (vLLM's default; there the runner does not cap drafts at
 the remaining max_tokens, so vLLM's CPU backend drafts alike), the self-drafting one with it off
 (and on in the CI case). With the back-off on (the default), the leaky head's seeded batch is still
-the same twice and without speculation.
+the same twice and without speculation, and the random head's paused requests leave their head
+passes for later (`spec_decode/head.py`): every draft they make after a pause, and after a
+prefix hit on blocks they completed while paused, is the draft the head gives at the same tokens
+when every step drafts.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
@@ -102,6 +108,79 @@ def test_self_drafting_head_is_accepted_and_exact(eagle3_dirs):
     proposed = counters["vllm:spec_decode_num_draft_tokens"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]
     assert proposed > 0 and accepted >= 0.9 * proposed, counters
+
+
+def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
+    """The CI case of the head's deferred passes. The random head's drafts are rejected, so
+    with the back-off on its requests pause for 4, 8, 16 steps; its attention reads its K/V at
+    every earlier position, so a draft equals the every-step engine's at the same tokens only
+    if the head caught up over the positions it left (and, after the prefix hits, ran over the
+    blocks completed while paused)."""
+    target, head = eagle3_dirs["random"]
+    first = {"prompts": PROMPTS, "params": [greedy(48)]}
+    (expected,) = run_engine_job(target, [first], engine=ENGINE)
+    resend = [p + o[:40] + [30, 31, 32] for p, o in zip(PROMPTS, tokens(expected))]
+    jobs = [
+        {"action": "record_drafts"},
+        first,
+        {"prompts": resend, "params": [greedy(16)]},
+        {"action": "recorded_drafts"},
+    ]
+    engine = {**ENGINE, "speculative_config": spec(head)}
+    runs = {
+        backoff: run_engine_job(
+            target,
+            jobs,
+            engine=engine,
+            env={"VLLM_METAL_SPEC_BACKOFF": b, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        )
+        for backoff, b in (("off", "0"), ("on", "1"))
+    }
+    every = {tuple(c): d for c, d in runs["off"][3]}
+    for _, batch, resent, _ in runs.values():
+        assert tokens(batch) == tokens(expected)
+        assert all(r["num_cached_tokens"] >= BS for r in resent), resent
+    paused = runs["on"][3]
+    contexts = {tuple(c) for c, _ in paused}
+    prompts = {len(p) for p in PROMPTS + resend}
+    after_a_pause = 0
+    for context, drafts in paused:
+        assert drafts == every[tuple(context)][: len(drafts)], context
+        if tuple(context[:-1]) not in contexts and len(context) - 1 not in prompts:
+            after_a_pause += 1
+    assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3_moe", "gpt_oss"])
+def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_path, arch):
+    """The other target families vLLM defines EAGLE-3 for (`eagle3.TARGET_TYPES`), each with a
+    random head drafting on every step: greedy tokens equal an engine's without speculation
+    (GPT-OSS: windowed and full layers, sinks; the tiny Mistral without its window, since a
+    target with no full-attention layer is refused)."""
+    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+    from tests.models.test_eagle3 import _target
+
+    target = _target(tiny_model_dir, arch, tmp_path)
+    if arch == "mistral":
+        config = json.loads((target / "config.json").read_text())
+        config["sliding_window"] = None
+        target = tmp_path / "mistral-full"
+        shutil.copytree(_target(tiny_model_dir, arch, tmp_path), target)
+        (target / "config.json").write_text(json.dumps(config))
+    head = write_eagle3_head(target, tmp_path / "head")
+    jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
+    (plain,) = run_engine_job(target, jobs, engine=ENGINE)
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert tokens(drafted) == tokens(plain)
+    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
 
 
 @pytest.fixture

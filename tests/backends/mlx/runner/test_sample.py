@@ -1,6 +1,6 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
-to vLLM's host `Sampler` on the same logits and without copying them; anything that moves the
-argmax (a logit bias, min tokens, a seeded random row) keeps the host sampler. Presence,
+to vLLM's host `Sampler` on the same logits and without copying them (the other rules over the
+logits: `test_sample_rules.py`); a seeded random row is drawn apart on the host. Presence,
 frequency and repetition penalties are applied on the device as vLLM applies them. Unseeded
 random rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
 distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
@@ -21,10 +21,10 @@ from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
 from vllm_metal.backends.mlx.runner.device_sampling import (
     DeviceSampler,
-    penalized,
     raw_logprobs,
     sample_rows,
 )
+from vllm_metal.backends.mlx.runner.logits_rules import penalized
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -84,26 +84,6 @@ def test_greedy_rows_sample_on_the_device_like_the_host_sampler(vllm_config, mon
     assert not copied and host_copied
     assert device == host
     assert device["b"] == [] and len(device["a"]) == len(device["c"]) == 1
-
-
-@pytest.mark.parametrize(
-    "odd",
-    [
-        SamplingParams(temperature=0.0, logit_bias={5: 50.0}),
-        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7]),
-        SamplingParams(temperature=0.0, logprobs=-1),
-        SamplingParams(temperature=1.0, seed=3),
-    ],
-    ids=["logit_bias", "min_tokens", "every_logprob", "seeded"],
-)
-def test_rows_that_move_the_argmax_keep_the_host_sampler(vllm_config, monkeypatch, odd):
-    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0), "c": odd}
-    device, copied = _run(vllm_config, params, True, monkeypatch)
-    host, _ = _run(vllm_config, params, False, monkeypatch)
-    assert copied, "the host sampler must run"
-    assert device == host
-    if odd.logit_bias:
-        assert device["c"] == [5]
 
 
 def _bitmask(vocab: int, allowed: list[list[int]]) -> np.ndarray:

@@ -1,32 +1,35 @@
 """Tokens sampled on the device, queued with the step's logits so the logits never reach the host.
 
-Presence, frequency and repetition penalties are applied first, on the device, as vLLM's
-`apply_all_penalties` does (`penalized`). A step whose rows all sample greedily takes each row's
-argmax. A step whose rows sample with
-nothing but a temperature, min-p, top-k and top-p (unseeded; greedy rows may sit beside them)
-takes a sample drawn on the device with vLLM's `Sampler` semantics: the logits divided by the
-row's temperature; min-p drops each token whose probability (at that temperature) is below
-min-p times the row's largest; top-k keeps the k largest; top-p keeps, in descending order, each token whose
-preceding mass (after top-k) is below p, so the smallest set holding at least p survives, as
-vLLM's `apply_top_k_top_p` does; then one draw from the softmax of what is kept (Gumbel-max).
-Greedy rows (temperature below vLLM's epsilon) keep their argmax. Logprobs in vLLM's default
-`raw_logprobs` mode, up to `MAX_DEVICE_LOGPROBS` per row, are computed with the tokens
-(`raw_logprobs`). Whether the step may use these tokens is decided when it is sampled
-(`sample.tokens_on_device`): a grammar's bitmask is applied on the device and the tokens drawn
-again (`grammar_masked`); anything else that reads the logits sends the step to vLLM's
-`Sampler` on the host instead. Seeded rows are drawn on the host, where their randomness is keyed
-by position (`seeded.py`): their logits rows alone are copied.
+Each request's rules over its logits (allowed token ids, bad words, min tokens, a logit bias,
+presence, frequency and repetition penalties) are applied first, on the device, in the order of
+vLLM's `Sampler` (`logits_rules.py`). A step whose rows all sample greedily takes each row's
+argmax. A step whose rows sample with nothing else but a temperature, min-p, top-k and top-p
+(greedy rows may sit beside them) takes a sample drawn on the device with vLLM's `Sampler`
+semantics: the logits divided by the row's temperature; min-p drops each token whose
+probability (at that temperature) is below min-p times the row's largest; top-k keeps the k
+largest; top-p keeps, in descending order, each token whose preceding mass (after top-k) is
+below p, so the smallest set holding at least p survives, as vLLM's `apply_top_k_top_p` does;
+then one draw from the softmax of what is kept (Gumbel-max). Greedy rows (temperature below
+vLLM's epsilon) keep their argmax. Logprobs in vLLM's `raw_logprobs` and `raw_logits` modes
+(top-k, or of named tokens) are computed with the tokens (`raw_logprobs`).
+
+Whether the step may use these tokens is decided when it is sampled (`sample.host_route`): a
+grammar's bitmask is applied on the device and the tokens drawn again (`grammar_masked`);
+seeded rows are drawn on the host, where their randomness is keyed by position (`seeded.py`):
+their logits rows alone are copied; a step with what the device does not apply (a custom
+logits processor, a thinking budget, logprobs of processed logits) goes to vLLM's `Sampler`.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -50,38 +53,60 @@ def min_p_of(metadata: SamplingMetadata, n: int) -> np.ndarray | None:
     return None
 
 
-# The most top logprobs per row drawn on the device (OpenAI's `top_logprobs` limit); a request
-# for more, or for every token's (`logprobs=-1`), sends the step's logits to the host.
-MAX_DEVICE_LOGPROBS = 20
+# The logprobs modes the device computes: those of the raw logits (before any rule, penalty or
+# temperature), vLLM's default; the processed modes go to the host.
+RAW_MODES = ("raw_logprobs", "raw_logits")
 
 
 def raw_logprobs(
     logits: mx.array, tokens: mx.array, metadata: SamplingMetadata, logprobs_mode: str
 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The step's logprobs as vLLM's `Sampler` returns them in its default `raw_logprobs` mode,
-    computed on the device: each row's log-softmax of its raw logits (before penalties and
-    temperature), then `[rows, 1 + k]` token ids (the sampled token, then the row's k most
-    likely tokens, most likely first), their logprobs, and `[rows]` ranks of the sampled tokens
-    (how many logprobs are at least the sampled one's), k being the batch's largest request.
-    None when the step asks for no logprobs, or for what the host gives instead (another mode,
-    more than `MAX_DEVICE_LOGPROBS`, logprobs of named tokens)."""
-    k = metadata.max_num_logprobs
-    if k is None or not 0 <= k <= MAX_DEVICE_LOGPROBS or metadata.logprob_token_ids:
+    """The step's logprobs as vLLM's `Sampler` returns them in a raw mode, computed on the
+    device from the raw logits (each row's log-softmax, or the logits themselves in
+    `raw_logits` mode): `[rows, 1 + k]` token ids (the sampled token, then the row's k most
+    likely tokens, most likely first), their values, and `[rows]` ranks of the sampled tokens
+    (how many values are at least the sampled one's), k being the batch's largest request
+    (the vocabulary size for `logprobs=-1`). Where a row names tokens (`logprob_token_ids`),
+    every row's ids are instead the sampled token then the tokens it names (padding: token 0 at
+    -inf), as vLLM prefers them. None when the step asks for no logprobs, or for a processed
+    mode (the host gives those)."""
+    k, named = metadata.max_num_logprobs, metadata.logprob_token_ids
+    if (k is None and not named) or logprobs_mode not in RAW_MODES:
         return None
-    if logprobs_mode != "raw_logprobs":
-        return None
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    values = logits
+    if logprobs_mode == "raw_logprobs":
+        values = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     sampled = tokens.astype(mx.int32)[:, None]
-    chosen = mx.take_along_axis(logprobs, sampled, axis=-1)
-    ranks = mx.sum(logprobs >= chosen, axis=-1)
-    ids, values = [sampled], [chosen]
+    chosen = mx.take_along_axis(values, sampled, axis=-1)
+    ranks = mx.sum(values >= chosen, axis=-1)
+    if named:
+        ids, valid = _named(named, logits.shape[0])
+        ids = mx.concatenate([sampled, mx.array(ids)], axis=-1)
+        named_values = mx.take_along_axis(values, ids, axis=-1)
+        return ids, mx.where(mx.array(valid), named_values, -mx.inf), ranks
+    ids, picked = [sampled], [chosen]
+    k = min(k, values.shape[-1])
     if k > 0:
-        top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-        top_values = mx.take_along_axis(logprobs, top, axis=-1)
+        top = mx.argpartition(-values, kth=k - 1, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(values, top, axis=-1)
         order = mx.argsort(-top_values, axis=-1)
         ids.append(mx.take_along_axis(top, order, axis=-1).astype(mx.int32))
-        values.append(mx.take_along_axis(top_values, order, axis=-1))
-    return mx.concatenate(ids, axis=-1), mx.concatenate(values, axis=-1), ranks
+        picked.append(mx.take_along_axis(top_values, order, axis=-1))
+    return mx.concatenate(ids, axis=-1), mx.concatenate(picked, axis=-1), ranks
+
+
+def _named(named: dict[int, list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`[rows, m]` int32 ids each row names (m the longest list; 0 past a row's own) and
+    `[rows, 1 + m]` bool: which of the sampled token and those ids count."""
+    width = max(len(t) for t in named.values())
+    ids = np.zeros((rows, width), np.int32)
+    valid = np.zeros((rows, 1 + width), bool)
+    valid[:, 0] = True
+    for row, tokens in named.items():
+        if row < rows:
+            ids[row, : len(tokens)] = tokens
+            valid[row, 1 : 1 + len(tokens)] = True
+    return ids, valid
 
 
 def grammar_masked(logits: mx.array, rows: np.ndarray, bitmask: np.ndarray) -> mx.array:
@@ -110,13 +135,13 @@ class DeviceSampler:
 
     def tokens(self, logits: mx.array, batch: InputBatch) -> mx.array | None:
         """`[rows]` int tokens for `logits` (`[rows, V]` float32, one row per request of
-        `batch`): every row's argmax when all are greedy, a sample of the random rows beside
+        `batch`) after the rows' rules (`logits_rules.apply_rules`): every row's argmax when all
+        are greedy, a sample of the random rows beside
         the greedy rows' argmax where `samples_random_rows` allows; else None."""
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
-        if not metadata.no_penalties:
-            logits = penalized(logits, metadata)
+        logits = apply_rules(logits, metadata)
         if metadata.all_greedy:
             return mx.argmax(logits, axis=-1)
         if not samples_random_rows(metadata):
@@ -130,45 +155,6 @@ class DeviceSampler:
         if not greedy_rows.any():
             return drawn
         return mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
-
-
-def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
-    """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
-    (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
-    the repetition penalty where positive, multiplied where not; then each output occurrence
-    takes off the frequency penalty and any occurrence the presence penalty. The counts are
-    scattered on the device from the host's token lists; ids outside the vocabulary (placeholders,
-    padding) count for nothing."""
-    rows, vocab = logits.shape
-    outputs = metadata.output_token_ids[:rows]
-    lengths = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=rows)
-    counts = _bin_counts(
-        np.repeat(np.arange(rows), lengths),
-        np.fromiter(itertools.chain.from_iterable(outputs), np.int64, int(lengths.sum())),
-        rows,
-        vocab,
-    )
-    prompt = metadata.prompt_token_ids[:rows].numpy()  # [rows, longest prompt], padded with V
-    in_prompt = _bin_counts(
-        np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
-    )
-    seen = (counts > 0) | (in_prompt > 0)
-    repetition = mx.array(metadata.repetition_penalties[:rows].numpy())[:, None]
-    penalty = mx.where(seen, repetition, 1.0)
-    logits = logits * mx.where(logits > 0, 1.0 / penalty, penalty)
-    frequency = mx.array(metadata.frequency_penalties[:rows].numpy())[:, None]
-    presence = mx.array(metadata.presence_penalties[:rows].numpy())[:, None]
-    return logits - frequency * counts - presence * (counts > 0)
-
-
-def _bin_counts(row: np.ndarray, ids: np.ndarray, rows: int, vocab: int) -> mx.array:
-    """`[rows, V]` float32: how often each token id occurs in each row (`ids[i]` in `row[i]`)."""
-    keep = (ids >= 0) & (ids < vocab)
-    flat = (row[keep] * vocab + ids[keep]).astype(np.int64)
-    counts = mx.zeros((rows * vocab,), dtype=mx.float32)
-    if flat.size:
-        counts = counts.at[mx.array(flat)].add(1.0)
-    return counts.reshape(rows, vocab)
 
 
 def sample_rows(

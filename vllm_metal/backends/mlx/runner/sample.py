@@ -1,9 +1,9 @@
 """Sampling, the output stage of generating models (`output.py`): a step's logits are queued on
-the device and sampled with vLLM's own `Sampler` (grammar bitmask included), or its
-`RejectionSampler` on a step that verifies drafts (`spec_decode/verify.py`); a step whose rows
-read nothing but their logits, temperature, top-k and top-p (greedy, or unseeded) takes the
-tokens (and raw logprobs) drawn on the device instead, and its logits never reach the host
-(`tokens_on_device`, `device_sampling.py`); token write-back into the request state, and the step's
+the device with the tokens (and raw logprobs) drawn there (`device_sampling.py`, after each
+request's rules, `logits_rules.py`), and the step takes those tokens unless something the device
+does not do sends it, or some of its rows, to vLLM's own samplers on the host (`host_route`):
+its `Sampler` (grammar bitmask included), or its `RejectionSampler` on a step that verifies
+drafts (`spec_decode/verify.py`). Token write-back into the request state, and the step's
 `ModelRunnerOutput`."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     grammar_masked,
     raw_logprobs,
 )
+from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -118,16 +119,17 @@ class Sampling:
 
     def _carries(self, step: StepState) -> bool:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
-        its output is the tokens drawn on the device, and nothing before the next forward reads
-        them on the host (no drafter proposes from them, no penalty counts them; a pipeline
-        stage before the last takes its tokens from the scheduler)."""
+        its output is the tokens drawn on the device as they are (no row drawn on the host, no
+        grammar to draw them again), and nothing before the next forward reads them on the
+        host (no drafter proposes from them; no penalty, bad word or minimum length counts a
+        row's outputs; a pipeline stage before the last takes its tokens from the scheduler)."""
         metadata = self.states.input_batch.sampling_metadata
         return (
             self.spec is None
             and not self.states.tokens_from_scheduler
-            and not self.states.num_prompt_logprobs
-            and metadata.no_penalties
-            and tokens_on_device(step, metadata)
+            and step.grammar_output is None
+            and not reads_outputs(metadata)
+            and host_route(step, self.states) == (None, [])
         )
 
     def sample_tokens(
@@ -161,21 +163,23 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
     device: DeviceSampler | None = None,
 ) -> ModelRunnerOutput:
-    """The step's output: its tokens drawn on the device where they may be (`device` draws a
-    grammar step's tokens again over the masked logits), else by vLLM's samplers on the host."""
+    """The step's output: its tokens drawn on the device, but for the rows `host_route` sends
+    to the host (a grammar step's tokens drawn again over the masked logits, by `device`), or
+    every row drawn by vLLM's samplers on the host when it sends the whole step."""
     batch = states.input_batch
-    if step.carried or (
-        not states.num_prompt_logprobs and tokens_on_device(step, batch.sampling_metadata)
-    ):
+    if step.carried:
         return _device_output(step, states)
-    if device is not None and _grammar_on_device(step, states, device):
-        return _device_output(step, states)
-    seeded_rows = _seeded_apart(step, states)
-    if seeded_rows is not None:
-        drawn = seeded.sample_apart(
-            sampler, to_torch(step.logits[mx.array(seeded_rows)]), seeded_rows, states
-        )
-        return _device_output(step, states, dict(zip(seeded_rows, drawn)))
+    why, host_rows = host_route(step, states, device)
+    if why is None:
+        if step.grammar_output is not None:
+            assert device is not None
+            _redraw_grammar_rows(step, states, device, logprobs_mode)
+        drawn = {}
+        if host_rows:
+            rows = mx.array(host_rows)
+            logits = to_torch(apply_rules(step.logits, batch.sampling_metadata)[rows])
+            drawn = dict(zip(host_rows, seeded.sample_apart(sampler, logits, host_rows, states)))
+        return _device_output(step, states, drawn)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -194,6 +198,79 @@ def sample_step(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode
     )
     return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
+
+
+def host_route(
+    step: StepState, states: RequestStates, device: DeviceSampler | None = None
+) -> tuple[str | None, list[int]]:
+    """Why the step's logits go to vLLM's samplers on the host (None: its tokens are those
+    drawn on the device), and the rows drawn apart on the host from their own logits rows
+    while the others keep the device's tokens. A step goes to the host as a whole where what
+    it needs acts on the whole batch: vLLM's custom logits processors and its thinking-budget
+    state take every row's logits at once, indexed by batch row, with no way to hand them a
+    subset; drafts are verified over the whole step; prompt logprobs read the prompt's logits."""
+    metadata = states.input_batch.sampling_metadata
+    if step.packed.num_draft_tokens.any():
+        return "drafts to verify", []
+    if step.prompt_logits or states.num_prompt_logprobs:
+        return "prompt logprobs", []
+    if step.device_tokens is None:
+        return "the device drew no tokens (a custom processor acts on random rows)", []
+    if step.grammar_output is not None and device is None:
+        return "a grammar, with no device sampler to draw its rows again", []
+    wants_logprobs = metadata.max_num_logprobs is not None or bool(metadata.logprob_token_ids)
+    if wants_logprobs and step.device_logprobs is None:
+        return "logprobs of the processed logits", []
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return "a thinking budget", []
+    if any(not _built_in(p) for p in metadata.logitsprocs.non_argmax_invariant):
+        return "a custom logits processor that may move the argmax", []
+    if not metadata.generators:
+        return None, []
+    rows = seeded.host_rows(states)
+    if rows is None:
+        return "a seeded row asking for logprobs, a grammar or a thinking budget", []
+    if step.grammar_output is not None or step.device_logprobs is not None:
+        return "a seeded row beside a grammar or logprobs", []
+    return None, rows
+
+
+def _built_in(processor) -> bool:
+    """Whether the device applies `processor` (`logits_rules.apply_rules`)."""
+    return isinstance(processor, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
+
+
+def reads_outputs(metadata) -> bool:
+    """Whether some row's rules count its outputs so far (penalties, bad words, min tokens)."""
+    min_tokens = (
+        p for p in metadata.logitsprocs.non_argmax_invariant
+        if isinstance(p, MinTokensLogitsProcessor)
+    )  # fmt: skip
+    return (
+        not metadata.no_penalties
+        or bool(metadata.bad_words_token_ids)
+        or any(p.min_toks for p in min_tokens)
+    )
+
+
+def _redraw_grammar_rows(
+    step: StepState, states: RequestStates, device: DeviceSampler, logprobs_mode: str
+) -> None:
+    """The step's device tokens (and logprobs) drawn again over its logits with the grammars'
+    bitmasks applied on the device (`device_sampling.grammar_masked`), as vLLM applies them
+    before its `Sampler`: raw logprobs are those of the masked logits."""
+    grammar = step.grammar_output
+    batch = states.input_batch
+    index = {req_id: i for i, req_id in enumerate(step.packed.req_ids)}
+    kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
+    rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
+    masked = grammar_masked(step.logits, rows, grammar.grammar_bitmask[kept])
+    tokens = device.tokens(masked, batch)
+    assert tokens is not None, "the device drew the step's tokens before its grammar"
+    step.device_tokens = tokens
+    if step.device_logprobs is not None:
+        step.device_logprobs = raw_logprobs(masked, tokens, batch.sampling_metadata, logprobs_mode)
 
 
 def _grammar_for_step_drafts(step: StepState, batch) -> tuple:
@@ -234,79 +311,6 @@ def _recorded(
         logprobs=logprobs,
         prompt_logprobs_dict=prompt_logprobs,
     )
-
-
-def tokens_on_device(
-    step: StepState, metadata, seeded_apart: bool = False, grammar_on_device: bool = False
-) -> bool:
-    """Whether the step's tokens are those drawn on the device (`step.device_tokens`: every
-    row's argmax, or unseeded samples beside greedy rows, after the penalties;
-    `DeviceSampler.tokens` draws them only for such steps) as vLLM's `Sampler` would pick them:
-    no logprobs but those drawn with them (`step.device_logprobs`), no grammar, no drafts, no
-    prompt logprobs, and nothing else applied to the logits before sampling (allowed or bad
-    words, a logit bias, min tokens, a thinking budget, custom logits processors), and no
-    seeded row (`seeded_apart`: but for its seeded rows, which `_seeded_apart` draws); a
-    grammar only where `grammar_on_device` (`_grammar_on_device` masks and draws again)."""
-    if step.device_tokens is None or step.prompt_logits:
-        return False
-    if step.grammar_output is not None and not grammar_on_device:
-        return False
-    if metadata.generators and not seeded_apart:  # seeded rows: drawn on the host
-        return False
-    if step.packed.num_draft_tokens.any():
-        return False
-    holder = getattr(metadata, "thinking_budget_state_holder", None)
-    return bool(
-        (metadata.max_num_logprobs is None or step.device_logprobs is not None)
-        and not metadata.logprob_token_ids
-        and metadata.allowed_token_ids_mask is None
-        and not metadata.bad_words_token_ids
-        and (holder is None or not holder.has_tracked_requests())
-        and not any(_moves_argmax(p) for p in metadata.logitsprocs.non_argmax_invariant)
-    )
-
-
-def _moves_argmax(processor) -> bool:
-    """vLLM's built-in logit bias and min-tokens processors act only for requests that ask for
-    them; any other processor that may move the argmax is assumed to."""
-    if isinstance(processor, LogitBiasLogitsProcessor):
-        return bool(processor.biases)
-    if isinstance(processor, MinTokensLogitsProcessor):
-        return bool(processor.min_toks)
-    return True
-
-
-def _grammar_on_device(step: StepState, states: RequestStates, device: DeviceSampler) -> bool:
-    """Whether the step's grammars were applied on the device and its tokens drawn again over
-    the masked logits (`device_sampling.grammar_masked`; `step.device_tokens` replaced): a
-    step without drafts, logprobs or seeded rows, whose tokens are otherwise the device's."""
-    grammar = step.grammar_output
-    metadata = states.input_batch.sampling_metadata
-    if grammar is None or step.device_logprobs is not None or states.num_prompt_logprobs:
-        return False
-    if not tokens_on_device(step, metadata, grammar_on_device=True):
-        return False
-    index = {req_id: i for i, req_id in enumerate(step.packed.req_ids)}
-    kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
-    rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
-    masked = grammar_masked(step.logits, rows, grammar.grammar_bitmask[kept])
-    tokens = device.tokens(masked, states.input_batch)
-    if tokens is None:
-        return False
-    step.device_tokens = tokens
-    return True
-
-
-def _seeded_apart(step: StepState, states: RequestStates) -> list[int] | None:
-    """The seeded rows of a step whose tokens are otherwise those drawn on the device, when
-    they can be drawn apart on the host (`seeded.host_rows`); None when the whole step goes to
-    the host."""
-    metadata = states.input_batch.sampling_metadata
-    if not metadata.generators or states.num_prompt_logprobs or step.device_logprobs is not None:
-        return None
-    if not tokens_on_device(step, metadata, seeded_apart=True):
-        return None
-    return seeded.host_rows(states)
 
 
 def _device_output(

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingParams, SamplingType
-from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -127,19 +128,31 @@ def resample_drafts(
 
 
 def host_rows(states: RequestStates) -> list[int] | None:
-    """The seeded rows of a step whose other rows take their tokens from the device, when every
-    one of them reads nothing but its logits, temperature, top-k and top-p (their tokens are
-    then drawn apart, `sample_apart`); None when some seeded row reads more."""
+    """The seeded rows of a step whose other rows take their tokens from the device, when each
+    of them can be drawn apart (`sample_apart`) from its logits row after the rules the device
+    applies (`logits_rules.apply_rules`: allowed and bad words, min tokens, a logit bias,
+    penalties): it asks for no logprobs, grammar or thinking budget. None when some seeded row
+    asks for one of those."""
     rows = sorted(states.input_batch.generators)
-    if all(drafts_by_position(_params(states, i)) for i in rows):
+    if all(_drawn_apart(_params(states, i)) for i in rows):
         return rows
     return None
 
 
+def _drawn_apart(params: SamplingParams | None) -> bool:
+    return (
+        params is not None
+        and params.sampling_type == SamplingType.RANDOM_SEED
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and getattr(params, "thinking_token_budget", None) is None
+    )
+
+
 def sample_apart(sampler: Sampler, logits: torch.Tensor, rows: list[int], states: RequestStates):
-    """The tokens of seeded batch rows `rows` from their logits alone (`[len(rows), V]`), each
-    drawn with its generator keyed to the position it samples, as the whole batch's sampler
-    would draw them (a seeded row's draw depends on nothing but its own row)."""
+    """The tokens of seeded batch rows `rows` from their logits rows (`[len(rows), V]`, after
+    their rules), each drawn with its generator keyed to the position it samples, as the whole
+    batch's sampler would draw them (a seeded row's draw depends on nothing but its own row)."""
     reseed(states)
     generators = {j: states.input_batch.generators[i] for j, i in enumerate(rows)}
     return sampler(logits, _metadata(states, rows, generators)).sampled_token_ids.view(-1).tolist()
@@ -153,15 +166,30 @@ def _metadata(
     states: RequestStates, owners: list[int], generators: dict[int, torch.Generator]
 ) -> SamplingMetadata:
     """Sampling metadata for logits rows of the given batch rows (one row per position), with
-    each row's temperature, top-k and top-p and nothing else (`drafts_by_position`)."""
+    each row's temperature, min-p, top-k and top-p and nothing else (its other rules are
+    applied to the rows before, `sample.sample_step`)."""
     batch: InputBatch = states.input_batch
     index = torch.tensor(owners, dtype=torch.long)
-    return sampling_metadata(
+    metadata = sampling_metadata(
         batch.temperature_cpu_tensor[index].float(),
         generators,
         top_k=None if batch.no_top_k else batch.top_k_cpu_tensor[index],
         top_p=None if batch.no_top_p else batch.top_p_cpu_tensor[index],
     )
+    metadata.logitsprocs = _min_p(states, owners)
+    return metadata
+
+
+def _min_p(states: RequestStates, owners: list[int]) -> LogitsProcessors:
+    """vLLM's min-p processor holding each owner's min-p for its logits row (none if no owner
+    asks for min-p)."""
+    params = [_params(states, i) for i in owners]
+    if not any(p is not None and p.min_p for p in params):
+        return LogitsProcessors()
+    processor = MinPLogitsProcessor(states.vllm_config, torch.device("cpu"), False)
+    added = [(row, p, None, []) for row, p in enumerate(params)]
+    processor.update_state(BatchUpdate(len(owners), removed=[], added=added, moved=[]))
+    return LogitsProcessors([processor])
 
 
 def sampling_metadata(

@@ -35,9 +35,9 @@ class StepState:
     packed: PackedBatch
     logits: mx.array  # [S + drafts, V] float32 at packed.logits_indices (being evaluated)
     prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
-    # [S] tokens drawn on the device with the logits (`device_sampling.py`): the step's tokens
-    # when nothing reads its logits but their argmax, temperature, top-k and top-p
-    # (`sample.tokens_on_device`), so the logits never reach the host. None: the host samples.
+    # [S] tokens drawn on the device with the logits (`device_sampling.py`, after each row's
+    # rules): the step's tokens unless `sample.host_route` sends the step, or some of its rows,
+    # to the host, so the logits never reach the host. None: the host samples.
     device_tokens: mx.array | None = None
     # (ids, logprobs, ranks) of `device_tokens` as vLLM's sampler gives them, drawn with them
     # where the step asks for logprobs the device gives (`device_sampling.raw_logprobs`).

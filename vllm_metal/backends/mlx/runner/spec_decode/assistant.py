@@ -4,7 +4,7 @@ target's K/V (`--speculative-config '{"method": "mtp", "model": ASSISTANT}'`; Ge
 
 The assistant keeps no K/V: its layers read the target's pages of the step (`StepState.kv_pool`)
 through the target's block tables. A request that drafts after a step starts from the last
-position p the target computed and kept (`mtp.new_positions`): the assistant takes the token at
+position p the target computed and kept (`head.new_positions`): the assistant takes the token at
 p + 1 (the one just sampled) with the target's hidden state at p (`StepState.hidden`) and gives
 draft 1 and a hidden state of the target's width; draft j + 1 comes from draft j and that hidden
 state, at the same position p over the same K/V (vLLM's constant draft positions). A request
@@ -22,8 +22,8 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import decode_batch
 from vllm_metal.backends.mlx.runner.forward import attention_cache, step_metadata
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter, block_tables
-from vllm_metal.backends.mlx.runner.spec_decode.mtp import new_positions
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter, HeadWeights, block_tables
+from vllm_metal.backends.mlx.runner.spec_decode.head import new_positions
 from vllm_metal.models.families import mtp_module
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.step import StepState
 
 
-class AssistantDrafter(Drafter):
+class AssistantDrafter(HeadWeights, Drafter):
     reads_hidden_states = True
     reads_target_kv = True
 
@@ -44,7 +44,6 @@ class AssistantDrafter(Drafter):
         self.model_path = draft.model
         self.revision = draft.revision
         self.download_dir = vllm_config.load_config.download_dir
-        self.assistant = None
         self.sources: list[int] = []  # the target layer each assistant layer attends over
 
     # ------------------------------------------------------------ memory
@@ -57,25 +56,9 @@ class AssistantDrafter(Drafter):
         if module is None or module.HEAD_IN_TARGET:  # the capability table refuses this
             raise ValueError(f"{adapter.model_type}: no multi-token-prediction assistant is built")
         path = resolve_model_path(self.model_path, self.revision, self.download_dir)
-        self.assistant, self.sources = module.load_assistant(
+        self.head, self.sources = module.load_assistant(
             path, adapter.config, self.target.compute_dtype
         )
-
-    @property
-    def weight_bytes(self) -> int:
-        if self.assistant is None:
-            return 0
-        from vllm_metal.models.loaders import parameter_bytes
-
-        return parameter_bytes(self.assistant)
-
-    def discard(self, tags: tuple[str, ...]) -> None:
-        if "weights" in tags:
-            self.assistant = None
-
-    def wake_up(self, tags: list[str]) -> None:
-        if "weights" in tags and self.assistant is None:
-            self.load()
 
     # ------------------------------------------------------------ drafting
 
@@ -86,7 +69,7 @@ class AssistantDrafter(Drafter):
         sampled: list[list[int]],
         caps: np.ndarray,
     ) -> list[list[int]]:
-        assert self.assistant is not None, "MTP assistant not loaded"
+        assert self.head is not None, "MTP assistant not loaded"
         assert step.hidden is not None and step.kv_pool is not None, "the step kept no K/V"
         batch = states.input_batch
         n = batch.num_reqs
@@ -122,8 +105,8 @@ class AssistantDrafter(Drafter):
                     attention_cache(step.kv_pool, i, kinds[i], meta, False) for i in self.sources
                 ]
             embeds = self.target.adapter.embed(mx.array(tokens)[:, None])
-            out, hidden = self.assistant(mx.concatenate([embeds, hidden], axis=-1), caches)
-            drafted = self.assistant.argmax(out)
+            out, hidden = self.head(mx.concatenate([embeds, hidden], axis=-1), caches)
+            drafted = self.head.argmax(out)
             mx.eval(drafted, hidden)
             tokens = np.array(drafted).astype(np.int32)
             for r, token in zip(rows, tokens.tolist()):

@@ -1,6 +1,7 @@
 """What a proposer does for the runner: drafts after each step, and, for one with a model of
 its own, its share of the weights, the KV cache and sleep mode (none by default).
-`PagedDrafter`: a proposer whose attention layers keep K/V in vLLM's KV-cache groups."""
+`HeadWeights`: sleep mode for a proposer whose weights are one module. `PagedDrafter`: a
+proposer whose attention layers keep K/V in vLLM's KV-cache groups."""
 
 from __future__ import annotations
 
@@ -69,6 +70,30 @@ class Drafter:
 
     def wake_up(self, tags: list[str]) -> None:
         return None
+
+
+class HeadWeights:
+    """Sleep mode for a drafter whose weights are one module, `head`, read by its `load`."""
+
+    head = None
+
+    @property
+    def weight_bytes(self) -> int:
+        if self.head is None:
+            return 0
+        from vllm_metal.models.loaders import parameter_bytes
+
+        return parameter_bytes(self.head)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        super().discard(tags)
+        if "weights" in tags:
+            self.head = None
+
+    def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags and self.head is None:
+            self.load()
+        super().wake_up(tags)
 
 
 def block_tables(states: RequestStates, num_groups: int) -> list[np.ndarray]:

@@ -1,0 +1,154 @@
+"""The native ops (C++ CPU bodies here) over int8 / fp8_per_token_head pools: the cache write
+stores vLLM's rows byte for byte and attention reads them as a float64 attention over the port's
+dequantized rows (tests/fixtures/per_token_head_reference.py), including split-KV and strided
+queries; int4_per_token_head is refused by name; the public ops send these pools to the native op
+unless VLLM_METAL_USE_REFERENCE_OPS=1."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from paged_batch import assert_close, make_batch, to_numpy
+from test_per_token_head_kv import _rows, _stored_pools
+from test_reference_ops import naive_attention
+
+from tests.fixtures import per_token_head_reference as ref
+from vllm_metal import ops
+from vllm_metal.ops import per_token_head as ptk
+from vllm_metal.ops.attention import batched
+
+FORMATS = list(ptk.NATIVE_KV_CACHE_DTYPES)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_native_cache_write_stores_vllms_rows(native, name: str, dtype: str) -> None:
+    rng = np.random.default_rng(11)
+    num_blocks, block_size, heads, dim = 4, 16, 3, 96
+    width = ptk.row_bytes(name, dim)
+    rows = _rows(rng, (2, 9, heads, dim))
+    key = mx.array(rows[0]).astype(getattr(mx, dtype))
+    value = mx.array(rows[1]).astype(getattr(mx, dtype))[:, ::-1]  # a strided view
+    slots = np.array([3, -1, 17, 40, 63, 0, 64, 22, 5], np.int64)  # padding, out of range
+    start = rng.integers(0, 256, (num_blocks, block_size, heads, width), dtype=np.uint8)
+    kc, vc = native._C.reshape_and_cache(
+        key, value, mx.array(start), mx.array(start), mx.array(slots), kv_cache_dtype=name
+    )
+    for got, x in ((kc, key), (vc, value)):
+        want = start.reshape(-1, heads, width).copy()
+        kept = (slots >= 0) & (slots < num_blocks * block_size)
+        want[slots[kept]] = ref.quantize_rows(to_numpy(x)[kept], name)
+        np.testing.assert_array_equal(np.asarray(got).reshape(-1, heads, width), want)
+
+
+CASES = {
+    "decode": {"q_lens": [1, 1, 1], "ctx_lens": [5, 33, 64]},
+    "mixed": {"q_lens": [1, 7, 40, 0], "ctx_lens": [9, 20, 90, 4]},
+    "long": {"q_lens": [1, 3], "ctx_lens": [700, 560]},  # the driver splits the key range
+}
+OPTIONS = {
+    "causal": {},
+    "window+sinks": {"sliding_window": 37, "sinks": True},
+    "softcap": {"softcap": 5.0},
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name,dtype", [(FORMATS[0], "float32"), (FORMATS[1], "float32"),
+                                        (FORMATS[0], "bfloat16"), (FORMATS[1], "float16")])  # fmt: skip
+def test_native_attention_reads_vllms_values(native, name, dtype, case, option) -> None:
+    rng = np.random.default_rng(len(case) * 7 + len(option))
+    batch = make_batch(
+        rng, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, **CASES[case]
+    )
+    kc, vc, keys, values = _stored_pools(batch, name)
+    kwargs = dict(OPTIONS[option])
+    sinks = None
+    if kwargs.pop("sinks", False):
+        sinks = mx.array(rng.standard_normal(8).astype(np.float32) * 2)
+    query = batch.query
+    args = (query, kc, vc, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+    got = native._C.paged_attention(*args, scale=0.125, sinks=sinks, kv_cache_dtype=name, **kwargs)
+    want = naive_attention(
+        to_numpy(query), keys, values, *(np.asarray(a) for a in args[3:]), scale=0.125,
+        sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+        sinks=None if sinks is None else np.asarray(sinks),
+    )  # fmt: skip
+    assert got.dtype == query.dtype
+    assert_close(got, mx.array(want.astype(np.float32)), dtype)
+
+
+def test_native_attention_single_thread_and_strided_query(native) -> None:
+    """One thread (no splits, no head split) and a query that is a view of a fused QKV buffer."""
+    rng = np.random.default_rng(4)
+    batch = make_batch(
+        rng, q_lens=[1, 5], ctx_lens=[300, 40], num_heads=4, num_kv_heads=2, head_size=64,
+        block_size=16,
+    )  # fmt: skip
+    kc, vc, keys, values = _stored_pools(batch, "int8_per_token_head")
+    fused = mx.concatenate([batch.query, batch.query[:, :2] * 0 + 7.0], axis=1)
+    query = fused[:, :4]
+    args = (query, kc, vc, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+    native.set_num_threads(1)
+    try:
+        got = native._C.paged_attention(*args, scale=0.125, kv_cache_dtype="int8_per_token_head")
+        mx.eval(got)
+    finally:
+        native.set_num_threads(0)
+    want = naive_attention(
+        to_numpy(batch.query), keys, values, *(np.asarray(a) for a in args[3:]), scale=0.125,
+        sliding_window=None, softcap=None, sinks=None,
+    )  # fmt: skip
+    assert_close(got, mx.array(want.astype(np.float32)), "float32")
+
+
+def test_the_native_builders_refuse_int4_by_name_and_bytes_as_floats(native) -> None:
+    """int4_per_token_head (rotated, packed) has no native op: the C++ builders (one for the CPU
+    body and the Metal kernels) refuse it by name; a uint8 pool given as 'auto' is refused, so the
+    bytes are never read as floats."""
+    rng = np.random.default_rng(6)
+    batch = make_batch(
+        rng, q_lens=[1], ctx_lens=[4], num_heads=2, num_kv_heads=2, head_size=64, block_size=16
+    )
+    kc, vc, *_ = _stored_pools(batch, "int4_per_token_head")
+    args = (batch.query, kc, vc, *batch.args[3:])
+    with pytest.raises(ValueError, match="int4_per_token_head has no native op"):
+        mx.eval(native._C.paged_attention(*args, scale=0.1, kv_cache_dtype="int4_per_token_head"))
+    with pytest.raises(ValueError, match="int4_per_token_head has no native op"):
+        mx.eval(native._C.reshape_and_cache(batch.query, batch.query, kc, vc,
+                                            mx.array(np.array([0], np.int64)),
+                                            kv_cache_dtype="int4_per_token_head"))  # fmt: skip
+    kc, vc, *_ = _stored_pools(batch, "int8_per_token_head")
+    with pytest.raises(ValueError, match="uint8"):
+        mx.eval(native._C.paged_attention(batch.query, kc, vc, *batch.args[3:], scale=0.1))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_public_ops_run_the_native_op(native, monkeypatch, name: str) -> None:
+    """ops.* give exactly the native op's result (its float32 order differs from MLX's ops, so the
+    two paths are told apart), and MLX's ops with VLLM_METAL_USE_REFERENCE_OPS=1."""
+    rng = np.random.default_rng(9)
+    batch = make_batch(
+        rng, q_lens=[1, 6], ctx_lens=[70, 30], num_heads=4, num_kv_heads=2, head_size=64,
+        block_size=16,
+    )  # fmt: skip
+    rows = mx.array(_rows(rng, (4, 2, 64)))
+    pool = mx.zeros((8, 16, 2, ptk.row_bytes(name, 64)), mx.uint8)
+    slots = mx.array(np.array([0, 5, -1, 100], np.int64))
+    kc, vc, *_ = _stored_pools(batch, name)
+    args = (batch.query, kc, vc, *batch.args[3:])
+    want_attn = native._C.paged_attention(*args, scale=0.125, kv_cache_dtype=name)
+    want_k, _ = native._C.reshape_and_cache(rows, rows, pool, mx.array(pool), slots,
+                                            kv_cache_dtype=name)  # fmt: skip
+    mlx_attn = batched.paged_attention(*args, scale=0.125, quant=ptk.kv_quant(name))
+    assert (np.asarray(want_attn) != np.asarray(mlx_attn)).any(), "paths must differ in order"
+    got = ops.paged_attention(*args, scale=0.125, kv_cache_dtype=name)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want_attn))
+    got_k, _ = ops.reshape_and_cache(rows, rows, mx.zeros_like(pool), mx.zeros_like(pool), slots,
+                                     kv_cache_dtype=name)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+    monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    got = ops.paged_attention(*args, scale=0.125, kv_cache_dtype=name)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(mlx_attn))

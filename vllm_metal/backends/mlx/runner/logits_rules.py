@@ -1,0 +1,163 @@
+"""vLLM's per-request rules over a step's logits, applied on the device before sampling, in the
+order its `Sampler.apply_logits_processors` applies them: the allowed token ids, then bad words,
+then the built-in processors that may move the argmax in their registered order (min tokens,
+then the logit bias), then the presence, frequency and repetition penalties. Temperature, min-p
+and top-k/top-p follow (`device_sampling.sample_rows`).
+
+What each rule needs is read on the host and is small: which (row, token) pairs to ban, bias or
+count. The logits stay on the device. A processor other than vLLM's built-ins is not applied
+here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+
+def apply_rules(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+    """`logits` (`[rows, V]` float32, one row per request) after every built-in rule its rows
+    ask for, as vLLM's `Sampler` applies them before temperature."""
+    rows = logits.shape[0]
+    if metadata.allowed_token_ids_mask is not None:
+        logits = allowed(logits, metadata.allowed_token_ids_mask[:rows].numpy())
+    if metadata.bad_words_token_ids:
+        banned = bad_word_bans(metadata.bad_words_token_ids, metadata.output_token_ids, rows)
+        logits = masked(logits, *banned)
+    for processor in metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
+            logits = min_tokens_masked(logits, processor.min_toks)
+        elif isinstance(processor, LogitBiasLogitsProcessor) and processor.biases:
+            logits = biased(logits, processor.biases)
+    if not metadata.no_penalties:
+        logits = penalized(logits, metadata)
+    return logits
+
+
+def allowed(logits: mx.array, banned: np.ndarray) -> mx.array:
+    """`logits` with the tokens of vLLM's `allowed_token_ids_mask` (`[rows, vocab]` bool, True:
+    not allowed) at -inf; columns past the mask's width are left as they are."""
+    width = min(banned.shape[1], logits.shape[1])
+    ban = mx.array(banned[:, :width])
+    if width < logits.shape[1]:
+        ban = mx.concatenate([ban, mx.zeros((ban.shape[0], logits.shape[1] - width), mx.bool_)], 1)
+    return mx.where(ban, -mx.inf, logits)
+
+
+def bad_word_bans(
+    bad_words: dict[int, list[list[int]]], outputs: list[list[int]], rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (rows, tokens) vLLM's `apply_bad_words` sets to -inf: a bad word's last token, for a
+    row whose output so far ends with the word's other tokens (a one-token word: always)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for row, words in bad_words.items():
+        if row >= rows:
+            continue
+        past = outputs[row]
+        for word in words:
+            prefix = len(word) - 1
+            if prefix > len(past):
+                continue
+            if prefix == 0 or list(past[len(past) - prefix :]) == list(word[:prefix]):
+                row_ids.append(row)
+                token_ids.append(word[-1])
+    return np.array(row_ids, np.int64), np.array(token_ids, np.int64)
+
+
+def masked(logits: mx.array, rows: np.ndarray, tokens: np.ndarray) -> mx.array:
+    """`logits` with the pairs (rows[i], tokens[i]) at -inf."""
+    return mx.where(_pairs(logits.shape, rows, tokens), -mx.inf, logits)
+
+
+def min_tokens_masked(
+    logits: mx.array, min_toks: dict[int, tuple[int, list[int], set[int], bool]]
+) -> mx.array:
+    """`logits` with each stop token of a row below its minimum length at -inf (vLLM's
+    `MinTokensLogitsProcessor.min_toks`: row -> (minimum, outputs, stop ids, structured)); a
+    structured-output row that the masking leaves all -inf (its grammar allows only stop tokens)
+    gets its finite stop logits back, as vLLM's processor restores them."""
+    entries = [(row, stop) for row, (_, _, stops, _) in min_toks.items() for stop in stops]
+    entries = [(r, t) for r, t in entries if r < logits.shape[0]]
+    if not entries:
+        return logits
+    rows, tokens = (np.array(c, np.int64) for c in zip(*entries))
+    ban = _pairs(logits.shape, rows, tokens)
+    out = mx.where(ban, -mx.inf, logits)
+    structured = np.zeros(logits.shape[0], bool)
+    structured[[r for r, entry in min_toks.items() if entry[3] and r < len(structured)]] = True
+    if not structured.any():
+        return out
+    dead = mx.all(out == -mx.inf, axis=-1, keepdims=True) & mx.array(structured)[:, None]
+    return mx.where(ban & dead & mx.isfinite(logits), logits, out)
+
+
+def biased(logits: mx.array, biases: dict[int, dict[int, float]]) -> mx.array:
+    """`logits` plus each row's logit bias (vLLM's `LogitBiasLogitsProcessor.biases`: row ->
+    token -> bias)."""
+    rows, vocab = logits.shape
+    entries = [(r, t, b) for r, bias in biases.items() if r < rows for t, b in bias.items()]
+    if not entries:
+        return logits
+    row, token, bias = zip(*entries)
+    flat = np.array(row, np.int64) * vocab + np.array(token, np.int64)
+    add = mx.zeros((rows * vocab,), mx.float32).at[mx.array(flat)].add(mx.array(bias, mx.float32))
+    return logits + add.reshape(rows, vocab)
+
+
+def _pairs(shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray) -> mx.array:
+    """`[rows, V]` bool, True at the pairs (rows[i], tokens[i])."""
+    n, vocab = shape
+    flat = mx.zeros((n * vocab,), mx.float32)
+    if rows.size:  # a float scatter-add, as the penalties' counts (`_bin_counts`)
+        flat = flat.at[mx.array(rows * vocab + tokens)].add(1.0)
+    return flat.reshape(n, vocab) > 0
+
+
+def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+    """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
+    (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
+    the repetition penalty where positive, multiplied where not; then each output occurrence
+    takes off the frequency penalty and any occurrence the presence penalty. The counts are
+    scattered on the device from the host's token lists; ids outside the vocabulary (placeholders,
+    padding) count for nothing."""
+    rows, vocab = logits.shape
+    outputs = metadata.output_token_ids[:rows]
+    lengths = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=rows)
+    counts = _bin_counts(
+        np.repeat(np.arange(rows), lengths),
+        np.fromiter(itertools.chain.from_iterable(outputs), np.int64, int(lengths.sum())),
+        rows,
+        vocab,
+    )
+    prompt = metadata.prompt_token_ids[:rows].numpy()  # [rows, longest prompt], padded with V
+    in_prompt = _bin_counts(
+        np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
+    )
+    seen = (counts > 0) | (in_prompt > 0)
+    repetition = mx.array(metadata.repetition_penalties[:rows].numpy())[:, None]
+    penalty = mx.where(seen, repetition, 1.0)
+    logits = logits * mx.where(logits > 0, 1.0 / penalty, penalty)
+    frequency = mx.array(metadata.frequency_penalties[:rows].numpy())[:, None]
+    presence = mx.array(metadata.presence_penalties[:rows].numpy())[:, None]
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def _bin_counts(row: np.ndarray, ids: np.ndarray, rows: int, vocab: int) -> mx.array:
+    """`[rows, V]` float32: how often each token id occurs in each row (`ids[i]` in `row[i]`)."""
+    keep = (ids >= 0) & (ids < vocab)
+    flat = (row[keep] * vocab + ids[keep]).astype(np.int64)
+    counts = mx.zeros((rows * vocab,), dtype=mx.float32)
+    if flat.size:
+        counts = counts.at[mx.array(flat)].add(1.0)
+    return counts.reshape(rows, vocab)

@@ -1,0 +1,249 @@
+"""A drafter whose head runs after the target over each request's positions and keeps paged K/V
+of its own: the target's multi-token-prediction head (`mtp.py`) and an EAGLE-3 head
+(`eagle3.py`).
+
+The head at position p reads what the target computed at p (its final hidden state, or an
+EAGLE-3 head's aux states) and the token at p + 1; its attention layers write K/V at p's slot,
+so before a request drafts the head must have run over every position of its sequence. After a
+step the positions whose next token is known (`new_positions`) are run through the head, and
+for a request that drafts, the head's output at the last of them gives draft 1; draft j + 1
+comes from the head at the next position fed draft j and the head's own output before it. What
+the head writes at draft positions is overwritten by the next pass, which starts at the first
+position not verified.
+
+A request that does not draft after a step (the back-off paused it, or the engine measured
+plain steps faster) leaves its new positions for later: what the target computed there is kept
+(`_Deferred`), and the head runs over them with the request's next positions when the request
+drafts again, when another request's head pass runs anyway, or when a deferred position would
+complete a KV block (prefix caching may hand a complete block to another request, whose drafts
+then read the head's K/V in it) or make `MAX_DEFERRED` of them. A step in which nobody drafts
+and no block completes costs the head nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
+    HeadWeights,
+    PagedDrafter,
+    block_tables,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig
+
+    from vllm_metal.backends.mlx.runner.request_state import RequestStates
+    from vllm_metal.backends.mlx.runner.step import StepState
+
+# The most positions of one request whose head pass waits for the request to draft again.
+MAX_DEFERRED = 64
+
+
+def new_positions(
+    step: StepState, states: RequestStates, sampled: list[list[int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of the batch: the first position the target computed this step, and how many
+    positions from there it computed and kept (accepted drafts included) whose next token is
+    known. The last of them, where the count is positive, is the position a draft chain starts
+    from: its next token is the one just sampled."""
+    batch = states.input_batch
+    packed = step.packed
+    n = batch.num_reqs
+    start = packed.seq_lens - packed.num_scheduled
+    num_sampled = np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
+    kept = packed.num_scheduled - packed.num_draft_tokens + np.maximum(num_sampled - 1, 0)
+    known = batch.num_tokens_no_spec[:n].astype(np.int32)
+    return start, np.minimum(kept, known - 1 - start)
+
+
+@dataclass
+class _Deferred:
+    """A request's positions start, start + 1, ... the head has not run over yet, with what the
+    target computed at each (the rows of `inputs`, in order)."""
+
+    start: int
+    inputs: list[mx.array] = field(default_factory=list)
+    count: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+class HeadDrafter(HeadWeights, PagedDrafter):
+    """`propose` for a head with paged K/V of its own. A subclass loads `head` and says what the
+    head reads from the step (`_step_inputs`) and how it runs (`_first`, `_chained`,
+    `_draft_tokens`)."""
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: mx.Dtype,
+        cache_config: CacheConfig | None = None,
+    ):
+        super().__init__(num_kv_heads, head_dim, kv_dtype, cache_config)
+        self._deferred: dict[str, _Deferred] = {}
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        super().discard(tags)
+        self._deferred.clear()
+
+    def reset(self, req_id: str) -> None:
+        self._deferred.pop(req_id, None)
+
+    # ------------------------------------------------------------ what a head does
+
+    def _step_inputs(self, step: StepState) -> mx.array:
+        """What the head reads from the step at each packed token (`[T, width]`)."""
+        raise NotImplementedError
+
+    def _first(self, packed: PackedBatch, inputs: mx.array) -> tuple[mx.array, mx.array]:
+        """The head over `packed` (tokens at p + 1, positions p) with `_step_inputs`' rows of its
+        tokens: (the output the draft is read from, the state a chained step is fed)."""
+        raise NotImplementedError
+
+    def _chained(self, packed: PackedBatch, fed: mx.array, j: int) -> tuple[mx.array, mx.array]:
+        """Draft step j > 0 over `packed` (draft j - 1 at the next position) fed `fed`."""
+        raise NotImplementedError
+
+    def _draft_tokens(self, out: mx.array) -> mx.array:
+        """The target tokens drafted from the head's outputs (`[rows]`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ drafting
+
+    def propose(
+        self,
+        step: StepState,
+        states: RequestStates,
+        sampled: list[list[int]],
+        caps: np.ndarray,
+    ) -> list[list[int]]:
+        assert self.head is not None and self.pool is not None, "the drafter's head is not ready"
+        batch = states.input_batch
+        n = batch.num_reqs
+        req_ids = batch.req_ids[:n]
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        start, count = new_positions(step, states, sampled)
+        rows = np.nonzero(count > 0)[0]
+        waits = np.array(
+            [caps[r] <= 0 and self._may_wait(req_ids[r], start[r], count[r], states) for r in rows],
+            dtype=bool,
+        )
+        if waits.all() and not (caps[rows] > 0).any():
+            self._defer(step, rows, [req_ids[r] for r in rows], start[rows], count[rows])
+            return drafts
+        # The head runs: every request's deferred positions join the pass.
+        first, inputs = self._catch_up(step, states, rows, start, count)
+        out, fed = self._first(first, inputs)
+        drafting = np.nonzero(caps[rows] > 0)[0]
+        if drafting.size == 0:
+            # Queued, not waited for: no draft is read now, and the next step's reads of the
+            # head's K/V come after these writes in MLX's graph.
+            mx.async_eval(*self.pool.arrays())
+            return drafts
+
+        tables = block_tables(states, len(step.packed.block_tables))
+        at_last = mx.array((first.cu_seqlens_q[1:][drafting] - 1).astype(np.int32))
+        rows = rows[drafting]
+        out, fed = out[at_last], fed[at_last]
+        positions = start[rows] + count[rows] - 1
+        for j in range(int(caps[rows].max())):
+            if j > 0:
+                keep = caps[rows] > j
+                rows, positions = rows[keep], positions[keep]
+                if rows.size == 0:
+                    break
+                fed = fed[mx.array(np.nonzero(keep)[0].astype(np.int32))]
+                positions = positions + 1
+                chained = decode_batch(
+                    [req_ids[r] for r in rows],
+                    positions,
+                    np.array([drafts[r][-1] for r in rows], dtype=np.int32),
+                    [t[rows] for t in tables],
+                    states.block_sizes,
+                )
+                out, fed = self._chained(chained, fed, j)
+            tokens = self._draft_tokens(out)
+            mx.eval(tokens, fed, *self.pool.arrays())
+            for r, token in zip(rows, np.array(tokens).tolist()):
+                drafts[r].append(int(token))
+        return drafts
+
+    def _may_wait(self, req_id: str, start: int, count: int, states: RequestStates) -> bool:
+        """Whether a request that does not draft may leave its new positions for later."""
+        deferred = self._deferred.get(req_id)
+        first = start if deferred is None or deferred.end != start else deferred.start
+        last = start + count - 1
+        if last - first + 1 > MAX_DEFERRED:
+            return False
+        # A block whose last position is among them is complete.
+        return not any((last + 1) // size > first // size for size in states.block_sizes)
+
+    def _defer(
+        self,
+        step: StepState,
+        rows: np.ndarray,
+        req_ids: list[str],
+        start: np.ndarray,
+        count: np.ndarray,
+    ) -> None:
+        """Keep what the target computed at the new positions of `rows` (of the batch and of
+        the step alike) for the requests' next head pass."""
+        if rows.size == 0:
+            return
+        offsets = step.packed.cu_seqlens_q[rows]
+        gather = np.concatenate([o + np.arange(c) for o, c in zip(offsets, count)])
+        kept = self._step_inputs(step)[mx.array(gather.astype(np.int32))]
+        mx.async_eval(kept)  # its own buffer: the step's arrays are not held
+        at = 0
+        for req_id, s, c in zip(req_ids, start.tolist(), count.tolist()):
+            deferred = self._deferred.get(req_id)
+            if deferred is None or deferred.end != s:
+                deferred = self._deferred[req_id] = _Deferred(s)
+            deferred.inputs.append(kept[at : at + c])
+            deferred.count += c
+            at += c
+
+    def _catch_up(
+        self,
+        step: StepState,
+        states: RequestStates,
+        rows: np.ndarray,
+        start: np.ndarray,
+        count: np.ndarray,
+    ) -> tuple[PackedBatch, mx.array]:
+        """The head's first pass of a step: each row's new positions (`rows` of the batch),
+        after its deferred ones, with what the target computed at each."""
+        batch = states.input_batch
+        ids = [batch.req_ids[r] for r in rows]
+        step_inputs = self._step_inputs(step)
+        offsets = step.packed.cu_seqlens_q[rows]
+        new = count[rows]
+        first_pos, num = start[rows].copy(), new.copy()
+        pieces: list[mx.array] = []
+        for i, req_id in enumerate(ids):
+            deferred = self._deferred.pop(req_id, None)
+            if deferred is not None and deferred.end == first_pos[i]:
+                first_pos[i], num[i] = deferred.start, num[i] + deferred.count
+                pieces.extend(deferred.inputs)
+            pieces.append(step_inputs[int(offsets[i]) : int(offsets[i] + new[i])])
+        tables = block_tables(states, len(step.packed.block_tables))
+        # Column p of the shifted table holds the token at p + 1: the head's input at p.
+        packed = pack_batch(
+            ids,
+            dict(zip(ids, num.tolist())),
+            first_pos,
+            first_pos + num,
+            batch.token_ids_cpu[rows, 1:],
+            [t[rows] for t in tables],
+            states.block_sizes,
+        )
+        return packed, mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
