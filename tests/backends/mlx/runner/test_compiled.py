@@ -22,6 +22,7 @@ from tests.fixtures.oracles import hf_greedy, hf_logprobs
 from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.batch import decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import hidden_states
+from vllm_metal.backends.mlx.runner.model_states.interface import AuxHidden, StepInputs
 from vllm_metal.kv.pool import KVLayout, pool_for
 from vllm_metal.kv.quant import kv_cache_quant
 from vllm_metal.models import load_model
@@ -129,6 +130,53 @@ def test_compiled_steps_equal_eager(tiny_model_dir, monkeypatch, arch, reference
         got = _decode(adapter, kinds, pool, tables, lens, first, rows, step.hidden_states)
         assert step.steps == STEPS
         _assert_same(got, want)
+
+
+def test_compiled_steps_keep_the_aux_states_of_eager(tiny_model_dir):
+    """An EAGLE-3 drafter's target (`StepInputs.aux`): its decode steps compile, and the trace
+    returns the aux states the eager forward keeps."""
+    model = tiny_model_dir("qwen3")
+    layer_ids = (0, 1, 2)
+    plain = decode_batch(["0"], np.array([3]), np.array([7]), [np.ones((1, 1), np.int32)], [BLOCK])
+    assert compiled.CompiledDecode.takes(plain, StepInputs(aux=AuxHidden(layer_ids)))
+    assert not compiled.CompiledDecode.takes(plain, StepInputs(key_ends=np.zeros(1, np.int32)))
+
+    def run(step_fn):
+        adapter, kinds, pool, tables, lens, first = _prefilled(model)
+        kept = []
+
+        def with_aux(pool, packed):
+            aux = AuxHidden(layer_ids)
+            hidden = step_fn(adapter, kinds)(pool, packed, aux)
+            kept.append(aux.states)
+            return hidden
+
+        steps, written = _decode(adapter, kinds, pool, tables, lens, first, 5, with_aux)
+        return steps, written, [np.array(a) for a in kept]
+
+    def eager(adapter, kinds):
+        return lambda pool, packed, aux: hidden_states(
+            adapter, pool, kinds, packed, StepInputs(aux=aux)
+        )
+
+    traced: list[compiled.CompiledDecode] = []
+
+    def compiled_step(adapter, kinds):
+        if not traced:
+            traced.append(compiled.CompiledDecode(adapter, kinds))
+        return traced[0].hidden_states
+
+    *want, want_aux = run(eager)
+    *got, got_aux = run(compiled_step)
+    assert traced[0].steps == STEPS
+    _assert_same(tuple(got), tuple(want))
+    assert got_aux[0].shape == (5, 1, 3 * _hidden_size(model))
+    for a, b in zip(got_aux, want_aux, strict=True):
+        np.testing.assert_allclose(a, b, rtol=5e-4, atol=5e-4)
+
+
+def _hidden_size(model_dir) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
 
 
 OTHER_MODELS = {

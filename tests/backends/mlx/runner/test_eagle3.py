@@ -115,7 +115,8 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
     with the back-off on its requests pause for 4, 8, 16 steps; its attention reads its K/V at
     every earlier position, so a draft equals the every-step engine's at the same tokens only
     if the head caught up over the positions it left (and, after the prefix hits, ran over the
-    blocks completed while paused)."""
+    blocks completed while paused). The paused engine compiles its decode steps
+    (`VLLM_METAL_COMPILE=1`): the aux states the head catches up over come from the traces."""
     target, head = eagle3_dirs["random"]
     first = {"prompts": PROMPTS, "params": [greedy(48)]}
     (expected,) = run_engine_job(target, [first], engine=ENGINE)
@@ -125,19 +126,20 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
         first,
         {"prompts": resend, "params": [greedy(16)]},
         {"action": "recorded_drafts"},
+        {"action": "compiled_steps"},
     ]
     engine = {**ENGINE, "speculative_config": spec(head)}
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     runs = {
-        backoff: run_engine_job(
-            target,
-            jobs,
-            engine=engine,
-            env={"VLLM_METAL_SPEC_BACKOFF": b, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        backoff: run_engine_job(target, jobs, engine=engine, env={**in_process, **env})
+        for backoff, env in (
+            ("off", {"VLLM_METAL_SPEC_BACKOFF": "0", "VLLM_METAL_COMPILE": "0"}),
+            ("on", {"VLLM_METAL_SPEC_BACKOFF": "1", "VLLM_METAL_COMPILE": "1"}),
         )
-        for backoff, b in (("off", "0"), ("on", "1"))
     }
+    assert runs["off"][4] == 0 and runs["on"][4] > 20, (runs["off"][4], runs["on"][4])
     every = {tuple(c): d for c, d in runs["off"][3]}
-    for _, batch, resent, _ in runs.values():
+    for _, batch, resent, _, _ in runs.values():
         assert tokens(batch) == tokens(expected)
         assert all(r["num_cached_tokens"] >= BS for r in resent), resent
     paused = runs["on"][3]

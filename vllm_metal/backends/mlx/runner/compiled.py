@@ -2,7 +2,8 @@
 shape bucket and replayed, so a step costs no Python per layer and MLX fuses its elementwise ops.
 
 A step qualifies when every scheduled request decodes one token with no drafts and no extra
-inputs (`takes`); prefill chunks, verification rows, media and the rest stay eager, as do models
+inputs but an EAGLE-3 head's aux states, which the trace returns beside the hidden states
+(`takes`); prefill chunks, verification rows, media and the rest stay eager, as do models
 whose layers keep more than paged K/V (`eager_reason`). The batch's rows and each block table's
 columns are padded to the next size of 1, 2, 3, 4, 6, 8, 12, ... (`bucket`), so a server traces a
 few dozen shapes and pads by at most a third.
@@ -15,6 +16,7 @@ request owns and every read of it masks; their hidden states are dropped.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from vllm_metal.backends.mlx.runner.batch import PackedBatch
-    from vllm_metal.backends.mlx.runner.model_states.interface import StepInputs
+    from vllm_metal.backends.mlx.runner.model_states.interface import AuxHidden, StepInputs
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.models import ModelAdapter
     from vllm_metal.models.layers import LayerKind
@@ -84,6 +86,9 @@ class CompiledDecode:
         self.kinds = list(kinds)
         self._pool: KVPool | None = None  # read while tracing only
         self._forward = mx.compile(self._trace)
+        # With an EAGLE-3 drafter: its aux layers (one set per engine) and their trace.
+        self._aux_layer_ids: tuple[int, ...] = ()
+        self._forward_aux = mx.compile(self._trace_aux)
         self._aranges: dict[int, mx.array] = {}
         self.steps = 0  # steps run compiled (tests read it)
         # Why tracing the forward failed (the model's decode steps then stay eager), or None.
@@ -91,18 +96,23 @@ class CompiledDecode:
 
     @staticmethod
     def takes(packed: PackedBatch, inputs: StepInputs) -> bool:
-        """A decode step: one token per request, no drafts, nothing but the packed batch."""
+        """A decode step: one token per request, no drafts, nothing but the packed batch (and
+        the aux layers an EAGLE-3 head reads)."""
+        others = (getattr(inputs, f.name) for f in fields(inputs) if f.name != "aux")
         return (
-            inputs is NO_INPUTS
+            (inputs is NO_INPUTS or all(value is None for value in others))
             and packed.num_tokens == len(packed.req_ids)
             and not packed.num_draft_tokens.any()
         )
 
-    def hidden_states(self, pool: KVPool, packed: PackedBatch) -> mx.array | None:
+    def hidden_states(
+        self, pool: KVPool, packed: PackedBatch, aux: AuxHidden | None = None
+    ) -> mx.array | None:
         """The decoder's final hidden states of the step's tokens (`[S, 1, hidden]`), its K/V
-        written into `pool`. Lazy, as the eager forward. None, with `failed` set and the pool
-        untouched, when the forward cannot be traced (a family reading values on the host):
-        the caller runs the step eagerly, as every later one."""
+        written into `pool`, and with `aux` the aux states of its layers (`aux.states`). Lazy,
+        as the eager forward. None, with `failed` set and the pool untouched, when the forward
+        cannot be traced (a family reading values on the host): the caller runs the step
+        eagerly, as every later one."""
         num_seqs = packed.num_tokens
         rows = bucket(num_seqs)
         positions = _padded(packed.positions, rows, 0)
@@ -114,8 +124,12 @@ class CompiledDecode:
             tables.append(mx.array(padded))
             slots.append(mx.array(_padded(np.maximum(slot_mapping, NULL_SLOT), rows, NULL_SLOT)))
         self._pool = pool
+        forward = self._forward
+        if aux is not None:
+            assert self._aux_layer_ids in ((), aux.layer_ids), "one set of aux layers per engine"
+            self._aux_layer_ids, forward = aux.layer_ids, self._forward_aux
         try:
-            hidden, keys, values = self._forward(
+            out = forward(
                 step_token_ids(packed, rows),
                 mx.array(positions),
                 mx.array(seq_lens),
@@ -131,20 +145,35 @@ class CompiledDecode:
             return None
         finally:
             self._pool = None
+        hidden, *aux_states, keys, values = out
+        if aux is not None:
+            aux.states = aux_states[0][:num_seqs]
         pool.keys[:], pool.values[:] = keys, values
         self.steps += 1
         return hidden[:num_seqs]
 
     def _trace(self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
-        assert self._pool is not None, "traced outside hidden_states"
-        pool = self._pool.over(keys, values)
-        groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
-        meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, decode=True)
-        caches = [attention_cache(pool, i, kind, meta, False) for i, kind in enumerate(self.kinds)]
+        pool, caches = self._caches(positions, seq_lens, cu_seqlens_q, tables, slots, keys, values)
         ids = token_ids[:, None]
         extra = {"token_ids": ids} if self.adapter.takes_token_ids else {}
         hidden = self.adapter.forward(self.adapter.embed(ids), caches, **extra)
         return hidden, pool.keys, pool.values
+
+    def _trace_aux(self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
+        pool, caches = self._caches(positions, seq_lens, cu_seqlens_q, tables, slots, keys, values)
+        embeds = self.adapter.embed(token_ids[:, None])
+        hidden, aux = self.adapter.forward_with_aux(embeds, caches, self._aux_layer_ids)
+        return hidden, aux, pool.keys, pool.values
+
+    def _caches(self, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
+        """The traced pool over `keys` / `values` and each layer's paged view of the step."""
+        assert self._pool is not None, "traced outside hidden_states"
+        pool = self._pool.over(keys, values)
+        groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
+        meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, decode=True)
+        return pool, [
+            attention_cache(pool, i, kind, meta, False) for i, kind in enumerate(self.kinds)
+        ]
 
     def _arange(self, n: int) -> mx.array:
         """`cu_seqlens_q` of `n - 1` one-token rows, made from host data once per size."""

@@ -119,7 +119,7 @@ class DecoderState(ModelState):
         assert pool is not None, "KV cache not initialized"
         step = self.compiled
         if step is not None and step.failed is None and step.takes(packed, inputs):
-            hidden = step.hidden_states(pool, packed)
+            hidden = step.hidden_states(pool, packed, inputs.aux)
             if hidden is not None:
                 return hidden
         return hidden_states(self.adapter, pool, self.layer_kinds, packed, inputs)
