@@ -1,7 +1,8 @@
 """Proves the parallelism suite runs end to end (`python -m bench.run parallel --quick`): a
 data-parallel and a pipeline-parallel `vllm serve` side by side give the same greedy tokens and
-write their figures, tables and plot; with `--peers` (the `full` tier) one process beside them,
-the same tokens and every ratio.
+write their figures, tables and plot; with `--peers` one process beside them, the same tokens and
+every ratio. Both in the full tier (CI's budget: `test_data_parallel.py` and
+`test_pipeline_parallel.py` run the two layouts in CI).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _phases(data: dict, phases: dict[str, list[str]]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_parallel_quick(run_suite) -> None:
     run = run_suite("parallel")
     data = run.results()

@@ -86,6 +86,7 @@ def test_spec_decode_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI's budget: test_mtp.py runs MTP engines in CI
 def test_mtp_quick(run_suite) -> None:
     run = run_suite("mtp")
     data = run.results()
