@@ -137,11 +137,12 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             [caps[r] <= 0 and self._may_wait(req_ids[r], start[r], count[r], states) for r in rows],
             dtype=bool,
         )
-        if waits.all() and not (caps[rows] > 0).any():
+        if waits.all():  # a row that waits does not draft
             self._defer(step, rows, [req_ids[r] for r in rows], start[rows], count[rows])
             return drafts
         # The head runs: every request's deferred positions join the pass.
-        first, inputs = self._catch_up(step, states, rows, start, count)
+        tables = block_tables(states, len(step.packed.block_tables))
+        first, inputs = self._catch_up(step, states, tables, rows, start, count)
         out, fed = self._first(first, inputs)
         drafting = np.nonzero(caps[rows] > 0)[0]
         if drafting.size == 0:
@@ -150,7 +151,6 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             mx.async_eval(*self.pool.arrays())
             return drafts
 
-        tables = block_tables(states, len(step.packed.block_tables))
         at_last = mx.array((first.cu_seqlens_q[1:][drafting] - 1).astype(np.int32))
         rows = rows[drafting]
         out, fed = out[at_last], fed[at_last]
@@ -179,13 +179,19 @@ class HeadDrafter(HeadWeights, PagedDrafter):
 
     def _may_wait(self, req_id: str, start: int, count: int, states: RequestStates) -> bool:
         """Whether a request that does not draft may leave its new positions for later."""
-        deferred = self._deferred.get(req_id)
-        first = start if deferred is None or deferred.end != start else deferred.start
+        deferred = self._kept_before(req_id, start)
+        first = start if deferred is None else deferred.start
         last = start + count - 1
         if last - first + 1 > MAX_DEFERRED:
             return False
         # A block whose last position is among them is complete.
         return not any((last + 1) // size > first // size for size in states.block_sizes)
+
+    def _kept_before(self, req_id: str, start: int) -> _Deferred | None:
+        """The request's deferred positions where they end just before `start` (else the
+        positions computed since were not theirs to follow, and they are dropped when replaced)."""
+        deferred = self._deferred.get(req_id)
+        return deferred if deferred is not None and deferred.end == start else None
 
     def _defer(
         self,
@@ -205,8 +211,8 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         mx.async_eval(kept)  # its own buffer: the step's arrays are not held
         at = 0
         for req_id, s, c in zip(req_ids, start.tolist(), count.tolist()):
-            deferred = self._deferred.get(req_id)
-            if deferred is None or deferred.end != s:
+            deferred = self._kept_before(req_id, s)
+            if deferred is None:
                 deferred = self._deferred[req_id] = _Deferred(s)
             deferred.inputs.append(kept[at : at + c])
             deferred.count += c
@@ -216,6 +222,7 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         self,
         step: StepState,
         states: RequestStates,
+        tables: list[np.ndarray],
         rows: np.ndarray,
         start: np.ndarray,
         count: np.ndarray,
@@ -230,12 +237,12 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         first_pos, num = start[rows].copy(), new.copy()
         pieces: list[mx.array] = []
         for i, req_id in enumerate(ids):
-            deferred = self._deferred.pop(req_id, None)
-            if deferred is not None and deferred.end == first_pos[i]:
+            deferred = self._kept_before(req_id, int(first_pos[i]))
+            self._deferred.pop(req_id, None)
+            if deferred is not None:
                 first_pos[i], num[i] = deferred.start, num[i] + deferred.count
                 pieces.extend(deferred.inputs)
             pieces.append(step_inputs[int(offsets[i]) : int(offsets[i] + new[i])])
-        tables = block_tables(states, len(step.packed.block_tables))
         # Column p of the shifted table holds the token at p + 1: the head's input at p.
         packed = pack_batch(
             ids,
