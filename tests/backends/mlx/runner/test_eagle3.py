@@ -127,6 +127,7 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
         {"prompts": resend, "params": [greedy(16)]},
         {"action": "recorded_drafts"},
         {"action": "compiled_steps"},
+        {"action": "carried_steps"},
     ]
     engine = {**ENGINE, "speculative_config": spec(head)}
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -138,8 +139,11 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
         )
     }
     assert runs["off"][4] == 0 and runs["on"][4] > 20, (runs["off"][4], runs["on"][4])
+    # Steps after which nobody drafts hand their tokens to the next step on the device, the
+    # head's bookkeeping done before they reach the host (`SpecDecoder.plan_ahead`).
+    assert runs["on"][5] > 20, runs["on"][5]
     every = {tuple(c): d for c, d in runs["off"][3]}
-    for _, batch, resent, _, _ in runs.values():
+    for _, batch, resent, _, _, _ in runs.values():
         assert tokens(batch) == tokens(expected)
         assert all(r["num_cached_tokens"] >= BS for r in resent), resent
     paused = runs["on"][3]

@@ -121,15 +121,16 @@ class Sampling:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
         its output is the tokens drawn on the device as they are (no row drawn on the host, no
         grammar to draw them again), and nothing before the next forward reads them on the
-        host (no drafter proposes from them; no penalty, bad word or minimum length counts a
-        row's outputs; a pipeline stage before the last takes its tokens from the scheduler)."""
+        host (no penalty, bad word or minimum length counts a row's outputs; a pipeline stage
+        before the last takes its tokens from the scheduler; under speculative decoding, nobody
+        drafts after the step, `SpecDecoder.plan_ahead`, weighed last: it decides)."""
         metadata = self.states.input_batch.sampling_metadata
         return (
-            self.spec is None
-            and not self.states.tokens_from_scheduler
+            not self.states.tokens_from_scheduler
             and step.grammar_output is None
             and not reads_outputs(metadata)
             and host_route(step, self.states) == (None, [])
+            and (self.spec is None or self.spec.plan_ahead(step, self.states))
         )
 
     def sample_tokens(

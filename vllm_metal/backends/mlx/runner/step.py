@@ -59,6 +59,9 @@ class StepState:
     # The target's aux hidden states of every packed token, `[T, 1, n * hidden]`, kept for an
     # EAGLE-3 head (`spec_decode/eagle3.py`); None otherwise.
     aux_hidden: mx.array | None = None
+    # Under speculative decoding, the drafts each row may propose after the step where they
+    # were decided before its tokens reached the host (`SpecDecoder.plan_ahead`).
+    spec_caps: np.ndarray | None = None
 
 
 @dataclass
@@ -133,11 +136,11 @@ class StepPipeline:
         if not self.pending:
             return None
         newest = self.pending[-1]
+        if len(self.pending) > 1:  # `carries` weighs the newest after every earlier step
+            self.finish(self.pending[-2])
         if not carries(newest):
             self.finish(newest)
             return None
-        if len(self.pending) > 1:
-            self.finish(self.pending[-2])
         newest.carried = True
         self.carried_steps += 1
         return newest

@@ -5,6 +5,7 @@ with the proposed drafts at the positions really computed."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 from vllm.sampling_params import SamplingParams
@@ -128,15 +129,19 @@ def test_caps_stop_one_short_of_max_tokens_and_max_model_len(states, vllm_config
         ),
     )
     sampled = [[7], [8], [9]]
+    one_each = np.array([1, 1, 1])
+    # Decided before the tokens are recorded (`SpecDecoder.plan_ahead`): the same caps.
+    ahead = _decoder(vllm_config).caps(states, one_each, unrecorded=one_each)
     states.record_sampled(sampled)
-    caps = _decoder(vllm_config).caps(states, sampled)
+    caps = _decoder(vllm_config).caps(states, one_each)
+    assert_array_equal(ahead, caps)
     # a: 1 of 3 tokens out, 2 more at most: one draft + bonus. b: K. c: at max_model_len - 1
     # tokens, one more fits: no draft.
     order = states.input_batch.req_ids
     assert dict(zip(order, caps.tolist())) == {"a": 1, "b": 4, "c": 0}
     # A row with nothing sampled (mid-prefill) never drafts.
-    assert _decoder(vllm_config).caps(states, [[], [8], []]).tolist()[order.index("b")] == 4
-    assert _decoder(vllm_config).caps(states, [[], [8], []]).tolist()[order.index("a")] == 0
+    assert _decoder(vllm_config).caps(states, np.array([0, 1, 0])).tolist()[order.index("b")] == 4
+    assert _decoder(vllm_config).caps(states, np.array([0, 1, 0])).tolist()[order.index("a")] == 0
 
 
 def _measured(spec_rate: float, plain_rate: float, num_decoding: int = 1) -> Backoff:

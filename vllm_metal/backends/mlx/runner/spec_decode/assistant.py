@@ -22,7 +22,12 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import decode_batch
 from vllm_metal.backends.mlx.runner.forward import attention_cache, step_metadata
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter, HeadWeights, block_tables
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
+    Drafter,
+    HeadWeights,
+    block_tables,
+    sampled_counts,
+)
 from vllm_metal.backends.mlx.runner.spec_decode.head import new_positions
 from vllm_metal.models.families import mtp_module
 
@@ -74,7 +79,7 @@ class AssistantDrafter(HeadWeights, Drafter):
         batch = states.input_batch
         n = batch.num_reqs
         drafts: list[list[int]] = [[] for _ in range(n)]
-        start, count = new_positions(step, states, sampled)
+        start, count = new_positions(step, states, sampled_counts(sampled))
         rows = np.nonzero((count > 0) & (caps[:n] > 0))[0]
         if rows.size == 0:
             return drafts

@@ -14,7 +14,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 
 from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
-from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter
+from vllm_metal.backends.mlx.runner.spec_decode.drafter import Drafter, sampled_counts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,40 +42,86 @@ class SpecDecoder:
         self._proposed: dict[str, list[int]] = {}
 
     def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
-        """Called once the step's tokens are recorded in `states`."""
-        seconds = time.perf_counter() - step.started
+        """Called once the step's tokens are recorded in `states`. A step planned ahead and
+        carried (`plan_ahead`) has only its rate left to record: the batch has moved on since."""
+        if step.carried:
+            self._record_rate(step, sampled, verified=False)
+            return
         batch = states.input_batch
-        req_ids = batch.req_ids
-        packed = step.packed
         verified = False
-        for i, req_id in enumerate(req_ids):
+        for i, req_id in enumerate(batch.req_ids):
             real = sum(1 for t in batch.spec_token_ids[i] if t >= 0)  # -1: placeholders
             if real and sampled[i]:
                 verified = True
                 self.backoff.record_verification(req_id, real, len(sampled[i]) - 1)
-            if self.async_scheduling:
-                rejected = len(batch.spec_token_ids[i]) - len(sampled[i]) + 1 if sampled[i] else 0
-                states.computed_after_step[req_id] = (
-                    int(batch.num_computed_tokens_cpu[i]) + int(packed.num_scheduled[i]) - rejected
-                )
-        # Decode steps only (one known token per row, drafts aside): a prefill chunk's cost
-        # says nothing about what drafting costs.
-        if not (packed.num_scheduled - packed.num_draft_tokens != 1).any():
-            self.backoff.record_decode_step(
-                len(req_ids), sum(len(s) for s in sampled), seconds, verified
-            )
-        caps = self.caps(states, sampled)
+        num_sampled = sampled_counts(sampled)
+        self._record_positions(step, states, num_sampled)
+        self._record_rate(step, sampled, verified)
+        caps = step.spec_caps if step.spec_caps is not None else self.caps(states, num_sampled)
         started = time.perf_counter()
         drafts = self.drafter.propose(step, states, sampled, caps)
         self.backoff.record_drafting(time.perf_counter() - started)
-        self._drafts = DraftTokenIds(
-            list(req_ids), [list(d[:c]) for d, c in zip(drafts, caps.tolist())]
-        )
+        self._keep(batch.req_ids, [list(d[:c]) for d, c in zip(drafts, caps.tolist())])
+
+    def plan_ahead(self, step: StepState, states: RequestStates) -> bool:
+        """Before the step's tokens reach the host, as the next step is about to be built: under
+        async scheduling, a step that verified no drafts returns one token per row that samples,
+        so who drafts after it is decided now (once: `after_step` keeps the decision). True
+        where nobody does and the drafter keeps up without the step's tokens: the next step may
+        then take them on the device (`step.CarriedTokens`), with no draft in its placeholders."""
+        packed = step.packed
+        if not self.async_scheduling or packed.num_draft_tokens.any():
+            return False
+        num_sampled = (~packed.discard).astype(np.int32)
+        caps = step.spec_caps = self.caps(states, num_sampled, unrecorded=num_sampled)
+        if caps.any():
+            return False
+        started = time.perf_counter()
+        if not self.drafter.keeps_up(step, states, num_sampled):
+            return False
+        self.backoff.record_drafting(time.perf_counter() - started)
+        self._record_positions(step, states, num_sampled)
+        self._keep(states.input_batch.req_ids, [[] for _ in caps])
+        return True
+
+    def _record_positions(
+        self, step: StepState, states: RequestStates, num_sampled: np.ndarray
+    ) -> None:
+        """Under async scheduling, each row's tokens computed and kept after the step (the next
+        step's placeholders count every draft as accepted)."""
+        if not self.async_scheduling:
+            return
+        batch = states.input_batch
+        for i, req_id in enumerate(batch.req_ids):
+            scheduled = len(batch.spec_token_ids[i])
+            rejected = scheduled - int(num_sampled[i]) + 1 if num_sampled[i] else 0
+            states.computed_after_step[req_id] = (
+                int(batch.num_computed_tokens_cpu[i]) + int(step.packed.num_scheduled[i]) - rejected
+            )
+
+    def _record_rate(self, step: StepState, sampled: list[list[int]], verified: bool) -> None:
+        """Decode steps only (one known token per row, drafts aside): a prefill chunk's cost says
+        nothing about what drafting costs."""
+        packed = step.packed
+        if (packed.num_scheduled - packed.num_draft_tokens != 1).any():
+            return
+        seconds = time.perf_counter() - step.started
+        tokens = sum(len(s) for s in sampled)
+        self.backoff.record_decode_step(len(packed.req_ids), tokens, seconds, verified)
+
+    def _keep(self, req_ids: list[str], drafts: list[list[int]]) -> None:
+        self._drafts = DraftTokenIds(list(req_ids), drafts)
         if self.async_scheduling:
             self._proposed = dict(zip(self._drafts.req_ids, self._drafts.draft_token_ids))
 
-    def caps(self, states: RequestStates, sampled: list[list[int]]) -> np.ndarray:
-        """The most drafts each row may propose for the next step.
+    def caps(
+        self,
+        states: RequestStates,
+        num_sampled: np.ndarray,
+        unrecorded: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The most drafts each row may propose for the next step, after it sampled
+        `num_sampled[i]` tokens (`unrecorded[i]` of them not yet in the batch).
 
         A verified row returns up to drafts + 1 tokens, so drafts stop one short of the
         request's remaining `max_tokens` and of `max_model_len`: a request near its end neither
@@ -89,9 +135,10 @@ class SpecDecoder:
         drafting pays.
         """
         batch = states.input_batch
+        pending = np.zeros(batch.num_reqs, np.int32) if unrecorded is None else unrecorded
         caps = np.zeros(batch.num_reqs, dtype=np.int32)
         for i, req_id in enumerate(batch.req_ids):
-            if not sampled[i]:
+            if not num_sampled[i]:
                 continue
             state = states.requests[req_id]
             params = state.sampling_params
@@ -104,13 +151,13 @@ class SpecDecoder:
                 continue
             cap = min(
                 self.num_speculative_tokens,
-                self.max_model_len - int(batch.num_tokens_no_spec[i]) - 1,
+                self.max_model_len - int(batch.num_tokens_no_spec[i]) - pending[i] - 1,
             )
             max_tokens = state.sampling_params.max_tokens if state.sampling_params else None
             if max_tokens is not None and not self.async_scheduling:
-                cap = min(cap, max_tokens - len(state.output_token_ids) - 1)
+                cap = min(cap, max_tokens - len(state.output_token_ids) - pending[i] - 1)
             caps[i] = max(cap, 0)
-        num_decoding = sum(1 for s in sampled if s)
+        num_decoding = int(np.count_nonzero(num_sampled))
         return np.array(
             self.backoff.choose(batch.req_ids, caps.tolist(), num_decoding), dtype=np.int32
         )

@@ -44,6 +44,13 @@ class Drafter:
         caps[i] is the most drafts row i may use (0: none); longer lists are cut."""
         raise NotImplementedError
 
+    def keeps_up(self, step: StepState, states: RequestStates, num_sampled: np.ndarray) -> bool:
+        """Where no row drafts after `step`: do now what `propose` would, before the step's
+        tokens reach the host (`num_sampled[i]` of them per row, not yet in the batch), and say
+        whether that was possible. Proposers that work only for drafting rows have nothing to
+        do."""
+        return True
+
     def reset(self, req_id: str) -> None:
         """Forget what was computed for a request (finished, preempted or restarted)."""
         return
@@ -94,6 +101,11 @@ class HeadWeights:
         if "weights" in tags and self.head is None:
             self.load()
         super().wake_up(tags)
+
+
+def sampled_counts(sampled: list[list[int]]) -> np.ndarray:
+    """The tokens each row sampled in a step (`[rows]` int32)."""
+    return np.fromiter((len(s) for s in sampled), dtype=np.int32, count=len(sampled))
 
 
 def block_tables(states: RequestStates, num_groups: int) -> list[np.ndarray]:

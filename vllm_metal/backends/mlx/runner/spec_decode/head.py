@@ -33,6 +33,7 @@ from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
     HeadWeights,
     PagedDrafter,
     block_tables,
+    sampled_counts,
 )
 
 if TYPE_CHECKING:
@@ -46,19 +47,22 @@ MAX_DEFERRED = 64
 
 
 def new_positions(
-    step: StepState, states: RequestStates, sampled: list[list[int]]
+    step: StepState,
+    states: RequestStates,
+    num_sampled: np.ndarray,
+    unrecorded: int | np.ndarray = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row of the batch: the first position the target computed this step, and how many
     positions from there it computed and kept (accepted drafts included) whose next token is
-    known. The last of them, where the count is positive, is the position a draft chain starts
+    known, after the row sampled `num_sampled[i]` tokens (`unrecorded` of them not yet in the
+    batch). The last of them, where the count is positive, is the position a draft chain starts
     from: its next token is the one just sampled."""
     batch = states.input_batch
     packed = step.packed
     n = batch.num_reqs
     start = packed.seq_lens - packed.num_scheduled
-    num_sampled = np.fromiter((len(s) for s in sampled), dtype=np.int32, count=n)
     kept = packed.num_scheduled - packed.num_draft_tokens + np.maximum(num_sampled - 1, 0)
-    known = batch.num_tokens_no_spec[:n].astype(np.int32)
+    known = batch.num_tokens_no_spec[:n].astype(np.int32) + unrecorded
     return start, np.minimum(kept, known - 1 - start)
 
 
@@ -131,7 +135,7 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
         drafts: list[list[int]] = [[] for _ in range(n)]
-        start, count = new_positions(step, states, sampled)
+        start, count = new_positions(step, states, sampled_counts(sampled))
         rows = np.nonzero(count > 0)[0]
         waits = np.array(
             [caps[r] <= 0 and self._may_wait(req_ids[r], start[r], count[r], states) for r in rows],
@@ -176,6 +180,17 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             for r, token in zip(rows, np.array(tokens).tolist()):
                 drafts[r].append(int(token))
         return drafts
+
+    def keeps_up(self, step: StepState, states: RequestStates, num_sampled: np.ndarray) -> bool:
+        """The step's new positions deferred, where every request may wait (the head's pass
+        reads the tokens that follow them)."""
+        start, count = new_positions(step, states, num_sampled, unrecorded=num_sampled)
+        rows = np.nonzero(count > 0)[0]
+        req_ids = states.input_batch.req_ids
+        if not all(self._may_wait(req_ids[r], start[r], count[r], states) for r in rows):
+            return False
+        self._defer(step, rows, [req_ids[r] for r in rows], start[rows], count[rows])
+        return True
 
     def _may_wait(self, req_id: str, start: int, count: int, states: RequestStates) -> bool:
         """Whether a request that does not draft may leave its new positions for later."""
