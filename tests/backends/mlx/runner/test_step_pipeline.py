@@ -1,14 +1,20 @@
 """A step's tokens carried on the device into the next step (`step.CarriedTokens`): the next
 step's token ids equal those packed after the tokens reached the host, whatever the next
 schedule did to the batch (rows reordered, a request added, one finished, a prefill mid-chunk),
-and the tokens recorded later land in the right rows; the pipeline samples steps in order."""
+and the tokens recorded later land in the right rows; the pipeline samples steps in order; an
+engine's grammar steps are carried too."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import mlx.core as mx
 import numpy as np
+import pytest
 from numpy.testing import assert_array_equal
 
+from tests.backends.mlx.runner.jobs import PERSON_SCHEMA, random_prompts, run_engine_job, tokens
 from tests.backends.mlx.runner.schedules import Cached, new_req, schedule, span, step
 from vllm_metal.backends.mlx.runner.forward import step_token_ids
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
@@ -104,10 +110,54 @@ def test_the_pipeline_samples_in_order_and_carries_only_the_newest():
     for name in ("n", "n+1"):
         pipeline.executed = _Step(name)
         pipeline.hand_out(None)
-    newest = pipeline.drain(lambda s: True)
+    # `carries` weighs the newest step once every earlier one is sampled.
+    newest = pipeline.drain(lambda s: order == ["n"])
     assert newest.name == "n+1" and newest.carried and order == ["n"]
     assert pipeline.carried_steps == 1
     pipeline.executed = _Step("n+2")
     later = pipeline.hand_out(None)
     assert later.get_output() == "n+2" and order == ["n", "n+1", "n+2"]  # in step order
     assert pipeline.drain(lambda s: True) is None  # nothing left pending
+
+
+# ------------------------------------------------------------------------------ the engine
+
+STRUCTURED = [
+    {"regex": "[a-c]{3}-[0-9]{2}"},
+    {"json": PERSON_SCHEMA},
+    {"choice": ["yes", "no", "maybe"]},
+]
+
+
+@pytest.mark.slow
+def test_grammar_steps_carried_on_the_device_give_the_tokens_of_sampling_first(tiny_model_dir):
+    """Structured outputs under async scheduling: each step's grammar rows are drawn again over
+    their masked logits on the device and handed to the next step there; greedy tokens equal an
+    engine's that samples every step on the host first (async scheduling off), and obey their
+    grammars."""
+    import jsonschema
+
+    model = tiny_model_dir("qwen3")
+    prompts = random_prompts(21, [5, 9, 13])
+    jobs = [
+        {
+            "prompts": prompts,
+            "params": [
+                {"max_tokens": 40, "temperature": 0.0, "structured_outputs": s} for s in STRUCTURED
+            ],
+        },
+        {"action": "carried_steps"},
+    ]
+    engine = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    runs = {
+        mode: run_engine_job(model, jobs, engine={**engine, "async_scheduling": mode}, env=env)
+        for mode in (True, False)
+    }
+    (carried_batch, carried), (host_batch, _) = runs[True], runs[False]
+    assert carried > 10, carried
+    assert tokens(carried_batch) == tokens(host_batch)
+    regex, as_json, choice = (r["outputs"][0]["text"] for r in carried_batch)
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex), regex
+    jsonschema.validate(json.loads(as_json), PERSON_SCHEMA)
+    assert choice in STRUCTURED[2]["choice"], choice

@@ -119,19 +119,23 @@ class Sampling:
 
     def _carries(self, step: StepState) -> bool:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
-        its output is the tokens drawn on the device as they are (no row drawn on the host, no
-        grammar to draw them again), and nothing before the next forward reads them on the
-        host (no penalty, bad word or minimum length counts a row's outputs; a pipeline stage
-        before the last takes its tokens from the scheduler; under speculative decoding, nobody
-        drafts after the step, `SpecDecoder.plan_ahead`, weighed last: it decides)."""
+        its output is the tokens drawn on the device (no row drawn on the host; a grammar's
+        rows drawn again over their masked logits here, on the device, as sampling would), and
+        nothing before the next forward reads them on the host (no penalty, bad word or minimum
+        length counts a row's outputs; a pipeline stage before the last takes its tokens from
+        the scheduler; under speculative decoding, nobody drafts after the step,
+        `SpecDecoder.plan_ahead`, weighed last: it decides)."""
         metadata = self.states.input_batch.sampling_metadata
-        return (
+        if not (
             not self.states.tokens_from_scheduler
-            and step.grammar_output is None
             and not reads_outputs(metadata)
-            and host_route(step, self.states) == (None, [])
+            and host_route(step, self.states, self.device) == (None, [])
             and (self.spec is None or self.spec.plan_ahead(step, self.states))
-        )
+        ):
+            return False
+        if step.grammar_output is not None:
+            _redraw_grammar_rows(step, self.states, self.device, self.logprobs_mode)
+        return True
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
