@@ -206,6 +206,7 @@ def test_torch_backend_with_peers(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_gguf_quick(run_suite) -> None:
     run = run_suite("gguf")
     data = run.results()

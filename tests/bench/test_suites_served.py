@@ -130,6 +130,7 @@ def _pooling_cases(data: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_pooling_quick(run_suite) -> None:
     from bench.suites.pooling import BATCHES, cases
 
@@ -221,6 +222,7 @@ def _hybrid_prefix_requests(data: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_hybrid_prefix_quick(run_suite) -> None:
     run = run_suite("hybrid_prefix")
     data = run.results()
@@ -274,6 +276,7 @@ def _speech_cases(data: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_speech_quick(run_suite) -> None:
     from bench.suites.speech import CONCURRENCY, cases
 
@@ -341,6 +344,7 @@ def _vision_cases(data: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_vision_quick(run_suite) -> None:
     from bench.suites.vision import cases
 
