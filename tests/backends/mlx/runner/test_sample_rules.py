@@ -3,7 +3,7 @@ beside the penalties) are applied on the device: a decode step whose rows ask fo
 tokens drawn on the device, token-identical to vLLM's host `Sampler` for greedy rows and drawn
 from its distribution for random ones (chi-square against its own draws), without copying the
 logits. Logprobs of named tokens, and more than 20, come from the device too. A seeded row with
-rules is drawn apart on the host from its own row; a custom logits processor sends the whole
+rules, or asking for logprobs, is drawn apart on the host from its own row; a custom logits processor sends the whole
 step to the host."""
 
 from __future__ import annotations
@@ -269,6 +269,28 @@ def test_a_seeded_row_with_rules_is_drawn_apart(vllm_config, monkeypatch):
         assert copied == [1] and device == host and device["a"] == [1], s
         draws.add(device["c"][0])
     assert len(draws) > 1 and int(TOP[0]) not in draws
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_a_seeded_row_asking_for_logprobs_is_drawn_apart(vllm_config, monkeypatch, mode):
+    """A seeded row asking for logprobs beside a greedy row asking for more: only its logits row
+    reaches the host, and the logprobs of every row equal vLLM's sampler's over the whole batch
+    (its own sampled token's value and rank included), for each of 8 seeds."""
+    draws = set()
+    for s in range(8):
+        params = {
+            "a": _greedy(logprobs=4),
+            "c": SamplingParams(temperature=1.0, top_k=8, seed=s, logprobs=2),
+        }
+        _, copied, ours = _run(vllm_config, params, True, monkeypatch, mode=mode)
+        _, _, theirs = _run(vllm_config, params, False, monkeypatch, mode=mode)
+        assert copied == [1] and ours.sampled_token_ids == theirs.sampled_token_ids, s
+        mine, want = ours.logprobs, theirs.logprobs
+        np.testing.assert_array_equal(mine.logprob_token_ids, want.logprob_token_ids)
+        np.testing.assert_array_equal(mine.sampled_token_ranks, want.sampled_token_ranks)
+        np.testing.assert_allclose(mine.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+        draws.add(ours.sampled_token_ids[ROWS["c"]][0])
+    assert len(draws) > 1 and draws != {int(TOP[0])}
 
 
 class _BanToken(LogitsProcessor):

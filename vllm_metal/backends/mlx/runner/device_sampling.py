@@ -73,12 +73,9 @@ def raw_logprobs(
     k, named = metadata.max_num_logprobs, metadata.logprob_token_ids
     if (k is None and not named) or logprobs_mode not in RAW_MODES:
         return None
-    values = logits
-    if logprobs_mode == "raw_logprobs":
-        values = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    values = _raw_values(logits, logprobs_mode)
     sampled = tokens.astype(mx.int32)[:, None]
-    chosen = mx.take_along_axis(values, sampled, axis=-1)
-    ranks = mx.sum(values >= chosen, axis=-1)
+    chosen, ranks = _of_sampled(values, sampled)
     if named:
         ids, valid = _named(named, logits.shape[0])
         ids = mx.concatenate([sampled, mx.array(ids)], axis=-1)
@@ -93,6 +90,37 @@ def raw_logprobs(
         ids.append(mx.take_along_axis(top, order, axis=-1).astype(mx.int32))
         picked.append(mx.take_along_axis(top_values, order, axis=-1))
     return mx.concatenate(ids, axis=-1), mx.concatenate(picked, axis=-1), ranks
+
+
+def _raw_values(logits: mx.array, logprobs_mode: str) -> mx.array:
+    if logprobs_mode == "raw_logprobs":
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits
+
+
+def _of_sampled(values: mx.array, sampled: mx.array) -> tuple[mx.array, mx.array]:
+    """`[rows, 1]` values of the sampled tokens (`[rows, 1]`) and their `[rows]` ranks."""
+    chosen = mx.take_along_axis(values, sampled, axis=-1)
+    return chosen, mx.sum(values >= chosen, axis=-1)
+
+
+def with_tokens(
+    logprobs: tuple[mx.array, mx.array, mx.array],
+    logits: mx.array,
+    drawn: dict[int, int],
+    logprobs_mode: str,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`raw_logprobs`' arrays with the tokens of rows drawn elsewhere (`drawn`: row -> token,
+    seeded rows drawn on the host) as those rows' sampled tokens: their ids, values and ranks
+    (the rest of each row does not depend on the token)."""
+    ids, values, ranks = logprobs
+    rows = mx.array(list(drawn), dtype=mx.int32)
+    sampled = mx.array(list(drawn.values()), dtype=mx.int32)[:, None]
+    chosen, their_ranks = _of_sampled(_raw_values(logits[rows], logprobs_mode), sampled)
+    ids[rows, :1] = sampled
+    values[rows, :1] = chosen
+    ranks[rows] = their_ranks.astype(ranks.dtype)
+    return ids, values, ranks
 
 
 def _named(named: dict[int, list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -27,6 +27,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     DeviceSampler,
     grammar_masked,
     raw_logprobs,
+    with_tokens,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
@@ -184,6 +185,10 @@ def sample_step(
             rows = mx.array(host_rows)
             logits = to_torch(apply_rules(step.logits, batch.sampling_metadata)[rows])
             drawn = dict(zip(host_rows, seeded.sample_apart(sampler, logits, host_rows, states)))
+            if step.device_logprobs is not None:
+                step.device_logprobs = with_tokens(
+                    step.device_logprobs, step.logits, drawn, logprobs_mode
+                )
         return _device_output(step, states, drawn)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
@@ -235,9 +240,9 @@ def host_route(
         return None, []
     rows = seeded.host_rows(states)
     if rows is None:
-        return "a seeded row asking for logprobs, a grammar or a thinking budget", []
-    if step.grammar_output is not None or step.device_logprobs is not None:
-        return "a seeded row beside a grammar or logprobs", []
+        return "a seeded row asking for a grammar or a thinking budget", []
+    if step.grammar_output is not None:
+        return "a seeded row beside a grammar", []
     return None, rows
 
 

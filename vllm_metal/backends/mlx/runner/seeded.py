@@ -131,8 +131,8 @@ def host_rows(states: RequestStates) -> list[int] | None:
     """The seeded rows of a step whose other rows take their tokens from the device, when each
     of them can be drawn apart (`sample_apart`) from its logits row after the rules the device
     applies (`logits_rules.apply_rules`: allowed and bad words, min tokens, a logit bias,
-    penalties): it asks for no logprobs, grammar or thinking budget. None when some seeded row
-    asks for one of those."""
+    penalties): it asks for no grammar or thinking budget (its raw logprobs are the device's,
+    `device_sampling.with_tokens`). None when some seeded row asks for one of those."""
     rows = sorted(states.input_batch.generators)
     if all(_drawn_apart(_params(states, i)) for i in rows):
         return rows
@@ -143,7 +143,6 @@ def _drawn_apart(params: SamplingParams | None) -> bool:
     return (
         params is not None
         and params.sampling_type == SamplingType.RANDOM_SEED
-        and params.logprobs is None
         and params.structured_outputs is None
         and getattr(params, "thinking_token_budget", None) is None
     )
