@@ -56,6 +56,7 @@ def run_engine_job(
         proc = subprocess.run(
             [sys.executable, str(JOB_SCRIPT), str(spec_path), str(out_path)],
             env=env,
+            check=False,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -21,7 +21,6 @@ from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample
 from vllm_metal.backends.mlx.runner.device_sampling import (
     DeviceSampler,
-    raw_logprobs,
     sample_rows,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import penalized
@@ -57,17 +56,23 @@ def _run(
     table = np.full((3, vocab), -np.inf, np.float32)
     table[:, :VOCAB] = rng.standard_normal((3, VOCAB))
     logits = mx.array(table)
-    tokens = logprobs = None
+    tokens = logprobs = values = None
     if on_device:  # as `Sampling.finish_step` queues them
-        tokens = DeviceSampler(0).tokens(logits, states.input_batch)
-        metadata = states.input_batch.sampling_metadata
-        logprobs = (
-            None if tokens is None else raw_logprobs(logits, tokens, metadata, "raw_logprobs")
+        tokens, logprobs, values = DeviceSampler(0).outputs(
+            logits, states.input_batch, "raw_logprobs"
         )
     copied = []
     real = sample.to_torch
     monkeypatch.setattr(sample, "to_torch", lambda a: copied.append(a) or real(a))
-    state = StepState(sched, packed, logits, {}, device_tokens=tokens, device_logprobs=logprobs)
+    state = StepState(
+        sched,
+        packed,
+        logits,
+        {},
+        device_tokens=tokens,
+        device_logprobs=logprobs,
+        logprob_values=values,
+    )
     state.grammar_output = grammar
     device = DeviceSampler(0) if on_device else None
     output = sample.sample_step(state, states, Sampler(), "raw_logprobs", None, device)
@@ -257,7 +262,7 @@ def test_device_draws_follow_the_host_samplers_distribution(
     k = None if top_k is None else np.full(n, top_k, np.int32)
     p = None if top_p is None else np.full(n, top_p, np.float32)
     m = None if min_p is None else np.full(n, min_p, np.float32)
-    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3), m))
+    drawn = np.array(sample_rows(mx.array(rows.numpy()), t, k, p, mx.random.key(3), m)[0])
     metadata = sampling_metadata(
         torch.from_numpy(t),
         {},
@@ -281,7 +286,7 @@ def test_the_distribution_check_catches_a_wrong_temperature():
     drawn = np.array(
         sample_rows(
             mx.array(rows.numpy()), np.full(n, 0.7, np.float32), None, None, mx.random.key(3)
-        )
+        )[0]
     )
     metadata = sampling_metadata(torch.full((n,), 1.0), {})
     host = Sampler()(rows.clone(), metadata).sampled_token_ids.view(-1).numpy()

@@ -19,7 +19,7 @@ from vllm.v1.sample.sampler import Sampler
 from tests.backends.mlx.runner.schedules import BS, Cached, new_req, sample, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample as sampling
-from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler, raw_logprobs
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.step import StepState
 from vllm_metal.backends.mlx.runner.tensors import to_torch
@@ -76,14 +76,20 @@ def _run(
     if setup is not None:
         setup(states)
     logits = mx.array(_table(seed, 3, states.vocab_size))
-    tokens = logprobs = None
+    tokens = logprobs = values = None
     if on_device:  # as `Sampling.finish_step` queues them
-        tokens = DeviceSampler(seed).tokens(logits, states.input_batch)
-        metadata = states.input_batch.sampling_metadata
-        logprobs = None if tokens is None else raw_logprobs(logits, tokens, metadata, mode)
+        tokens, logprobs, values = DeviceSampler(seed).outputs(logits, states.input_batch, mode)
     copied = []
     monkeypatch.setattr(sampling, "to_torch", lambda a: copied.append(a.shape[0]) or to_torch(a))
-    state = StepState(sched, packed, logits, {}, device_tokens=tokens, device_logprobs=logprobs)
+    state = StepState(
+        sched,
+        packed,
+        logits,
+        {},
+        device_tokens=tokens,
+        device_logprobs=logprobs,
+        logprob_values=values,
+    )
     state.grammar_output = grammar
     device = DeviceSampler(seed) if on_device else None
     output = sampling.sample_step(state, states, Sampler(logprobs_mode=mode), mode, None, device)
@@ -319,11 +325,51 @@ def test_a_custom_processor_keeps_the_whole_step_on_the_host(vllm_config, monkey
     assert copied == [3] and device["c"] == [int(TOP[1])]
 
 
-def test_processed_logprobs_keep_the_whole_step_on_the_host(vllm_config, monkeypatch):
-    params = {"a": _greedy(logprobs=2), "c": RULES["logit_bias"]}
-    device, copied, _ = _run(vllm_config, params, True, monkeypatch, mode="processed_logprobs")
-    host, _, _ = _run(vllm_config, params, False, monkeypatch, mode="processed_logprobs")
-    assert copied == [3] and device == host
+def _assert_logprobs_equal(mine, want) -> None:
+    np.testing.assert_array_equal(mine.logprob_token_ids, want.logprob_token_ids)
+    np.testing.assert_array_equal(mine.sampled_token_ranks, want.sampled_token_ranks)
+    np.testing.assert_allclose(mine.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processed_logprobs_of_greedy_rows_come_from_the_device(vllm_config, monkeypatch, mode):
+    """vLLM's processed modes over greedy rows: the logits after each row's rules (c's logit
+    bias, a's penalty), without copying logits."""
+    params = {"a": _greedy(logprobs=2, presence_penalty=1.5), "c": RULES["logit_bias"]}
+    params["c"].logprobs = 3
+    device, copied, ours = _run(vllm_config, params, True, monkeypatch, mode=mode)
+    host, _, theirs = _run(vllm_config, params, False, monkeypatch, mode=mode)
+    assert copied == [] and device == host
+    _assert_logprobs_equal(ours.logprobs, theirs.logprobs)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processed_logprobs_of_random_rows_come_from_the_device(vllm_config, monkeypatch, mode):
+    """A random row with a temperature, min-p, top-k and top-p beside a greedy row: its
+    processed values are those it was drawn from (the tokens top-k, top-p and min-p drop at
+    -inf), as vLLM's sampler gives them; the greedy row's at temperature 1. The device and the
+    host draw different tokens, so the sampled column is checked against the host's top list,
+    which holds every token the row keeps."""
+    params = {
+        "a": _greedy(logprobs=3),
+        "c": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=6),
+    }
+    _, copied, ours = _run(vllm_config, params, True, monkeypatch, mode=mode)
+    _, _, theirs = _run(vllm_config, params, False, monkeypatch, mode=mode)
+    assert copied == []
+    mine, want = ours.logprobs, theirs.logprobs
+    # The tokens a row drops tie at -inf, in no order.
+    kept = np.isfinite(want.logprobs[:, 1:])
+    ids, want_ids = mine.logprob_token_ids[:, 1:], want.logprob_token_ids[:, 1:]
+    np.testing.assert_array_equal(np.where(kept, ids, -1), np.where(kept, want_ids, -1))
+    np.testing.assert_allclose(mine.logprobs[:, 1:], want.logprobs[:, 1:], rtol=1e-5, atol=1e-5)
+    c = ROWS["c"]
+    assert 1 <= np.isfinite(want.logprobs[c, 1:]).sum() <= 5  # top-k (and more) dropped some
+    top = dict(zip(want.logprob_token_ids[c, 1:].tolist(), want.logprobs[c, 1:].tolist()))
+    token, value = int(mine.logprob_token_ids[c, 0]), float(mine.logprobs[c, 0])
+    assert token == ours.sampled_token_ids[c][0] and np.isfinite(top[token])
+    np.testing.assert_allclose(value, top[token], rtol=1e-5, atol=1e-5)
+    assert mine.sampled_token_ranks[c] == sum(v >= top[token] for v in top.values())
 
 
 @pytest.mark.parametrize(

@@ -10,18 +10,20 @@ probability (at that temperature) is below min-p times the row's largest; top-k 
 largest; top-p keeps, in descending order, each token whose preceding mass (after top-k) is
 below p, so the smallest set holding at least p survives, as vLLM's `apply_top_k_top_p` does;
 then one draw from the softmax of what is kept (Gumbel-max). Greedy rows (temperature below
-vLLM's epsilon) keep their argmax. Logprobs in vLLM's `raw_logprobs` and `raw_logits` modes
-(top-k, or of named tokens) are computed with the tokens (`raw_logprobs`).
+vLLM's epsilon) keep their argmax. Logprobs (top-k, or of named tokens) are computed with the
+tokens in each of vLLM's modes: of the raw logits, or of the processed ones the tokens were drawn
+from (`Draw.processed`, `logprob_values`, `step_logprobs`).
 
 Whether the step may use these tokens is decided when it is sampled (`sample.host_route`): a
 grammar's bitmask is applied on the device and the tokens drawn again (`grammar_masked`);
 seeded rows are drawn on the host, where their randomness is keyed by position (`seeded.py`):
 their logits rows alone are copied; a step with what the device does not apply (a custom
-logits processor, a thinking budget, logprobs of processed logits) goes to vLLM's `Sampler`.
+logits processor, a thinking budget) goes to vLLM's `Sampler`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -53,31 +55,33 @@ def min_p_of(metadata: SamplingMetadata, n: int) -> np.ndarray | None:
     return None
 
 
-# The logprobs modes the device computes: those of the raw logits (before any rule, penalty or
-# temperature), vLLM's default; the processed modes go to the host.
-RAW_MODES = ("raw_logprobs", "raw_logits")
+def logprob_values(logits: mx.array, draw: Draw, logprobs_mode: str) -> mx.array:
+    """`[rows, V]` float32: what vLLM's `Sampler` takes a step's logprobs from in `logprobs_mode`:
+    the raw logits (before any rule, penalty or temperature) or the processed ones (`Draw`),
+    as they are (`*_logits`) or log-softmaxed (`*_logprobs`)."""
+    source = draw.processed if logprobs_mode.startswith("processed") else logits
+    if logprobs_mode.endswith("logprobs"):
+        return source - mx.logsumexp(source, axis=-1, keepdims=True)
+    return source
 
 
-def raw_logprobs(
-    logits: mx.array, tokens: mx.array, metadata: SamplingMetadata, logprobs_mode: str
+def step_logprobs(
+    values: mx.array, tokens: mx.array, metadata: SamplingMetadata
 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The step's logprobs as vLLM's `Sampler` returns them in a raw mode, computed on the
-    device from the raw logits (each row's log-softmax, or the logits themselves in
-    `raw_logits` mode): `[rows, 1 + k]` token ids (the sampled token, then the row's k most
-    likely tokens, most likely first), their values, and `[rows]` ranks of the sampled tokens
-    (how many values are at least the sampled one's), k being the batch's largest request
-    (the vocabulary size for `logprobs=-1`). Where a row names tokens (`logprob_token_ids`),
-    every row's ids are instead the sampled token then the tokens it names (padding: token 0 at
-    -inf), as vLLM prefers them. None when the step asks for no logprobs, or for a processed
-    mode (the host gives those)."""
+    """The step's logprobs as vLLM's `Sampler` returns them, from `values` (`logprob_values`):
+    `[rows, 1 + k]` token ids (the sampled token, then the row's k most likely tokens, most
+    likely first), their values, and `[rows]` ranks of the sampled tokens (how many values are
+    at least the sampled one's), k being the batch's largest request (the vocabulary size for
+    `logprobs=-1`). Where a row names tokens (`logprob_token_ids`), every row's ids are instead
+    the sampled token then the tokens it names (padding: token 0 at -inf), as vLLM prefers them.
+    None when the step asks for no logprobs."""
     k, named = metadata.max_num_logprobs, metadata.logprob_token_ids
-    if (k is None and not named) or logprobs_mode not in RAW_MODES:
+    if k is None and not named:
         return None
-    values = _raw_values(logits, logprobs_mode)
     sampled = tokens.astype(mx.int32)[:, None]
     chosen, ranks = _of_sampled(values, sampled)
     if named:
-        ids, valid = _named(named, logits.shape[0])
+        ids, valid = _named(named, values.shape[0])
         ids = mx.concatenate([sampled, mx.array(ids)], axis=-1)
         named_values = mx.take_along_axis(values, ids, axis=-1)
         return ids, mx.where(mx.array(valid), named_values, -mx.inf), ranks
@@ -92,12 +96,6 @@ def raw_logprobs(
     return mx.concatenate(ids, axis=-1), mx.concatenate(picked, axis=-1), ranks
 
 
-def _raw_values(logits: mx.array, logprobs_mode: str) -> mx.array:
-    if logprobs_mode == "raw_logprobs":
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return logits
-
-
 def _of_sampled(values: mx.array, sampled: mx.array) -> tuple[mx.array, mx.array]:
     """`[rows, 1]` values of the sampled tokens (`[rows, 1]`) and their `[rows]` ranks."""
     chosen = mx.take_along_axis(values, sampled, axis=-1)
@@ -105,22 +103,19 @@ def _of_sampled(values: mx.array, sampled: mx.array) -> tuple[mx.array, mx.array
 
 
 def with_tokens(
-    logprobs: tuple[mx.array, mx.array, mx.array],
-    logits: mx.array,
-    drawn: dict[int, int],
-    logprobs_mode: str,
+    logprobs: tuple[mx.array, mx.array, mx.array], values: mx.array, drawn: dict[int, int]
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """`raw_logprobs`' arrays with the tokens of rows drawn elsewhere (`drawn`: row -> token,
+    """`step_logprobs`' arrays with the tokens of rows drawn elsewhere (`drawn`: row -> token,
     seeded rows drawn on the host) as those rows' sampled tokens: their ids, values and ranks
     (the rest of each row does not depend on the token)."""
-    ids, values, ranks = logprobs
+    ids, picked, ranks = logprobs
     rows = mx.array(list(drawn), dtype=mx.int32)
     sampled = mx.array(list(drawn.values()), dtype=mx.int32)[:, None]
-    chosen, their_ranks = _of_sampled(_raw_values(logits[rows], logprobs_mode), sampled)
+    chosen, their_ranks = _of_sampled(values[rows], sampled)
     ids[rows, :1] = sampled
-    values[rows, :1] = chosen
+    picked[rows, :1] = chosen
     ranks[rows] = their_ranks.astype(ranks.dtype)
-    return ids, values, ranks
+    return ids, picked, ranks
 
 
 def _named(named: dict[int, list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +150,16 @@ def grammar_masked(logits: mx.array, rows: np.ndarray, bitmask: np.ndarray) -> m
     return mx.where(allowed[mx.array(pick)], logits, -mx.inf)
 
 
+@dataclass
+class Draw:
+    """A step's tokens drawn on the device, and the logits they were drawn from after every
+    rule, the temperature, min-p, top-k and top-p (the tokens those drop at -inf): what vLLM's
+    processed logprobs modes read (greedy rows' temperature counts as 1)."""
+
+    tokens: mx.array  # [rows]
+    processed: mx.array  # [rows, V] float32
+
+
 class DeviceSampler:
     """Draws the device tokens of a step; its random keys come from the engine's seed."""
 
@@ -162,27 +167,45 @@ class DeviceSampler:
         self._rng = np.random.default_rng(seed)
 
     def tokens(self, logits: mx.array, batch: InputBatch) -> mx.array | None:
-        """`[rows]` int tokens for `logits` (`[rows, V]` float32, one row per request of
-        `batch`) after the rows' rules (`logits_rules.apply_rules`): every row's argmax when all
-        are greedy, a sample of the random rows beside
-        the greedy rows' argmax where `samples_random_rows` allows; else None."""
+        draw = self.draw(logits, batch)
+        return None if draw is None else draw.tokens
+
+    def outputs(
+        self, logits: mx.array, batch: InputBatch, logprobs_mode: str
+    ) -> tuple[mx.array | None, tuple[mx.array, mx.array, mx.array] | None, mx.array | None]:
+        """A step's device tokens, their logprobs where the step asks for them, and the values
+        those were taken from (`logprob_values`); Nones where the device draws nothing."""
+        draw = self.draw(logits, batch) if logits.size else None
+        if draw is None:
+            return None, None, None
+        values = logprob_values(logits, draw, logprobs_mode)
+        logprobs = step_logprobs(values, draw.tokens, batch.sampling_metadata)
+        return draw.tokens, logprobs, None if logprobs is None else values
+
+    def draw(self, logits: mx.array, batch: InputBatch) -> Draw | None:
+        """The tokens for `logits` (`[rows, V]` float32, one row per request of `batch`) after
+        the rows' rules (`logits_rules.apply_rules`): every row's argmax when all are greedy, a
+        sample of the random rows beside the greedy rows' argmax where `samples_random_rows`
+        allows; else None."""
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
         logits = apply_rules(logits, metadata)
         if metadata.all_greedy:
-            return mx.argmax(logits, axis=-1)
+            return Draw(mx.argmax(logits, axis=-1), logits)
         if not samples_random_rows(metadata):
             return None
         key = mx.random.key(int(self._rng.integers(2**63)))
         temperature = batch.temperature_cpu[:n]
         top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
         top_p = None if batch.no_top_p else batch.top_p_cpu[:n]
-        drawn = sample_rows(logits, temperature, top_k, top_p, key, min_p_of(metadata, n))
+        drawn, processed = sample_rows(
+            logits, temperature, top_k, top_p, key, min_p_of(metadata, n)
+        )
         greedy_rows = temperature < _SAMPLING_EPS
-        if not greedy_rows.any():
-            return drawn
-        return mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
+        if greedy_rows.any():
+            drawn = mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
+        return Draw(drawn, processed)
 
 
 def sample_rows(
@@ -192,11 +215,11 @@ def sample_rows(
     top_p: np.ndarray | None,
     key: mx.array,
     min_p: np.ndarray | None = None,
-) -> mx.array:
+) -> tuple[mx.array, mx.array]:
     """One draw per row from softmax(logits / temperature) after min-p, top-k and top-p (vLLM's
     semantics, above); `min_p` of 0, `top_k` of the vocabulary size or more and `top_p` of 1
     keep every token. Rows with a temperature below epsilon are drawn at temperature 1 (the
-    caller keeps their argmax)."""
+    caller keeps their argmax). Also returns the logits drawn from (`Draw.processed`)."""
     t = np.where(temperature < _SAMPLING_EPS, 1.0, temperature).astype(np.float32)
     scaled = logits / mx.array(t)[:, None]
     if min_p is not None:
@@ -205,7 +228,7 @@ def sample_rows(
         scaled = mx.where(probs < floor, -mx.inf, scaled)
     noise = mx.random.gumbel(shape=scaled.shape, key=key)
     if top_k is None and top_p is None:
-        return mx.argmax(scaled + noise, axis=-1)
+        return mx.argmax(scaled + noise, axis=-1), scaled
     vocab = scaled.shape[-1]
     order = mx.argsort(-scaled, axis=-1)  # descending
     ranked = mx.take_along_axis(scaled, order, axis=-1)
@@ -220,4 +243,7 @@ def sample_rows(
         p = mx.array(top_p.astype(np.float32))
         keep = keep & ((before < p[:, None]) | (mx.arange(vocab)[None, :] == 0))
     choice = mx.argmax(mx.where(keep, ranked, -mx.inf) + noise, axis=-1)
-    return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    kept = mx.put_along_axis(mx.zeros(keep.shape, mx.bool_), order, keep, axis=-1)
+    return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0], mx.where(
+        kept, scaled, -mx.inf
+    )

@@ -26,7 +26,8 @@ from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.device_sampling import (
     DeviceSampler,
     grammar_masked,
-    raw_logprobs,
+    logprob_values,
+    step_logprobs,
     with_tokens,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
@@ -88,11 +89,7 @@ class Sampling:
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         batch = self.states.input_batch
-        tokens = self.device.tokens(logits, batch) if logits.size else None
-        logprobs = None
-        if tokens is not None:
-            metadata = batch.sampling_metadata
-            logprobs = raw_logprobs(logits, tokens, metadata, self.logprobs_mode)
+        tokens, logprobs, values = self.device.outputs(logits, batch, self.logprobs_mode)
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
         if forward.aux_hidden is not None:
@@ -106,6 +103,7 @@ class Sampling:
             prompt_logits,
             device_tokens=tokens,
             device_logprobs=logprobs,
+            logprob_values=values,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
@@ -186,9 +184,7 @@ def sample_step(
             logits = to_torch(apply_rules(step.logits, batch.sampling_metadata)[rows])
             drawn = dict(zip(host_rows, seeded.sample_apart(sampler, logits, host_rows, states)))
             if step.device_logprobs is not None:
-                step.device_logprobs = with_tokens(
-                    step.device_logprobs, step.logits, drawn, logprobs_mode
-                )
+                step.device_logprobs = with_tokens(step.device_logprobs, step.logprob_values, drawn)
         return _device_output(step, states, drawn)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
@@ -228,9 +224,6 @@ def host_route(
         return "the device drew no tokens (a custom processor acts on random rows)", []
     if step.grammar_output is not None and device is None:
         return "a grammar, with no device sampler to draw its rows again", []
-    wants_logprobs = metadata.max_num_logprobs is not None or bool(metadata.logprob_token_ids)
-    if wants_logprobs and step.device_logprobs is None:
-        return "logprobs of the processed logits", []
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return "a thinking budget", []
@@ -269,18 +262,21 @@ def _redraw_grammar_rows(
 ) -> None:
     """The step's device tokens (and logprobs) drawn again over its logits with the grammars'
     bitmasks applied on the device (`device_sampling.grammar_masked`), as vLLM applies them
-    before its `Sampler`: raw logprobs are those of the masked logits."""
+    before its `Sampler`: logprobs are those of the masked logits."""
     grammar = step.grammar_output
     batch = states.input_batch
     index = {req_id: i for i, req_id in enumerate(step.packed.req_ids)}
     kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
     rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
     masked = grammar_masked(step.logits, rows, grammar.grammar_bitmask[kept])
-    tokens = device.tokens(masked, batch)
-    assert tokens is not None, "the device drew the step's tokens before its grammar"
-    step.device_tokens = tokens
+    draw = device.draw(masked, batch)
+    assert draw is not None, "the device drew the step's tokens before its grammar"
+    step.device_tokens = draw.tokens
     if step.device_logprobs is not None:
-        step.device_logprobs = raw_logprobs(masked, tokens, batch.sampling_metadata, logprobs_mode)
+        step.logprob_values = logprob_values(masked, draw, logprobs_mode)
+        step.device_logprobs = step_logprobs(
+            step.logprob_values, draw.tokens, batch.sampling_metadata
+        )
 
 
 def _grammar_for_step_drafts(step: StepState, batch) -> tuple:

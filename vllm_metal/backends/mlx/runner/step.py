@@ -40,8 +40,10 @@ class StepState:
     # to the host, so the logits never reach the host. None: the host samples.
     device_tokens: mx.array | None = None
     # (ids, logprobs, ranks) of `device_tokens` as vLLM's sampler gives them, drawn with them
-    # where the step asks for logprobs the device gives (`device_sampling.raw_logprobs`).
+    # where the step asks for logprobs (`device_sampling.step_logprobs`), and the `[S, V]`
+    # values they were taken from (`device_sampling.logprob_values`).
     device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
+    logprob_values: mx.array | None = None
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
