@@ -2,7 +2,8 @@
 for GLM-4.7-Flash / DeepSeek-V3 and Nemotron-H checkpoints with their MTP layers, and for a Gemma 4
 target with its MTP assistant, and refused at startup, by name, for a model without one, an
 assistant for another target or one that does not fit its target, a Nemotron-H MTP pattern vLLM
-does not build, and DSpark (vLLM's own EngineArgs, the plugin as the platform)."""
+does not build, and DSpark; a DFlash head is accepted beside a Qwen3 target and refused, by
+name, where it does not fit (vLLM's own EngineArgs, the plugin as the platform)."""
 
 from __future__ import annotations
 
@@ -201,19 +202,51 @@ def test_an_eagle3_head_with_other_kv_heads_is_refused(eagle3_target, tmp_path):
         _engine_config(eagle3_target, speculative_config=_eagle3_spec(head))
 
 
-def test_dflash_is_refused_by_name(eagle3_target, tmp_path):
-    """A DFlash draft's config (`DFlashDraftModel`, `dflash_config`) reaches the platform."""
+def _dflash_head(target, out, **config_fields):
     import json
 
-    from tests.fixtures.tiny_eagle3 import write_eagle3_head
+    from tests.fixtures.tiny_dflash import write_dflash_head
 
-    head = write_eagle3_head(eagle3_target, tmp_path / "h", arch="qwen3")
+    head = write_dflash_head(target, out)
     config = json.loads((head / "config.json").read_text())
-    config |= {
-        "architectures": ["DFlashDraftModel"],
-        "block_size": 4,
-        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 5},
-    }
-    (head / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"method='dflash' .* block-diffusion draft head"):
+    (head / "config.json").write_text(json.dumps({**config, **config_fields}))
+    return head
+
+
+def test_a_qwen3_target_drafts_with_a_dflash_head(eagle3_target, tmp_path):
+    """vLLM reads the head as `DFlashDraftModel` with parallel drafting; async scheduling stays
+    on."""
+    head = _dflash_head(eagle3_target, tmp_path / "h")
+    config = _engine_config(eagle3_target, speculative_config=_eagle3_spec(head, "dflash"))
+    spec = config.speculative_config
+    assert spec.method == "dflash"
+    assert spec.draft_model_config.architectures[0] == "DFlashDraftModel"
+    assert spec.parallel_drafting is True
+    assert config.scheduler_config.async_scheduling is True
+
+
+_SWA = {"mask_token_id": 5, "target_layer_ids": [0, 1], "use_swa": True, "swa_window_size": 8}
+
+
+@pytest.mark.parametrize(
+    ("fields", "refusal"),
+    [
+        ({"dflash_config": _SWA}, "sliding-window DFlash layers"),
+        ({"num_key_value_heads": 1}, "K/V heads or head size differ from the target's"),
+        (
+            {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 7]}},
+            r"aux layer ids \[1, 8\] are outside the target's 0..2",
+        ),
+    ],
+)
+def test_unfit_dflash_heads_are_refused(eagle3_target, tmp_path, fields, refusal):
+    head = _dflash_head(eagle3_target, tmp_path / "h", **fields)
+    with pytest.raises(ValueError, match=rf"method='dflash' .*{refusal}"):
         _engine_config(eagle3_target, speculative_config=_eagle3_spec(head, "dflash"))
+
+
+def test_a_dflash_head_beside_an_unbuilt_target_is_refused(tiny_model_dir, tmp_path):
+    target = tiny_model_dir("olmo2", hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=64)
+    head = _dflash_head(target, tmp_path / "h")
+    with pytest.raises(ValueError, match=r"method='dflash' .* kept for llama, .* not 'olmo2'"):
+        _engine_config(target, speculative_config=_eagle3_spec(head, "dflash"))

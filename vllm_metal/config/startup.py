@@ -340,6 +340,6 @@ def apply_config(vllm_config: VllmConfig, backend: Backend) -> None:
 def _drafts_under_async(vllm_config: VllmConfig) -> bool:
     """Whether the runner serves the speculative method under async scheduling (the drafts it
     proposed put in for the scheduler's placeholders: docs/speculative-decoding.md): a draft
-    model, an EAGLE-3 head, a target's own MTP head and an MTP assistant (Gemma 4's) are. vLLM
-    keeps it off for n-gram itself."""
-    return vllm_config.speculative_config.method in ("draft_model", "eagle3", "mtp")
+    model, an EAGLE-3 or DFlash head, a target's own MTP head and an MTP assistant (Gemma 4's)
+    are. vLLM keeps it off for n-gram itself."""
+    return vllm_config.speculative_config.method in ("draft_model", "eagle3", "dflash", "mtp")

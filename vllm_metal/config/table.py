@@ -56,15 +56,13 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
 # Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`); eagle3: a head
-    # vLLM 0.32 defines beside a Llama / Qwen3 target (`_refuse_unfit_eagle3_head`).
-    "mlx": ("ngram", "draft_model", "mtp", "eagle3"),
+    # vLLM 0.32 defines beside a Llama / Qwen3 target (`_refuse_unfit_eagle3_head`); dflash:
+    # its Qwen3 block-drafting head over the same targets (`_refuse_unfit_dflash_head`).
+    "mlx": ("ngram", "draft_model", "mtp", "eagle3", "dflash"),
     "mps": (),
 }
 # Methods vLLM 0.32 defines that are not built here: what is missing.
 SPECULATIVE_NOT_BUILT: dict[str, str] = {
-    "dflash": "the block-diffusion draft head (vLLM's DFlashQwen3ForCausalLM: a whole block of "
-    "drafts at once from mask tokens and the target's aux hidden states, parallel drafting) is "
-    "not built",
     "dspark": "the DSpark block drafter (vLLM's Qwen3DSparkForCausalLM, Gemma4DSparkForCausalLM "
     "and DeepSeek-V4's: parallel block drafting with a Markov head and adaptive verification) is "
     "not built",
@@ -157,10 +155,13 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
         _refuse_missing_mtp_head(config, prefix, fallback)
     if spec.method == "eagle3":
         _refuse_unfit_eagle3_head(config, prefix)
+    if spec.method == "dflash":
+        _refuse_unfit_dflash_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
-        ("parallel_drafting", spec.parallel_drafting, False),
+        # vLLM turns it on for a DFlash head, which drafts a whole block at once.
+        ("parallel_drafting", spec.parallel_drafting, spec.method == "dflash"),
     ):
         if value != wanted:
             raise MetalConfigError(
@@ -188,6 +189,30 @@ def _refuse_unfit_eagle3_head(config: VllmConfig, prefix: str) -> None:
     if problem is not None:
         raise MetalConfigError(
             f"{prefix} method='eagle3' with {model_label(config)} and model={spec.model!r}: "
+            f"{problem}; use method 'ngram' or 'draft_model'"
+        )
+
+
+def _refuse_unfit_dflash_head(config: VllmConfig, prefix: str) -> None:
+    """method 'dflash' drafts with vLLM's DFlashQwen3ForCausalLM over a target whose aux hidden
+    states the runner keeps; its attention layers share the target's KV-cache group, so their
+    K/V heads and head size must be the target's (the weights are checked when it loads)."""
+    from vllm_metal.models.families import dflash
+
+    spec = config.speculative_config
+    draft = spec.draft_model_config
+    target = config.model_config
+    problem = dflash.missing(
+        draft.architectures[0], draft.hf_config.to_dict(), target.hf_text_config.to_dict()
+    )
+    if problem is None and (
+        draft.get_num_kv_heads(spec.draft_parallel_config),
+        draft.get_head_size(),
+    ) != (target.get_num_kv_heads(config.parallel_config), target.get_head_size()):
+        problem = "its K/V heads or head size differ from the target's"
+    if problem is not None:
+        raise MetalConfigError(
+            f"{prefix} method='dflash' with {model_label(config)} and model={spec.model!r}: "
             f"{problem}; use method 'ngram' or 'draft_model'"
         )
 

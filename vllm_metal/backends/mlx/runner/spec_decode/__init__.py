@@ -3,7 +3,7 @@
 Proposers (`ngram.py`: vLLM's n-gram proposer; `draft_model.py`: a smaller mlx-lm model with its
 own paged KV; `mtp.py`: the target's own multi-token-prediction head; `assistant.py`: an MTP
 assistant checkpoint over the target's K/V; `eagle3.py`: an EAGLE-3 head over the target's aux
-hidden states) fill `take_draft_token_ids` after each step; the
+hidden states; `dflash.py`: a DFlash head drafting a block at once from them) fill `take_draft_token_ids` after each step; the
 scheduler sends the drafts back
 as `scheduled_spec_decode_tokens`, and the runner verifies them as ordinary varlen query rows
 (q_len = 1 + drafts) with vLLM's rejection sampler (`verify.py`, kernels in `kernels.py`).
@@ -65,6 +65,10 @@ def make_spec_decoder(
         from vllm_metal.backends.mlx.runner.spec_decode.eagle3 import Eagle3Drafter
 
         drafter = Eagle3Drafter(vllm_config, target, kv_dtype=target.mlx_kv_dtype)
+    elif spec.method == "dflash":
+        from vllm_metal.backends.mlx.runner.spec_decode.dflash import DFlashDrafter
+
+        drafter = DFlashDrafter(vllm_config, target, kv_dtype=target.mlx_kv_dtype)
     else:  # the platform refuses other methods at startup
         raise ValueError(f"speculative method {spec.method!r} is not supported by vllm-metal")
     return SpecDecoder(vllm_config, sampler, drafter, Backoff(enabled=envs.VLLM_METAL_SPEC_BACKOFF))
