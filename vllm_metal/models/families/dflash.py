@@ -185,9 +185,7 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.value_scale = cfg.value_scale
 
-    def key_values(
-        self, x: mx.array, positions: mx.array
-    ) -> tuple[mx.array, mx.array]:
+    def key_values(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
         """K (normed, rotated) and V of rows `x` `[T, 1, hidden]` at `positions`:
         `[T, kv_heads, 1, head_dim]` each."""
         t = x.shape[0]
