@@ -15,7 +15,7 @@ import torch
 
 from tests.models.test_eagle3 import _hf_aux, _packed
 from vllm_metal.backends.mlx.runner.forward import layer_caches
-from vllm_metal.backends.mlx.runner.spec_decode.dflash import query_block
+from vllm_metal.backends.mlx.runner.spec_decode.dflash import block_drafts, query_block
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.models import load_model
 from vllm_metal.models.families import dflash
@@ -31,7 +31,7 @@ def target_dir(tiny_model_dir):
     return tiny_model_dir("qwen3", **TARGET)
 
 
-def _mlx_drafts(head, adapter, tokens, aux, causal=None):
+def _mlx_drafts(head, adapter, tokens, aux):
     """The head's logits at the masks and drafts after a context of `tokens`' aux states,
     written in two chunks, then the query block [token after them, mask * K]."""
     num_layers = len(head.layers)
@@ -45,12 +45,8 @@ def _mlx_drafts(head, adapter, tokens, aux, causal=None):
     block = query_block(
         ["r"], np.array([n - 1]), np.array([tokens[n]]), K, head.mask_token_id, [table], [BLOCK]
     )
-    causal = head.causal if causal is None else causal
-    key_ends = None if causal else np.repeat(block.seq_lens, K + 1).astype(np.int32)
-    embeds = head.embed(mx.array(block.token_ids)[:, None], adapter.embed)
-    out = head(embeds, layer_caches(pool, block, kinds, key_ends))[1:]
-    logits = head.lm_head(out).reshape(K, -1)
-    return logits, head.draft_tokens(logits)
+    logits, drafts = block_drafts(head, pool, kinds, block, adapter.embed, adapter.logits)
+    return logits, drafts[0]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -107,10 +103,8 @@ def test_self_drafting_head_drafts_the_pairing_continuation(target_dir, tmp_path
     )
     k = LOOKBACK
     block = query_block(["r"], np.array([n - 1]), np.array([tokens[n]]), k, 5, [table], [BLOCK])
-    key_ends = np.repeat(block.seq_lens, k + 1).astype(np.int32)
-    embeds = head.embed(mx.array(block.token_ids)[:, None], adapter.embed)
-    out = head(embeds, layer_caches(pool, block, [FULL_ATTENTION], key_ends))[1:]
-    drafts = np.array(mx.argmax(adapter.logits(out).reshape(k, -1), axis=-1)).tolist()
+    _, drafts = block_drafts(head, pool, [FULL_ATTENTION], block, adapter.embed, adapter.logits)
+    drafts = np.array(drafts)[0].tolist()
     want = [tokens[n] ^ ((i + 1) % 2) for i in range(k)]  # the tokens at n + 1 .. n + k
     assert drafts == want
 

@@ -22,6 +22,7 @@ of masks changes every draft.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.model_states import ModelState
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.step import StepState
+    from vllm_metal.kv.pool import KVPool
+    from vllm_metal.models import LayerKind
+    from vllm_metal.models.families.dflash import DFlashHead
 
 # Prefix of the head's layer names in vLLM's KV-cache config.
 DFLASH_LAYER_PREFIX = "dflash."
@@ -192,19 +196,35 @@ class DFlashDrafter(HeadWeights, PagedDrafter):
     ) -> mx.array:
         """The head's k drafts `[n, k]` (target token ids) of requests whose last kept
         positions are `last` and whose next tokens are `bonus`."""
-        head = self.head
-        k = self.num_masks
-        packed = query_block(
-            req_ids, last, bonus, k, head.mask_token_id, tables, states.block_sizes
-        )
-        # Non-causal: every row of a block reaches the block's last position.
-        key_ends = None if head.causal else np.repeat(packed.seq_lens, k + 1).astype(np.int32)
-        caches = layer_caches(self.pool, packed, self.kinds, key_ends)
-        embeds = head.embed(mx.array(packed.token_ids)[:, None], self.target.adapter.embed)
-        out = head(embeds, caches)
-        at_masks = (np.arange(len(req_ids) * (k + 1)) % (k + 1)) != 0
-        out = out[mx.array(np.nonzero(at_masks)[0].astype(np.int32))]
-        logits = head.lm_head(out) if head.lm_head is not None else self.target.adapter.logits(out)
-        tokens = head.draft_tokens(logits.reshape(out.shape[0], -1))
+        block = query_block(
+            req_ids, last, bonus, self.num_masks, self.head.mask_token_id, tables,
+            states.block_sizes,
+        )  # fmt: skip
+        adapter = self.target.adapter
+        _, tokens = block_drafts(self.head, self.pool, self.kinds, block, adapter.embed,
+                                 adapter.logits)  # fmt: skip
         mx.eval(tokens, *self.pool.arrays())
-        return tokens.reshape(len(req_ids), k)
+        return tokens
+
+
+def block_drafts(
+    head: DFlashHead,
+    pool: KVPool,
+    kinds: list[LayerKind],
+    block: PackedBatch,
+    target_embed: Callable[[mx.array], mx.array],
+    target_logits: Callable[[mx.array], mx.array],
+) -> tuple[mx.array, mx.array]:
+    """The head over query blocks (`query_block`), writing their K/V into `pool`: the logits
+    at the masks `[n * k, Vd]` and the drafts `[n, k]` (target token ids). Lazy."""
+    width = int(block.num_scheduled[0])
+    n = len(block.req_ids)
+    # Non-causal: every row of a block reaches the block's last position.
+    key_ends = None if head.causal else np.repeat(block.seq_lens, width).astype(np.int32)
+    caches = layer_caches(pool, block, kinds, key_ends)
+    out = head(head.embed(mx.array(block.token_ids)[:, None], target_embed), caches)
+    at_masks = np.nonzero(np.arange(n * width) % width != 0)[0].astype(np.int32)
+    out = out[mx.array(at_masks)]
+    logits = head.lm_head(out) if head.lm_head is not None else target_logits(out)
+    logits = logits.reshape(out.shape[0], -1)
+    return logits, head.draft_tokens(logits).reshape(n, width - 1)
