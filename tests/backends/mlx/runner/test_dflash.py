@@ -180,3 +180,28 @@ def test_seeded_batches_with_the_backoff_on(dflash_dirs, plain_seeded, head):
         env={"VLLM_METAL_SPEC_BACKOFF": "1"},
     )
     assert tokens(sampled) == tokens(again) == plain_seeded
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe", "gpt_oss"])
+def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_path, arch):
+    """The other target families whose aux states the runner keeps (`dflash.TARGET_TYPES`, as
+    for EAGLE-3), each with a random head drafting on every step: greedy tokens equal an
+    engine's without speculation (GPT-OSS: windowed and full layers, sinks)."""
+    from tests.fixtures.tiny_dflash import write_dflash_head
+    from tests.models.test_eagle3 import _target
+
+    target = _target(tiny_model_dir, arch, tmp_path)
+    head = write_dflash_head(target, tmp_path / "head")
+    jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
+    (plain,) = run_engine_job(target, jobs, engine=ENGINE)
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert tokens(drafted) == tokens(plain)
+    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
