@@ -205,3 +205,25 @@ def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_pat
     )
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_requests_near_max_model_len_give_the_tokens_of_plain_decoding(dflash_dirs):
+    """A query block reaches k + 1 positions past a request's last token: within that of
+    `max_model_len` the request stops drafting (its block would have no KV blocks), and its
+    tokens stay those of decoding without speculation up to the end."""
+    target, head = dflash_dirs["random"]
+    engine = {**ENGINE, "max_model_len": 128}
+    jobs = [{"prompts": random_prompts(5, [100, 118, 121]), "params": [greedy(30)]}]
+    (plain,) = run_engine_job(target, jobs, engine=engine)
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert [len(t) for t in tokens(plain)] == [28, 10, 7]  # cut by max_model_len
+    assert tokens(drafted) == tokens(plain)
+    assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics

@@ -17,7 +17,8 @@ The context is written every step, for requests that do not draft too: it is a p
 pass over the head's layers, so nothing is left for later (an EAGLE-3 or MTP head's deferral,
 `head.py`, has nothing to save here). Every drafting request runs all k masks, as vLLM's
 proposer does, and its drafts are cut to its cap afterwards: with a non-causal head the number
-of masks changes every draft.
+of masks changes every draft; a request whose block would reach past `max_model_len` (within
+k + 1 tokens of it) does not draft.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class DFlashDrafter(HeadWeights, PagedDrafter):
         self.download_dir = vllm_config.load_config.download_dir
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
         self.num_masks = int(spec.num_speculative_tokens)
+        self.max_model_len = vllm_config.model_config.max_model_len
         self.draft = self.draft_config.hf_config.to_dict()
         self.aux_layer_ids = dflash.aux_layer_ids(self.draft)
 
@@ -143,7 +145,10 @@ class DFlashDrafter(HeadWeights, PagedDrafter):
             return drafts
         tables = block_tables(states, len(step.packed.block_tables))
         self._write_context(step, states, tables, rows, start, count)
-        drafting = rows[caps[rows] > 0]
+        # A block reaching past max_model_len has no blocks to write (vLLM's lookahead stops
+        # there): such a request, within k + 1 tokens of its end, stops drafting.
+        fits = start[rows] + count[rows] + self.num_masks < self.max_model_len
+        drafting = rows[(caps[rows] > 0) & fits]
         if drafting.size == 0:
             # Queued, not waited for: the next step's reads of the head's K/V come after
             # these writes in MLX's graph.
