@@ -2,6 +2,7 @@
 states over the paged cache (a prompt in two chunks) and the query block [bonus, mask * k] equal
 a float32 torch port of vLLM's `DFlashQwen3ForCausalLM` and `DFlashProposer`
 (`tests/fixtures/tiny_dflash.py`): logits at the masks and drafts, non-causal and causal heads,
+a separately shipped mask embedding (`mask_embedding.pt`),
 draft vocabulary and `d2t` included; unfit heads are refused by name."""
 
 from __future__ import annotations
@@ -49,11 +50,20 @@ def _mlx_drafts(head, adapter, tokens, aux):
     return logits, drafts[0]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_head_matches_the_torch_port_over_pages(target_dir, tmp_path, causal):
-    from tests.fixtures.tiny_dflash import TorchDFlash, write_dflash_head
+@pytest.mark.parametrize(
+    ("causal", "mask_embedding"), [(False, False), (True, False), (False, True)]
+)
+def test_head_matches_the_torch_port_over_pages(target_dir, tmp_path, causal, mask_embedding):
+    """`mask_embedding`: the checkpoint ships `mask_embedding.pt` for its mask token."""
+    from tests.fixtures.tiny_dflash import MASK_TOKEN_ID, TorchDFlash, write_dflash_head
 
     head_dir = write_dflash_head(target_dir, tmp_path / "h", causal=causal)
+    if mask_embedding:
+        embedding = torch.randn(TARGET["hidden_size"], generator=torch.Generator().manual_seed(7))
+        torch.save(
+            {"mask_token_id": MASK_TOKEN_ID, "embedding": embedding},
+            head_dir / dflash.MASK_EMBEDDING_FILE,
+        )
     config = json.loads((head_dir / "config.json").read_text())
     assert dflash.causal(config) is causal
     tokens = np.random.default_rng(3).integers(16, 700, size=27).tolist()
@@ -67,6 +77,7 @@ def test_head_matches_the_torch_port_over_pages(target_dir, tmp_path, causal):
     adapter = load_model(str(target_dir), compute_dtype=mx.float32)
     head = dflash.load_head(config, 768, head_dir, mx.float32)
     assert head.d2t is not None and head.lm_head is not None  # a draft vocabulary of 384
+    assert (head.mask_embedding is not None) is mask_embedding
     logits, drafts = _mlx_drafts(head, adapter, tokens, mx.array(aux.numpy())[:, None])
     np.testing.assert_allclose(np.array(logits), want_logits.numpy(), rtol=1e-4, atol=1e-4)
     assert np.array(drafts).tolist() == want_drafts.tolist()
