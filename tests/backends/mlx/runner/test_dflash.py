@@ -227,3 +227,48 @@ def test_requests_near_max_model_len_give_the_tokens_of_plain_decoding(dflash_di
     assert [len(t) for t in tokens(plain)] == [28, 10, 7]  # cut by max_model_len
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_drafts_after_a_pause_are_those_of_drafting_every_step(dflash_dirs):
+    """The random head's drafts are rejected, so with the back-off on its requests pause; the
+    paused engine compiles its decode steps (`VLLM_METAL_COMPILE=1`, MLX's GPU default), whose
+    traces return the aux states the context is written from. A draft reads the context K/V at
+    every earlier position, so it equals the every-step engine's at the same tokens only if the
+    context was written over the paused steps too (and, after the prefix hits, sits in the
+    blocks the cache hands over)."""
+    target, head = dflash_dirs["random"]
+    first = {"prompts": PROMPTS, "params": [greedy(48)]}
+    (expected,) = run_engine_job(target, [first], engine=ENGINE)
+    resend = [p + o[:40] + [30, 31, 32] for p, o in zip(PROMPTS, tokens(expected))]
+    jobs = [
+        {"action": "record_drafts"},
+        first,
+        {"prompts": resend, "params": [greedy(16)]},
+        {"action": "recorded_drafts"},
+        {"action": "compiled_steps"},
+    ]
+    engine = {**ENGINE, "speculative_config": spec(head)}
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    runs = {
+        backoff: run_engine_job(target, jobs, engine=engine, env={**in_process, **env})
+        for backoff, env in (
+            ("off", {"VLLM_METAL_SPEC_BACKOFF": "0", "VLLM_METAL_COMPILE": "0"}),
+            ("on", {"VLLM_METAL_SPEC_BACKOFF": "1", "VLLM_METAL_COMPILE": "1"}),
+        )
+    }
+    assert runs["off"][4] == 0 and runs["on"][4] > 20, (runs["off"][4], runs["on"][4])
+    every = {tuple(c): d for c, d in runs["off"][3]}
+    for _, batch, resent, _, _ in runs.values():
+        assert tokens(batch) == tokens(expected)
+        assert all(r["num_cached_tokens"] >= BS for r in resent), resent
+    paused = runs["on"][3]
+    contexts = {tuple(c) for c, _ in paused}
+    prompts = {len(p) for p in PROMPTS + resend}
+    after_a_pause = 0
+    for context, drafts in paused:
+        assert drafts == every[tuple(context)][: len(drafts)], context
+        if tuple(context[:-1]) not in contexts and len(context) - 1 not in prompts:
+            after_a_pause += 1
+    assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
