@@ -15,10 +15,11 @@ step's context, which starts at the first position not verified.
 
 The context is written every step, for requests that do not draft too: it is a projection, not a
 pass over the head's layers, so nothing is left for later (an EAGLE-3 or MTP head's deferral,
-`head.py`, has nothing to save here). Every drafting request runs all k masks, as vLLM's
-proposer does, and its drafts are cut to its cap afterwards: with a non-causal head the number
-of masks changes every draft; a request whose block would reach past `max_model_len` (within
-k + 1 tokens of it) does not draft.
+`head.py`, has nothing to save here); it reads no token, so where nobody drafts after a step it
+is written before the step's tokens reach the host (`keeps_up`). Every drafting request runs all
+k masks, as vLLM's proposer does, and its drafts are cut to its cap afterwards: with a
+non-causal head the number of masks changes every draft; a request whose block would reach past
+`max_model_len` (within k + 1 tokens of it) does not draft.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
     HeadWeights,
     PagedDrafter,
     block_tables,
+    sampled_counts,
 )
 from vllm_metal.backends.mlx.runner.spec_decode.head import new_positions
 from vllm_metal.kv.quant import draft_cache_config
@@ -139,7 +141,7 @@ class DFlashDrafter(HeadWeights, PagedDrafter):
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
         drafts: list[list[int]] = [[] for _ in range(n)]
-        start, count = new_positions(step, states, sampled)
+        start, count = new_positions(step, states, sampled_counts(sampled))
         rows = np.nonzero(count > 0)[0]
         if rows.size == 0:
             return drafts
@@ -162,6 +164,18 @@ class DFlashDrafter(HeadWeights, PagedDrafter):
         for r, row in zip(drafting, np.array(tokens).tolist()):
             drafts[r] = [int(t) for t in row[: int(caps[r])]]
         return drafts
+
+    def keeps_up(self, step: StepState, states: RequestStates, num_sampled: np.ndarray) -> bool:
+        """Where nobody drafts after `step`: the context of its new positions, written before
+        its tokens reach the host (the context reads no token)."""
+        assert self.head is not None and self.pool is not None, "the drafter's head is not ready"
+        start, count = new_positions(step, states, num_sampled, unrecorded=num_sampled)
+        rows = np.nonzero(count > 0)[0]
+        if rows.size:
+            tables = block_tables(states, len(step.packed.block_tables))
+            self._write_context(step, states, tables, rows, start, count)
+            mx.async_eval(*self.pool.arrays())
+        return True
 
     def _write_context(
         self,
