@@ -237,7 +237,8 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(dflash_dirs):
     traces return the aux states the context is written from. A draft reads the context K/V at
     every earlier position, so it equals the every-step engine's at the same tokens only if the
     context was written over the paused steps too (and, after the prefix hits, sits in the
-    blocks the cache hands over)."""
+    blocks the cache hands over); steps after which nobody drafts have their context written
+    before their tokens reach the host."""
     target, head = dflash_dirs["random"]
     first = {"prompts": PROMPTS, "params": [greedy(48)]}
     (expected,) = run_engine_job(target, [first], engine=ENGINE)
@@ -248,6 +249,7 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(dflash_dirs):
         {"prompts": resend, "params": [greedy(16)]},
         {"action": "recorded_drafts"},
         {"action": "compiled_steps"},
+        {"action": "carried_steps"},
     ]
     engine = {**ENGINE, "speculative_config": spec(head)}
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -259,8 +261,11 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(dflash_dirs):
         )
     }
     assert runs["off"][4] == 0 and runs["on"][4] > 20, (runs["off"][4], runs["on"][4])
+    # Steps after which nobody drafted, whose context was written before their tokens reached
+    # the host (`DFlashDrafter.keeps_up`), their tokens carried on the device.
+    assert runs["on"][5] > 0, runs["on"][5]
     every = {tuple(c): d for c, d in runs["off"][3]}
-    for _, batch, resent, _, _ in runs.values():
+    for _, batch, resent, _, _, _ in runs.values():
         assert tokens(batch) == tokens(expected)
         assert all(r["num_cached_tokens"] >= BS for r in resent), resent
     paused = runs["on"][3]
