@@ -58,27 +58,58 @@ inline vf fp8_vec(const uint8_t* p, const float* table) {
 #endif
 }
 
-// How the kernel reads one K/V element: `load` widens one to float32, `vec` VW of them. F = 0:
-// the pools hold the query's element type E; otherwise bytes of that KvFormat, read unscaled: the
-// run folds the scales into the queries and the probabilities (fp8's per-tensor k_scale /
-// v_scale), or (per_row) multiplies each key's score and each value's probability by the row's
-// own scale, `row_scale` of the row's bytes (head_dim elements, then the scale).
+// How the kernel reads K/V elements of one pool row `row` (KV head `kv_begin + hk`'s first
+// element or byte): `zero(row, D)` is the row's offset subtracted from each element, `load(row, d,
+// zero)` widens element d to float32, `vec(row, d, zero)` VW of them from d on. F = 0: the pools
+// hold the query's element type E; otherwise bytes of that KvFormat, read unscaled: the run folds
+// the scales into the queries and the probabilities (fp8's per-tensor k_scale / v_scale), or
+// (per_row) multiplies each key's score and each value's probability by the row's own scale,
+// `row_scale` of the row's bytes (its elements, then the scale). int4 rows read their levels
+// from nibbles less the row's zero point (common/per_token_head.h).
 template <ElemType E, KvFormat F>
 struct KvElem {
   using T = typename Elem<E>::T;
   static constexpr bool per_row = false;
-  static float load(T v) { return Elem<E>::load(v); }
-  static vf vec(const T* p) { return load_vec<E>(p); }
+  static float zero(const T*, int64_t) { return 0.0f; }
+  static float load(const T* row, int64_t d, float) { return Elem<E>::load(row[d]); }
+  static vf vec(const T* row, int64_t d, float) { return load_vec<E>(row + d); }
 };
 template <const Fp8Table& Table, bool PerRow>
 struct ByteKv {
   using T = uint8_t;
   static constexpr bool per_row = PerRow;
-  static float load(uint8_t v) { return Table.v[v]; }
-  static vf vec(const uint8_t* p) { return fp8_vec(p, Table.v); }
+  static float zero(const uint8_t*, int64_t) { return 0.0f; }
+  static float load(const uint8_t* row, int64_t d, float) { return Table.v[row[d]]; }
+  static vf vec(const uint8_t* row, int64_t d, float) { return fp8_vec(row + d, Table.v); }
   static float row_scale(const uint8_t* row, int64_t head_dim) {
     const uint8_t* s = row + head_dim;
     return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+};
+struct Int4Kv {
+  using T = uint8_t;
+  static constexpr bool per_row = true;
+  static float stored(const uint8_t* row, int64_t head_dim) {
+    const uint8_t* s = row + head_dim / 2;
+    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+  static float zero(const uint8_t* row, int64_t head_dim) {
+    return vm_pth_int4_zp(stored(row, head_dim));
+  }
+  static float load(const uint8_t* row, int64_t d, float zero) {
+    return float(vm_pth_int4_level(row[d / 2], static_cast<int>(d))) - zero;
+  }
+  static vf vec(const uint8_t* row, int64_t d, float zero) {  // d even
+    const uint8_t* b = row + d / 2;
+    vf r;
+    for (int u = 0; u < VW / 2; ++u) {
+      r[2 * u] = float(vm_pth_int4_level(b[u], 0));
+      r[2 * u + 1] = float(vm_pth_int4_level(b[u], 1));
+    }
+    return r - vsplat(zero);
+  }
+  static float row_scale(const uint8_t* row, int64_t head_dim) {
+    return vm_pth_int4_scale(stored(row, head_dim));
   }
 };
 template <ElemType E>
@@ -89,6 +120,8 @@ template <ElemType E>
 struct KvElem<E, KvFormat::int8_per_token_head> : ByteKv<kPthInt8, true> {};
 template <ElemType E>
 struct KvElem<E, KvFormat::fp8_per_token_head> : ByteKv<kPthFp8, true> {};
+template <ElemType E>
+struct KvElem<E, KvFormat::int4_per_token_head> : Int4Kv {};
 
 }  // namespace
 }  // namespace vllm_metal::cpu
