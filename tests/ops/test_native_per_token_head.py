@@ -214,3 +214,28 @@ def test_native_int4_one_key_reads_its_row_exactly(native) -> None:
     values = ref.dequantize_rows(np.asarray(vc), INT4).astype(np.float32)
     rows = values[np.asarray(batch.block_tables)[:, 0], 0]
     np.testing.assert_array_equal(np.asarray(got), np.repeat(rows, 2, axis=1))
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_every_cpu_kernel_build_reads_int4(native, isa: str) -> None:
+    """Each inner-kernel build's nibble loads (vector and scalar tails: head size 80) read the
+    port's levels."""
+    if not native.set_cpu_isa(isa):
+        pytest.skip(f"this CPU/build has no {isa} variant")
+    try:
+        rng = np.random.default_rng(31)
+        batch = make_batch(
+            rng, q_lens=[1, 9], ctx_lens=[70, 40], num_heads=4, num_kv_heads=2, head_size=80,
+            block_size=16,
+        )  # fmt: skip
+        kc, vc, *_ = _stored_pools(batch, INT4)
+        keys, values = (ref.dequantize_rows(np.asarray(c), INT4) for c in (kc, vc))
+        args = (batch.query, kc, vc, *batch.args[3:])
+        got = native._C.paged_attention(*args, scale=0.1, kv_cache_dtype=INT4)
+        want = naive_attention(
+            to_numpy(batch.query), keys, values, *(np.asarray(a) for a in args[3:]), scale=0.1,
+            sliding_window=None, softcap=None, sinks=None,
+        )  # fmt: skip
+        assert_close(got, mx.array(want.astype(np.float32)), "float32")
+    finally:
+        native.set_cpu_isa("auto")

@@ -58,6 +58,36 @@ inline vf fp8_vec(const uint8_t* p, const float* table) {
 #endif
 }
 
+// The VW int4 levels of VW / 2 packed bytes, in element order (vm_pth_int4_level: element 2i the
+// low nibble of byte i): the nibbles split and interleaved, then widened, where the ISA has it.
+inline vf int4_vec(const uint8_t* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#else
+  int32_t four;
+  __builtin_memcpy(&four, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(four);
+#endif
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  const __m128i levels = _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(levels));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(levels));
+#endif
+#else
+  vf r;
+  for (int u = 0; u < VW / 2; ++u) {
+    r[2 * u] = float(vm_pth_int4_level(p[u], 0));
+    r[2 * u + 1] = float(vm_pth_int4_level(p[u], 1));
+  }
+  return r;
+#endif
+}
+
 // How the kernel reads K/V elements of one pool row `row` (KV head `kv_begin + hk`'s first
 // element or byte): `zero(row, D)` is the row's offset subtracted from each element, `load(row, d,
 // zero)` widens element d to float32, `vec(row, d, zero)` VW of them from d on. F = 0: the pools
@@ -100,13 +130,7 @@ struct Int4Kv {
     return float(vm_pth_int4_level(row[d / 2], static_cast<int>(d))) - zero;
   }
   static vf vec(const uint8_t* row, int64_t d, float zero) {  // d even
-    const uint8_t* b = row + d / 2;
-    vf r;
-    for (int u = 0; u < VW / 2; ++u) {
-      r[2 * u] = float(vm_pth_int4_level(b[u], 0));
-      r[2 * u + 1] = float(vm_pth_int4_level(b[u], 1));
-    }
-    return r - vsplat(zero);
+    return int4_vec(row + d / 2) - vsplat(zero);
   }
   static float row_scale(const uint8_t* row, int64_t head_dim) {
     return vm_pth_int4_scale(stored(row, head_dim));
