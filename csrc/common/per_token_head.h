@@ -129,7 +129,9 @@ VM_FP8_FN_ float vm_pth_int4_stored_scale(float scale, vm_u32 zp) {
 }
 
 // Level d of a row from its packed byte d / 2 (even d: the low nibble).
-VM_FP8_FN_ vm_u32 vm_pth_int4_level(vm_u32 byte, int d) { return (d & 1) ? byte >> 4 : byte & 0xFu; }
+VM_FP8_FN_ vm_u32 vm_pth_int4_level(vm_u32 byte, int d) {
+  return (d & 1) ? byte >> 4 : byte & 0xFu;
+}
 
 // A stored int4 scale read back: the zero point (its low four bits) and scale' (them cleared).
 VM_FP8_FN_ float vm_pth_int4_zp(float stored) { return float(VM_FLOAT_BITS_(stored) & 0xFu); }
