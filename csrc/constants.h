@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 11
+#define VM_OPS_ABI 12
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -39,13 +39,15 @@
 #define VM_FP8_NAN_CODE 127
 
 // ---- per-token-head KV caches -------------------------------------------------------------------
-// X(name, id, ...): --kv-cache-dtype int8_per_token_head / fp8_per_token_head
-// (vllm_metal/ops/per_token_head.py states their semantics, common/per_token_head.h the kernels'
-// store and load). `id` is the kernels' kv_format: uint8 pools whose (token, KV head) rows are
-// head_dim one-byte elements (int8, or fp8_e4m3 bytes) followed by the row's float32 scale
-// (VM_PTH_SCALE_BYTES, little-endian).
-#define VM_PTH_FORMATS(X, ...) \
-  X(int8_per_token_head, 3, __VA_ARGS__) X(fp8_per_token_head, 4, __VA_ARGS__)
+// X(name, id, ...): --kv-cache-dtype int8_per_token_head / fp8_per_token_head /
+// int4_per_token_head (vllm_metal/ops/per_token_head.py states their semantics,
+// common/per_token_head.h the kernels' store and load). `id` is the kernels' kv_format: uint8 pools
+// whose (token, KV head) rows are head_dim one-byte elements (int8, or fp8_e4m3 bytes) or head_dim
+// / 2 bytes of two int4 levels, followed by the row's float32 scale (VM_PTH_SCALE_BYTES,
+// little-endian).
+#define VM_PTH_FORMATS(X, ...)                                                   \
+  X(int8_per_token_head, 3, __VA_ARGS__) X(fp8_per_token_head, 4, __VA_ARGS__) \
+  X(int4_per_token_head, 5, __VA_ARGS__)
 #define VM_PTH_SCALE_BYTES 4
 
 // ---- head sizes --------------------------------------------------------------------------------

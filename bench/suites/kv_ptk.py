@@ -5,9 +5,9 @@ Run: python -m bench.run kv_ptk [--quick] [--out DIR]
 
 The method is `kv_fp8`'s (its docstring), with four engines of the plugin on one checkpoint, the
 same engine arguments but `kv_cache_dtype` (auto, int8_per_token_head, fp8_per_token_head,
-int4_per_token_head), started together and sent the same decode rounds in turn. The int8 and
-fp8 rows and the unquantized pools are written and read by the native ops; int4 rows by MLX's own
-ops (no native op takes them): the decode figures compare those paths as they ship.
+int4_per_token_head), started together and sent the same decode rounds in turn. Every pool is
+written and read by the native ops (int4's rotation in MLX around them): the decode figures
+compare those paths as they ship.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            f"The paged ops alone ({op['backend']} for the unquantized, int8 and fp8 pools, MLX's "
-            f"ops for int4, on {op['device']}), {shape['seqs']} sequences of {shape['keys']:,} "
+            f"The paged ops alone ({op['backend']} for every pool, int4's rotation in MLX, on "
+            f"{op['device']}), {shape['seqs']} sequences of {shape['keys']:,} "
             f"keys, {shape['q_heads']} query / {shape['kv_heads']} KV heads of "
             f"{shape['head_dim']}, median of {s['op_reps']} calls each, interleaved:"
         ),

@@ -116,26 +116,21 @@ enum class KvFormat : int32_t {
 
 // Whether the pools hold per-token-head rows (a float32 scale after each row's bytes).
 static constexpr bool per_token_head(KvFormat f) {
-  return f == KvFormat::int8_per_token_head || f == KvFormat::fp8_per_token_head;
+  return f == KvFormat::int8_per_token_head || f == KvFormat::fp8_per_token_head ||
+         f == KvFormat::int4_per_token_head;
 }
 
 // The KvFormat of a kv_cache_dtype the native ops take ("auto" or a format name); `op` names the
-// caller in the error (int4_per_token_head is refused by name).
+// caller in the error.
 inline KvFormat kv_format_of(const std::string& kv_cache_dtype, const char* op) {
   if (kv_cache_dtype == "auto") return KvFormat::same;
 #define VM_FP8_NAME_(NAME, ID, ...) \
   if (kv_cache_dtype == #NAME) return KvFormat::NAME;
   VM_FP8_FORMATS(VM_FP8_NAME_, ) VM_PTH_FORMATS(VM_FP8_NAME_, )
 #undef VM_FP8_NAME_
-  if (kv_cache_dtype == "int4_per_token_head") {
-    // Its rows are rotated and packed two elements a byte: MLX's ops (vllm_metal/ops/
-    // per_token_head.py) serve it; no native body reads or writes it.
-    throw std::invalid_argument(std::string(op) + ": kv_cache_dtype int4_per_token_head has no " +
-                                "native op (vllm_metal.ops serves it with MLX's ops)");
-  }
   throw std::invalid_argument(std::string(op) + ": kv_cache_dtype must be auto, fp8_e4m3, " +
-                              "fp8_e5m2, int8_per_token_head or fp8_per_token_head, got " +
-                              kv_cache_dtype);
+                              "fp8_e5m2, int8_per_token_head, fp8_per_token_head or " +
+                              "int4_per_token_head, got " + kv_cache_dtype);
 }
 
 }  // namespace vllm_metal::cpu

@@ -9,6 +9,13 @@
 // rounded half away from zero and clamped to [-128, 127], fp8 clamped to +-top and rounded to the
 // nearest E4M3 byte (common/fp8.h). The row's bytes are its elements, then the scale's four
 // little-endian bytes. An element reads as value(byte) * scale.
+//
+// int4 rows arrive already rotated (the rotation stays in MLX: ops/per_token_head.py) and are
+// asymmetric: scale = max((max - min) / 15, VM_PTH_MIN_SCALE), zero point zp = round(-min / scale)
+// clamped to [0, 15], an element x stores the level round(x * (1 / scale) + zp) clamped to
+// [0, 15] (both rounded half away from zero), element 2i in the low nibble of byte i and 2i + 1 in
+// the high one (head_dim / 2 bytes). The stored scale carries zp in its low four mantissa bits. An
+// element reads as (level - zp) * scale', scale' the stored scale with those bits cleared.
 #pragma once
 
 #include "common/fp8.h"
@@ -32,7 +39,16 @@ enum VmPthFormat { VM_PTH_FORMATS(VM_PTH_ID_, ) };
 
 // Whether kv_format names a per-token-head format (else: the query's dtype or per-tensor fp8).
 VM_FP8_FN_ bool vm_pth_is(int kv_format) {
-  return kv_format == VM_PTH_ID_int8_per_token_head || kv_format == VM_PTH_ID_fp8_per_token_head;
+  return kv_format == VM_PTH_ID_int8_per_token_head || kv_format == VM_PTH_ID_fp8_per_token_head ||
+         kv_format == VM_PTH_ID_int4_per_token_head;
+}
+
+// Whether a per-token-head format packs two elements a byte (int4: nibbles, asymmetric).
+VM_FP8_FN_ bool vm_pth_int4(int kv_format) { return kv_format == VM_PTH_ID_int4_per_token_head; }
+
+// Bytes of a row's elements: the scale's four bytes follow them.
+VM_FP8_FN_ int vm_pth_data_bytes(int head_dim, int kv_format) {
+  return vm_pth_int4(kv_format) ? head_dim / 2 : head_dim;
 }
 
 // The largest stored magnitude of a format: a row's absmax maps to it.
@@ -77,4 +93,53 @@ VM_FP8_FN_ float vm_pth_scale(vm_u32 b0, vm_u32 b1, vm_u32 b2, vm_u32 b3) {
 }
 VM_FP8_FN_ vm_u32 vm_pth_scale_byte(float scale, int i) {
   return (VM_FLOAT_BITS_(scale) >> (8 * i)) & 0xFFu;
+}
+
+// ---- int4: asymmetric levels, two a byte ------------------------------------------------------
+
+// float32 x + -0.5 toward x's sign, then the conversion to an integer clamped to [0, 15] (the
+// clamp first, so a huge x saturates as a GPU's conversion does).
+VM_FP8_FN_ vm_u32 vm_pth_int4_level_(float x) {
+  float r = x >= 0.0f ? x + 0.5f : x - 0.5f;
+  r = r > 15.0f ? 15.0f : (r < 0.0f ? 0.0f : r);
+  return vm_u32(int(r));
+}
+
+// The scale of a row whose smallest and largest elements are `low` and `high`.
+VM_FP8_FN_ float vm_pth_int4_scale_of(float low, float high) {
+  const float s = VM_PTH_DIV_(high - low, 15.0f);
+  return s > VM_PTH_MIN_SCALE ? s : VM_PTH_MIN_SCALE;
+}
+
+// The zero point of a row with smallest element `low` and scale `scale`.
+VM_FP8_FN_ vm_u32 vm_pth_int4_zero(float low, float scale) {
+  return vm_pth_int4_level_(VM_PTH_DIV_(-low, scale));
+}
+
+// The level (0..15) that stores element x of a row with inverse scale `inv` and zero point `zp`.
+VM_FP8_FN_ vm_u32 vm_pth_int4_store(float x, float inv, vm_u32 zp) {
+  const float q = x * inv;  // its own statement: never fused with the additions below
+  const float s = q + float(zp);
+  return vm_pth_int4_level_(s);
+}
+
+// The stored scale: the scale's bits with the zero point in the low four.
+VM_FP8_FN_ float vm_pth_int4_stored_scale(float scale, vm_u32 zp) {
+  return VM_BITS_FLOAT_((VM_FLOAT_BITS_(scale) & 0xFFFFFFF0u) | (zp & 0xFu));
+}
+
+// Level d of a row from its packed byte d / 2 (even d: the low nibble).
+VM_FP8_FN_ vm_u32 vm_pth_int4_level(vm_u32 byte, int d) {
+  return (d & 1) ? byte >> 4 : byte & 0xFu;
+}
+
+// A stored int4 scale read back: the zero point (its low four bits) and scale' (them cleared).
+VM_FP8_FN_ float vm_pth_int4_zp(float stored) { return float(VM_FLOAT_BITS_(stored) & 0xFu); }
+VM_FP8_FN_ float vm_pth_int4_scale(float stored) {
+  return VM_BITS_FLOAT_(VM_FLOAT_BITS_(stored) & 0xFFFFFFF0u);
+}
+
+// The value of level `level` of a row with zero point `zp` and scale' `scale`.
+VM_FP8_FN_ float vm_pth_int4_value(vm_u32 level, float zp, float scale) {
+  return (float(level) - zp) * scale;
 }

@@ -52,36 +52,54 @@ inline long_t pa_token_offset(
   return long_t(block) * p.kv_stride_block + long_t(pos % p.block_size) * p.kv_stride_slot;
 }
 
-// Four consecutive K/V elements of a pool of KV elements as the kernels compute with them, in the
-// query's type T: pools of T as stored; byte pools (KV = uchar) as value(byte) * scale rounded to T
-// (the op's contract), the byte an fp8 one of format kv_format or a per-token-head element
-// (common/per_token_head.h). `scale` is row_scale's: the row's factor.
+// Four consecutive K/V elements (columns c .. c + 3 of the row `row`, its first element or byte)
+// of a pool of KV elements as the kernels compute with them, in the query's type T: pools of T as
+// stored; byte pools (KV = uchar) as value(byte) * scale rounded to T (the op's contract), the byte
+// an fp8 one of format kv_format or a per-token-head element, or for int4 rows (level - zero) *
+// scale with the level a nibble (common/per_token_head.h). `scale` is row_scale's: the row's
+// factor; `zero` row_zero's: int4's zero point.
 template <typename T, typename KV>
 struct PaKv {
   static float row_scale(const device KV* row, float scale, constant PagedAttentionParams& p) {
     return scale;
   }
-  static vec<T, 4> load4(const device KV* src, float scale, int kv_format) {
-    return *reinterpret_cast<const device vec<T, 4>*>(src);
+  static float row_zero(const device KV* row, constant PagedAttentionParams& p) { return 0.0f; }
+  static vec<T, 4> load4(const device KV* row, int c, float scale, float zero, int kv_format) {
+    return *reinterpret_cast<const device vec<T, 4>*>(row + c);
   }
 };
 template <typename T>
 struct PaKv<T, uchar> {
-  // The factor of one pool row (`row`: its first byte): the per-tensor `scale` (p.k_scale for
-  // keys, p.v_scale for values) of fp8 pools, or a per-token-head row's own scale, the float32
-  // after its p.head_dim element bytes.
+  // A per-token-head row's stored scale: the float32 after its element bytes.
+  static float stored_scale(const device uchar* row, constant PagedAttentionParams& p) {
+    const device uchar* s = row + vm_pth_data_bytes(p.head_dim, p.kv_format);
+    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+  // The factor of one pool row: the per-tensor `scale` (p.k_scale for keys, p.v_scale for
+  // values) of fp8 pools, or a per-token-head row's own scale (int4: its zero point cleared).
   static float row_scale(const device uchar* row, float scale, constant PagedAttentionParams& p) {
     if (!vm_pth_is(p.kv_format)) {
       return scale;
     }
-    const device uchar* s = row + p.head_dim;
-    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+    const float stored = stored_scale(row, p);
+    return vm_pth_int4(p.kv_format) ? vm_pth_int4_scale(stored) : stored;
+  }
+  // The zero point of an int4 row (0 for every other format).
+  static float row_zero(const device uchar* row, constant PagedAttentionParams& p) {
+    return vm_pth_int4(p.kv_format) ? vm_pth_int4_zp(stored_scale(row, p)) : 0.0f;
   }
   static float value(uint code, int kv_format) {
     return vm_pth_is(kv_format) ? vm_pth_element(code, kv_format) : vm_fp8_to_float(code, kv_format);
   }
-  static vec<T, 4> load4(const device uchar* src, float scale, int kv_format) {
-    const uchar4 b = *reinterpret_cast<const device uchar4*>(src);
+  static vec<T, 4> load4(const device uchar* row, int c, float scale, float zero, int kv_format) {
+    if (vm_pth_int4(kv_format)) {  // c is a multiple of 4: two whole bytes
+      const uint lo = row[c / 2], hi = row[c / 2 + 1];
+      return vec<T, 4>(T(vm_pth_int4_value(vm_pth_int4_level(lo, 0), zero, scale)),
+                       T(vm_pth_int4_value(vm_pth_int4_level(lo, 1), zero, scale)),
+                       T(vm_pth_int4_value(vm_pth_int4_level(hi, 0), zero, scale)),
+                       T(vm_pth_int4_value(vm_pth_int4_level(hi, 1), zero, scale)));
+    }
+    const uchar4 b = *reinterpret_cast<const device uchar4*>(row + c);
     return vec<T, 4>(T(value(b.x, kv_format) * scale), T(value(b.y, kv_format) * scale),
                      T(value(b.z, kv_format) * scale), T(value(b.w, kv_format) * scale));
   }
@@ -169,12 +187,12 @@ inline void pa_stage_query(
   }
 }
 
-// Stages the KB keys b0 .. b0 + KB - 1 of one KV head, COLS columns each, into a threadgroup tile
-// of row pitch `pitch`, THREADS threads cooperating with 4-element vectors. `rows` points at the
-// head's first staged column in the pool, column `col0` of its rows, and `base` is the element
-// offset of b0's slot (pa_token_offset; < 0 for an unmapped block). Keys outside [lo, hi) and
-// unmapped ones read zero. Byte pools are dequantized here with `scale` or each row's own
-// (PaKv::row_scale), so the tile holds T as for any pool.
+// Stages the KB keys b0 .. b0 + KB - 1 of one KV head, columns col0 .. col0 + COLS - 1 of each,
+// into a threadgroup tile of row pitch `pitch`, THREADS threads cooperating with 4-element
+// vectors. `rows` points at the head's rows in the pool (their first element or byte), and `base`
+// is the element offset of b0's slot (pa_token_offset; < 0 for an unmapped block). Keys outside
+// [lo, hi) and unmapped ones read zero. Byte pools are dequantized here with `scale` or each row's
+// own (PaKv::row_scale, row_zero), so the tile holds T as for any pool.
 template <typename T, typename KV, int KB, int COLS, int THREADS>
 inline void pa_stage_kv(
     threadgroup T* tile, int pitch, const device KV* rows, int col0, float scale, long_t base,
@@ -187,8 +205,9 @@ inline void pa_stage_kv(
     vec<T, 4> v4 = vec<T, 4>(T(0.0f));
     if (base >= 0 && pos >= lo && pos < hi) {
       const device KV* row = rows + base + long_t(j) * p.kv_stride_slot;
-      const float row_scale = PaKv<T, KV>::row_scale(row - col0, scale, p);
-      v4 = PaKv<T, KV>::load4(row + c, row_scale, p.kv_format);
+      const float row_scale = PaKv<T, KV>::row_scale(row, scale, p);
+      const float row_zero = PaKv<T, KV>::row_zero(row, p);
+      v4 = PaKv<T, KV>::load4(row, col0 + c, row_scale, row_zero, p.kv_format);
     }
     *reinterpret_cast<threadgroup vec<T, 4>*>(tile + j * pitch + c) = v4;
   }

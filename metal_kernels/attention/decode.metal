@@ -121,10 +121,11 @@ template <typename T, typename KV, int D, int KB>
       if (valid && base >= 0) {
         const device KV* k_row = key_cache + base + long_t(j) * p.kv_stride_slot + head_off;
         const float k_scale = PaKv<T, KV>::row_scale(k_row, p.k_scale, p);
+        const float k_zero = PaKv<T, KV>::row_zero(k_row, p);
         for (int rd = 0; rd < ROUNDS; ++rd) {
           const int c = rd * 32 + sub * 4;
           if (c < D) {
-            const vec<T, 4> k4 = PaKv<T, KV>::load4(k_row + c, k_scale, p.kv_format);
+            const vec<T, 4> k4 = PaKv<T, KV>::load4(k_row, c, k_scale, k_zero, p.kv_format);
             dot += q[rd][0] * float(k4[0]) + q[rd][1] * float(k4[1]) + q[rd][2] * float(k4[2]) +
                    q[rd][3] * float(k4[3]);
           }
@@ -157,10 +158,11 @@ template <typename T, typename KV, int D, int KB>
         if (base >= 0) {
           const device KV* v_row = value_cache + base + long_t(j) * p.kv_stride_slot + head_off;
           const float v_scale = PaKv<T, KV>::row_scale(v_row, p.v_scale, p);
+          const float v_zero = PaKv<T, KV>::row_zero(v_row, p);
           for (int rd = 0; rd < ROUNDS; ++rd) {
             const int c = rd * 32 + sub * 4;
             if (c < D) {
-              const vec<T, 4> v4 = PaKv<T, KV>::load4(v_row + c, v_scale, p.kv_format);
+              const vec<T, 4> v4 = PaKv<T, KV>::load4(v_row, c, v_scale, v_zero, p.kv_format);
               for (int e = 0; e < 4; ++e) {
                 o[rd][e] += w * float(v4[e]);
               }

@@ -112,7 +112,7 @@ template <typename T, typename KV, int D>
   for (int b0 = w.tile_lo - w.tile_lo % KB; b0 < w.tile_hi; b0 += KB) {
     const long_t base = pa_token_offset(block_table, b0, p);
     for (int step = 0; step < K_STEPS; ++step) {
-      pa_stage_kv<T, KV, KB, DK, NAX_THREADS>(kv_tile, KP, key_cache + head_off + step * DK,
+      pa_stage_kv<T, KV, KB, DK, NAX_THREADS>(kv_tile, KP, key_cache + head_off,
                                               step * DK, p.k_scale, base, b0, w.tile_lo, w.tile_hi, p, tid);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       tg_tensor_t t_q(q_tile + step * DK, extents_t(DK, BQ), strides_t{1, QP});
@@ -125,7 +125,7 @@ template <typename T, typename KV, int D>
     }
 
     // V chunk for this threadgroup's columns, and the online softmax of S.
-    pa_stage_kv<T, KV, KB, DV, NAX_THREADS>(kv_tile, KP, value_cache + head_off + w.v_col0,
+    pa_stage_kv<T, KV, KB, DV, NAX_THREADS>(kv_tile, KP, value_cache + head_off,
                                             w.v_col0, p.v_scale, base, b0, w.tile_lo, w.tile_hi, p, tid);
     const float f = pa_softmax_tile<T, KB, 8>(s_tile + srow * SP, p_tile + srow * PP, scol, b0,
                                               row_lo, row_hi, p, m_run, l_run);

@@ -92,7 +92,7 @@ template <typename T, typename KV, int D, int B>
     const long_t base = pa_token_offset(block_table, b0, p);
     pa_stage_kv<T, KV, KB, D, THREADS>(k_tile, QP, key_cache + head_off, 0, p.k_scale, base, b0,
                                        w.tile_lo, w.tile_hi, p, tid);
-    pa_stage_kv<T, KV, KB, DV, THREADS>(v_tile, VP, value_cache + head_off + w.v_col0, w.v_col0,
+    pa_stage_kv<T, KV, KB, DV, THREADS>(v_tile, VP, value_cache + head_off, w.v_col0,
                                         p.v_scale,
                                         base, b0, w.tile_lo, w.tile_hi, p, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -1,8 +1,8 @@
 // Writes each step token's key and value rows into its slot of the paged K/V pools: as they are
 // (pools of the rows' type), or quantized to bytes (uint8 pools, the _fp8 instances): fp8 (a row
 // element x is stored as fp8(x / k_scale), values with v_scale; common/fp8.h), or per-token-head
-// rows (kv_format of VM_PTH_FORMATS: each row's elements with its own scale after them;
-// common/per_token_head.h).
+// rows (kv_format of VM_PTH_FORMATS: each row's elements, int4 two a byte, with its own scale after
+// them; common/per_token_head.h).
 //
 // MSL features used: templates + [[host_name]] instantiation (decltype form), [[kernel]],
 // [[buffer(n)]], `constant` struct reference, `device` pointers (long slot ids),
@@ -40,10 +40,38 @@ struct RcStore<T, uchar> {
   }
 };
 
+// One int4 row (already rotated) of head_dim elements: head_dim / 2 bytes of two levels, then the
+// stored scale with the zero point in its low bits.
+template <typename T>
+inline void rc_store_int4_row(const device T* src, device uchar* dst, int head_dim) {
+  float low = float(src[0]);
+  float high = low;
+  for (int d = 1; d < head_dim; ++d) {
+    low = metal::min(low, float(src[d]));
+    high = metal::max(high, float(src[d]));
+  }
+  const float scale = vm_pth_int4_scale_of(low, high);
+  const uint zp = vm_pth_int4_zero(low, scale);
+  const float inv = vm_pth_inverse(scale);
+  for (int d = 0; d + 1 < head_dim; d += 2) {
+    const uint even = vm_pth_int4_store(float(src[d]), inv, zp);
+    const uint odd = vm_pth_int4_store(float(src[d + 1]), inv, zp);
+    dst[d / 2] = uchar(even | (odd << 4));
+  }
+  const float stored = vm_pth_int4_stored_scale(scale, zp);
+  for (int i = 0; i < VM_PTH_SCALE_BYTES; ++i) {
+    dst[head_dim / 2 + i] = uchar(vm_pth_scale_byte(stored, i));
+  }
+}
+
 // One row of head_dim elements stored as a per-token-head row of format kv_format: the element
 // bytes, then the row's scale (four bytes).
 template <typename T>
 inline void rc_store_pth_row(const device T* src, device uchar* dst, int head_dim, int kv_format) {
+  if (vm_pth_int4(kv_format)) {
+    rc_store_int4_row(src, dst, head_dim);
+    return;
+  }
   float absmax = 0.0f;
   for (int d = 0; d < head_dim; ++d) {
     absmax = metal::max(absmax, metal::fabs(float(src[d])));

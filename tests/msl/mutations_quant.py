@@ -1,5 +1,5 @@
-"""The planted bugs of the quantized KV caches' kernels (per-tensor fp8, the per-token-head int8
-and fp8 formats) that the msl tests must catch (`mutate.py` runs them)."""
+"""The planted bugs of the quantized KV caches' kernels (per-tensor fp8, the per-token-head int8,
+fp8 and int4 formats) that the msl tests must catch (`mutate.py` runs them)."""
 
 from __future__ import annotations
 
@@ -79,22 +79,23 @@ QUANT_MUTATIONS = [
     Mutation(
         "pth-scale-of-the-next-row",
         "attention/common.h",
-        r"const device uchar\* s = row \+ p\.head_dim;",
-        "const device uchar* s = row + p.head_dim + p.kv_stride_head;",
+        r"const device uchar\* s = row \+ vm_pth_data_bytes\(p\.head_dim, p\.kv_format\);",
+        "const device uchar* s = row + vm_pth_data_bytes(p.head_dim, p.kv_format) + "
+        "p.kv_stride_head;",
         "pth and decode and not split",
     ),
     Mutation(
         "pth-scale-read-from-the-data-bytes",
         "attention/common.h",
-        r"const device uchar\* s = row \+ p\.head_dim;",
+        r"const device uchar\* s = row \+ vm_pth_data_bytes\(p\.head_dim, p\.kv_format\);",
         "const device uchar* s = row;",
         "pth and prefill and not nax",
     ),
     Mutation(
-        "pth-staged-scale-ignores-the-column-offset",
+        "pth-staged-columns-ignore-the-column-offset",
         "attention/common.h",
-        r"row_scale\(row - col0, scale, p\)",
-        "row_scale(row, scale, p)",
+        r"load4\(row, col0 \+ c, ",
+        "load4(row, c, ",
         "pth and prefill and not nax",
     ),
     Mutation(
@@ -130,6 +131,55 @@ QUANT_MUTATIONS = [
         "../csrc/common/per_token_head.h",
         r"float r = q >= 0\.0f \? q \+ 0\.5f : q - 0\.5f;",
         "float r = q;",
+        "pth and reshape",
+    ),
+    Mutation(
+        "pth-int4-read-nibbles-swapped",
+        "../csrc/common/per_token_head.h",
+        r"\(d & 1\) \? byte >> 4 : byte & 0xFu",
+        "(d & 1) ? byte & 0xFu : byte >> 4",
+        "pth and decode and int4",
+    ),
+    Mutation(
+        "pth-int4-write-nibbles-swapped",
+        "cache/reshape_and_cache.metal",
+        r"dst\[d / 2\] = uchar\(even \| \(odd << 4\)\);",
+        "dst[d / 2] = uchar(odd | (even << 4));",
+        "pth and reshape",
+    ),
+    Mutation(
+        "pth-int4-read-zero-point-left-in-the-scale",
+        "../csrc/common/per_token_head.h",
+        r"return VM_BITS_FLOAT_\(VM_FLOAT_BITS_\(stored\) & 0xFFFFFFF0u\);",
+        "return stored;",
+        "pth and int4 and exactly",
+    ),
+    Mutation(
+        "pth-int4-write-zero-point-over-the-scale-bits",
+        "../csrc/common/per_token_head.h",
+        r"\(VM_FLOAT_BITS_\(scale\) & 0xFFFFFFF0u\) \| \(zp & 0xFu\)",
+        "VM_FLOAT_BITS_(scale) | (zp & 0xFu)",
+        "pth and reshape",
+    ),
+    Mutation(
+        "pth-int4-zero-point-not-subtracted",
+        "../csrc/common/per_token_head.h",
+        r"return \(float\(level\) - zp\) \* scale;",
+        "return float(level) * scale;",
+        "pth and int4 and prefill and not nax",
+    ),
+    Mutation(
+        "pth-int4-zero-point-of-the-data-bytes",
+        "attention/common.h",
+        r"vm_pth_int4_zp\(stored_scale\(row, p\)\)",
+        "vm_pth_int4_zp(float(row[0]))",
+        "pth and int4 and gqa",
+    ),
+    Mutation(
+        "pth-int4-write-zero-point-rounds-toward-zero",
+        "../csrc/common/per_token_head.h",
+        r"float r = x >= 0\.0f \? x \+ 0\.5f : x - 0\.5f;",
+        "float r = x;",
         "pth and reshape",
     ),
 ]

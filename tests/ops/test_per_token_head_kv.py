@@ -162,8 +162,8 @@ def test_attention_reads_vllms_values(name: str, dtype: str, case: str, option: 
 
 @pytest.mark.parametrize("name", ["int4_per_token_head", "int8_per_token_head"])
 def test_key_ends_rows_read_per_token_head(name: str) -> None:
-    """Prefix-LM rows (MLX's reference) beside the op's rows (MLX's ops for int4, the native op
-    for int8)."""
+    """Prefix-LM rows (MLX's reference) beside the op's rows (the native op where the extension
+    runs; int4's rotations around both)."""
     rng = np.random.default_rng(3)
     batch = make_batch(
         rng, q_lens=[6], ctx_lens=[10], num_heads=4, num_kv_heads=2, head_size=64, block_size=16

@@ -115,8 +115,9 @@ def _contiguous(*arrays: mx.array | None) -> list[mx.array | None]:
 def reshape_and_cache(
     *arrays: mx.array, quant: KVQuant | PerTokenHeadQuant | None = None
 ) -> tuple[mx.array, mx.array]:
-    """arrays: key, value, key_cache, value_cache, slot_mapping. ``quant``: fp8 or (int8 / fp8)
-    per-token-head pools, which the C++ CPU body and the Metal kernel write quantized."""
+    """arrays: key, value, key_cache, value_cache, slot_mapping. ``quant``: fp8 or per-token-head
+    pools (int4: rows already rotated), which the C++ CPU body and the Metal kernel write
+    quantized."""
     key, value, key_cache, value_cache, slot_mapping = arrays
     if on_gpu():
         key, value, slot_mapping = _contiguous(key, value, slot_mapping)
@@ -140,8 +141,8 @@ def paged_attention(
     decode: bool = False,
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
-    or (int8 / fp8) per-token-head pools, which the C++ CPU body and every Metal kernel family
-    read. ``decode``: one query row per
+    or per-token-head pools (int4: the query already rotated, the scale divided by the rotation
+    block), which the C++ CPU body and every Metal kernel family read. ``decode``: one query row per
     sequence, lengths made from host data (the call may be traced by mx.compile)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():

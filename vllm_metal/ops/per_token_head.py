@@ -135,8 +135,14 @@ def quantize(x: mx.array, kv_cache_dtype: str) -> mx.array:
     return mx.concatenate([codes, _scale_bytes(scale)], axis=-1)
 
 
+def rotated_rows(x: mx.array) -> mx.array:
+    """int4's rows as its store quantizes them: rotated and rounded to the rows' dtype (what the
+    native write op receives)."""
+    return rotate(x).astype(x.dtype)
+
+
 def _quantize_int4(x: mx.array) -> mx.array:
-    a = rotate(x).astype(x.dtype).astype(mx.float32)
+    a = rotated_rows(x).astype(mx.float32)
     low, high = mx.min(a, axis=-1, keepdims=True), mx.max(a, axis=-1, keepdims=True)
     scale = mx.maximum((high - low) / INT4_LEVELS, MIN_SCALE)
     zp = mx.clip(_round_half_away(-low / scale).astype(mx.int32), 0, 15)
@@ -180,9 +186,14 @@ class PerTokenHeadQuant:
 
     @property
     def native(self) -> bool:
-        """Whether the native ops (C++ CPU bodies, Metal kernels) write and read these pools:
-        int8 and fp8; int4 (rotated, packed) is served by the MLX ops here only."""
+        """Whether the native ops (C++ CPU bodies, Metal kernels) write and read these pools (all
+        three formats; int4's rotation stays in MLX: `stored_rows`, and attention's own)."""
         return self.kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
+
+    def stored_rows(self, rows: mx.array) -> mx.array:
+        """The rows the native write op quantizes: int4's rotated (`rotated_rows`), the others as
+        they are."""
+        return rotated_rows(rows) if self.rotated else rows
 
     def row_bytes(self, head_size: int) -> int:
         return row_bytes(self.kv_cache_dtype, head_size)

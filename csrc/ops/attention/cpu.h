@@ -37,7 +37,7 @@ struct AttentionArgs {
   float scale;
   int32_t sliding_window;  // 0 = none
   float softcap;           // 0 = none
-  int64_t kv_row;          // pool elements per (key, KV head) row: D, or D + 4 per-token-head bytes
+  int64_t kv_row;          // pool elements per (key, KV head) row: D, or a per-token-head row's bytes
   KvFormat kv_format = KvFormat::same;
   float k_scale = 1.0f, v_scale = 1.0f;  // fp8 pools only
 };

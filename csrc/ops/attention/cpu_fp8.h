@@ -58,27 +58,82 @@ inline vf fp8_vec(const uint8_t* p, const float* table) {
 #endif
 }
 
-// How the kernel reads one K/V element: `load` widens one to float32, `vec` VW of them. F = 0:
-// the pools hold the query's element type E; otherwise bytes of that KvFormat, read unscaled: the
-// run folds the scales into the queries and the probabilities (fp8's per-tensor k_scale /
-// v_scale), or (per_row) multiplies each key's score and each value's probability by the row's
-// own scale, `row_scale` of the row's bytes (head_dim elements, then the scale).
+// The VW int4 levels of VW / 2 packed bytes, in element order (vm_pth_int4_level: element 2i the
+// low nibble of byte i): the nibbles split and interleaved, then widened, where the ISA has it.
+inline vf int4_vec(const uint8_t* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#else
+  int32_t four;
+  __builtin_memcpy(&four, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(four);
+#endif
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  const __m128i levels = _mm_unpacklo_epi8(lo, hi);  // lo0 hi0 lo1 hi1 ...
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(levels));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(levels));
+#endif
+#else
+  vf r;
+  for (int u = 0; u < VW / 2; ++u) {
+    r[2 * u] = float(vm_pth_int4_level(p[u], 0));
+    r[2 * u + 1] = float(vm_pth_int4_level(p[u], 1));
+  }
+  return r;
+#endif
+}
+
+// How the kernel reads K/V elements of one pool row `row` (KV head `kv_begin + hk`'s first
+// element or byte): `zero(row, D)` is the row's offset subtracted from each element, `load(row, d,
+// zero)` widens element d to float32, `vec(row, d, zero)` VW of them from d on. F = 0: the pools
+// hold the query's element type E; otherwise bytes of that KvFormat, read unscaled: the run folds
+// the scales into the queries and the probabilities (fp8's per-tensor k_scale / v_scale), or
+// (per_row) multiplies each key's score and each value's probability by the row's own scale,
+// `row_scale` of the row's bytes (its elements, then the scale). int4 rows read their levels
+// from nibbles less the row's zero point (common/per_token_head.h).
 template <ElemType E, KvFormat F>
 struct KvElem {
   using T = typename Elem<E>::T;
   static constexpr bool per_row = false;
-  static float load(T v) { return Elem<E>::load(v); }
-  static vf vec(const T* p) { return load_vec<E>(p); }
+  static float zero(const T*, int64_t) { return 0.0f; }
+  static float load(const T* row, int64_t d, float) { return Elem<E>::load(row[d]); }
+  static vf vec(const T* row, int64_t d, float) { return load_vec<E>(row + d); }
 };
 template <const Fp8Table& Table, bool PerRow>
 struct ByteKv {
   using T = uint8_t;
   static constexpr bool per_row = PerRow;
-  static float load(uint8_t v) { return Table.v[v]; }
-  static vf vec(const uint8_t* p) { return fp8_vec(p, Table.v); }
+  static float zero(const uint8_t*, int64_t) { return 0.0f; }
+  static float load(const uint8_t* row, int64_t d, float) { return Table.v[row[d]]; }
+  static vf vec(const uint8_t* row, int64_t d, float) { return fp8_vec(row + d, Table.v); }
   static float row_scale(const uint8_t* row, int64_t head_dim) {
     const uint8_t* s = row + head_dim;
     return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+};
+struct Int4Kv {
+  using T = uint8_t;
+  static constexpr bool per_row = true;
+  static float stored(const uint8_t* row, int64_t head_dim) {
+    const uint8_t* s = row + head_dim / 2;
+    return vm_pth_scale(s[0], s[1], s[2], s[3]);
+  }
+  static float zero(const uint8_t* row, int64_t head_dim) {
+    return vm_pth_int4_zp(stored(row, head_dim));
+  }
+  static float load(const uint8_t* row, int64_t d, float zero) {
+    return float(vm_pth_int4_level(row[d / 2], static_cast<int>(d))) - zero;
+  }
+  static vf vec(const uint8_t* row, int64_t d, float zero) {  // d even
+    return int4_vec(row + d / 2) - vsplat(zero);
+  }
+  static float row_scale(const uint8_t* row, int64_t head_dim) {
+    return vm_pth_int4_scale(stored(row, head_dim));
   }
 };
 template <ElemType E>
@@ -89,6 +144,8 @@ template <ElemType E>
 struct KvElem<E, KvFormat::int8_per_token_head> : ByteKv<kPthInt8, true> {};
 template <ElemType E>
 struct KvElem<E, KvFormat::fp8_per_token_head> : ByteKv<kPthFp8, true> {};
+template <ElemType E>
+struct KvElem<E, KvFormat::int4_per_token_head> : Int4Kv {};
 
 }  // namespace
 }  // namespace vllm_metal::cpu

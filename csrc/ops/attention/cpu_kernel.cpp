@@ -32,10 +32,16 @@ inline void qk_block(const float* __restrict q, const typename KV::T* const* k, 
   vf acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < J; ++b) acc[r][b] = vf{};
+  const typename KV::T* kr[J];
+  float kz[J];
+  for (int b = 0; b < J; ++b) {
+    kr[b] = k[j + b] + koff;
+    kz[b] = KV::zero(kr[b], D);
+  }
   int64_t d = 0;
   for (; d + VW <= D; d += VW) {
     vf kv[J];
-    for (int b = 0; b < J; ++b) kv[b] = KV::vec(k[j + b] + koff + d);
+    for (int b = 0; b < J; ++b) kv[b] = KV::vec(kr[b], d, kz[b]);
     for (int r = 0; r < R; ++r) {
       const vf qv = vload(q + r * D + d);
       for (int b = 0; b < J; ++b) acc[r][b] += qv * kv[b];
@@ -44,8 +50,8 @@ inline void qk_block(const float* __restrict q, const typename KV::T* const* k, 
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < J; ++b) {
       float s = hsum(acc[r][b]);
-      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * KV::load(k[j + b][koff + e]);
-      if constexpr (KV::per_row) s *= KV::row_scale(k[j + b] + koff, D);
+      for (int64_t e = d; e < D; ++e) s += q[r * D + e] * KV::load(kr[b], e, kz[b]);
+      if constexpr (KV::per_row) s *= KV::row_scale(kr[b], D);
       p[r * TK + j + b] = s;
     }
   }
@@ -90,9 +96,10 @@ inline void pv_block(float* __restrict o, const float* __restrict p,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vload(o + r * D + d + c * VW);
   for (int64_t j = j0; j < j1; ++j) {
-    const auto* vr = v[j] + voff + d;
+    const typename KV::T* vr = v[j] + voff;
+    const float vz = KV::zero(vr, D);
     vf vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = KV::vec(vr + c * VW);
+    for (int c = 0; c < C; ++c) vv[c] = KV::vec(vr, d + c * VW, vz);
     for (int r = 0; r < R; ++r) {
       const vf pr = vsplat(p[r * TK + j]);
       for (int c = 0; c < C; ++c) acc[r][c] += pr * vv[c];
@@ -112,7 +119,10 @@ inline void pv_rows(float* o, const float* p, const typename KV::T* const* v, in
   for (; d < D; ++d) {
     for (int r = 0; r < R; ++r) {
       float acc = o[r * D + d];
-      for (int64_t j = j0; j < j1; ++j) acc += p[r * TK + j] * KV::load(v[j][voff + d]);
+      for (int64_t j = j0; j < j1; ++j) {
+        const typename KV::T* vr = v[j] + voff;
+        acc += p[r * TK + j] * KV::load(vr, d, KV::zero(vr, D));
+      }
       o[r * D + d] = acc;
     }
   }
@@ -350,6 +360,8 @@ void VM_CAT(run_item_, VM_ISA)(const AttentionArgs& a, const WorkItem& w, const 
       return run_item_as<KvFormat::int8_per_token_head>(a, w, sc, partial_o, partial_ml);
     case KvFormat::fp8_per_token_head:
       return run_item_as<KvFormat::fp8_per_token_head>(a, w, sc, partial_o, partial_ml);
+    case KvFormat::int4_per_token_head:
+      return run_item_as<KvFormat::int4_per_token_head>(a, w, sc, partial_o, partial_ml);
   }
 }
 

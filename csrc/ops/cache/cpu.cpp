@@ -26,11 +26,37 @@ void quantize_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t
   }
 }
 
-// One row of `n` elements of type E (stride src_d) stored as a per-token-head row: n element bytes
-// and then the row's float32 scale (common/per_token_head.h), each byte dst_d apart.
+// One row of `n` elements of type E (stride src_d) stored as a per-token-head row: its element
+// bytes and then the row's float32 scale (common/per_token_head.h), each byte dst_d apart.
+// An int4 row (already rotated): n / 2 bytes of two levels, then the stored scale with the zero
+// point in its low bits (common/per_token_head.h).
+template <typename E>
+void quantize_int4_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t dst_d,
+                       int64_t n) {
+  float low = E::load(src[0]), high = low;
+  for (int64_t d = 1; d < n; ++d) {
+    const float x = E::load(src[d * src_d]);
+    low = std::min(low, x);
+    high = std::max(high, x);
+  }
+  const float scale = vm_pth_int4_scale_of(low, high);
+  const vm_u32 zp = vm_pth_int4_zero(low, scale);
+  const float inv = vm_pth_inverse(scale);
+  for (int64_t d = 0; d + 1 < n; d += 2) {
+    const vm_u32 even = vm_pth_int4_store(E::load(src[d * src_d]), inv, zp);
+    const vm_u32 odd = vm_pth_int4_store(E::load(src[(d + 1) * src_d]), inv, zp);
+    dst[d / 2 * dst_d] = static_cast<uint8_t>(even | (odd << 4));
+  }
+  const float stored = vm_pth_int4_stored_scale(scale, zp);
+  for (int i = 0; i < VM_PTH_SCALE_BYTES; ++i) {
+    dst[(n / 2 + i) * dst_d] = static_cast<uint8_t>(vm_pth_scale_byte(stored, i));
+  }
+}
+
 template <typename E>
 void quantize_pth_row(const typename E::T* src, int64_t src_d, uint8_t* dst, int64_t dst_d,
                       int64_t n, int format) {
+  if (vm_pth_int4(format)) return quantize_int4_row<E>(src, src_d, dst, dst_d, n);
   float absmax = 0.0f;
   for (int64_t d = 0; d < n; ++d) absmax = std::max(absmax, std::fabs(E::load(src[d * src_d])));
   const float scale = vm_pth_scale_of(absmax, format);

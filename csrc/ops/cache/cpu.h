@@ -20,8 +20,9 @@ struct CacheWriteArgs {
   int64_t dst_stride_b, dst_stride_o, dst_stride_h, dst_stride_d;
   // fp8 pools: each element x of src (of type src_type) is stored as the byte fp8(x / scale)
   // (common/fp8.h); `itemsize` is then the source's, and the pool holds one byte per element.
-  // Per-token-head pools (int8 / fp8_per_token_head): each row is stored as head_dim element
-  // bytes and its own float32 scale after them (common/per_token_head.h; `scale` unused).
+  // Per-token-head pools (int8 / fp8 / int4_per_token_head): each row is stored as its element
+  // bytes (int4: head_dim / 2, two levels a byte) and its own float32 scale after them
+  // (common/per_token_head.h; `scale` unused).
   KvFormat kv_format = KvFormat::same;
   ElemType src_type = ElemType::f32;
   float scale = 1.0f;

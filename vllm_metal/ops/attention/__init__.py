@@ -70,8 +70,9 @@ def paged_attention(
     block_size, Hkv, row_bytes]``; a key or value reads as its row's dequantized value, rounded
     to the query's dtype (int4: the query is rotated as the rows were, attends with ``scale /
     b``, and the output is rotated back, `ops.per_token_head`). The native op (C++ CPU body,
-    every Metal kernel family) reads int8 and fp8 rows as it attends, multiplying each key's
-    score and each value's weight by its row's scale; int4 runs MLX's ops on every device.
+    every Metal kernel family) reads the rows as it attends, multiplying each key's score and
+    each value's weight by its row's scale (int4: levels from nibbles less the row's zero point,
+    the rotations in MLX around it).
 
     ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
     ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host

@@ -43,8 +43,8 @@ def reshape_and_cache(
 
     ``"int8_per_token_head"`` / ``"fp8_per_token_head"`` / ``"int4_per_token_head"``
     (`ops.per_token_head`): the pools are ``uint8 [num_blocks, block_size, Hkv, row_bytes]`` and
-    each row is stored with its own scale, by vLLM's rules. The native op writes int8 and fp8
-    rows; int4 runs MLX's ops.
+    each row is stored with its own scale, by vLLM's rules. The native op writes all three (int4:
+    the rows rotated in MLX first, the op quantizing and packing them).
     """
     arrays = (key, value, key_cache, value_cache, slot_mapping)
     options = (kv_cache_dtype, k_scale, v_scale)
@@ -55,7 +55,8 @@ def reshape_and_cache(
     native = _backend.native_for(key.shape[2])
     if per_row is not None:
         if native is not None and per_row.native:
-            return native.reshape_and_cache(*arrays, quant=per_row)
+            key, value = per_row.stored_rows(key), per_row.stored_rows(value)
+            return native.reshape_and_cache(key, value, *arrays[2:], quant=per_row)
         key, value = per_row.quantize(key), per_row.quantize(value)
         return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
     quant = fp8.kv_quant(*options)
