@@ -26,6 +26,13 @@ WRITE_PARAMS = K._struct("turboquant", "TurboQuantWriteParams")
 ATTN_BUF = K._buffer_slots("turboquant", "TQA_BUF_")
 ATTN_PARAMS = K._struct("turboquant", "TurboQuantAttentionParams")
 PRESETS = list(ref.PRESETS)
+FULL = [pytest.mark.slow, pytest.mark.full]
+
+
+def tiers(ci: list, full: list) -> list:
+    """`ci` in CI (where every planted bug is caught: mutate.py runs no full-tier test), `full`
+    in the full tier."""
+    return [*ci, *(pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=FULL) for p in full)]
 
 
 def _binds(slots: dict[str, int], params: np.ndarray) -> dict[int, harness.BufferArg]:
@@ -72,7 +79,11 @@ def run_write(fmt, key, value, key_pool, value_pool, slots):
 
 
 @pytest.mark.parametrize(
-    "name,head_dim", [(n, 64) for n in PRESETS] + [("turboquant_k3v4_nc", 128)]
+    "name,head_dim",
+    tiers(
+        [("turboquant_k3v4_nc", 64), ("turboquant_k8v4", 64)],
+        [("turboquant_4bit_nc", 64), ("turboquant_3bit_nc", 64), ("turboquant_k3v4_nc", 128)],
+    ),
 )
 def test_write_stores_codec_bytes(name: str, head_dim: int) -> None:
     fmt = format_for(name, head_dim)
@@ -194,12 +205,15 @@ def check(name, D, hq, hkv, q_lens, seq_lens, *, family, window=None, softcap=No
     assert err < 2e-5, f"{name} {family}: max error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize(
+    "name",
+    tiers(["turboquant_3bit_nc", "turboquant_k8v4"], ["turboquant_4bit_nc", "turboquant_k3v4_nc"]),
+)
 def test_decode_tq(name: str) -> None:
     check(name, 64, 4, 1, [1, 1, 1], [1, 21, 40], family="decode", sinks=True, pad=1, seed=1)
 
 
-@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("name", tiers(["turboquant_k8v4"], ["turboquant_3bit_nc"]))
 def test_gqa_decode_tq(name: str) -> None:
     # Continuation and verification rows (q_len > 1) read the cache too; a window and a soft cap.
     check(name, 128, 8, 2, [1, 3, 2], [17, 30, 25], family="gqa", window=12, softcap=20.0,
@@ -210,11 +224,13 @@ def test_head_chunks_tq() -> None:
     check("turboquant_k3v4_nc", 64, 12, 1, [1, 1], [9, 26], family="chunks", sinks=True, seed=3)
 
 
-@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("name", tiers(["turboquant_4bit_nc"], ["turboquant_3bit_nc"]))
 def test_split_kv_tq(name: str) -> None:
     check(name, 64, 4, 2, [1, 1], [300, 170], family="split", sinks=True, seed=4, gpu_cores=8)
 
 
+@pytest.mark.slow
+@pytest.mark.full
 def test_split_kv_wide_heads_tq() -> None:
     check("turboquant_k8v4", 256, 2, 1, [1], [270], family="split", softcap=10.0, seed=5,
           gpu_cores=8)  # fmt: skip
