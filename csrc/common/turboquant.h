@@ -111,11 +111,17 @@ VM_TQ_FN_ int vm_tq_key_bytes(int head_dim, int key_bits) {
   return key_bits == 8 ? head_dim : vm_tq_packed_bytes(head_dim, key_bits) + 2;
 }
 
-// Element d of a stored value row (`row`: its first byte).
+// A stored value row (`row`: its first byte): its scale and min, and the value of an index.
 template <typename P>
-VM_TQ_FN_ float vm_tq_value(P row, int d, int head_dim, int bits) {
+VM_TQ_FN_ float vm_tq_row_scale(P row, int head_dim, int bits) {
   const int n = vm_tq_packed_bytes(head_dim, bits);
-  const float scale = vm_tq_f16(vm_u32(row[n]), vm_u32(row[n + 1]));
-  const float vmin = vm_tq_f16(vm_u32(row[n + 2]), vm_u32(row[n + 3]));
-  return float(vm_tq_index(row, d, bits)) * scale + vmin;
+  return vm_tq_f16(vm_u32(row[n]), vm_u32(row[n + 1]));
+}
+template <typename P>
+VM_TQ_FN_ float vm_tq_row_min(P row, int head_dim, int bits) {
+  const int n = vm_tq_packed_bytes(head_dim, bits);
+  return vm_tq_f16(vm_u32(row[n + 2]), vm_u32(row[n + 3]));
+}
+VM_TQ_FN_ float vm_tq_dequant(vm_u32 index, float scale, float vmin) {
+  return float(index) * scale + vmin;
 }

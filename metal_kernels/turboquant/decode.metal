@@ -135,8 +135,10 @@ template <int D>
           factor = metal::precise::divide(factor, metal::precise::sqrt(csq + VM_TQ_CENTROID_EPS));
         }
       }
+      const float vscale = vm_tq_row_scale(vrow, D, p.value_bits);
+      const float vmin = vm_tq_row_min(vrow, D, p.value_bits);
       for (int i = 0; i < DL; ++i) {
-        v[i] = vm_tq_value(vrow, d0 + i, D, p.value_bits);
+        v[i] = vm_tq_dequant(vm_tq_index(vrow, d0 + i, p.value_bits), vscale, vmin);
       }
     } else {
       for (int i = 0; i < DL; ++i) {

@@ -25,8 +25,8 @@ TURBOQUANT_MUTATIONS = [
     Mutation(
         "tq-value-min-dropped",
         "../csrc/common/turboquant.h",
-        r"return float\(vm_tq_index\(row, d, bits\)\) \* scale \+ vmin;",
-        "return float(vm_tq_index(row, d, bits)) * scale;",
+        r"return float\(index\) \* scale \+ vmin;",
+        "return float(index) * scale;",
         "tq",
     ),
     Mutation(
