@@ -36,6 +36,8 @@
 #include "ops/short_conv/dlpack.h"
 #include "ops/short_conv/op.h"
 #include "ops/short_conv/plan.h"
+#include "ops/turboquant/bindings.h"
+#include "ops/turboquant/plan.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -92,6 +94,8 @@ nb::dict constants() {
   VM_NUMBER_(KV_FORMAT_SAME)
   VM_NUMBER_(FP8_NAN_CODE)
   VM_NUMBER_(PTH_SCALE_BYTES)
+  VM_NUMBER_(TQ_GROUP_HEADS)
+  VM_NUMBER_(TQ_MIN_PARTITION)
   VM_LIST_(HALF_DTYPES, VM_DTYPE_)
   VM_LIST_(FLOAT_DTYPES, VM_DTYPE_)
   VM_LIST_(DECODE_HEAD_SIZES, VM_INT_)
@@ -102,6 +106,7 @@ nb::dict constants() {
   VM_LIST_(MLA_SIZES, VM_PAIR_)
   VM_LIST_(FP8_FORMATS, VM_FP8_)
   VM_LIST_(PTH_FORMATS, VM_PTH_)
+  VM_LIST_(TQ_HEAD_SIZES, VM_INT_)
 #undef VM_NUMBER_
 #undef VM_INT_
 #undef VM_PAIR_
@@ -353,9 +358,12 @@ NB_MODULE(_C, m) {
         for (auto& n : vm::mamba2_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::mla_kernel_names()) names.push_back(std::move(n));
         for (auto& n : vm::rope_kernel_names()) names.push_back(std::move(n));
+        for (auto& n : vm::turboquant_kernel_names()) names.push_back(std::move(n));
         return names;
       },
       "Every Metal kernel name the host can request (the instances of constants.h).");
+
+  vm::bind_turboquant(m);
 
   // Runtime knobs.
   m.def("gpu_cores", &vm::device::gpu_cores, "GPU cores the split-KV plan assumes.");

@@ -14,7 +14,7 @@
 #pragma once
 
 // Bumped whenever the ops' inputs, outputs or semantics change, so a stale _C is refused.
-#define VM_OPS_ABI 12
+#define VM_OPS_ABI 13
 
 // ---- element types -----------------------------------------------------------------------------
 // X(tag, msl_type, mlx_name, bytes, ...): the float types of queries and KV pools (math is float32
@@ -277,3 +277,15 @@ constexpr int vm_block_divisor(int block_size) {
 // Every list above is instantiated twice where fp8 pools are read or written: once with pools of
 // the query's (rows') dtype under the names above, once with fp8 pools under the _FP8 names
 // (reshape_and_cache, decode, gqa, prefill, nax; the reduce kernel reads no pool).
+
+// ---- TurboQuant KV caches -----------------------------------------------------------------------
+// The Metal kernels of --kv-cache-dtype turboquant_* (metal_kernels/turboquant/; the bytes:
+// common/turboquant.h). X(head_size, ...): the head sizes of the decode kernels (a simdgroup lane
+// holds head_size / 32 elements); a threadgroup scores at most VM_TQ_GROUP_HEADS query heads of
+// one KV head, and a split-KV partition holds at least VM_TQ_MIN_PARTITION keys.
+#define VM_TQ_HEAD_SIZES(X, ...) X(64, __VA_ARGS__) X(128, __VA_ARGS__) X(256, __VA_ARGS__)
+#define VM_TQ_GROUP_HEADS 8
+#define VM_TQ_MIN_PARTITION 128
+#define VM_KERNEL_NAME_TQ_WRITE "turboquant_write"
+#define VM_KERNEL_NAME_TQ_DECODE(D) "turboquant_decode_d" #D
+#define VM_KERNEL_NAME_TQ_REDUCE(D) "turboquant_reduce_d" #D

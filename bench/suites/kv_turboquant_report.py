@@ -69,8 +69,9 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            f"The ops alone ({op['backend']} for the unquantized pools; `ops.turboquant`, pure MLX, "
-            f"for the presets; on {op['device']}), one layer: {shape['seqs']} sequences of "
+            f"The ops alone ({op['backend']}: `ops.paged_attention` / `ops.reshape_and_cache` for "
+            f"the unquantized pools, `ops.turboquant` for the presets; on {op['device']}), one "
+            f"layer: {shape['seqs']} sequences of "
             f"{shape['keys']:,} keys, {shape['q_heads']} query / {shape['kv_heads']} KV heads of "
             f"{shape['head_dim']}, block size {shape['block_size']}, median of {s['op_reps']} calls:"
         ),
@@ -89,9 +90,9 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            "The TurboQuant attention gathers the pages a step reads at their stored width and "
-            "dequantizes them to float32 before attending (no native kernel reads these pools "
-            "yet), so it trades decode speed for the memory it saves."
+            "With the native ops, TurboQuant decode rows read the slots in the kernel, each key and "
+            "value unpacked as it is attended (`csrc/ops/turboquant/`); with the reference ops "
+            "the pages a step reads are gathered and dequantized to float32 first."
         ),
         "",
     ]

@@ -21,7 +21,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 KERNELS = REPO / "metal_kernels"
 SHARED = REPO / "csrc"
-TEST_FILES = ("test_kernels.py", "test_fp8_kernels.py", "test_pth_kernels.py")
+TEST_FILES = (
+    "test_kernels.py",
+    "test_fp8_kernels.py",
+    "test_pth_kernels.py",
+    "test_turboquant_kernels.py",
+)
 
 
 MUTATIONS = [*FLOAT_MUTATIONS, *QUANT_MUTATIONS]

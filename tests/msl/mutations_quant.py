@@ -1,9 +1,70 @@
 """The planted bugs of the quantized KV caches' kernels (per-tensor fp8, the per-token-head int8,
-fp8 and int4 formats) that the msl tests must catch (`mutate.py` runs them)."""
+fp8 and int4 formats, TurboQuant) that the msl tests must catch (`mutate.py` runs them)."""
 
 from __future__ import annotations
 
 from tests.msl.mutations import Mutation
+
+# TurboQuant (test_turboquant_kernels.py: the decode tests end in "_tq", the write test is
+# test_write_stores_codec_bytes).
+TURBOQUANT_MUTATIONS = [
+    Mutation(
+        "tq-3bit-unpack-off-by-one-bit",
+        "../csrc/common/turboquant.h",
+        r"  const int bit = i \* bits;\n",
+        "  const int bit = i * bits + (bits == 3 ? 1 : 0);\n",
+        "tq",
+    ),
+    Mutation(
+        "tq-decode-norm-not-applied",
+        "turboquant/decode.metal",
+        r"factor = vm_tq_f16\(uint\(krow\[nb\]\), uint\(krow\[nb \+ 1\]\)\);",
+        "factor = 1.0f;",
+        "tq",
+    ),
+    Mutation(
+        "tq-value-min-dropped",
+        "../csrc/common/turboquant.h",
+        r"return float\(index\) \* scale \+ vmin;",
+        "return float(index) * scale;",
+        "tq",
+    ),
+    Mutation(
+        "tq-decode-wrong-centroid-table",
+        "turboquant/decode.metal",
+        r"k\[i\] = centroids\[vm_tq_index\(krow, d0 \+ i, p\.key_bits\)\];",
+        "k[i] = centroids[((1 << p.key_bits) - 1) - vm_tq_index(krow, d0 + i, p.key_bits)];",
+        "tq",
+    ),
+    Mutation(
+        "tq-decode-keys-of-kv-head-0",
+        "turboquant/decode.metal",
+        r"slot \* p\.kc_stride_slot \+ long\(kvh\) \* p\.kc_stride_head;",
+        "slot * p.kc_stride_slot;",
+        "gqa_decode_tq",
+    ),
+    Mutation(
+        "tq-reduce-drops-partition-weight",
+        "turboquant/decode.metal",
+        r"total \+= w \* ml\.y;",
+        "total += ml.y;",
+        "split_kv",
+    ),
+    Mutation(
+        "tq-write-pack-shift-off-by-one",
+        "../csrc/common/turboquant.h",
+        r"const int shift = i \* bits - 8 \* b;",
+        "const int shift = i * bits - 8 * b + 1;",
+        "codec_bytes",
+    ),
+    Mutation(
+        "tq-write-value-scale-not-floored",
+        "../csrc/common/turboquant.h",
+        r"return s > VM_TQ_MIN_VALUE_SCALE \? s : VM_TQ_MIN_VALUE_SCALE;",
+        "return s;",
+        "codec_bytes",
+    ),
+]
 
 QUANT_MUTATIONS = [
     Mutation(
@@ -182,4 +243,5 @@ QUANT_MUTATIONS = [
         "float r = x;",
         "pth and reshape",
     ),
+    *TURBOQUANT_MUTATIONS,
 ]

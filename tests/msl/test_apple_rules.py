@@ -130,6 +130,16 @@ def test_host_launches_stay_within_the_pipeline_limits() -> None:
         cache = "f32" if to_f32 else dt
         launch = C.select_rotary_embedding_kernel(dt, cache, pos, 3, heads, d)
         check(launch["kernel"], launch["threads"], (dt, cache, pos, heads, d))
+    for d, (hq, hkv), (cu, lens), window, cores in itertools.product(
+        C.CONSTANTS["TQ_HEAD_SIZES"], [(8, 8), (32, 8), (12, 1)], batches, (0, 64), (8, 40)
+    ):
+        plan = C.select_turboquant_attention_kernel(d, hq, hkv, cu[-1], cu, lens, window, cores)
+        check(plan["kernel"], plan["threads"], ("turboquant", d, hq, hkv, cu, lens, window))
+        if plan["reduce_kernel"]:
+            check(plan["reduce_kernel"], plan["reduce_threads"], ("turboquant", d, cu, lens))
+    for tokens, heads_kv in itertools.product((1, 5, 300), (1, 8)):
+        launch = C.select_turboquant_write_kernel(tokens, heads_kv)
+        check(launch["kernel"], launch["threads"], ("turboquant", tokens, heads_kv))
     assert planned > 2000
     assert set(launched) == {f.function for f in facts.values()}, "a kernel the grid never plans"
 

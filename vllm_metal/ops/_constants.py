@@ -18,6 +18,8 @@ def _source() -> dict[str, object]:
 CONSTANTS: dict[str, object] = _source()
 
 HEAD_SIZES: tuple[int, ...] = tuple(CONSTANTS["HEAD_SIZES"])
+# The head sizes of the TurboQuant Metal kernels (the C++ CPU bodies take any).
+TQ_HEAD_SIZES: tuple[int, ...] = tuple(CONSTANTS["TQ_HEAD_SIZES"])
 # (latent_dim, value_dim) pairs of the MLA kernel.
 MLA_SIZES: tuple[tuple[int, int], ...] = tuple(tuple(e) for e in CONSTANTS["MLA_SIZES"])
 BLOCK_SIZE_MULTIPLE: int = CONSTANTS["BLOCK_SIZE_MULTIPLE"]

@@ -1,11 +1,14 @@
 """TurboQuant KV caches (``--kv-cache-dtype turboquant_*``): the paged cache write and the paged
 attention over pools holding vLLM 0.32's TurboQuant slot bytes (`codec`).
 
-Both are pure MLX, one graph per layer for the whole step. The write quantizes the step's rows
-and scatters their bytes. The attention gathers the pages the step's block tables name, at their
-stored width, dequantizes them to float32 and runs `ops.paged_attention` over them (any backend
-of it: windows, soft-capping, sinks and GQA as that op defines them). No native kernel reads
-these pools: the C++ and Metal builders refuse uint8 pools without an fp8 ``kv_cache_dtype``.
+Where the compiled extension serves the call (`native`: a C++ CPU body and Metal kernels), the
+write quantizes there, and attention over rows that read every key from the cache (decode steps,
+short continuation and verification chunks) reads the pools at their stored width in the kernel.
+Otherwise (``VLLM_METAL_USE_REFERENCE_OPS=1``, no extension, a head size without Metal kernels on
+the GPU, or a step with a prefill chunk that attends over its own unquantized rows) both run on
+MLX ops, one graph per layer: the write quantizes the step's rows and scatters their bytes; the
+attention gathers the pages the block tables name, dequantizes them to float32 and runs
+`ops.paged_attention` over them (windows, soft-capping, sinks and GQA as that op defines them).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import mlx.core as mx
 from vllm_metal.ops import _validate as v
 from vllm_metal.ops.attention import paged_attention as float_paged_attention
 from vllm_metal.ops.cache import batched
+from vllm_metal.ops.turboquant import native as _native
 from vllm_metal.ops.turboquant.codec import (
     TurboQuantFormat,
     dequantize_keys,
@@ -81,6 +85,9 @@ def reshape_and_cache(
     if key.shape != value.shape or key.shape[1] != key_cache.shape[2]:
         v.fail(f"key {tuple(key.shape)}, value {tuple(value.shape)} and the pools' "
                f"{key_cache.shape[2]} KV heads disagree")  # fmt: skip
+    native = _native.module(fmt.head_dim)
+    if native is not None:
+        return _native.write(native, key, value, key_cache, value_cache, slot_mapping, fmt)
     return batched.reshape_and_cache(
         quantize_keys(key, fmt),
         quantize_values(value, fmt),
@@ -122,12 +129,33 @@ def paged_attention(
     host; `key`/`value` unused)."""
     _check_rows("query", query, fmt)
     _check_pools(key_cache, value_cache, fmt)
+    native = _native.module(fmt.head_dim)
+    fresh = key is not None and value is not None and max_query_len != 1
+    if native is not None and (
+        not fresh or _native.reads_cache_only(seq_lens, cu_seqlens_q, CONTINUATION_DECODE_MAX)
+    ):
+        out = _native.attention(
+            native,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            fmt=fmt,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            decode=max_query_len == 1,
+        )
+        return out.astype(query.dtype)
     num_seqs, max_blocks = block_tables.shape
     # The pages of every table entry, each sequence its own copy: [S * max_blocks, ...].
     ids = mx.maximum(block_tables.reshape(-1), 0)
     keys = dequantize_keys(key_cache[ids], fmt)
     values = dequantize_values(value_cache[ids], fmt)
-    if key is not None and value is not None and max_query_len != 1:
+    if fresh:
         keys, values = _overlay_fresh(
             keys, values, scoring_space(key, fmt), value, seq_lens, cu_seqlens_q, max_blocks
         )

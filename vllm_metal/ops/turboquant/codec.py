@@ -123,13 +123,27 @@ def _f16_value(pair: mx.array) -> mx.array:
     return mx.view(lo | (hi << 8), mx.float16).astype(mx.float32)
 
 
+def rotate_keys(key: mx.array, fmt: TurboQuantFormat) -> tuple[mx.array, mx.array]:
+    """MSE keys ``[..., D]`` -> (the unit keys rotated by ``hadamard`` ``[..., D]``, their norms
+    ``[...]``), float32: what the stored indices and norm are taken from (the native write takes
+    these and stores their bytes)."""
+    k = key.astype(mx.float32)
+    norm = mx.sqrt((k * k).sum(-1))
+    return (k / (norm[..., None] + 1e-8)) @ hadamard(fmt.head_dim), norm
+
+
+@cache
+def centroid_table(fmt: TurboQuantFormat) -> mx.array:
+    """The key centroids ``[2**key_bits]`` float32 (two zeros for fp8 keys, which read none)."""
+    return _table(fmt)[0] if fmt.centroids else mx.zeros((2,), mx.float32)
+
+
 def quantize_keys(key: mx.array, fmt: TurboQuantFormat) -> mx.array:
     """``[..., D]`` keys -> ``[..., key_bytes]`` uint8."""
     k = key.astype(mx.float32)
     if fmt.fp8_keys:
         return fp8.quantize(k, _E4M3, 1.0)
-    norm = mx.sqrt((k * k).sum(-1))
-    rotated = (k / (norm[..., None] + 1e-8)) @ hadamard(fmt.head_dim)
+    rotated, norm = rotate_keys(k, fmt)
     _, midpoints = _table(fmt)
     index = (rotated[..., None] >= midpoints).astype(mx.uint32).sum(-1)
     return mx.concatenate([pack(index, fmt.key_bits), _f16_bytes(norm)], axis=-1)
