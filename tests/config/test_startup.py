@@ -249,6 +249,7 @@ def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tin
     with pytest.raises(ValueError, match="global_head_dim") as info:
         _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
     assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
+    assert "vLLM pads the smaller pages to the larger (page_size_padded)" in str(info.value)
     assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 

@@ -168,8 +168,10 @@ def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
     if len(sizes) > 1:
         raise MetalConfigError(
             f"vllm-metal: --kv-cache-dtype {dtype} is not supported for a model whose attention "
-            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim); use "
-            "--kv-cache-dtype fp8 or auto"
+            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim): with each "
+            "row's scale beside it one layer's page is no whole multiple of the other's, and vLLM "
+            "pads the smaller pages to the larger (page_size_padded), which the pools do not lay "
+            "out; use --kv-cache-dtype fp8 or auto"
         )
 
 
