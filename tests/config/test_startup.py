@@ -223,24 +223,19 @@ def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> 
     assert config.speculative_config.method == "draft_model"
 
 
-def test_fp8_scales_of_a_hybrid_checkpoint_are_refused(metal_config, tiny_qwen3_next_dir, tmp_path):
-    """A hybrid's layers with KV memory are not its decoder layers one for one, so checkpoint
-    scales named by decoder layer are refused; without them fp8 is served at scale 1.0."""
+def test_fp8_scales_of_a_hybrid_checkpoint_are_served(metal_config, tiny_qwen3_next_dir, tmp_path):
+    """A hybrid checkpoint's KV scales, named by decoder layer, are mapped to its attention layers
+    by their module names (`kv.quant.kv_cache_quant`; tests/kv/test_quant.py)."""
     import shutil
 
     import numpy as np
     from safetensors.numpy import save_file
 
-    assert _engine_config(tiny_qwen3_next_dir, kv_cache_dtype="fp8").cache_config.cache_dtype
     model = tmp_path / "scaled"
     shutil.copytree(tiny_qwen3_next_dir, model)
     scale = {"model.layers.3.self_attn.k_scale": np.array(0.5, dtype=np.float32)}
     save_file(scale, str(model / "kv_scales.safetensors"))
-    with pytest.raises(ValueError, match="hybrid checkpoint that carries KV scales") as info:
-        _engine_config(model, kv_cache_dtype="fp8")
-    assert "vllm-metal: --kv-cache-dtype fp8" in str(info.value)
-    served = _engine_config(model, kv_cache_dtype="int8_per_token_head")
-    assert served.cache_config.cache_dtype == "int8_per_token_head"
+    assert _engine_config(model, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 
 def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):

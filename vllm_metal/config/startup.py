@@ -100,7 +100,6 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     _check_draft_cache_dtype(vllm_config)
     if requested(dtype):
         _check_row_widths(vllm_config, dtype)
-        _check_hybrid_scales(vllm_config, dtype)
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
@@ -126,28 +125,6 @@ def _check_draft_cache_dtype(vllm_config: VllmConfig) -> None:
             f"vllm-metal: --speculative-config kv_cache_dtype={draft!r} differs from "
             f"--kv-cache-dtype {dtype} (a drafter's pages share the target's KV-cache group, in "
             "its format); leave the draft's kv_cache_dtype unset"
-        )
-
-
-def _check_hybrid_scales(vllm_config: VllmConfig, dtype: str) -> None:
-    """fp8 scales a hybrid's checkpoint carries are refused: they are named by decoder layer,
-    and a hybrid's layers with KV memory are not its decoder layers one for one (Nemotron-H's
-    MLP-only blocks have none, Falcon-H1's have two), so `kv.quant` would not map them."""
-    from pathlib import Path
-
-    from vllm_metal.kv.quant import checkpoint_scales
-    from vllm_metal.ops.per_token_head import is_per_token_head
-
-    model = vllm_config.model_config
-    if model is None or not model.is_hybrid or is_per_token_head(dtype):
-        return
-    local = Path(model.model).expanduser()
-    if local.is_dir() and checkpoint_scales(local):
-        raise MetalConfigError(
-            f"vllm-metal: --kv-cache-dtype {dtype} is not supported with a hybrid checkpoint "
-            f"that carries KV scales ({model.model}: k_scale / v_scale / kv_scale tensors; they "
-            "are not mapped to its attention layers); use --kv-cache-dtype int8_per_token_head "
-            "(no scales to calibrate) or auto"
         )
 
 
