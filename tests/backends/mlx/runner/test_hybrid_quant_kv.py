@@ -260,3 +260,22 @@ def test_checkpoint_scales_reach_a_hybrids_attention_layer(tiny_nemotron_h_dir, 
           f" max {errors.max():.2e}; against the oracle at 1.0 {unscaled.mean():.2e}")  # fmt: skip
     assert errors.mean() <= ORACLE_TOL["fp8"] / 4 and errors.max() <= 10 * ORACLE_TOL["fp8"]
     assert errors.mean() * 10 <= unscaled.mean()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_next_dir", "tiny_granitemoehybrid_dir"])
+def test_qwen3_next_and_granite_h_attention_pages(request, fixture, dtype) -> None:
+    """Qwen3-Next (Gated DeltaNet) and Granite 4.0-H (Mamba-2), which take quantized pages
+    through the same path as the families above, in chunks of 32 tokens: the port's oracle, far
+    closer than the format moves the logprobs."""
+    model = request.getfixturevalue(fixture)
+    prompts = random_prompts(63, [40, 75, 9, 1])
+    engine = {"kv_cache_dtype": dtype, "max_num_batched_tokens": 32}
+    jobs = [{"prompts": prompts, "params": [greedy(MAX_TOKENS, logprobs=1)]}]
+    (batch,) = run_engine_job(model, jobs, engine=engine)
+    errors = _errors(model, prompts, batch, _oracle(dtype))
+    moved = _errors(model, prompts, batch, hf_logprobs)
+    print(f"{fixture} {dtype}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}"
+          f"; the format moves them by {moved.mean():.2e}")  # fmt: skip
+    assert errors.mean() <= ORACLE_TOL[dtype] / 4 and errors.max() <= 10 * ORACLE_TOL[dtype]
+    assert errors.mean() * 10 <= moved.mean()
