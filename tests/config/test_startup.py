@@ -109,13 +109,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         ({"kv_cache_dtype": "ultraquant_4bit"}, ["kv_cache_dtype", "ultraquant_4bit"]),
         (
             {
-                "kv_cache_dtype": "turboquant_4bit_nc",
-                "speculative_config": {"model": "{model}", "num_speculative_tokens": 2},
-            },
-            ["--kv-cache-dtype turboquant_4bit_nc", "method='draft_model'", "method='ngram'"],
-        ),
-        (
-            {
                 "kv_cache_dtype": "fp8",
                 "speculative_config": {
                     "model": "{model}",
@@ -183,7 +176,6 @@ def test_block_sizes_that_map_onto_the_kernels_are_kept(qwen3_dir: Path, block_s
         "pp_dp",
         "block_size",
         "kv_ultraquant_4bit",
-        "kv_turboquant_draft_model",
         "kv_fp8_draft_auto",
         "kv_auto_draft_int4_per_token_head",
         "quantization",
@@ -231,24 +223,19 @@ def test_fp8_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: str) -> 
     assert config.speculative_config.method == "draft_model"
 
 
-def test_fp8_scales_of_a_hybrid_checkpoint_are_refused(metal_config, tiny_qwen3_next_dir, tmp_path):
-    """A hybrid's layers with KV memory are not its decoder layers one for one, so checkpoint
-    scales named by decoder layer are refused; without them fp8 is served at scale 1.0."""
+def test_fp8_scales_of_a_hybrid_checkpoint_are_served(metal_config, tiny_qwen3_next_dir, tmp_path):
+    """A hybrid checkpoint's KV scales, named by decoder layer, are mapped to its attention layers
+    by their module names (`kv.quant.kv_cache_quant`; tests/kv/test_quant.py)."""
     import shutil
 
     import numpy as np
     from safetensors.numpy import save_file
 
-    assert _engine_config(tiny_qwen3_next_dir, kv_cache_dtype="fp8").cache_config.cache_dtype
     model = tmp_path / "scaled"
     shutil.copytree(tiny_qwen3_next_dir, model)
     scale = {"model.layers.3.self_attn.k_scale": np.array(0.5, dtype=np.float32)}
     save_file(scale, str(model / "kv_scales.safetensors"))
-    with pytest.raises(ValueError, match="hybrid checkpoint that carries KV scales") as info:
-        _engine_config(model, kv_cache_dtype="fp8")
-    assert "vllm-metal: --kv-cache-dtype fp8" in str(info.value)
-    served = _engine_config(model, kv_cache_dtype="int8_per_token_head")
-    assert served.cache_config.cache_dtype == "int8_per_token_head"
+    assert _engine_config(model, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 
 def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):
@@ -257,6 +244,7 @@ def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tin
     with pytest.raises(ValueError, match="global_head_dim") as info:
         _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
     assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
+    assert "vLLM pads the smaller pages to the larger (page_size_padded)" in str(info.value)
     assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 
@@ -276,6 +264,30 @@ def test_turboquant_kv_caches_are_served(metal_config, qwen3_dir: Path, dtype: s
     assert offload.cache_config.cache_dtype == dtype
     message = refusal(config, "mps")
     assert f"TurboQuant KV caches with text decoders: --kv-cache-dtype {dtype}" in message
+    # A draft model's pages take the format (tests/backends/mlx/runner/test_quant_kv_drafters.py).
+    draft = {"model": str(qwen3_dir), "num_speculative_tokens": 2}
+    config = _engine_config(qwen3_dir, kv_cache_dtype=dtype, speculative_config=draft)
+    assert config.speculative_config.method == "draft_model"
+
+
+def test_turboquant_refuses_drafters_it_cannot_store(metal_config, qwen3_dir, tiny_model_dir):
+    """A draft model whose head size the preset cannot pack, and a speculative method whose pages
+    are not built in TurboQuant slots, are refused by name."""
+    from vllm_metal.config.errors import MetalConfigError
+    from vllm_metal.config.startup import _turboquant_served
+
+    narrow = tiny_model_dir("qwen3", head_dim=48, hidden_size=192, num_heads=4)
+    draft = {"model": str(narrow), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError) as info:
+        _engine_config(qwen3_dir, kv_cache_dtype="turboquant_4bit_nc", speculative_config=draft)
+    assert "head size 48 is not a power of two" in str(info.value)
+    assert str(narrow) in str(info.value)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = _engine_config(qwen3_dir, kv_cache_dtype="turboquant_k8v4", speculative_config=ngram)
+    config.speculative_config.method = "suffix"  # served by no kind: reached by none today
+    with pytest.raises(MetalConfigError, match="method='suffix'") as info:
+        _turboquant_served(config)
+    assert "'draft_model'" in str(info.value) and "'eagle3'" in str(info.value)
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "int8_per_token_head"])

@@ -207,11 +207,11 @@ def test_pipeline_parallelism_is_refused_for_a_decoder_a_stage_cannot_split(tiny
     [
         ("tiny_deepseek_v3_dir", "multi-head latent attention (MLA) models"),
         ("tiny_kimi_linear_dir", "hybrid models with multi-head latent attention (MLA)"),
-        ("tiny_idefics3_dir", "vision-language models"),
+        ("tiny_whisper_dir", "speech-to-text models"),
     ],
 )
 def test_fp8_kv_caches_are_refused_by_name_where_not_built(request, fixture, words, dtype):
-    """MLA latent caches (Kimi-Linear's beside its state layers too) and towers' models keep
+    """MLA latent caches (Kimi-Linear's beside its state layers too) and speech models keep
     unquantized caches: an fp8 or per-token-head cache is refused naming the kind and the flag;
     text decoders are served."""
     from vllm.config import CacheConfig
@@ -265,3 +265,18 @@ def test_fp8_kv_caches_are_refused_on_pipeline_stages(tiny_model_dir):
     message = pipeline_refusal(config, "mlx")
     assert "pipeline parallelism with quantized KV caches" in message
     assert "--kv-cache-dtype fp8" in message
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8_per_token_head", "int4_per_token_head"])
+def test_vision_language_decoders_serve_quantized_pages(tiny_idefics3_dir, dtype):
+    """A vision-language model's decoder takes fp8 and per-token-head pages
+    (tests/backends/mlx/runner/test_vision_quant_kv.py); TurboQuant is refused by name."""
+    from vllm.config import CacheConfig
+
+    from vllm_metal.config.table import refusal
+
+    model = _model_config(tiny_idefics3_dir)
+    assert refusal(_config(model, cache_config=CacheConfig(cache_dtype=dtype)), "mlx") is None
+    turbo = CacheConfig(cache_dtype="turboquant_k8v4")
+    message = refusal(_config(model, cache_config=turbo), "mlx")
+    assert "TurboQuant KV caches with vision-language models" in message, message

@@ -113,3 +113,24 @@ def test_per_token_head_pools_read_layers_of_their_own_shape() -> None:
     assert pool.stored_shape(2, 64) == (2, 36) and pool.stored_shape(1, 128) == (1, 68)
     assert [k.shape for k in pool.keys] == [(2, 16, 2, 36), (2, 16, 1, 68)]
     assert [q.kv_cache_dtype for q in pool.layer_quant] == ["int4_per_token_head"] * 2
+
+
+def test_a_hybrids_scales_map_to_its_layers_by_module_name(tmp_path) -> None:
+    """Nemotron-H's layers with KV memory skip its MLP-only blocks, Falcon-H1's are two per
+    decoder layer: each takes the scales of the decoder layer its module name holds."""
+    save_file(
+        {
+            "backbone.layers.3.mixer.k_scale": np.array(0.5, np.float32),
+            "backbone.layers.3.mixer.v_scale": np.array(0.25, np.float32),
+            "model.layers.1.self_attn.kv_scale": np.array(2.0, np.float32),
+        },
+        str(tmp_path / "scales.safetensors"),
+    )
+    names = ["backbone.layers.0.mixer", "backbone.layers.3.mixer", "backbone.layers.4.mixer"]
+    quant = kv_cache_quant("fp8", 3, tmp_path, names)
+    assert (quant.k_scales, quant.v_scales) == ((1.0, 0.5, 1.0), (1.0, 0.25, 1.0))
+    falcon = [f"model.layers.{i}.{part}" for i in range(2) for part in ("self_attn", "mamba")]
+    quant = kv_cache_quant("fp8", 4, tmp_path, falcon)
+    assert quant.k_scales == quant.v_scales == (1.0, 1.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="names no decoder layer"):
+        kv_cache_quant("fp8", 1, tmp_path, ["lm_head"])

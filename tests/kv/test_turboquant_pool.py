@@ -43,3 +43,25 @@ def test_pool_holds_the_bytes_vllm_sizes(dtype: str, skip: list[str]) -> None:
         assert (pool.keys[r].dtype == mx.uint8) == (i in quantized)
     # Block 0 (vLLM's null block) reads as zeros.
     assert all(not mx.any(a[0]).item() for a in pool.arrays())
+
+
+def test_a_drafters_layers_are_skipped_by_the_index_vllm_reads_from_their_names() -> None:
+    """vLLM numbers an EAGLE-3 head's layer after the target's (`llama_eagle3.py`) and a draft
+    model's from 0, and applies the target's skip list to the index in the module name
+    (`extract_layer_index`): the head after a six-layer target stores slots, and so does a
+    draft model's layer 2, though the skip list names positions 0, 1, 4 and 5."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cache = CacheConfig(cache_dtype="turboquant_4bit_nc")
+    cache.kv_cache_dtype_skip_layers = SKIPS[0]
+    shape = {"block_size": 16, "num_kv_heads": 2, "head_dim": 64, "dtype": torch.float32}
+    head = kv_cache_specs(["eagle3.layers.0.self_attn"], [FULL_ATTENTION], **shape,
+                          cache_config=cache, first_layer_index=6)  # fmt: skip
+    assert extract_layer_index("model.layers.6.self_attn.attn") == 6  # the head's name in vLLM
+    assert head["eagle3.layers.0.self_attn"].dtype == torch.uint8
+    assert TurboQuantCache.of(cache, [FULL_ATTENTION], 6).quantized == (True,)
+    names = [f"draft.model.layers.{i}.self_attn" for i in range(3)]
+    kinds = [FULL_ATTENTION] * 3
+    draft = kv_cache_specs(names, kinds, **shape, cache_config=cache)
+    assert [draft[n].dtype == torch.uint8 for n in names] == [False, False, True]
+    assert TurboQuantCache.of(cache, kinds).quantized == (False, False, True)

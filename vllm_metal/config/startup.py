@@ -28,6 +28,10 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WORKER_QUALNAME = "vllm_metal.worker.MetalWorker"
 # `additional_config` key: engine processes on this host (`record_memory_share`).
 MEMORY_SHARE_KEY = "vllm_metal_processes_per_host"
+# Speculative methods served beside a TurboQuant cache: n-gram drafts have no pages; a draft
+# model's, an MTP head's and an EAGLE-3 head's pages take the target's format, as vLLM's draft
+# layers inherit `--kv-cache-dtype` and its skip list (`PagedDrafter.first_layer_index`).
+TURBOQUANT_DRAFTERS = ("ngram", "draft_model", "mtp", "eagle3")
 # The state layers' recurrent state is kept in float32 (`kv/state.py`).
 STATE_SSM_DTYPES = ("auto", "float32")
 
@@ -96,7 +100,6 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     _check_draft_cache_dtype(vllm_config)
     if requested(dtype):
         _check_row_widths(vllm_config, dtype)
-        _check_hybrid_scales(vllm_config, dtype)
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
@@ -125,28 +128,6 @@ def _check_draft_cache_dtype(vllm_config: VllmConfig) -> None:
         )
 
 
-def _check_hybrid_scales(vllm_config: VllmConfig, dtype: str) -> None:
-    """fp8 scales a hybrid's checkpoint carries are refused: they are named by decoder layer,
-    and a hybrid's layers with KV memory are not its decoder layers one for one (Nemotron-H's
-    MLP-only blocks have none, Falcon-H1's have two), so `kv.quant` would not map them."""
-    from pathlib import Path
-
-    from vllm_metal.kv.quant import checkpoint_scales
-    from vllm_metal.ops.per_token_head import is_per_token_head
-
-    model = vllm_config.model_config
-    if model is None or not model.is_hybrid or is_per_token_head(dtype):
-        return
-    local = Path(model.model).expanduser()
-    if local.is_dir() and checkpoint_scales(local):
-        raise MetalConfigError(
-            f"vllm-metal: --kv-cache-dtype {dtype} is not supported with a hybrid checkpoint "
-            f"that carries KV scales ({model.model}: k_scale / v_scale / kv_scale tensors; they "
-            "are not mapped to its attention layers); use --kv-cache-dtype int8_per_token_head "
-            "(no scales to calibrate) or auto"
-        )
-
-
 def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
     """A per-token-head cache of a model whose attention layers have two head sizes (Gemma 4's
     full-attention layers: `global_head_dim`, or `per_layer_config` in transformers 5) is
@@ -164,17 +145,19 @@ def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
     if len(sizes) > 1:
         raise MetalConfigError(
             f"vllm-metal: --kv-cache-dtype {dtype} is not supported for a model whose attention "
-            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim); use "
-            "--kv-cache-dtype fp8 or auto"
+            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim): with each "
+            "row's scale beside it one layer's page is no whole multiple of the other's, and vLLM "
+            "pads the smaller pages to the larger (page_size_padded), which the pools do not lay "
+            "out; use --kv-cache-dtype fp8 or auto"
         )
 
 
 def _turboquant_served(vllm_config: VllmConfig) -> bool:
     """Whether the cache dtype is a TurboQuant preset (`kv.turboquant`) served with this config;
     False for any other name. Refuses, by name, what TurboQuant pages are not built for:
-    speculative methods but n-gram, head sizes the format cannot pack, models of windowed and
-    full-attention layers (the capability table refuses the model kinds and backends it does not
-    serve). KV offload tiers carry the slots' bytes as they are (`kv.offload.transfer`)."""
+    speculative methods but `TURBOQUANT_DRAFTERS`, head sizes the format cannot pack and models
+    of windowed and full-attention layers, the target's or a drafter's (the capability table
+    refuses the model kinds and backends it does not serve). KV offload tiers carry the slots' bytes as they are (`kv.offload.transfer`)."""
     from vllm_metal.kv import turboquant
 
     dtype = vllm_config.cache_config.cache_dtype
@@ -182,23 +165,37 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
         return False
     refused = None
     spec = vllm_config.speculative_config
-    if spec is not None and spec.method != "ngram":
+    has_draft = spec is not None and spec.method in ("draft_model", "eagle3")
+    draft = spec.draft_model_config if has_draft else None
+    if spec is not None and spec.method not in TURBOQUANT_DRAFTERS:
         refused = (
             f"--speculative-config method={spec.method!r}",
-            "use method='ngram' (the only drafts verified over TurboQuant pages)",
+            (
+                f"use method {' / '.join(map(repr, TURBOQUANT_DRAFTERS))} (the drafters whose "
+                "pages are built in TurboQuant slots)"
+            ),
         )
-    elif vllm_config.model_config is not None:
-        problem = turboquant.head_size_problem(dtype, vllm_config.model_config.get_head_size())
-        if problem is not None:
-            refused = (f"a model whose {problem}", "use --kv-cache-dtype turboquant_k8v4 or fp8")
-        elif _mixes_windowed_and_full_layers(vllm_config):
-            refused = (
-                (
-                    "a model of both sliding-window and full-attention layers (their KV-cache groups "
-                    "share memory, where TurboQuant and unquantized boundary-layer pages would overlay)"
-                ),
-                "use --kv-cache-dtype fp8",
-            )
+    else:
+        for model in (vllm_config.model_config, draft):
+            if model is None:
+                continue
+            problem = turboquant.head_size_problem(dtype, model.get_head_size())
+            if problem is not None:
+                refused = (
+                    f"a model whose {problem} ({model.model})",
+                    "use --kv-cache-dtype turboquant_k8v4 or fp8",
+                )
+            elif _mixes_windowed_and_full_layers(model.hf_text_config):
+                refused = (
+                    (
+                        f"a model of both sliding-window and full-attention layers ({model.model}: "
+                        "their KV-cache groups share memory, where TurboQuant and unquantized "
+                        "boundary-layer pages would overlay)"
+                    ),
+                    "use --kv-cache-dtype fp8",
+                )
+            if refused is not None:
+                break
     if refused is not None:
         raise MetalConfigError(
             f"vllm-metal: --kv-cache-dtype {dtype} is not supported with {refused[0]}; "
@@ -207,11 +204,11 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
     return True
 
 
-def _mixes_windowed_and_full_layers(vllm_config: VllmConfig) -> bool:
-    """Whether the checkpoint's config declares sliding-window and full-attention layers both."""
+def _mixes_windowed_and_full_layers(text) -> bool:
+    """Whether a checkpoint's text config declares sliding-window and full-attention layers
+    both."""
     from vllm_metal.models.layers import kinds_from_config
 
-    text = vllm_config.model_config.hf_text_config
     num_layers = getattr(text, "num_hidden_layers", 0) or 0
     kinds = kinds_from_config(text.to_dict(), num_layers)
     return len({kind.sliding_window is None for kind in kinds}) > 1

@@ -34,7 +34,8 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "text": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "moe": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
-        "vision_language": _MLX_ANY,
+        # fp8 / per-token-head pages under the decoder beside its towers (the towers keep none).
+        "vision_language": _MLX_ANY | {"fp8_kv_cache"},
         "speech_to_text": _MLX_ANY,
         # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
         "audio_language": frozenset(),

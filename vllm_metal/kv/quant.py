@@ -32,6 +32,7 @@ PER_TOKEN_HEAD_DTYPES = {
     "int4_per_token_head": torch.uint8,
 }
 _SCALE_NAME = re.compile(r"layers\.(\d+)\..*?(k_scale|v_scale|kv_scale)$")
+_LAYER_NUMBER = re.compile(r"layers\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -98,25 +99,41 @@ def draft_cache_config(vllm_config):
 
 
 def kv_cache_quant(
-    cache_dtype: str | None, num_layers: int, checkpoint: str | Path | None = None
+    cache_dtype: str | None,
+    num_layers: int,
+    checkpoint: str | Path | None = None,
+    layer_names: Sequence[str] | None = None,
 ) -> KVCacheQuant | PerTokenHeadCache | None:
-    """The quantized cache of a model of `num_layers` layers: fp8 with its scales from
-    `checkpoint` (a directory of safetensors files) where it has them, or a per-token-head
-    cache; None for an unquantized cache."""
+    """The quantized cache of a model of `num_layers` layers with KV memory: fp8 with its scales
+    from `checkpoint` (a directory of safetensors files) where it has them, or a per-token-head
+    cache; None for an unquantized cache. The checkpoint names a scale by decoder layer; layer i
+    takes the scales of the decoder layer its module name `layer_names[i]` holds (a hybrid's
+    layers with KV memory are not its decoder layers one for one: Nemotron-H's MLP-only blocks
+    have none, Falcon-H1's have two), of decoder layer i without names."""
     if per_token_head.is_per_token_head(cache_dtype):
         return PerTokenHeadCache(str(cache_dtype))
     if not requested(cache_dtype):
         return None
-    k_scales, v_scales = [1.0] * num_layers, [1.0] * num_layers
-    if checkpoint is not None:
-        for layer, name, value in checkpoint_scales(Path(checkpoint)):
-            if layer >= num_layers:
-                continue
-            if name in ("k_scale", "kv_scale"):
-                k_scales[layer] = value
-            if name in ("v_scale", "kv_scale"):
-                v_scales[layer] = value
+    decoder_layers = list(range(num_layers))
+    if layer_names is not None:
+        decoder_layers = [decoder_layer(name) for name in layer_names]
+    scales: dict[int, dict[str, float]] = {}
+    for layer, name, value in checkpoint_scales(Path(checkpoint)) if checkpoint else ():
+        scales.setdefault(layer, {})[name] = value
+    k_scales, v_scales = [], []
+    for layer in decoder_layers:
+        found = scales.get(layer, {})
+        k_scales.append(found.get("k_scale", found.get("kv_scale", 1.0)))
+        v_scales.append(found.get("v_scale", found.get("kv_scale", 1.0)))
     return KVCacheQuant(str(cache_dtype), tuple(k_scales), tuple(v_scales))
+
+
+def decoder_layer(module_name: str) -> int:
+    """The decoder layer a module name holds (``...layers.N...``)."""
+    match = _LAYER_NUMBER.search(module_name)
+    if match is None:
+        raise ValueError(f"{module_name!r} names no decoder layer (layers.N)")
+    return int(match.group(1))
 
 
 def checkpoint_scales(directory: Path) -> list[tuple[int, str, float]]:

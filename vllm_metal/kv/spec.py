@@ -78,15 +78,18 @@ def kv_cache_specs(
     head_dim: int,
     dtype: torch.dtype,
     cache_config: CacheConfig | None = None,
+    first_layer_index: int = 0,
 ) -> dict[str, KVCacheSpec]:
     """One spec per attention (or state) layer with KV memory, keyed by the layer's real module
-    name; a layer reading another's K/V (`LayerKind.kv_source`) has none."""
+    name; a layer reading another's K/V (`LayerKind.kv_source`) has none. `first_layer_index`:
+    the index vLLM reads from the first layer's module name (a TurboQuant skip list names layers
+    by it; an EAGLE-3 head's layers are numbered after the target's)."""
     if len(layer_names) != len(layer_kinds):
         raise ValueError(f"{len(layer_names)} layer names for {len(layer_kinds)} layer kinds")
     return {
         name: turboquant.layer_spec(
             attention_spec(kind, block_size, num_kv_heads, head_dim, dtype, cache_config),
-            index,
+            first_layer_index + index,
             kind,
             cache_config,
         )

@@ -112,8 +112,13 @@ class TurboQuantCache:
     quantized: tuple[bool, ...]
 
     @classmethod
-    def of(cls, cache_config: CacheConfig, kinds: Sequence[LayerKind]) -> TurboQuantCache:
-        flags = tuple(quantized(i, kind, cache_config) for i, kind in enumerate(kinds))
+    def of(
+        cls, cache_config: CacheConfig, kinds: Sequence[LayerKind], first_layer_index: int = 0
+    ) -> TurboQuantCache:
+        """The cache of layers `kinds`, the first numbered `first_layer_index` by vLLM."""
+        flags = tuple(
+            quantized(first_layer_index + i, kind, cache_config) for i, kind in enumerate(kinds)
+        )
         return cls(str(cache_config.cache_dtype), flags)
 
     def layer_formats(

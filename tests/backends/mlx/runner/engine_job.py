@@ -136,7 +136,8 @@ def _record_drafts(llm) -> list:
 
 def _prompt(p):
     """Text, token ids, {"prompt": text, "images": [[seed, width, height], ...]}: images of
-    `tests.fixtures.tiny_idefics3.tiny_image` for the prompt's `<image>` markers, or
+    `tests.fixtures.tiny_idefics3.tiny_image` for the prompt's `<image>` markers (or
+    "prompt_token_ids" for "prompt": ids with the markers unexpanded), or
     {"audio": [seed, seconds], "decoder_prompt": text}: a clip of
     `tests.fixtures.tiny_whisper.audio_clip` as an encoder-decoder prompt, or
     {"prompt": text, "audios": [[seed, seconds], ...]}: such clips for a decoder prompt's audio
@@ -147,6 +148,11 @@ def _prompt(p):
         from tests.fixtures.tiny_idefics3 import tiny_image
 
         images = [tiny_image(seed, (width, height)) for seed, width, height in p["images"]]
+        if "prompt_token_ids" in p:  # token ids holding the unexpanded `<image>` markers
+            return {
+                "prompt_token_ids": p["prompt_token_ids"],
+                "multi_modal_data": {"image": images},
+            }
         return {"prompt": p["prompt"], "multi_modal_data": {"image": images}}
     if isinstance(p, dict) and "audios" in p:
         from tests.fixtures.tiny_whisper import SAMPLE_RATE, audio_clip

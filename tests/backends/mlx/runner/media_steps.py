@@ -69,13 +69,14 @@ def run_greedy(
     key_ends: bool = True,
     block_size: int = BLOCK_SIZE,
     prompt_logits: dict[str, np.ndarray] | None = None,
+    quant=None,
 ) -> dict[str, tuple[list[int], np.ndarray]]:
     """Each request's `new_tokens` greedy tokens and the logits of its prompt's last token.
     `key_ends=False` drops the prefix-LM key ends (every token causal), for negative controls.
     A hybrid's state layers keep their pages in their own regions' blocks (`block_size` large
     enough that a block's K and V hold a state page). A `prompt_logits` dict is filled with each
     request's logits of every prompt token (`[prompt tokens, vocab]`, the rows vLLM's prompt
-    logprobs read)."""
+    logprobs read). `quant`: a quantized cache of `kv.quant` (the pool's pages in its format)."""
     req_ids = list(states)
     lengths = [len(states[r].prompt_token_ids) + new_tokens for r in req_ids]
     blocks = [-(-n // block_size) for n in lengths]
@@ -93,6 +94,7 @@ def run_greedy(
         getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads,  # Qwen3-Next's name
         attn.head_dim,
         mx.float32,
+        quant,
     )
     tokens = {r: list(states[r].prompt_token_ids) for r in req_ids}
     computed = dict.fromkeys(req_ids, 0)

@@ -233,3 +233,49 @@ def test_turboquant_pages_of_a_hybrids_attention_layers(request, family, name) -
           f"the format moves them by {moved.mean():.2e}")  # fmt: skip
     assert errors.max() <= 5e-3
     assert errors.mean() * 10 <= moved.mean()
+
+
+def test_checkpoint_scales_reach_a_hybrids_attention_layer(tiny_nemotron_h_dir, tmp_path) -> None:
+    """Nemotron-H's attention block is decoder block 2 but its second layer with KV memory (the
+    MLP-only and MoE blocks have none): the checkpoint's scales named `backbone.layers.2` reach it
+    by its module name. The engine follows the fp8 oracle at those scales, not at 1.0."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "scaled"
+    shutil.copytree(tiny_nemotron_h_dir, model)
+    scales = {"k_scale": 8.0, "v_scale": 4.0}
+    save_file(
+        {f"backbone.layers.2.mixer.{k}": np.array(v, np.float32) for k, v in scales.items()},
+        str(model / "kv_scales.safetensors"),
+    )
+    prompts = random_prompts(62, [20, 33, 7])
+    jobs = [{"prompts": prompts, "params": [greedy(MAX_TOKENS, logprobs=1)]}]
+    (batch,) = run_engine_job(model, jobs, engine={"kv_cache_dtype": "fp8"})
+    oracle = functools.partial(hf_fp8_kv_logprobs, name="fp8_e4m3", **scales)
+    errors = _errors(model, prompts, batch, oracle)
+    unscaled = _errors(model, prompts, batch, _oracle("fp8"))
+    print(f"nemotron_h fp8 at the checkpoint's scales: |logprob - oracle| mean {errors.mean():.2e}"
+          f" max {errors.max():.2e}; against the oracle at 1.0 {unscaled.mean():.2e}")  # fmt: skip
+    assert errors.mean() <= ORACLE_TOL["fp8"] / 4 and errors.max() <= 10 * ORACLE_TOL["fp8"]
+    assert errors.mean() * 10 <= unscaled.mean()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_next_dir", "tiny_granitemoehybrid_dir"])
+def test_qwen3_next_and_granite_h_attention_pages(request, fixture, dtype) -> None:
+    """Qwen3-Next (Gated DeltaNet) and Granite 4.0-H (Mamba-2), which take quantized pages
+    through the same path as the families above, in chunks of 32 tokens: the port's oracle, far
+    closer than the format moves the logprobs."""
+    model = request.getfixturevalue(fixture)
+    prompts = random_prompts(63, [40, 75, 9, 1])
+    engine = {"kv_cache_dtype": dtype, "max_num_batched_tokens": 32}
+    jobs = [{"prompts": prompts, "params": [greedy(MAX_TOKENS, logprobs=1)]}]
+    (batch,) = run_engine_job(model, jobs, engine=engine)
+    errors = _errors(model, prompts, batch, _oracle(dtype))
+    moved = _errors(model, prompts, batch, hf_logprobs)
+    print(f"{fixture} {dtype}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}"
+          f"; the format moves them by {moved.mean():.2e}")  # fmt: skip
+    assert errors.mean() <= ORACLE_TOL[dtype] / 4 and errors.max() <= 10 * ORACLE_TOL[dtype]
+    assert errors.mean() * 10 <= moved.mean()

@@ -183,10 +183,13 @@ class ModelState:
             return turboquant.TurboQuantCache.of(cache_config, self.layer_kinds)
 
         local = Path(self.model_config.model).expanduser()
+        # The checkpoint names scales by decoder layer, which each layer's module name holds.
+        names = getattr(self.adapter, "attention_layer_names", None)
         return kv_cache_quant(
             self.vllm_config.cache_config.cache_dtype,
             len(self.layer_kinds),
             local if local.is_dir() else None,
+            names if names is not None and len(names) == len(self.layer_kinds) else None,
         )
 
     def _layer_specs(self, names: list[str], block_size: int) -> dict[str, KVCacheSpec]:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_metal.kv import turboquant
 from vllm_metal.kv.pool import KVLayout, KVPool, pool_for
-from vllm_metal.kv.quant import KVCacheQuant, kv_cache_quant
+from vllm_metal.kv.quant import KVCacheQuant, PerTokenHeadCache, kv_cache_quant
 from vllm_metal.kv.spec import kv_cache_specs
 
 if TYPE_CHECKING:
@@ -121,7 +122,11 @@ class PagedDrafter(Drafter):
     KV-cache group: they read its block tables and write at the same slots. The subclass sets
     `layer_names` and `kinds` when it loads. `cache_config`: the draft's (`kv.quant.
     draft_cache_config`): a quantized `--kv-cache-dtype` quantizes the drafter's pages too, as
-    vLLM's draft layers inherit it; None: the model's dtype."""
+    vLLM's draft layers inherit it; None: the model's dtype. `first_layer_index`: the index vLLM
+    reads from the name of the drafter's first layer (under TurboQuant, layers whose index the
+    skip list names keep the model's dtype, as vLLM's draft layers do)."""
+
+    first_layer_index = 0
 
     def __init__(
         self,
@@ -153,6 +158,7 @@ class PagedDrafter(Drafter):
             head_dim=self.head_dim,
             dtype=dtype,
             cache_config=self.cache_config,
+            first_layer_index=self.first_layer_index,
         )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -165,11 +171,15 @@ class PagedDrafter(Drafter):
             self.layout, self.kinds, self.num_kv_heads, self.head_dim, self.kv_dtype, self._quant()
         )
 
-    def _quant(self) -> KVCacheQuant | None:
-        """The drafter's quantized cache (fp8 at vLLM's default scales, 1.0, or per-token-head);
-        None for its model's dtype."""
+    def _quant(self) -> KVCacheQuant | PerTokenHeadCache | turboquant.TurboQuantCache | None:
+        """The drafter's quantized cache (fp8 at vLLM's default scales, 1.0, per-token-head, or
+        TurboQuant); None for its model's dtype."""
         if self.cache_config is None:
             return None
+        if turboquant.requested(self.cache_config.cache_dtype):
+            return turboquant.TurboQuantCache.of(
+                self.cache_config, self.kinds, self.first_layer_index
+            )
         return kv_cache_quant(self.cache_config.cache_dtype, len(self.kinds))
 
     def discard(self, tags: tuple[str, ...]) -> None:

@@ -48,6 +48,8 @@ class Eagle3Drafter(HeadDrafter):
         self.target = target
         self.download_dir = vllm_config.load_config.download_dir
         self.num_target_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        # vLLM numbers the head's layers after the target's (`llama_eagle3.py`: start_layer_id).
+        self.first_layer_index = self.num_target_layers
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
         self.draft = self.draft_config.hf_config.to_dict()
         self.architecture = self.draft_config.architectures[0]

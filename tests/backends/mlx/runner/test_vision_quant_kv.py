@@ -1,0 +1,245 @@
+"""Quantized KV caches under a vision-language model's decoder: the tiny Idefics3 served with
+images by one engine (`--kv-cache-dtype fp8` and the per-token-head formats) computes what
+transformers float32 computes when its language model's attention reads keys and values through
+the float64 ports of the formats (`tests/fixtures/fp8_reference.py`, `per_token_head_reference.py`;
+the vision tower, which keeps no cache, unchanged); the same image again is a prefix-cache hit
+that reads the stored pages back; the agreement with the unquantized cache is the exact format's,
+measured beside vLLM's CPU backend with the same setting (docs/kv-cache.md, "Composition").
+
+Idefics3 is the vision-language family vLLM 0.32 builds on Linux (Gemma 3's and the Qwen-VL
+processors import torchvision, which does not load here); its pages are laid out and read by the
+decoder path every vision-language family shares (`MultimodalState`). Gemma 3's prefix-LM image
+rows over fp8 pages are driven step by step without the engine, as `test_gemma3_vl.py` does."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import numpy as np
+import pytest
+
+from tests.backends.mlx.runner.jobs import greedy, run_engine_job, tokens
+from tests.fixtures.tiny_idefics3 import tiny_image
+from tests.fixtures.vision_oracles import idefics3_inputs, load_hf_idefics3
+
+pytestmark = [pytest.mark.slow, pytest.mark.full]
+
+MAX_TOKENS = 12
+BLOCK_SIZE = 16
+ONE_IMAGE = "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:"
+TWO_IMAGES = "<|im_start|>User:<image>and<image>Same?<end_of_utterance>\nAssistant:"
+TEXT_ONLY = "<|im_start|>User:What is this?<end_of_utterance>\nAssistant:"
+# (prompt, images as [seed, width, height])
+BATCH = [
+    (ONE_IMAGE, [[0, 64, 64]]),
+    (ONE_IMAGE, [[1, 64, 64]]),
+    (TEXT_ONLY, []),
+    (TWO_IMAGES, [[2, 64, 64], [3, 48, 32]]),
+]
+AGAIN = (ONE_IMAGE, [[0, 64, 64]])  # the first row again: its prompt's blocks are hits
+ENGINE = {
+    "max_num_batched_tokens": 24,  # the prompts' image spans cut across steps
+    "enable_prefix_caching": True,
+    "block_size": BLOCK_SIZE,
+    "limit_mm_per_prompt": {"image": 2},
+}
+# Each sampled token's logprob against the oracle (an exact cache of the format). The image rows
+# come from mlx-vlm's tower, which differs from transformers' in the last float32 bits (the
+# unquantized cache: max 3e-5 here), and a format rounds now and then such a value to the
+# neighbouring level: measured mean 5.3e-4, max 2.5e-2 (one token) for fp8. Bounds over those;
+# pages stored as E5M2 instead of E4M3 were 1.55 nats off on average.
+ORACLE_MAX = 5e-2
+ORACLE_MEAN = 2e-3
+
+
+def _request(prompt: str, images: list[list[int]]) -> dict | str:
+    return {"prompt": prompt, "images": images} if images else prompt
+
+
+def _through_cache(x: np.ndarray, name: str | None) -> np.ndarray:
+    """Rows `[..., D]` as a cache of format `name` gives them back (None: unquantized)."""
+    from tests.fixtures import fp8_reference, per_token_head_reference
+
+    if name in (None, "auto"):
+        return x
+    if name.endswith("_per_token_head"):
+        return per_token_head_reference.through_cache(x, name)
+    fmt = "fp8_e4m3" if name in ("fp8", "fp8_e4m3") else name
+    return fp8_reference.dequantize64(fp8_reference.quantize64(x, fmt, 1.0), fmt, 1.0)
+
+
+@contextlib.contextmanager
+def _language_model_reads(name: str | None, family: str = "llama"):
+    """The language model's eager attention (its family's module: Llama's in Idefics3) over K/V
+    read through the format; the vision tower's attention (another module) is left as it is."""
+    import torch
+
+    module = sys.modules[f"transformers.models.{family}.modeling_{family}"]
+    eager = module.eager_attention_forward
+
+    def cached(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(_through_cache(x.detach().double().numpy(), name)).to(x.dtype)
+
+    def attention(layer, query, key, value, *args, **kwargs):
+        return eager(layer, query, cached(key), cached(value), *args, **kwargs)
+
+    module.eager_attention_forward = attention
+    try:
+        yield
+    finally:
+        module.eager_attention_forward = eager
+
+
+def oracle_logprobs(model_dir, row, new_tokens: list[int], name: str | None) -> np.ndarray:
+    """Log-softmax rows of transformers float32 over the prompt of `row` (with its images)
+    followed by `new_tokens`, its language model reading K/V through format `name`; row j
+    predicts token j + 1."""
+    import torch
+
+    from tests.fixtures.oracles import _one_torch_thread
+
+    prompt, images = row
+    model, _ = load_hf_idefics3(model_dir)
+    inputs = dict(idefics3_inputs(model_dir, prompt, [tiny_image(s, (w, h)) for s, w, h in images]))
+    extra = torch.tensor([new_tokens], dtype=inputs["input_ids"].dtype)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad(), _one_torch_thread(), _language_model_reads(name):
+        logits = model(**inputs, use_cache=False).logits[0].double().numpy()
+    logits -= logits.max(axis=-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+
+
+def _rows(model_dir, rows, batch, name):
+    """Per generated token: |engine logprob - oracle|, the oracle's margin of its top token over
+    the sampled one, and whether it is the unquantized model's greedy choice."""
+    errors, margins, agree = [], [], []
+    for row, result in zip(rows, batch):
+        sample = result["outputs"][0]
+        toks = sample["token_ids"]
+        ref = oracle_logprobs(model_dir, row, toks, name)
+        plain = oracle_logprobs(model_dir, row, toks, None)
+        start = len(ref) - len(toks) - 1
+        for step, token in enumerate(toks):
+            errors.append(abs(sample["logprobs"][step][str(token)] - ref[start + step, token]))
+            margins.append(ref[start + step].max() - ref[start + step, token])
+            agree.append(plain[start + step].max() - plain[start + step, token] <= 1e-4)
+    return np.asarray(errors), np.asarray(margins), float(np.mean(agree))
+
+
+@functools.cache
+def _run(model_dir, name: str):
+    jobs = [
+        {"prompts": [_request(*r) for r in BATCH], "params": [greedy(MAX_TOKENS, logprobs=1)]},
+        {"prompts": [_request(*AGAIN)], "params": [greedy(MAX_TOKENS, logprobs=1)]},
+    ]
+    return run_engine_job(model_dir, jobs, engine={**ENGINE, "kv_cache_dtype": name})
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "int8_per_token_head", "int4_per_token_head"])
+def test_images_over_quantized_pages_match_the_oracle(tiny_idefics3_dir, name) -> None:
+    """'auto' (the unquantized cache against plain transformers) measures the tower's float32
+    difference the formats' figures stand on."""
+    first, again = _run(tiny_idefics3_dir, name)
+    errors, margins, agree = _rows(tiny_idefics3_dir, BATCH, first, name)
+    print(f"{name}: max |logprob - oracle| {errors.max():.2e}, mean {errors.mean():.2e}; "
+          f"agreement with the unquantized cache {agree:.3f}")  # fmt: skip
+    assert errors.max() <= ORACLE_MAX and errors.mean() <= ORACLE_MEAN
+    assert margins.max() <= ORACLE_MAX  # every token is (up to a near-tie) the oracle's choice
+    # The images decide the output, over quantized pages too.
+    assert len({tuple(t) for t in tokens(first)}) == len(BATCH)
+    # The same image again: every full block of its prompt but the last token's is read back.
+    (hit,) = again
+    assert hit["num_cached_tokens"] >= BLOCK_SIZE
+    assert tokens(again) == tokens(first)[:1]
+
+
+def teacher_forced(model_dir, name: str, backend: str) -> tuple[float, float]:
+    """Over the positions of BATCH's unquantized greedy continuations (transformers float32), fed
+    back after their prompts and images: the share whose top-1 token under the `name` cache is the
+    unquantized one, (that engine's, the exact format's: transformers over K/V through the port).
+    prompt_logprobs=1, so every engine scores the same positions."""
+    from tests.fixtures.vision_oracles import idefics3_generate
+
+    _, processor = load_hf_idefics3(model_dir)
+    prompts, wants, exact = [], [], []
+    for row in BATCH:
+        prompt, images = row
+        pictures = [tiny_image(s, (w, h)) for s, w, h in images]
+        want = idefics3_generate(model_dir, prompt, pictures, MAX_TOKENS)
+        ids = processor.tokenizer(prompt).input_ids + want
+        prompts.append({"prompt_token_ids": ids, "images": images} if images else ids)
+        wants.append(want)
+        ref = oracle_logprobs(model_dir, row, want, name)
+        exact += [int(ref[len(ref) - len(want) - 1 + j].argmax()) == t for j, t in enumerate(want)]
+    engine = {**ENGINE, "kv_cache_dtype": name, "enable_prefix_caching": False}
+    if backend == "cpu":
+        engine.pop("block_size")
+    jobs = [{"prompts": prompts, "params": [greedy(1, prompt_logprobs=1)]}]
+    (batch,) = run_engine_job(model_dir, jobs, engine=engine, backend=backend)
+    agree = []
+    for want, result in zip(wants, batch):
+        rows = result["prompt_logprobs"][-len(want) :]
+        agree += [int(max(row, key=row.get)) == token for row, token in zip(rows, want)]
+    return float(np.mean(agree)), float(np.mean(exact))
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
+def test_agreement_beside_vllm_cpus(tiny_idefics3_dir, name) -> None:
+    """vLLM's CPU backend serves Idefics3 with the same fp8 setting, measured over the same
+    positions (docs/kv-cache.md). The plugin's agreement with the unquantized cache is the exact
+    format's (measured equal: 0.667 for E4M3, 0.417 for E5M2 over 48 positions); vLLM's CPU
+    backend, which departs from the exact format, measured 0.688 and 0.479 here (on the dense
+    Qwen3 of test_fp8_kv.py it is below the plugin)."""
+    ours, exact = teacher_forced(tiny_idefics3_dir, name, "metal")
+    cpu, _ = teacher_forced(tiny_idefics3_dir, name, "cpu")
+    print(f"{name}: teacher-forced agreement plugin {ours:.3f}, exact format {exact:.3f}, "
+          f"vLLM CPU {cpu:.3f}")  # fmt: skip
+    assert abs(ours - exact) <= 1 / (len(BATCH) * MAX_TOKENS)  # one position at most
+
+
+GEMMA3_CASES = ["one-image", "two-images", "image-first", "text-only"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_gemma3_dir):
+    import json
+
+    import mlx.core as mx
+
+    from vllm_metal.models import load_model
+
+    config = json.loads((tiny_gemma3_dir / "config.json").read_text())
+    adapter = load_model(str(tiny_gemma3_dir), compute_dtype=mx.float32, hf_config=config)
+    return tiny_gemma3_dir, adapter
+
+
+def test_gemma3_images_over_fp8_pages(gemma3) -> None:
+    """Gemma 3's prefix-LM image rows (attended both ways, sliding and full layers) over fp8
+    pages, driven step by step in chunks of 16 (engine-free: vLLM's Gemma 3 processor needs
+    torchvision here, `test_gemma3_vl.py`): greedy tokens and last prompt logits equal
+    transformers float32 whose language model reads K/V through the fp8 port (reading a value
+    through it twice changes nothing, so its decode steps over the HF cache agree too)."""
+    from tests.backends.mlx.runner.media_steps import run_greedy
+    from tests.backends.mlx.runner.test_gemma3_vl import CASES, NEW_TOKENS, _images, _request
+    from tests.fixtures import vision_oracles as oracle
+    from vllm_metal.kv.quant import kv_cache_quant
+
+    model_dir, adapter = gemma3
+    states = {case: _request(model_dir, case) for case in GEMMA3_CASES}
+    options = {"chunk": 16, "new_tokens": NEW_TOKENS, "keep_items_whole": True}
+    got = run_greedy(adapter, states, quant=kv_cache_quant("fp8", adapter.num_layers), **options)
+    plain = run_greedy(adapter, states, **options)
+    moved = 0.0
+    for case in GEMMA3_CASES:
+        text, images = CASES[case][0], _images(case)
+        with _language_model_reads("fp8", "gemma3"):
+            tokens = oracle.gemma3_generate(model_dir, text, images, NEW_TOKENS)
+            logits = oracle.gemma3_logits(model_dir, text, images)[-1]
+        assert got[case][0] == tokens, case
+        np.testing.assert_allclose(got[case][1], logits, rtol=1e-3, atol=1e-3, err_msg=case)
+        moved = max(moved, float(np.abs(got[case][1] - plain[case][1]).max()))
+    print(f"gemma3 fp8: the format moves the last prompt logits by up to {moved:.3f}")
+    assert moved > 1e-2  # the pages are quantized: the format shows
