@@ -250,3 +250,11 @@ def test_a_dflash_head_beside_an_unbuilt_target_is_refused(tiny_model_dir, tmp_p
     head = _dflash_head(target, tmp_path / "h")
     with pytest.raises(ValueError, match=r"method='dflash' .* kept for llama, .* not 'olmo2'"):
         _engine_config(target, speculative_config=_eagle3_spec(head, "dflash"))
+
+
+def test_a_dflash_head_beside_a_quantized_cache_is_refused(eagle3_target, tmp_path):
+    head = _dflash_head(eagle3_target, tmp_path / "h")
+    with pytest.raises(ValueError, match=r"method='dflash' .* --kv-cache-dtype fp8 .*not built"):
+        _engine_config(
+            eagle3_target, speculative_config=_eagle3_spec(head, "dflash"), kv_cache_dtype="fp8"
+        )

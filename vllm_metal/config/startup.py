@@ -98,6 +98,7 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
 
     dtype = vllm_config.cache_config.cache_dtype
     _check_draft_cache_dtype(vllm_config)
+    _check_dflash_cache_dtype(vllm_config)
     if requested(dtype):
         _check_row_widths(vllm_config, dtype)
         return
@@ -125,6 +126,21 @@ def _check_draft_cache_dtype(vllm_config: VllmConfig) -> None:
             f"vllm-metal: --speculative-config kv_cache_dtype={draft!r} differs from "
             f"--kv-cache-dtype {dtype} (a drafter's pages share the target's KV-cache group, in "
             "its format); leave the draft's kv_cache_dtype unset"
+        )
+
+
+def _check_dflash_cache_dtype(vllm_config: VllmConfig) -> None:
+    """A DFlash head's query block attends over its context pages both ways (`key_ends`), which
+    the quantized caches' attention is not tested with: refused beside a quantized cache."""
+    spec = vllm_config.speculative_config
+    dtype = str(vllm_config.cache_config.cache_dtype or "auto")
+    if spec is None or spec.method != "dflash" or dtype == "auto":
+        return
+    if not dtype.startswith(("bfloat16", "float16", "float32")):
+        raise MetalConfigError(
+            f"vllm-metal: --speculative-config method='dflash' is not supported with "
+            f"--kv-cache-dtype {dtype} (a DFlash head's block over quantized context pages is "
+            "not built); use --kv-cache-dtype auto"
         )
 
 
