@@ -144,6 +144,28 @@ def test_caps_stop_one_short_of_max_tokens_and_max_model_len(states, vllm_config
     assert _decoder(vllm_config).caps(states, np.array([0, 1, 0])).tolist()[order.index("a")] == 0
 
 
+def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatch):
+    """Steps carried one ahead start 1 ms apart (each built while the previous one runs) and
+    give their outputs 10 ms apart: each is timed 10 ms, not from its own start."""
+    from types import SimpleNamespace
+
+    from vllm_metal.backends.mlx.runner.spec_decode import decoder as decoder_module
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    spec = _decoder(vllm_config, backoff)
+    clock = iter([0.010, 0.020, 0.030])
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    packed = SimpleNamespace(
+        num_scheduled=np.array([1, 1]), num_draft_tokens=np.array([0, 0]), req_ids=["a", "b"]
+    )
+    for k in range(3):
+        step_k = SimpleNamespace(packed=packed, started=0.001 * k)
+        spec._record_rate(step_k, [[7], [8]], verified=False)
+    plain = backoff.buckets[batch_bucket(2)].plain
+    assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(2 / 0.010)
+
+
 def _measured(spec_rate: float, plain_rate: float, num_decoding: int = 1) -> Backoff:
     backoff = Backoff()
     for _ in range(4):

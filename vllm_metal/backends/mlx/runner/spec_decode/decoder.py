@@ -40,6 +40,7 @@ class SpecDecoder:
         # (`proposed`) and corrects the positions for the previous step's rejections.
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self._proposed: dict[str, list[int]] = {}
+        self._recorded_at = 0.0  # perf_counter() when the last step's output was recorded
 
     def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
         """Called once the step's tokens are recorded in `states`. A step planned ahead and
@@ -100,14 +101,18 @@ class SpecDecoder:
             )
 
     def _record_rate(self, step: StepState, sampled: list[list[int]], verified: bool) -> None:
-        """Decode steps only (one known token per row, drafts aside): a prefill chunk's cost says
-        nothing about what drafting costs."""
+        """The step's token rate, for decode steps only (one known token per row, drafts aside:
+        a prefill chunk's cost says nothing about what drafting costs). Its time runs from its
+        start, or from the previous step's output where that came later: a step carried one
+        ahead starts before the previous one's output is recorded, and the time they overlap
+        counts once, so a pipelined plain step is not measured slower than it runs."""
+        now = time.perf_counter()
+        since, self._recorded_at = max(step.started, self._recorded_at), now
         packed = step.packed
         if (packed.num_scheduled - packed.num_draft_tokens != 1).any():
             return
-        seconds = time.perf_counter() - step.started
         tokens = sum(len(s) for s in sampled)
-        self.backoff.record_decode_step(len(packed.req_ids), tokens, seconds, verified)
+        self.backoff.record_decode_step(len(packed.req_ids), tokens, now - since, verified)
 
     def _keep(self, req_ids: list[str], drafts: list[list[int]]) -> None:
         self._drafts = DraftTokenIds(list(req_ids), drafts)
