@@ -186,6 +186,9 @@ def op_stage(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any]:
                 write_ms[cache].append(w)
     return {
         "backend": ops.backend(),
+        # How the presets' decode rows read their slots: the native op unpacks them in the
+        # kernel; the reference ops gather and dequantize the pages first.
+        "turboquant_reads": "in the kernel" if ops.backend() == "native" else "gathered",
         "device": str(mx.default_device()),
         "shape": {
             "seqs": s,

@@ -25,6 +25,7 @@ def _markdown(report: dict[str, Any]) -> str:
     s, m, e, op = report["settings"], report["model"], report["engines"], report["ops"]
     caches = s["caches"]
     shape = op["shape"]
+    in_kernel = op.get("turboquant_reads") == "in the kernel"  # runs before it: gathered
     lines = [
         "# TurboQuant KV caches against the unquantized cache",
         "",
@@ -69,8 +70,8 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            f"The ops alone ({op['backend']}: `ops.paged_attention` / `ops.reshape_and_cache` for "
-            f"the unquantized pools, `ops.turboquant` for the presets; on {op['device']}), one "
+            f"The ops alone ({op['backend']} for the unquantized pools; `ops.turboquant`, "
+            f"{'native' if in_kernel else 'pure MLX'}, for the presets; on {op['device']}), one "
             f"layer: {shape['seqs']} sequences of "
             f"{shape['keys']:,} keys, {shape['q_heads']} query / {shape['kv_heads']} KV heads of "
             f"{shape['head_dim']}, block size {shape['block_size']}, median of {s['op_reps']} calls:"
@@ -90,9 +91,12 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (
-            "With the native ops, TurboQuant decode rows read the slots in the kernel, each key and "
-            "value unpacked as it is attended (`csrc/ops/turboquant/`); with the reference ops "
-            "the pages a step reads are gathered and dequantized to float32 first."
+            "The TurboQuant decode rows read the slots in the kernel, each key and value unpacked "
+            "as it is attended (`csrc/ops/turboquant/`)."
+            if in_kernel
+            else "The TurboQuant attention gathers the pages a step reads at their stored width "
+            "and dequantizes them to float32 before attending (this run predates the native "
+            "read), so it trades decode speed for the memory it saves."
         ),
         "",
     ]

@@ -32,6 +32,15 @@ _ATTENTION_CLASS = "attention class whose paged call replaces `__call__` for a p
 _GGUF = "vLLM 0.32 reads no GGUF files"
 
 PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.triton_utils.dispatcher.register_kernels",
+        "its scan of loaded modules reads each attribute's vars(), which llvmlite's ffi.lib "
+        "(loaded with numba) answers with a function wrapper: such modules are left out of it",
+        VLLM,
+        "when vLLM's scan passes over attributes whose vars() is no dict",
+        "vllm_metal.compat.triton_dispatch.register_kernels",
+        ("overrides",),
+    ),
     # `get_config` is called from its own module (generation config) and through the name
     # vllm.config.model imported: both names are wrapped.
     *(

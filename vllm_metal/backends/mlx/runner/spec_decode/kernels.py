@@ -191,10 +191,12 @@ def register_rejection_kernels() -> None:
         return
     from vllm.triton_utils import dispatcher
 
+    from vllm_metal.compat.triton_dispatch import register_kernels
+
     pending = {
         name: impl
         for name, impl in _OVERRIDES.items()
         if dispatcher._registry.get(name, (None, None))[1] is not impl
     }
     if pending:
-        dispatcher.register_kernels(pending)
+        register_kernels(pending)
