@@ -57,8 +57,8 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
 # Backend name -> the `--speculative-config` methods it runs, and the kinds that run fewer.
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     # mtp: where the family has a drafter built (`_refuse_missing_mtp_head`); eagle3: a head
-    # vLLM 0.32 defines beside a Llama / Qwen3 target (`_refuse_unfit_eagle3_head`); dflash:
-    # its Qwen3 block-drafting head over the same targets (`_refuse_unfit_dflash_head`).
+    # vLLM 0.32 defines beside a Llama / Qwen3 target; dflash: its Qwen3 block-drafting head
+    # over the same targets (`_refuse_unfit_aux_head`).
     "mlx": ("ngram", "draft_model", "mtp", "eagle3", "dflash"),
     "mps": (),
 }
@@ -154,10 +154,8 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
     if spec.method == "mtp":
         fallback = "use method 'ngram'" if "ngram" in methods else "serve it without drafts"
         _refuse_missing_mtp_head(config, prefix, fallback)
-    if spec.method == "eagle3":
-        _refuse_unfit_eagle3_head(config, prefix)
-    if spec.method == "dflash":
-        _refuse_unfit_dflash_head(config, prefix)
+    if spec.method in ("eagle3", "dflash"):
+        _refuse_unfit_aux_head(config, prefix)
     for name, value, wanted in (
         ("draft_sample_method", spec.draft_sample_method, "greedy"),
         ("rejection_sample_method", spec.rejection_sample_method, "standard"),
@@ -170,16 +168,18 @@ def _refuse_unsupported_speculation(config: VllmConfig, backend: str) -> None:
             )
 
 
-def _refuse_unfit_eagle3_head(config: VllmConfig, prefix: str) -> None:
-    """method 'eagle3' drafts with a head of vLLM's EAGLE-3 architectures over a target whose aux
-    hidden states the runner keeps; its attention layers share the target's KV-cache group, so
-    their K/V heads and head size must be the target's (the weights are checked when it loads)."""
-    from vllm_metal.models.families import eagle3
+def _refuse_unfit_aux_head(config: VllmConfig, prefix: str) -> None:
+    """methods 'eagle3' and 'dflash' draft with a head of vLLM's architectures for them
+    (`families.eagle3`, `families.dflash`) over a target whose aux hidden states the runner keeps;
+    the head's attention layers share the target's KV-cache group, so their K/V heads and head
+    size must be the target's (the weights are checked when it loads)."""
+    from vllm_metal.models.families import dflash, eagle3
 
     spec = config.speculative_config
     draft = spec.draft_model_config
     target = config.model_config
-    problem = eagle3.missing(
+    family = eagle3 if spec.method == "eagle3" else dflash
+    problem = family.missing(
         draft.architectures[0], draft.hf_config.to_dict(), target.hf_text_config.to_dict()
     )
     if problem is None and (
@@ -189,32 +189,8 @@ def _refuse_unfit_eagle3_head(config: VllmConfig, prefix: str) -> None:
         problem = "its K/V heads or head size differ from the target's"
     if problem is not None:
         raise MetalConfigError(
-            f"{prefix} method='eagle3' with {model_label(config)} and model={spec.model!r}: "
-            f"{problem}; use method 'ngram' or 'draft_model'"
-        )
-
-
-def _refuse_unfit_dflash_head(config: VllmConfig, prefix: str) -> None:
-    """method 'dflash' drafts with vLLM's DFlashQwen3ForCausalLM over a target whose aux hidden
-    states the runner keeps; its attention layers share the target's KV-cache group, so their
-    K/V heads and head size must be the target's (the weights are checked when it loads)."""
-    from vllm_metal.models.families import dflash
-
-    spec = config.speculative_config
-    draft = spec.draft_model_config
-    target = config.model_config
-    problem = dflash.missing(
-        draft.architectures[0], draft.hf_config.to_dict(), target.hf_text_config.to_dict()
-    )
-    if problem is None and (
-        draft.get_num_kv_heads(spec.draft_parallel_config),
-        draft.get_head_size(),
-    ) != (target.get_num_kv_heads(config.parallel_config), target.get_head_size()):
-        problem = "its K/V heads or head size differ from the target's"
-    if problem is not None:
-        raise MetalConfigError(
-            f"{prefix} method='dflash' with {model_label(config)} and model={spec.model!r}: "
-            f"{problem}; use method 'ngram' or 'draft_model'"
+            f"{prefix} method={spec.method!r} with {model_label(config)} and "
+            f"model={spec.model!r}: {problem}; use method 'ngram' or 'draft_model'"
         )
 
 

@@ -28,7 +28,6 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from vllm_metal.models.families import eagle3
-from vllm_metal.models.layers import FULL_ATTENTION, kinds_from_config
 
 # vLLM's DFlash architecture names (after its `EAGLEConfig` rewrite) served by this head.
 ARCHITECTURES = ("DFlashDraftModel", "DFlashQwen3ForCausalLM")
@@ -85,17 +84,10 @@ def missing(architecture: str, draft: dict[str, Any], target: dict[str, Any]) ->
     `target` (its text config dict) here, or None."""
     if architecture not in ARCHITECTURES:
         return f"the DFlash head {architecture} is not built (built: {', '.join(ARCHITECTURES)})"
-    if target.get("model_type") not in TARGET_TYPES:
-        return (
-            f"the target's aux hidden states are kept for {', '.join(TARGET_TYPES)} targets, "
-            f"not {target.get('model_type')!r}"
-        )
+    problem = eagle3.target_problem(target)
+    if problem is not None:
+        return problem
     layers = int(target["num_hidden_layers"])
-    if FULL_ATTENTION not in kinds_from_config(target, layers):
-        return (
-            "the target has no full-attention layer (every layer attends over a sliding window), "
-            "and the head's layers share the target's full-attention KV-cache group"
-        )
     section = _section(draft)
     if section.get("use_aux_hidden_state", draft.get("use_aux_hidden_state", True)) is False:
         return "heads without aux hidden states (use_aux_hidden_state false) are not built"

@@ -81,24 +81,34 @@ def aux_layer_ids(draft: dict[str, Any], num_target_layers: int) -> tuple[int, .
     return tuple(ids) if ids else default_aux_layers(num_target_layers)
 
 
-def missing(architecture: str, draft: dict[str, Any], target: dict[str, Any]) -> str | None:
-    """What keeps the head `draft` (config dict, vLLM's architecture name) from drafting for
-    `target` (its text config dict) here, or None."""
-    if architecture not in ARCHITECTURES:
-        return f"the EAGLE-3 head {architecture} is not built (built: {', '.join(ARCHITECTURES)})"
+def target_problem(target: dict[str, Any]) -> str | None:
+    """What keeps a head fed the aux hidden states of `target` (its text config dict) from
+    drafting for it, or None: the runner keeps them for `TARGET_TYPES`, and the head's layers
+    share the target's full-attention KV-cache group."""
     if target.get("model_type") not in TARGET_TYPES:
         return (
             f"the target's aux hidden states are kept for {', '.join(TARGET_TYPES)} targets, "
             f"not {target.get('model_type')!r}"
         )
-    layers = int(target["num_hidden_layers"])
-    if FULL_ATTENTION not in kinds_from_config(target, layers):
+    if FULL_ATTENTION not in kinds_from_config(target, int(target["num_hidden_layers"])):
         return (
             "the target has no full-attention layer (every layer attends over a sliding window), "
             "and the head's layers share the target's full-attention KV-cache group"
         )
+    return None
+
+
+def missing(architecture: str, draft: dict[str, Any], target: dict[str, Any]) -> str | None:
+    """What keeps the head `draft` (config dict, vLLM's architecture name) from drafting for
+    `target` (its text config dict) here, or None."""
+    if architecture not in ARCHITECTURES:
+        return f"the EAGLE-3 head {architecture} is not built (built: {', '.join(ARCHITECTURES)})"
+    problem = target_problem(target)
+    if problem is not None:
+        return problem
     if (draft.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         return "heads without aux hidden states (use_aux_hidden_state false) are not built"
+    layers = int(target["num_hidden_layers"])
     ids = aux_layer_ids(draft, layers)
     if any(not 0 <= i <= layers for i in ids):
         return f"aux layer ids {list(ids)} are outside the target's 0..{layers}"
