@@ -94,6 +94,7 @@ def test_blas_matmul_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_moe_quick(run_suite) -> None:
     from bench.suites.moe import STREAMS, cases
 
@@ -134,6 +135,7 @@ def test_moe_with_peers(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_hybrid_quick(run_suite) -> None:
     run = run_suite("hybrid")
     data = run.results()
@@ -168,6 +170,7 @@ def test_hybrid_with_peers(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_torch_backend_quick(run_suite) -> None:
     from bench.suites.torch_backend import STREAMS, cases
 

@@ -37,6 +37,7 @@ def _lora_common(data: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_lora_quick(run_suite) -> None:
     run = run_suite("lora")
     data = run.results()
@@ -182,6 +183,7 @@ def _kv_offload_cases(data: dict, cases: set[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_kv_offload_quick(run_suite) -> None:
     run = run_suite("kv_offload")
     data = run.results()
