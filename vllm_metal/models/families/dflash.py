@@ -282,32 +282,13 @@ def load_head(
     if any("mask_hidden" in name for name in weights):
         raise ValueError(f"{model_dir}: a DFlash head carries no mask_hidden weight")
     head = DFlashHead(cfg, len(aux_layer_ids(draft)))
-    d2t = weights.pop("d2t", None)
-    weights.pop("t2d", None)
     weights = {
         n.replace("midlayer.", "layers.0.")
         .replace("encoder.output_norm_enc.", "hidden_norm.")
         .replace("encoder.fc.", "fc."): v
         for n, v in weights.items()
     }
-    if "embed_tokens.weight" in weights:
-        head.embed_tokens = nn.Embedding(*weights["embed_tokens.weight"].shape)
-    if "lm_head.weight" in weights:
-        head.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-    elif cfg.draft_vocab_size != target_vocab_size:
-        raise ValueError(
-            f"{model_dir}: the head's draft vocabulary ({cfg.draft_vocab_size}) differs from the "
-            "target's and the checkpoint has no lm_head.weight"
-        )
-    if cfg.draft_vocab_size != target_vocab_size and d2t is None:
-        raise ValueError(f"{model_dir}: a draft vocabulary needs its d2t map; it has none")
-    wanted = {n for n, _ in eagle3._flat(head)}
-    if missing_names := sorted(wanted - set(weights)):
-        raise ValueError(f"{model_dir}: the DFlash head lacks {', '.join(missing_names[:8])}")
-    head.load_weights(list(weights.items()), strict=True)
-    head.set_dtype(compute_dtype)
-    if cfg.draft_vocab_size != target_vocab_size:
-        head.d2t = d2t.astype(mx.int32)
+    eagle3.load_head_weights(head, weights, "DFlash", model_dir, target_vocab_size, compute_dtype)
     head.mask_embedding = _mask_embedding(model_dir, head.mask_token_id, cfg.hidden_size)
     mx.eval(head.parameters())
     return head

@@ -225,8 +225,27 @@ def load_head(
     """The head of the checkpoint in `model_dir` (`draft`: its config). Raises ValueError naming
     what is missing."""
     cfg = HeadConfig(draft, ARCHITECTURES[architecture], aux_layer_ids(draft, num_target_layers))
-    weights = _read(model_dir)
     head = Eagle3Head(cfg)
+    weights = {n.replace("midlayer.", "layers.0."): v for n, v in _read(model_dir).items()}
+    load_head_weights(head, weights, "EAGLE-3", model_dir, target_vocab_size, compute_dtype)
+    mx.eval(head.parameters())
+    for layer in head.layers:
+        route_module_sdpa(layer.self_attn)
+    return head
+
+
+def load_head_weights(
+    head: nn.Module,
+    weights: dict[str, mx.array],
+    label: str,
+    model_dir: Path,
+    target_vocab_size: int,
+    compute_dtype: mx.Dtype,
+) -> None:
+    """A drafting head's tensors (`weights`, named as the head's parameters) into `head` (an
+    EAGLE-3 or DFlash head, `head.cfg`): its own embeddings and LM head where the checkpoint has
+    them, and the `d2t` map of a draft vocabulary. Raises ValueError naming what is missing."""
+    cfg = head.cfg
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)
     if "embed_tokens.weight" in weights:
@@ -240,19 +259,13 @@ def load_head(
         )
     if cfg.draft_vocab_size != target_vocab_size and d2t is None:
         raise ValueError(f"{model_dir}: a draft vocabulary needs its d2t map; it has none")
-    names = {n.replace("midlayer.", "layers.0.") for n in weights}
-    weights = {n.replace("midlayer.", "layers.0."): v for n, v in weights.items()}
     wanted = {n for n, _ in _flat(head)}
-    if missing_names := sorted(wanted - names):
-        raise ValueError(f"{model_dir}: the EAGLE-3 head lacks {', '.join(missing_names[:8])}")
+    if missing_names := sorted(wanted - set(weights)):
+        raise ValueError(f"{model_dir}: the {label} head lacks {', '.join(missing_names[:8])}")
     head.load_weights(list(weights.items()), strict=True)
     head.set_dtype(compute_dtype)
     if cfg.draft_vocab_size != target_vocab_size:
         head.d2t = d2t.astype(mx.int32)
-    mx.eval(head.parameters())
-    for layer in head.layers:
-        route_module_sdpa(layer.self_attn)
-    return head
 
 
 def _flat(module: nn.Module) -> list[tuple[str, mx.array]]:
