@@ -109,12 +109,22 @@ class Backoff:
 
     def choose(self, req_ids: Sequence[str], caps: Sequence[int], num_decoding: int) -> list[int]:
         """Caps for the next step: each row's `caps[i]`, or 0 where drafting does not pay."""
+        if not self.batch_drafts(num_decoding):
+            return [0] * len(caps)
+        return self.per_request(req_ids, caps)
+
+    def batch_drafts(self, num_decoding: int) -> bool:
+        """The next step counted: whether any of its rows may draft (false: no row's cap needs
+        working out)."""
         self.step += 1
+        return not self.enabled or self._speculate(num_decoding)
+
+    def per_request(self, req_ids: Sequence[str], caps: Sequence[int]) -> list[int]:
+        """In a step whose rows may draft (`batch_drafts`): each row's cap, or 0 where the
+        request's drafts are not accepted often enough."""
         caps = list(caps)
         if not self.enabled:
             return caps
-        if not self._speculate(num_decoding):
-            return [0] * len(caps)
         for i, (req_id, cap) in enumerate(zip(req_ids, caps)):
             r = self.requests.get(req_id)
             if cap <= 0 or r is None:

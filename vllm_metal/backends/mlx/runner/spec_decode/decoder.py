@@ -140,8 +140,10 @@ class SpecDecoder:
         drafting pays.
         """
         batch = states.input_batch
-        pending = np.zeros(batch.num_reqs, np.int32) if unrecorded is None else unrecorded
         caps = np.zeros(batch.num_reqs, dtype=np.int32)
+        if not self.backoff.batch_drafts(int(np.count_nonzero(num_sampled))):
+            return caps
+        pending = np.zeros(batch.num_reqs, np.int32) if unrecorded is None else unrecorded
         for i, req_id in enumerate(batch.req_ids):
             if not num_sampled[i]:
                 continue
@@ -162,10 +164,7 @@ class SpecDecoder:
             if max_tokens is not None and not self.async_scheduling:
                 cap = min(cap, max_tokens - len(state.output_token_ids) - pending[i] - 1)
             caps[i] = max(cap, 0)
-        num_decoding = int(np.count_nonzero(num_sampled))
-        return np.array(
-            self.backoff.choose(batch.req_ids, caps.tolist(), num_decoding), dtype=np.int32
-        )
+        return np.array(self.backoff.per_request(batch.req_ids, caps.tolist()), dtype=np.int32)
 
     def proposed(self) -> dict[str, list[int]] | None:
         """Under async scheduling, the drafts proposed after the last sampled step, by request:

@@ -69,15 +69,18 @@ def new_positions(
 @dataclass
 class _Deferred:
     """A request's positions start, start + 1, ... the head has not run over yet, with what the
-    target computed at each (the rows of `inputs`, in order)."""
+    target computed at each: `pieces`, in order, each (array, first row, rows)."""
 
     start: int
-    inputs: list[mx.array] = field(default_factory=list)
+    pieces: list[tuple[mx.array, int, int]] = field(default_factory=list)
     count: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.count
+
+    def inputs(self) -> list[mx.array]:
+        return [array[at : at + n] for array, at, n in self.pieces]
 
 
 class HeadDrafter(HeadWeights, PagedDrafter):
@@ -220,18 +223,22 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         the step alike) for the requests' next head pass."""
         if rows.size == 0:
             return
-        offsets = step.packed.cu_seqlens_q[rows]
-        gather = np.concatenate([o + np.arange(c) for o, c in zip(offsets, count)])
-        kept = self._step_inputs(step)[mx.array(gather.astype(np.int32))]
-        mx.async_eval(kept)  # its own buffer: the step's arrays are not held
-        at = 0
-        for req_id, s, c in zip(req_ids, start.tolist(), count.tolist()):
+        packed = step.packed
+        offsets = packed.cu_seqlens_q[rows]
+        kept = self._step_inputs(step)
+        if rows.size == packed.num_tokens and (count == 1).all():  # a decode step
+            at = offsets
+        else:  # a copy of the rows kept, so the step's other rows are not held
+            gather = np.concatenate([o + np.arange(c) for o, c in zip(offsets, count)])
+            kept = kept[mx.array(gather.astype(np.int32))]
+            mx.async_eval(kept)
+            at = np.concatenate([[0], np.cumsum(count)[:-1]])
+        for req_id, s, c, a in zip(req_ids, start.tolist(), count.tolist(), at.tolist()):
             deferred = self._kept_before(req_id, s)
             if deferred is None:
                 deferred = self._deferred[req_id] = _Deferred(s)
-            deferred.inputs.append(kept[at : at + c])
+            deferred.pieces.append((kept, a, c))
             deferred.count += c
-            at += c
 
     def _catch_up(
         self,
@@ -256,7 +263,7 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             self._deferred.pop(req_id, None)
             if deferred is not None:
                 first_pos[i], num[i] = deferred.start, num[i] + deferred.count
-                pieces.extend(deferred.inputs)
+                pieces.extend(deferred.inputs())
             pieces.append(step_inputs[int(offsets[i]) : int(offsets[i] + new[i])])
         # Column p of the shifted table holds the token at p + 1: the head's input at p.
         packed = pack_batch(
