@@ -166,6 +166,50 @@ def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatc
     assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(2 / 0.010)
 
 
+@pytest.mark.parametrize("began", ["before_the_drafts", "after_a_wait"])
+def test_drafting_steps_count_the_drafters_time_once(vllm_config, monkeypatch, began):
+    """Outputs 20 ms apart, the drafter taking 4 ms after each. Under async scheduling the next
+    step began before the drafts were proposed: it costs 20 ms (the drafting inside, counted
+    once). Begun only 10 ms after the drafts (the engine waited): 6 ms of its own plus 4."""
+    from types import SimpleNamespace
+
+    from vllm_metal.backends.mlx.runner.spec_decode import decoder as decoder_module
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    spec = _decoder(vllm_config, backoff)
+    outputs = [0.020 * (k + 1) for k in range(4)]
+    clock = iter(outputs)
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    packed = SimpleNamespace(
+        num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
+    )
+    for k, out in enumerate(outputs):
+        previous = out - 0.020
+        start = previous - 0.001 if began == "before_the_drafts" else previous + 0.014
+        spec._record_rate(SimpleNamespace(packed=packed, started=start), [[1, 2, 3]], True)
+        spec._drafted = 0.004  # as after_step records its propose
+    cost = 0.020 if began == "before_the_drafts" else 0.010
+    rate = backoff.buckets[batch_bucket(1)].spec
+    assert rate.samples == 4 and rate.tokens_per_s == pytest.approx(3 / cost)
+
+
+def test_a_step_read_right_after_the_previous_one_does_not_inflate_its_modes_rate():
+    """Two steps read in one drain: one timed 100 ms, the next 8 ms. Their mode runs at one token
+    per 54 ms, not at the average of 10 and 125 tokens per second, which would make plain
+    decoding look faster than drafting at 3 tokens per 115 ms."""
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    for _ in range(20):
+        backoff.record_decode_step(1, 1, 0.100, verified_drafts=False)
+        backoff.record_decode_step(1, 1, 0.008, verified_drafts=False)
+        backoff.record_decode_step(1, 3, 0.115, verified_drafts=True)
+    plain = backoff.buckets[batch_bucket(1)].plain.tokens_per_s
+    assert 1 / 0.075 < plain < 1 / 0.040
+    assert backoff.choose(["a"], [2], 1) == [2]
+
+
 def _measured(spec_rate: float, plain_rate: float, num_decoding: int = 1) -> Backoff:
     backoff = Backoff()
     for _ in range(4):

@@ -24,7 +24,7 @@ MIN_ACCEPTANCE = 0.25
 # Prior of a request's acceptance counts: as if one draft had been accepted and one rejected.
 _PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
 _ACCEPTANCE_DECAY = 0.8  # per verification
-_RATE_WEIGHT = 0.25  # weight of the newest step in a mode's token rate
+_RATE_WEIGHT = 0.25  # weight of the newest step in a mode's averages
 # Samples of a mode before its rate is trusted; the first one of each (new shapes, JIT) is not
 # counted.
 _MIN_SAMPLES = 3
@@ -47,15 +47,25 @@ class _Request:
 
 @dataclass
 class _Rate:
-    samples: int = 0
-    tokens_per_s: float = 0.0
+    """A mode's token rate: running averages of tokens per step and of seconds per step, so a
+    step timed short because its output came right after the previous one (two steps read in
+    one drain) and the long one before it average to what the two cost."""
 
-    def add(self, value: float) -> None:
+    samples: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
         self.samples += 1
         if self.samples == 2:
-            self.tokens_per_s = value
+            self.tokens, self.seconds = tokens, seconds
         elif self.samples > 2:
-            self.tokens_per_s += _RATE_WEIGHT * (value - self.tokens_per_s)
+            self.tokens += _RATE_WEIGHT * (tokens - self.tokens)
+            self.seconds += _RATE_WEIGHT * (seconds - self.seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -76,7 +86,6 @@ class Backoff:
     step: int = 0
     requests: dict[str, _Request] = field(default_factory=dict)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
-    drafting_seconds: float = 0.0  # the drafter's time after the last step
 
     # ------------------------------------------------------------ measurements
 
@@ -92,15 +101,11 @@ class Backoff:
     def record_decode_step(
         self, num_decoding: int, num_tokens_out: int, seconds: float, verified_drafts: bool
     ) -> None:
-        """A step of decoding rows only: tokens it produced and its time (sampling included)."""
+        """A step of decoding rows only: tokens it produced and its cost (sampling included,
+        and the drafter's time before it: its drafts and its catch-up forward)."""
         bucket = self.buckets.setdefault(batch_bucket(num_decoding), _Bucket())
         bucket.steps += 1
-        # The drafter's time before the step (its catch-up forward too) is part of its cost.
-        rate = num_tokens_out / (seconds + self.drafting_seconds)
-        (bucket.spec if verified_drafts else bucket.plain).add(rate)
-
-    def record_drafting(self, seconds: float) -> None:
-        self.drafting_seconds = seconds
+        (bucket.spec if verified_drafts else bucket.plain).add(num_tokens_out, seconds)
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

@@ -41,6 +41,7 @@ class SpecDecoder:
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self._proposed: dict[str, list[int]] = {}
         self._recorded_at = 0.0  # perf_counter() when the last step's output was recorded
+        self._drafted = 0.0  # seconds the drafter took after it
 
     def after_step(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
         """Called once the step's tokens are recorded in `states`. A step planned ahead and
@@ -61,7 +62,7 @@ class SpecDecoder:
         caps = step.spec_caps if step.spec_caps is not None else self.caps(states, num_sampled)
         started = time.perf_counter()
         drafts = self.drafter.propose(step, states, sampled, caps)
-        self.backoff.record_drafting(time.perf_counter() - started)
+        self._drafted = time.perf_counter() - started
         self._keep(batch.req_ids, [list(d[:c]) for d, c in zip(drafts, caps.tolist())])
 
     def plan_ahead(self, step: StepState, states: RequestStates) -> bool:
@@ -77,10 +78,8 @@ class SpecDecoder:
         caps = step.spec_caps = self.caps(states, num_sampled, unrecorded=num_sampled)
         if caps.any():
             return False
-        started = time.perf_counter()
         if not self.drafter.keeps_up(step, states, num_sampled):
             return False
-        self.backoff.record_drafting(time.perf_counter() - started)
         self._record_positions(step, states, num_sampled)
         self._keep(states.input_batch.req_ids, [[] for _ in caps])
         return True
@@ -102,12 +101,16 @@ class SpecDecoder:
 
     def _record_rate(self, step: StepState, sampled: list[list[int]], verified: bool) -> None:
         """The step's token rate, for decode steps only (one known token per row, drafts aside:
-        a prefill chunk's cost says nothing about what drafting costs). Its time runs from its
-        start, or from the previous step's output where that came later: a step carried one
-        ahead starts before the previous one's output is recorded, and the time they overlap
-        counts once, so a pipelined plain step is not measured slower than it runs."""
+        a prefill chunk's cost says nothing about what drafting costs). Its cost is the time
+        since the previous step's output was recorded, which includes the drafting done after
+        that output; where the step began only after that drafting (the engine waited between),
+        the time since its start and the drafting instead. A step carried one ahead starts
+        before the previous one's output, and a step that verifies drafts under async scheduling
+        starts before they are proposed: either way no time counts twice, so neither mode is
+        measured slower than it runs."""
         now = time.perf_counter()
-        since, self._recorded_at = max(step.started, self._recorded_at), now
+        since = max(self._recorded_at, step.started - self._drafted)
+        self._recorded_at, self._drafted = now, 0.0
         packed = step.packed
         if (packed.num_scheduled - packed.num_draft_tokens != 1).any():
             return
