@@ -54,6 +54,17 @@ def cases(concurrency: list[int]) -> list[dict[str, Any]]:
     return [{**c, "params": GREEDY} for c in out]
 
 
+def pairs(concurrency: list[int]) -> list[dict[str, Any]]:
+    """`--paired`: per head and stream count, plain decoding and MTP as one pair
+    (`bench.suites.spec_decode_pair`), the back-off on."""
+    return [
+        {"name": f"pair_{head}_c{n}", "head": head, "spec": SPEC, "concurrency": n,
+         "pair": True, "params": GREEDY}
+        for head in HEADS
+        for n in concurrency
+    ]  # fmt: skip
+
+
 def write_models(work: Path, quick: bool) -> dict[str, Path]:
     """The target with each head (written once per work dir)."""
     from bench.suites.hybrid_models import write_hybrid_model
@@ -74,6 +85,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     to (`plain_*`) and off as under speculation (`plain_*_sync`, suffix `_vs_sync`)."""
     ratios = {}
     for name, case in results.items():
+        if case.get("pair"):
+            ratios[f"{name}_tpot_speedup"] = case["median_speedup"]
+            continue
         if not name.startswith("mtp_"):
             continue
         for suffix in ("", "_sync"):
@@ -104,13 +118,19 @@ def _markdown(report: dict[str, Any]) -> str:
             f"tokens, outputs {s['output_len']} tokens (greedy, EOS ignored), "
             f"{s['num_prompts']} rounds per case."
         ),
-        "",
-        "## Cases",
-        "",
-        "| case | head | streams | back-off | TPOT ms | output tok/s | acceptance | drafts |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
     ]
+    paired = {name: c for name, c in report["cases"].items() if c.get("pair")}
+    if len(paired) < len(report["cases"]):
+        lines += [
+            "",
+            "## Cases",
+            "",
+            "| case | head | streams | back-off | TPOT ms | output tok/s | acceptance | drafts |",
+            "|---|---|---:|---|---:|---:|---:|---:|",
+        ]
     for name, c in report["cases"].items():
+        if name in paired:
+            continue
         spec = c.get("spec_counters") or {}
         lines.append(
             f"| {name} | {c['head']} | {c['concurrency']} | "
@@ -118,6 +138,27 @@ def _markdown(report: dict[str, Any]) -> str:
             f"{num(c.get('output_tok_s'), 2)} | {num(c.get('acceptance_rate'), 2)} | "
             f"{spec.get('num_drafts', 0) if c.get('spec') else '—'} |"
         )
+    if paired:
+        lines += [
+            "",
+            "## Pairs: plain and MTP engines in one process, rounds alternating",
+            "",
+            (
+                "TPOT per counted round (median over its requests; round 0, a warm-up, not "
+                "counted) and the speedup of each round, plain TPOT over MTP TPOT."
+            ),
+            "",
+            "| pair | streams | plain TPOT ms | MTP TPOT ms | speedup per round | median | acc. |",
+            "|---|---:|---|---|---|---:|---:|",
+        ]
+        for name, c in paired.items():
+            plain = ", ".join(num(x) for x in c["plain_tpot_ms"])
+            spec = ", ".join(num(x) for x in c["spec_tpot_ms"])
+            rounds = ", ".join(num(x, 2) for x in c["round_speedups"])
+            lines.append(
+                f"| {name} | {c['concurrency']} | {plain} | {spec} | {rounds} | "
+                f"{num(c['median_speedup'], 2)}x | {num(c.get('acceptance_rate'), 2)} |"
+            )
     lines += ["", "## Ratios to plain decoding of the same target (same run)", ""]
     lines += ["| ratio | value |", "|---|---:|"]
     for key, value in report["summary"]["speedups"].items():
@@ -150,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--cases", nargs="+", default=None, help="only these cases (by name)")
+    p.add_argument("--paired", action="store_true",
+                   help="plain and MTP engines as pairs in one process, rounds alternating")  # fmt: skip
     args = p.parse_args(argv)
     if args.output_len is None:
         args.output_len = 8 if args.quick else 64
@@ -160,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     models = write_models(work, args.quick)
     logs = work / "mtp"
     logs.mkdir(parents=True, exist_ok=True)
-    chosen = cases(args.concurrency)
-    if args.quick:  # the self-drafting head at one stream (and its plain peer)
+    chosen = pairs(args.concurrency) if args.paired else cases(args.concurrency)
+    if args.quick and args.paired:
+        chosen = [c for c in chosen if c["name"] == "pair_self_drafting_c1"]
+    elif args.quick:  # the self-drafting head at one stream (and its plain peer)
         quick = ("mtp_self_drafting_c1", "plain_self_drafting_c1")
         chosen = [c for c in chosen if c["name"] in quick[: 2 if runs_peers(args) else 1]]
     if args.cases:
@@ -186,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": args.output_len,
             "num_prompts": args.num_prompts,
             "concurrency": args.concurrency,
+            "paired": args.paired,
             "spec": SPEC,
             "total_seconds": round(time.perf_counter() - started, 1),
         },

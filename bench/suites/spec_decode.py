@@ -116,25 +116,30 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
     return found
 
 
-def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-
-    n = case["concurrency"]
+def engine_args(
+    case: dict[str, Any], args: argparse.Namespace, spec: bool = True
+) -> dict[str, Any]:
+    """`vllm.LLM`'s arguments for `case` (without its speculative config where `spec` is off)."""
     engine: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
         "max_model_len": args.input_len + args.output_len + 16,
-        "max_num_seqs": max(1, n),
+        "max_num_seqs": max(1, case["concurrency"]),
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "seed": 0,
         "disable_log_stats": False,
     }
-    if case["spec"] is not None:
+    if spec and case["spec"] is not None:
         engine["speculative_config"] = case["spec"]
     engine.update(case.get("engine", {}))
-    started = time.perf_counter()
-    llm = LLM(**engine)
-    engine_start_s = time.perf_counter() - started
+    return engine
+
+
+def run_round(llm: Any, case: dict[str, Any], args: argparse.Namespace, prompts: list,
+              first: int) -> tuple[list[float], float]:  # fmt: skip
+    """One round: `prompts` at once, request i sampled with the case's parameters (a seed there
+    is offset by `first + i`). Each request's TPOT in ms, and output tok/s."""
+    from vllm import SamplingParams
 
     def params(i: int) -> Any:
         p = dict(case["params"])
@@ -142,25 +147,30 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             p["seed"] += i
         return SamplingParams(max_tokens=args.output_len, ignore_eos=True, **p)
 
-    prompts = make_prompts(args.num_prompts * max(1, n) + 1, args.input_len, args.seed)
-    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
-    before = _spec_counters(llm)
+    start = time.perf_counter()
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [params(first + i) for i in range(len(prompts))],
+        use_tqdm=False,
+    )
+    wall = time.perf_counter() - start
+    tpots = []
+    for o in outs:
+        m, k = o.metrics, len(o.outputs[0].token_ids)
+        tpots.append((m.last_token_ts - m.first_token_ts) / max(1, k - 1) * 1e3)
+    return tpots, sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
-    tpots, rates = [], []
-    for r in range(args.num_prompts):
-        batch = prompts[1 + r * n : 1 + (r + 1) * n]
-        start = time.perf_counter()
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in batch],
-            [params(r * n + i) for i in range(len(batch))],
-            use_tqdm=False,
-        )
-        wall = time.perf_counter() - start
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
-        for o in outs:
-            m, k = o.metrics, len(o.outputs[0].token_ids)
-            tpots.append((m.last_token_ts - m.first_token_ts) / max(1, k - 1) * 1e3)
+
+def warm_up(llm: Any, prompt: list[int]) -> None:
+    from vllm import SamplingParams
+
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": prompt}], warm, use_tqdm=False)
+
+
+def spec_figures(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's spec-decode counters since `before` (`_spec_counters`), with the acceptance rate
+    and mean acceptance length they give."""
     after = _spec_counters(llm)
     counters = {
         k: (
@@ -173,13 +183,33 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     drafts, drafted = counters.get("num_drafts", 0), counters.get("num_draft_tokens", 0)
     accepted = counters.get("num_accepted_tokens", 0)
     return {
+        "spec_counters": counters,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM
+
+    n = case["concurrency"]
+    started = time.perf_counter()
+    llm = LLM(**engine_args(case, args))
+    engine_start_s = time.perf_counter() - started
+    prompts = make_prompts(args.num_prompts * max(1, n) + 1, args.input_len, args.seed)
+    warm_up(llm, prompts[0])
+    before = _spec_counters(llm)
+    tpots, rates = [], []
+    for r in range(args.num_prompts):
+        round_tpots, rate = run_round(llm, case, args, prompts[1 + r * n : 1 + (r + 1) * n], r * n)
+        tpots += round_tpots
+        rates.append(rate)
+    return {
         **case,
         "engine_start_s": round(engine_start_s, 1),
         "median_tpot_ms": statistics.median(tpots),
         "output_tok_s": statistics.median(rates),
-        "spec_counters": counters,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        **spec_figures(llm, before),
     }
 
 
@@ -245,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts is None:
         args.num_prompts = 1 if args.quick and not runs_peers(args) else 2
 
-    if args.case is not None:  # a child process: run one case
-        result = run_case(json.loads(args.case), args)
+    if args.case is not None:  # a child process: run one case (or one pair, `spec_decode_pair`)
+        from bench.suites.spec_decode_pair import run_pair
+
+        case = json.loads(args.case)
+        result = run_pair(case, args) if case.get("pair") else run_case(case, args)
         Path(args.json).write_text(json.dumps(result, indent=2))
         return 0
 
