@@ -233,12 +233,20 @@ def test_backoff_keeps_the_faster_mode_per_batch_size_and_retries_the_other():
     assert slow.choose(["a"], [4], 16) == [0]
     # Batch sizes are measured apart: 16 decoding requests say nothing about 2.
     assert slow.choose(["a"], [4], 2) == [4]
-    # Every 32 decode steps of a batch size, the slower mode is tried once.
-    choices = []
-    for _ in range(64):
+    # The slower mode is tried once after 32 decode steps of a batch size, and after twice as
+    # many each time it is still the slower one.
+    tried = []
+    for k in range(32 + 64 + 128 + 8):
         slow.record_decode_step(16, 16, 1.6, verified_drafts=False)
+        if slow.choose(["a"], [4], 16)[0]:
+            tried.append(k)
+    assert np.diff(tried).tolist() == [64, 128]
+    # Drafting turned faster: it is used, and plain decoding is tried again within 32 steps.
+    choices = []
+    for _ in range(8 + 33):
+        slow.record_decode_step(16, 64, 1.6, verified_drafts=True)
         choices.append(slow.choose(["a"], [4], 16)[0])
-    assert choices.count(4) == 2
+    assert choices[-33] == 4 and choices[-33:].count(0) == 1
 
 
 def test_backoff_pauses_a_poor_request_for_longer_each_time():

@@ -8,7 +8,8 @@ real token. Instead of modelling the device, the policy measures:
 - **per batch size** (decoding requests, in powers of two), the token rate of decode steps that
   verified drafts and of decode steps that did not: tokens produced per second, the drafter's
   own time included. The faster mode is used; the slower one is tried again now and then, so a
-  change (a stream turning repetitive, a longer context) is noticed;
+  change (a stream turning repetitive, a longer context) is noticed, and more rarely each time
+  it stays slower;
 - **per request**, the share of its drafts that were accepted (with a weak prior). A request
   whose share falls below `MIN_ACCEPTANCE` stops drafting for a pause that doubles (up to a cap)
   each time it is still poor, so one bad stream does not weigh down a batch.
@@ -28,7 +29,10 @@ _RATE_WEIGHT = 0.25  # weight of the newest step in a mode's averages
 # Samples of a mode before its rate is trusted; the first one of each (new shapes, JIT) is not
 # counted.
 _MIN_SAMPLES = 3
-_EXPLORE_EVERY = 32  # decode steps in a batch size between tries of the slower mode
+# Decode steps in a batch size between tries of the slower mode: at first, and again whenever
+# the faster mode changes; each try that leaves it the slower one doubles the wait, up to the cap
+# (a try of a useless drafter costs a catch-up pass and a verification, many steps' worth).
+_EXPLORE_EVERY, _MAX_EXPLORE_EVERY = 32, 512
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64  # steps a poor request waits before drafting again
 
 
@@ -73,6 +77,9 @@ class _Bucket:
     spec: _Rate = field(default_factory=_Rate)
     plain: _Rate = field(default_factory=_Rate)
     steps: int = 0
+    faster_is_spec: bool | None = None  # the faster mode when last decided
+    explore_every: int = _EXPLORE_EVERY
+    explored_at: int = -1  # `steps` when the slower mode was last tried
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -156,5 +163,11 @@ class Backoff:
         if plain.samples < _MIN_SAMPLES:
             return False
         better = spec.tokens_per_s >= plain.tokens_per_s
-        explore = bucket.steps % _EXPLORE_EVERY == 0
+        if better != bucket.faster_is_spec:  # a new faster mode: try the other one soon
+            bucket.faster_is_spec, bucket.explore_every = better, _EXPLORE_EVERY
+            bucket.explored_at = bucket.steps
+        explore = bucket.steps - bucket.explored_at >= bucket.explore_every
+        if explore:
+            bucket.explored_at = bucket.steps
+            bucket.explore_every = min(2 * bucket.explore_every, _MAX_EXPLORE_EVERY)
         return better != explore
