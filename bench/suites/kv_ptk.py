@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.report.format import bars, machine_line, quick_note
-from bench.harness.report.publish import publish
+from bench.harness.report.publish import publish, regenerate
 from bench.suites import kv_fp8
 
 STEM = "kv_ptk"
@@ -119,6 +119,11 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:
     return publish(report, out, STEM, _markdown, _plot)
+
+
+def regenerate_report(folder: Path) -> None:
+    """The markdown and plot again from the JSON in `folder`."""
+    regenerate(folder, STEM, _markdown, _plot)
 
 
 if __name__ == "__main__":
