@@ -21,16 +21,19 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import greedy, run_engine_job, tokens
+from tests.backends.mlx.runner.test_vision import (
+    BLOCK_SIZE,
+    ONE_IMAGE,
+    TEXT_ONLY,
+    TWO_IMAGES,
+    _request,
+)
 from tests.fixtures.tiny_idefics3 import tiny_image
 from tests.fixtures.vision_oracles import idefics3_inputs, load_hf_idefics3
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 MAX_TOKENS = 12
-BLOCK_SIZE = 16
-ONE_IMAGE = "<|im_start|>User:<image>What is this?<end_of_utterance>\nAssistant:"
-TWO_IMAGES = "<|im_start|>User:<image>and<image>Same?<end_of_utterance>\nAssistant:"
-TEXT_ONLY = "<|im_start|>User:What is this?<end_of_utterance>\nAssistant:"
 # (prompt, images as [seed, width, height])
 BATCH = [
     (ONE_IMAGE, [[0, 64, 64]]),
@@ -64,10 +67,6 @@ ENGINE = {
 # pages stored as E5M2 instead of E4M3 were 1.55 nats off on average.
 ORACLE_MAX = 5e-2
 ORACLE_MEAN = 2e-3
-
-
-def _request(prompt: str, images: list[list[int]]) -> dict | str:
-    return {"prompt": prompt, "images": images} if images else prompt
 
 
 def _through_cache(x: np.ndarray, name: str | None) -> np.ndarray:
