@@ -258,6 +258,32 @@ print("ERR=%g" % float(np.abs((a @ b).numpy() - want).max()))"""
     assert float(re.search(r"ERR=(\S+)", proc.stdout).group(1)) < 1e-3
 
 
+# After MLX's first matmul (its BLAS team started), a torch op large enough to go parallel, then
+# the process's OS threads before and after it.
+TORCH_BESIDE_MLX = """import os, vllm_metal, torch
+from vllm_metal.backends.mlx.device import MLXBackend
+{init}
+import mlx.core as mx
+mx.eval(mx.random.normal((256, 512)) @ mx.random.normal((512, 512)))
+before = len(os.listdir("/proc/self/task"))
+float(torch.ones(1 << 22).exp().sum())
+print("THREADS=%d,%d,%d" % (before, len(os.listdir("/proc/self/task")), torch.get_num_threads()))"""
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["device-init", "no-init"])
+def test_torch_starts_no_openmp_team_beside_mlx_blas(init: bool) -> None:
+    # A second OpenMP team (torch's, on the main thread) slows every later BLAS call of MLX's
+    # (`blas.leave_the_cores_to_mlx`); the device init keeps torch on the calling thread. The
+    # run without it shows that the torch op does start a team here, so the check can fail.
+    code = TORCH_BESIDE_MLX.format(init="MLXBackend().init_device()" if init else "")
+    proc = _python(code, VLLM_METAL_CPU_THREADS="2")
+    before, after, torch_threads = map(int, re.search(r"THREADS=(\S+)", proc.stdout)[1].split(","))
+    if init:
+        assert (after, torch_threads) == (before, 1)
+    else:
+        assert after > before and torch_threads > 1
+
+
 def test_mlx_imported_first_is_reported_not_claimed() -> None:
     code = f"{LOGGING}\nimport mlx.core\nimport vllm_metal\n{MATMUL}\n{REPORT}"
     proc = _python(code)

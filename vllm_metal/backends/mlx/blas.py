@@ -11,7 +11,8 @@ symbols once, when ``mlx.core`` is imported, so loading a BLAS afterwards change
 
 The library is Intel MKL from the ``mkl`` wheel (a Linux x86_64 dependency of the plugin; why MKL
 and not OpenBLAS: docs/installation.md), run on GNU OpenMP, the OpenMP runtime torch already brings
-into the process, so torch's and MKL's threads come from one runtime. On macOS arm64 MLX uses
+into the process, so torch's and MKL's threads come from one runtime; where the model runs on
+MLX's CPU device, torch's host work stays on one thread (:func:`leave_the_cores_to_mlx`). On macOS arm64 MLX uses
 Accelerate and nothing here runs.
 
 Who calls it: ``vllm_metal/__init__.py`` at import. vLLM imports the plugin (its
@@ -127,6 +128,28 @@ def report() -> None:
     else:
         return
     _reported_pid = os.getpid()
+
+
+def leave_the_cores_to_mlx() -> bool:
+    """In the process that runs the model on MLX's CPU device: torch's own work there (vLLM's
+    host samplers, the rejection sampler, grammar masks) runs on the calling thread alone.
+    Returns whether it did (an optimized BLAS with more than one thread is in use).
+
+    The BLAS runs MLX's matmuls on GNU OpenMP, the runtime of torch's parallel ops too. A torch
+    op that goes parallel on a thread other than MLX's starts a second OpenMP team; from then on
+    libgomp manages more threads than there are CPUs, stops spinning between parallel regions,
+    and each of MLX's BLAS calls waits for its workers to wake. Measured on 2 cores: one
+    rejection-sampler call made every later decode step of a Qwen3.5 target about 8% slower,
+    for the life of the process (docs/benchmarks/README.md, *MTP*). A team once started stays,
+    so this must run before torch's first parallel op: at device init.
+    """
+    result = _result
+    if result is None or not result.active or (result.threads or 1) <= 1:
+        return False
+    import torch
+
+    torch.set_num_threads(1)
+    return True
 
 
 def cpu_threads() -> int:

@@ -102,6 +102,7 @@ class MLXBackend(PagedKernelFacts):
         mx.set_default_device(mx.gpu if kind == "gpu" else mx.cpu)
         if kind == "cpu":
             blas.report()  # the process that runs the model says which BLAS its matmuls use
+            blas.leave_the_cores_to_mlx()  # before torch's first parallel op in this process
         return self.device_description()
 
     def device_description(self) -> str:
