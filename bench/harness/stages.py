@@ -67,6 +67,23 @@ def suite_parser(name: str, description: str | None, quick_help: str) -> argpars
     return p
 
 
+def add_case_choice(p: argparse.ArgumentParser) -> None:
+    """`--cases`: run only the named cases of a suite that runs a list of them (`pick_cases`)."""
+    p.add_argument("--cases", nargs="+", default=None, help="only these cases (by name)")
+
+
+def pick_cases(
+    p: argparse.ArgumentParser, args: argparse.Namespace, chosen: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The cases of `chosen` named by `--cases` (all without it); an unknown name is an error."""
+    if not args.cases:
+        return chosen
+    unknown = set(args.cases) - {c["name"] for c in chosen}
+    if unknown:
+        p.error(f"--cases: no case named {', '.join(sorted(unknown))}")
+    return [c for c in chosen if c["name"] in args.cases]
+
+
 def runs_peers(args: argparse.Namespace) -> bool:
     """Whether the engines that exist only to compare run: always in a full run; under `--quick`
     only with `--peers` (a quick run checks the suite's own path with one engine)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.harness.report.format import NOT_MEASURED, num, speedup_bars
 from bench.harness.report.publish import publish, regenerate
-from bench.harness.stages import runs_peers, suite_parser
+from bench.harness.stages import add_case_choice, pick_cases, runs_peers, suite_parser
 from bench.suites.spec_decode import run_cases
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
@@ -113,7 +113,9 @@ def _markdown(report: dict[str, Any]) -> str:
         ),
         "",
         (
-            f"Target `{Path(s['model']).name}` (bfloat16) with a one-layer MTP head, "
+            # The settings name the target with its self-drafting head; both heads share it.
+            f"Target `{Path(s['model']).name.rsplit('-mtp-', 1)[0]}` (bfloat16) with a one-layer "
+            "MTP head (self-drafting or random), "
             f"{SPEC['num_speculative_tokens']} drafts per step. Prompts {s['input_len']} "
             f"tokens, outputs {s['output_len']} tokens (greedy, EOS ignored), "
             f"{s['num_prompts']} rounds per case."
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="rounds per case: 2 (1 quick)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--cases", nargs="+", default=None, help="only these cases (by name)")
+    add_case_choice(p)
     p.add_argument("--paired", action="store_true",
                    help="plain and MTP engines as pairs in one process, rounds alternating")  # fmt: skip
     args = p.parse_args(argv)
@@ -209,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:  # the self-drafting head at one stream (and its plain peer)
         quick = ("mtp_self_drafting_c1", "plain_self_drafting_c1")
         chosen = [c for c in chosen if c["name"] in quick[: 2 if runs_peers(args) else 1]]
-    if args.cases:
-        unknown = set(args.cases) - {c["name"] for c in chosen}
-        if unknown:
-            p.error(f"--cases: no case named {', '.join(sorted(unknown))}")
-        chosen = [c for c in chosen if c["name"] in args.cases]
+    chosen = pick_cases(p, args, chosen)
     started = time.perf_counter()
 
     def argv_of(case: dict[str, Any]) -> list[str]:

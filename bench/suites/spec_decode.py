@@ -44,7 +44,13 @@ from typing import Any
 
 from bench.harness.checkpoints import write_draftable, write_layer_subset, write_model
 from bench.harness.single_stream import make_prompts
-from bench.harness.stages import python_stage, runs_peers, suite_parser
+from bench.harness.stages import (
+    add_case_choice,
+    pick_cases,
+    python_stage,
+    runs_peers,
+    suite_parser,
+)
 from bench.suites.spec_decode_report import summarize, write_report
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="rounds per case: 2 (1 quick)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     p.add_argument("--seed", type=int, default=0)
+    add_case_choice(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in-process
@@ -301,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone
         quick = QUICK_CASES if runs_peers(args) else ("ngram_repetitive",)
         chosen = [c for c in chosen if c["name"] in quick]
+    chosen = pick_cases(p, args, chosen)
     targets = {"self_drafting": str(self_target)}
 
     def argv_of(case: dict[str, Any]) -> list[str]:
