@@ -69,6 +69,11 @@ ORACLE_MAX = 5e-2
 ORACLE_MEAN = 2e-3
 
 
+# A format name with this prefix: vLLM's CPU backend's store of that fp8 format (the mantissa cut
+# toward zero, `fp8_reference.truncate64`) instead of vLLM's rule (the nearest byte).
+CPU_STORE = "cpu:"
+
+
 def _through_cache(x: np.ndarray, name: str | None) -> np.ndarray:
     """Rows `[..., D]` as a cache of format `name` gives them back (None: unquantized)."""
     from tests.fixtures import fp8_reference, per_token_head_reference
@@ -77,7 +82,11 @@ def _through_cache(x: np.ndarray, name: str | None) -> np.ndarray:
         return x
     if name.endswith("_per_token_head"):
         return per_token_head_reference.through_cache(x, name)
+    cut = name.startswith(CPU_STORE)
+    name = name.removeprefix(CPU_STORE)
     fmt = "fp8_e4m3" if name in ("fp8", "fp8_e4m3") else name
+    if cut:
+        return fp8_reference.truncate64(x, fmt, 1.0)
     return fp8_reference.dequantize64(fp8_reference.quantize64(x, fmt, 1.0), fmt, 1.0)
 
 
@@ -167,24 +176,36 @@ def test_images_over_quantized_pages_match_the_oracle(tiny_idefics3_dir, name) -
     assert tokens(again) == tokens(first)[:1]
 
 
-def teacher_forced(model_dir, name: str, backend: str) -> tuple[float, float]:
-    """Over the positions of WIDE_BATCH's unquantized greedy continuations (transformers
-    float32), fed back after their prompts and images: the share whose top-1 token under the
-    `name` cache is the unquantized one, (that engine's, the exact format's: transformers over K/V
-    through the port). prompt_logprobs=1, so every engine scores the same positions."""
+def continuations(model_dir) -> list[list[int]]:
+    """WIDE_BATCH's unquantized greedy continuations (transformers float32), WIDE_TOKENS each."""
     from tests.fixtures.vision_oracles import idefics3_generate
 
+    return [
+        idefics3_generate(model_dir, prompt, [tiny_image(s, (w, h)) for s, w, h in images],
+                          WIDE_TOKENS)
+        for prompt, images in WIDE_BATCH
+    ]  # fmt: skip
+
+
+def oracle_agreement(model_dir, name: str, wants: list[list[int]]) -> float:
+    """Over the positions of `wants` fed back after their prompts and images: the share whose
+    top-1 token is the unquantized one when transformers' language model reads K/V through
+    format `name` (the exact format; `CPU_STORE + name`: vLLM CPU's store of it)."""
+    agree = []
+    for row, want in zip(WIDE_BATCH, wants):
+        ref = oracle_logprobs(model_dir, row, want, name)
+        agree += [int(ref[len(ref) - len(want) - 1 + j].argmax()) == t for j, t in enumerate(want)]
+    return float(np.mean(agree))
+
+
+def teacher_forced(model_dir, name: str, backend: str, wants: list[list[int]]) -> float:
+    """`oracle_agreement` of an engine of `backend` with `--kv-cache-dtype name`, from its
+    prompt_logprobs=1 over the same positions."""
     _, processor = load_hf_idefics3(model_dir)
-    prompts, wants, exact = [], [], []
-    for row in WIDE_BATCH:
-        prompt, images = row
-        pictures = [tiny_image(s, (w, h)) for s, w, h in images]
-        want = idefics3_generate(model_dir, prompt, pictures, WIDE_TOKENS)
+    prompts = []
+    for (prompt, images), want in zip(WIDE_BATCH, wants):
         ids = processor.tokenizer(prompt).input_ids + want
         prompts.append({"prompt_token_ids": ids, "images": images} if images else ids)
-        wants.append(want)
-        ref = oracle_logprobs(model_dir, row, want, name)
-        exact += [int(ref[len(ref) - len(want) - 1 + j].argmax()) == t for j, t in enumerate(want)]
     engine = {**ENGINE, "kv_cache_dtype": name, "enable_prefix_caching": False}
     if backend == "cpu":
         engine.pop("block_size")
@@ -194,21 +215,56 @@ def teacher_forced(model_dir, name: str, backend: str) -> tuple[float, float]:
     for want, result in zip(wants, batch):
         rows = result["prompt_logprobs"][-len(want) :]
         agree += [int(max(row, key=row.get)) == token for row, token in zip(rows, want)]
-    return float(np.mean(agree)), float(np.mean(exact))
+    return float(np.mean(agree))
+
+
+ONE_POSITION = 1 / (len(WIDE_BATCH) * WIDE_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
 def test_agreement_beside_vllm_cpus(tiny_idefics3_dir, name) -> None:
     """vLLM's CPU backend serves Idefics3 with the same fp8 setting, measured over the same
     positions (docs/kv-cache.md). The plugin's agreement with the unquantized cache is the exact
-    format's (measured equal: 0.723 for E4M3, 0.516 for E5M2 over 256 positions); vLLM's CPU
-    backend, which departs from the exact format, measured 0.727 and 0.555 here (on the dense
-    Qwen3 of test_fp8_kv.py it is below the plugin)."""
-    ours, exact = teacher_forced(tiny_idefics3_dir, name, "metal")
-    cpu, _ = teacher_forced(tiny_idefics3_dir, name, "cpu")
+    format's (0.723 for E4M3, 0.516 for E5M2 over 256 positions); vLLM's CPU backend's, 0.727 and
+    0.555 on this checkpoint, is that of its store, which cuts the mantissa instead of rounding
+    to the nearest byte. Which of the two agrees more varies between checkpoints
+    (`test_nearest_agrees_at_least_as_often_as_vllm_cpus_cut_over_checkpoints`)."""
+    wants = continuations(tiny_idefics3_dir)
+    ours = teacher_forced(tiny_idefics3_dir, name, "metal", wants)
+    cpu = teacher_forced(tiny_idefics3_dir, name, "cpu", wants)
+    exact = oracle_agreement(tiny_idefics3_dir, name, wants)
+    cut = oracle_agreement(tiny_idefics3_dir, CPU_STORE + name, wants)
     print(f"{name}: teacher-forced agreement plugin {ours:.3f}, exact format {exact:.3f}, "
-          f"vLLM CPU {cpu:.3f}")  # fmt: skip
-    assert abs(ours - exact) <= 1 / (len(WIDE_BATCH) * WIDE_TOKENS)  # one position at most
+          f"vLLM CPU {cpu:.3f}, its store's port {cut:.3f}")  # fmt: skip
+    assert abs(ours - exact) <= ONE_POSITION
+    assert abs(cpu - cut) <= ONE_POSITION  # the port is what vLLM's CPU backend computes
+
+
+# Checkpoints of the tiny Idefics3 (weight seeds) the two stores are compared over.
+SEEDS = range(21)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
+def test_nearest_agrees_at_least_as_often_as_vllm_cpus_cut_over_checkpoints(tmp_path, name) -> None:
+    """The bar (agreement at least vLLM CPU's on the same checkpoints) over 21 checkpoints
+    instead of one: the nearest byte (vLLM's rule, which the plugin's cache computes: the test
+    above) against vLLM CPU's cut mantissa (its port, equal to that backend on seed 0 above),
+    mean agreement over 256 positions each. Measured: 0.708 against 0.706 (E4M3) and 0.543
+    against 0.534 (E5M2); the nearest byte agrees more on 12 of the 21 checkpoints in each
+    format, the cut on the other 9 (seed 0, the fixture's, among them)."""
+    from tests.fixtures.tiny_idefics3 import write_tiny_idefics3
+
+    nearest, cut = [], []
+    for seed in SEEDS:
+        model_dir = write_tiny_idefics3(tmp_path / f"seed{seed}", seed=seed)
+        wants = continuations(model_dir)
+        nearest.append(oracle_agreement(model_dir, name, wants))
+        cut.append(oracle_agreement(model_dir, CPU_STORE + name, wants))
+    print(
+        f"{name}: mean agreement nearest {np.mean(nearest):.4f}, cut {np.mean(cut):.4f}; "
+        f"nearest ahead on {sum(n > c for n, c in zip(nearest, cut))} of {len(cut)}"
+    )
+    assert np.mean(nearest) >= np.mean(cut)
 
 
 GEMMA3_CASES = ["one-image", "two-images", "image-first", "text-only"]
