@@ -12,8 +12,8 @@ symbols once, when ``mlx.core`` is imported, so loading a BLAS afterwards change
 The library is Intel MKL from the ``mkl`` wheel (a Linux x86_64 dependency of the plugin; why MKL
 and not OpenBLAS: docs/installation.md), run on GNU OpenMP, the OpenMP runtime torch already brings
 into the process, so torch's and MKL's threads come from one runtime; where the model runs on
-MLX's CPU device, torch's host work stays on one thread (:func:`leave_the_cores_to_mlx`). On macOS arm64 MLX uses
-Accelerate and nothing here runs.
+MLX's CPU device, torch's host work stays on one thread (:func:`leave_the_cores_to_mlx`). On
+macOS arm64 MLX uses Accelerate and nothing here runs.
 
 Who calls it: ``vllm_metal/__init__.py`` at import. vLLM imports the plugin (its
 ``vllm.platform_plugins`` entry point) in every process it starts before anything touches MLX, so
