@@ -130,10 +130,10 @@ def report() -> None:
     _reported_pid = os.getpid()
 
 
-def leave_the_cores_to_mlx() -> bool:
+def leave_the_cores_to_mlx() -> None:
     """In the process that runs the model on MLX's CPU device: torch's own work there (vLLM's
-    host samplers, the rejection sampler, grammar masks) runs on the calling thread alone.
-    Returns whether it did (an optimized BLAS with more than one thread is in use).
+    host samplers, the rejection sampler, grammar masks) runs on the calling thread alone, where
+    an optimized BLAS with more than one thread is in use.
 
     The BLAS runs MLX's matmuls on GNU OpenMP, the runtime of torch's parallel ops too. A torch
     op that goes parallel on a thread other than MLX's starts a second OpenMP team; from then on
@@ -145,11 +145,10 @@ def leave_the_cores_to_mlx() -> bool:
     """
     result = _result
     if result is None or not result.active or (result.threads or 1) <= 1:
-        return False
+        return
     import torch
 
     torch.set_num_threads(1)
-    return True
 
 
 def cpu_threads() -> int:
