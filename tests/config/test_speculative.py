@@ -252,9 +252,12 @@ def test_a_dflash_head_beside_an_unbuilt_target_is_refused(tiny_model_dir, tmp_p
         _engine_config(target, speculative_config=_eagle3_spec(head, "dflash"))
 
 
-def test_a_dflash_head_beside_a_quantized_cache_is_refused(eagle3_target, tmp_path):
+def test_a_dflash_head_beside_a_turboquant_cache_is_refused(eagle3_target, tmp_path):
+    """A DFlash block attends over its context both ways, which the TurboQuant read does not
+    take; fp8 and per-token-head caches serve it (tests/backends/mlx/runner/test_dflash.py)."""
     head = _dflash_head(eagle3_target, tmp_path / "h")
-    with pytest.raises(ValueError, match=r"method='dflash' .* --kv-cache-dtype fp8 .*not built"):
-        _engine_config(
-            eagle3_target, speculative_config=_eagle3_spec(head, "dflash"), kv_cache_dtype="fp8"
-        )
+    spec = _eagle3_spec(head, "dflash")
+    with pytest.raises(ValueError, match=r"method='dflash' .* --kv-cache-dtype turboquant_k8v4"):
+        _engine_config(eagle3_target, speculative_config=spec, kv_cache_dtype="turboquant_k8v4")
+    config = _engine_config(eagle3_target, speculative_config=spec, kv_cache_dtype="fp8")
+    assert config.cache_config.cache_dtype == "fp8"

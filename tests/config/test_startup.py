@@ -238,14 +238,12 @@ def test_fp8_scales_of_a_hybrid_checkpoint_are_served(metal_config, tiny_qwen3_n
     assert _engine_config(model, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
 
 
-def test_per_token_head_caches_are_refused_with_two_head_sizes(metal_config, tiny_gemma4_dir):
+def test_per_token_head_caches_are_served_with_two_head_sizes(metal_config, tiny_gemma4_dir):
     """Gemma 4's full-attention layers have rows of another head size: with each row's scale
-    beside it vLLM pads the narrower layers' pages, which the pools do not lay out."""
-    with pytest.raises(ValueError, match="global_head_dim") as info:
-        _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
-    assert "vllm-metal: --kv-cache-dtype int4_per_token_head" in str(info.value)
-    assert "vLLM pads the smaller pages to the larger (page_size_padded)" in str(info.value)
-    assert _engine_config(tiny_gemma4_dir, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
+    beside it vLLM pads the narrower layers' pages, which the pools lay out as padded regions
+    (tests/kv/test_pool.py; the engine: tests/backends/mlx/runner/test_per_token_head_kv.py)."""
+    config = _engine_config(tiny_gemma4_dir, kv_cache_dtype="int4_per_token_head")
+    assert config.cache_config.cache_dtype == "int4_per_token_head"
 
 
 @pytest.mark.parametrize("dtype", ["turboquant_k8v4", "turboquant_3bit_nc"])
@@ -373,10 +371,30 @@ def test_mla_models_are_not_warned_of_their_head_size(
     assert not any("head size" in m for m in seen), seen
 
 
-def test_turboquant_is_refused_where_windowed_and_full_layers_share_memory(tiny_model_dir):
-    """Gemma 3 (sliding and full layers): vLLM overlays its two KV-cache groups in one region,
-    where TurboQuant slots and the boundary layers' unquantized pages would meet."""
-    with pytest.raises(ValueError) as info:
-        _engine_config(tiny_model_dir("gemma3"), kv_cache_dtype="turboquant_k8v4")
-    assert "sliding-window and full-attention layers" in str(info.value)
+def test_turboquant_is_served_where_windowed_and_full_layers_share_memory(tiny_model_dir):
+    """Gemma 3 (sliding and full layers): vLLM overlays their KV-cache groups in one region,
+    where the boundary layers' float pages and the others' slots share it, padded to one size
+    (tests/backends/mlx/runner/test_turboquant_mixed.py)."""
+    config = _engine_config(tiny_model_dir("gemma3"), kv_cache_dtype="turboquant_k8v4")
+    assert config.cache_config.cache_dtype == "turboquant_k8v4"
+
+
+def test_turboquant_is_refused_where_images_attend_both_ways(tiny_idefics3_dir):
+    """Idefics3, whose images are attended causally, is served
+    (tests/backends/mlx/runner/test_vision_quant_kv.py); a prefix-LM model taking images (Gemma 3
+    and 4: vLLM's `is_mm_prefix_lm`, as vLLM reads it from Gemma 3's config in
+    tests/models/test_language_model_only.py; Gemma 3's processor does not load here) is refused:
+    one image's tokens attend to each other both ways, which TurboQuant's read of the slots does
+    not take. Serving it text-only (`language_model_only`) takes no images."""
+    from vllm_metal.config.errors import MetalConfigError
+    from vllm_metal.config.startup import _turboquant_served
+
+    config = _engine_config(tiny_idefics3_dir, kv_cache_dtype="turboquant_k8v4")
+    assert config.cache_config.cache_dtype == "turboquant_k8v4"
+    config.model_config.__dict__["is_mm_prefix_lm"] = True  # vLLM's cached_property, as read
+    with pytest.raises(MetalConfigError) as info:
+        _turboquant_served(config)
+    assert "prefix-LM model taking media" in str(info.value)
     assert "--kv-cache-dtype turboquant_k8v4" in str(info.value)
+    config.model_config.multimodal_config.language_model_only = True
+    assert _turboquant_served(config)

@@ -4,6 +4,8 @@ whole blocks in every region."""
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -126,3 +128,67 @@ def test_pool_pages_are_committed_only_as_they_are_written(latent):
         )
     assert (np.array(pool.keys[0][7].astype(mx.float32)) == 1).all()
     assert process.memory_info().rss - before < 24 * 2**20
+
+
+@pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "reference"])
+@pytest.mark.parametrize("dtype", ["int8_per_token_head", "int4_per_token_head"])
+def test_padded_pages_keep_each_layers_rows_apart(engine_config, monkeypatch, dtype, reference_ops):
+    """Gemma 4's two head sizes under a per-token-head cache: with each row's scale beside it a
+    sliding layer's page (2 heads of 32) and a full layer's (1 head of 64) are no whole multiple
+    of each other, so vLLM pads the smaller to the larger and overlays the two in one region. Each
+    layer writes its blocks through its view of the region (the native op in place; the MLX one
+    returns new pages, copied back) and reads back exactly what pools of its own shape hold."""
+    from dataclasses import replace
+
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    from vllm_metal.kv.quant import PerTokenHeadCache
+
+    if reference_ops:
+        monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    sliding = LayerKind(sliding_window=32)
+    full = LayerKind(num_kv_heads=1, head_dim=64)
+    kinds = [sliding, full]
+    names = [f"model.layers.{i}.self_attn" for i in range(2)]
+    cache_config = replace(engine_config.cache_config, cache_dtype=dtype)
+    specs = kv_cache_specs(
+        names, kinds, block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+        cache_config=cache_config,
+    )  # fmt: skip
+    pages = sorted(spec.page_size_bytes for spec in specs.values())
+    assert pages[1] % pages[0]  # no whole multiple: vLLM pads
+    groups = get_kv_cache_groups(engine_config, specs)
+    plan = get_kv_cache_config_from_groups(engine_config, groups, 64 * pages[1])
+    assert {group.kv_cache_spec.page_size_bytes for group in plan.kv_cache_groups} == {pages[1]}
+    layout = KVLayout.from_config(plan, names)
+    assert layout.region_of_layer == (0, 0)  # overlaid
+    quant = PerTokenHeadCache(dtype).layer_reads(kinds)
+    pool = KVPool(layout, 2, 32, mx.float32, layer_shapes=[(2, 32), (1, 64)], layer_quant=quant)
+    assert pool.nbytes == plan.num_blocks * pages[1]  # what vLLM sized, padding included
+
+    rng = np.random.default_rng(1)
+    blocks = {0: [1, 3], 1: [2, 4]}  # block ids are one group's at a time
+    own = {}
+    for round_ in range(2):  # the layers' writes interleave
+        for layer, kind in enumerate(kinds):
+            heads, head_dim = kind.kv_shape(2, 32)
+            shape = (16, *pool.stored_shape(heads, head_dim))
+            if layer not in own:
+                own[layer] = [mx.zeros((layout.num_blocks, *shape), mx.uint8) for _ in "kv"]
+            rows = [mx.array(rng.standard_normal((16, heads, head_dim)), mx.float32) for _ in "kv"]
+            slots = mx.arange(16, dtype=mx.int64) + 16 * blocks[layer][round_]
+            views = [KVPool.page_view(a[0], *shape) for a in (pool.keys, pool.values)]
+            kc, vc = ops.reshape_and_cache(*rows, *views, slots, kv_cache_dtype=dtype)
+            in_place = functools.partial(ops.cache.writes_in_place, head_dim, dtype)
+            assert in_place() is not reference_ops
+            pool.keys[0] = KVPool.written(pool.keys[0], kc, in_place)
+            pool.values[0] = KVPool.written(pool.values[0], vc, in_place)
+            own[layer] = list(
+                ops.reshape_and_cache(*rows, *own[layer], slots, kv_cache_dtype=dtype)
+            )
+    mx.eval(pool.arrays())
+    for layer, kind in enumerate(kinds):
+        shape = (16, *pool.stored_shape(*kind.kv_shape(2, 32)))
+        for arrays, mine in zip((pool.keys, pool.values), own[layer]):
+            got = np.array(KVPool.page_view(arrays[0], *shape))[blocks[layer]]
+            np.testing.assert_array_equal(got, np.array(mine)[blocks[layer]])

@@ -100,7 +100,6 @@ def _check_kv_cache_dtype(vllm_config: VllmConfig) -> None:
     _check_draft_cache_dtype(vllm_config)
     _check_dflash_cache_dtype(vllm_config)
     if requested(dtype):
-        _check_row_widths(vllm_config, dtype)
         return
     if dtype in ("auto", None) or str(dtype).startswith(("bfloat16", "float16", "float32")):
         return
@@ -131,49 +130,29 @@ def _check_draft_cache_dtype(vllm_config: VllmConfig) -> None:
 
 def _check_dflash_cache_dtype(vllm_config: VllmConfig) -> None:
     """A DFlash head's query block attends over its context pages both ways (`key_ends`), which
-    the quantized caches' attention is not tested with: refused beside a quantized cache."""
+    TurboQuant's read of the slots does not take: refused beside a TurboQuant cache (the fp8 and
+    per-token-head ops take `key_ends`, as Gemma 3's image rows read them)."""
+    from vllm_metal.kv import turboquant
+
     spec = vllm_config.speculative_config
-    dtype = str(vllm_config.cache_config.cache_dtype or "auto")
-    if spec is None or spec.method != "dflash" or dtype == "auto":
-        return
-    if not dtype.startswith(("bfloat16", "float16", "float32")):
+    dtype = vllm_config.cache_config.cache_dtype
+    if spec is not None and spec.method == "dflash" and turboquant.requested(dtype):
         raise MetalConfigError(
             f"vllm-metal: --speculative-config method='dflash' is not supported with "
-            f"--kv-cache-dtype {dtype} (a DFlash head's block over quantized context pages is "
-            "not built); use --kv-cache-dtype auto"
-        )
-
-
-def _check_row_widths(vllm_config: VllmConfig, dtype: str) -> None:
-    """A per-token-head cache of a model whose attention layers have two head sizes (Gemma 4's
-    full-attention layers: `global_head_dim`, or `per_layer_config` in transformers 5) is
-    refused: with each row's scale beside it the two rows are no whole multiple of each other,
-    and vLLM pads the narrower layers' pages, which the pools do not lay out (`kv.pool`)."""
-    from vllm_metal.ops.per_token_head import is_per_token_head
-
-    text = getattr(vllm_config.model_config, "hf_text_config", None)
-    if not is_per_token_head(dtype) or text is None:
-        return
-    config = text.to_dict()
-    sizes = {config.get("head_dim"), config.get("global_head_dim")}
-    sizes |= {layer.get("head_dim") for layer in (config.get("per_layer_config") or {}).values()}
-    sizes.discard(None)
-    if len(sizes) > 1:
-        raise MetalConfigError(
-            f"vllm-metal: --kv-cache-dtype {dtype} is not supported for a model whose attention "
-            f"layers have two head sizes ({sorted(sizes)}, Gemma 4's global_head_dim): with each "
-            "row's scale beside it one layer's page is no whole multiple of the other's, and vLLM "
-            "pads the smaller pages to the larger (page_size_padded), which the pools do not lay "
-            "out; use --kv-cache-dtype fp8 or auto"
+            f"--kv-cache-dtype {dtype} (a DFlash head's block attends over its context both "
+            "ways, which the TurboQuant read of the slots does not take); use --kv-cache-dtype "
+            "fp8 or a per-token-head format, or auto"
         )
 
 
 def _turboquant_served(vllm_config: VllmConfig) -> bool:
     """Whether the cache dtype is a TurboQuant preset (`kv.turboquant`) served with this config;
     False for any other name. Refuses, by name, what TurboQuant pages are not built for:
-    speculative methods but `TURBOQUANT_DRAFTERS`, head sizes the format cannot pack and models
-    of windowed and full-attention layers, the target's or a drafter's (the capability table
-    refuses the model kinds and backends it does not serve). KV offload tiers carry the slots' bytes as they are (`kv.offload.transfer`)."""
+    speculative methods but `TURBOQUANT_DRAFTERS`, head sizes the format cannot pack (any of the
+    target's layers or a drafter's), and prefix-LM models taking media (their image rows attend
+    both ways, which the TurboQuant read does not); the capability table refuses the model kinds
+    and backends it does not serve. KV offload tiers carry the slots' bytes as they are
+    (`kv.offload.transfer`)."""
     from vllm_metal.kv import turboquant
 
     dtype = vllm_config.cache_config.cache_dtype
@@ -183,7 +162,17 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
     spec = vllm_config.speculative_config
     has_draft = spec is not None and spec.method in ("draft_model", "eagle3")
     draft = spec.draft_model_config if has_draft else None
-    if spec is not None and spec.method not in TURBOQUANT_DRAFTERS:
+    mm = vllm_config.model_config.multimodal_config
+    if mm is not None and not mm.language_model_only and vllm_config.model_config.is_mm_prefix_lm:
+        refused = (
+            (
+                f"a prefix-LM model taking media ({vllm_config.model_config.model}: the tokens "
+                "of one image attend to each other both ways, which TurboQuant's read of the "
+                "slots does not take)"
+            ),
+            "use --kv-cache-dtype fp8",
+        )
+    elif spec is not None and spec.method not in TURBOQUANT_DRAFTERS:
         refused = (
             f"--speculative-config method={spec.method!r}",
             (
@@ -195,21 +184,14 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
         for model in (vllm_config.model_config, draft):
             if model is None:
                 continue
-            problem = turboquant.head_size_problem(dtype, model.get_head_size())
-            if problem is not None:
-                refused = (
-                    f"a model whose {problem} ({model.model})",
-                    "use --kv-cache-dtype turboquant_k8v4 or fp8",
-                )
-            elif _mixes_windowed_and_full_layers(model.hf_text_config):
-                refused = (
-                    (
-                        f"a model of both sliding-window and full-attention layers ({model.model}: "
-                        "their KV-cache groups share memory, where TurboQuant and unquantized "
-                        "boundary-layer pages would overlay)"
-                    ),
-                    "use --kv-cache-dtype fp8",
-                )
+            for size in _head_sizes(model):
+                problem = turboquant.head_size_problem(dtype, size)
+                if problem is not None:
+                    refused = (
+                        f"a model whose {problem} ({model.model})",
+                        "use --kv-cache-dtype turboquant_k8v4 or fp8",
+                    )
+                    break
             if refused is not None:
                 break
     if refused is not None:
@@ -220,14 +202,14 @@ def _turboquant_served(vllm_config: VllmConfig) -> bool:
     return True
 
 
-def _mixes_windowed_and_full_layers(text) -> bool:
-    """Whether a checkpoint's text config declares sliding-window and full-attention layers
-    both."""
-    from vllm_metal.models.layers import kinds_from_config
+def _head_sizes(model) -> list[int]:
+    """The head sizes of a model's attention layers: vLLM's, and Gemma 4's full-attention
+    layers' (`global_head_dim`, or `per_layer_config` in transformers 5: `hf_config`)."""
+    from vllm_metal.models.hf_config import global_attention
 
-    num_layers = getattr(text, "num_hidden_layers", 0) or 0
-    kinds = kinds_from_config(text.to_dict(), num_layers)
-    return len({kind.sliding_window is None for kind in kinds}) > 1
+    config = model.hf_text_config.to_dict()
+    full = global_attention(config).get("global_head_dim", config.get("global_head_dim"))
+    return sorted(size for size in {model.get_head_size(), full} if size)
 
 
 def refuse_ray(vllm_config: VllmConfig) -> None:

@@ -34,16 +34,18 @@ SUPPORTED: dict[str, dict[str, frozenset[str]]] = {
         "text": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "moe": _MLX_DECODER | _MLX_TURBOQUANT | {"pipeline_parallel"},
         "pooling": _MLX_ANY | {"pooling"},
-        # fp8 / per-token-head pages under the decoder beside its towers (the towers keep none).
-        "vision_language": _MLX_ANY | {"fp8_kv_cache"},
+        # Quantized pages under the decoder beside its towers (the towers keep none); TurboQuant
+        # where images are attended causally (`config.startup` refuses prefix-LM models).
+        "vision_language": _MLX_ANY | {"fp8_kv_cache", "turboquant_kv_cache"},
         "speech_to_text": _MLX_ANY,
         # Qwen3-ASR: float safetensors checkpoints only (the tower loads from them).
         "audio_language": frozenset(),
         "latent_attention": _MLX_ANY | {"speculative_decoding"},
         # Their attention layers' pages quantized, the state pages in the model's dtypes.
         "state_hybrid": _MLX_ANY | {"speculative_decoding", "fp8_kv_cache", "turboquant_kv_cache"},
-        "vision_state_hybrid": _MLX_ANY,
-        "short_conv_hybrid": _MLX_ANY | {"fp8_kv_cache"},
+        # Quantized attention pages beside the float state pages, under the towers.
+        "vision_state_hybrid": _MLX_ANY | {"fp8_kv_cache", "turboquant_kv_cache"},
+        "short_conv_hybrid": _MLX_ANY | {"fp8_kv_cache", "turboquant_kv_cache"},
         "latent_state_hybrid": _MLX_ANY,
     },
     # vLLM's own dense text decoders on torch (`backends/torch/`), and LFM2's short-convolution

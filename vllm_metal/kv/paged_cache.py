@@ -15,6 +15,7 @@ rows are cast to the pool's `row_dtype`, and the ops quantize them with the laye
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -82,7 +83,9 @@ class PagedLayerCache:
 
     def _pages(self, arrays: list[mx.array]) -> mx.array:
         array = arrays[self.region]
-        return array if self.page_shape is None else KVPool.page_view(array, *self.page_shape)
+        if self.page_shape is None:
+            return array
+        return KVPool.page_view(array, *self.page_shape, self.pool.dtype)
 
     @property
     def offset(self) -> mx.array:
@@ -103,8 +106,11 @@ class PagedLayerCache:
             padded=not self.meta.decode,
             **self.storage,
         )
-        self.pool.keys[self.region] = kc
-        self.pool.values[self.region] = vc
+        pool = self.pool
+        storage = self.storage.get("kv_cache_dtype", "auto")
+        in_place = functools.partial(ops.cache.writes_in_place, d, storage)
+        pool.keys[self.region] = KVPool.written(pool.keys[self.region], kc, in_place)
+        pool.values[self.region] = KVPool.written(pool.values[self.region], vc, in_place)
         return keys, values
 
     def attend(

@@ -20,7 +20,7 @@ A latent-attention (MLA) model's regions are one array each, `[num_blocks, block
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,14 @@ class KVLayout:
     def block_sizes(self) -> list[int]:
         """Tokens per block of each group's block table."""
         return list(self.group_block_sizes) or [self.block_size] * self.num_groups
+
+    def group_windows(self, kinds: Sequence[LayerKind]) -> list[int | None]:
+        """Each group's sliding window (its layers', `kinds` in layer order), None where any of
+        its layers attends to the whole context or keeps a state."""
+        windows: list[set] = [set() for _ in range(self.num_groups)]
+        for kind, group in zip(kinds, self.group_of_layer):
+            windows[group].add(None if kind.is_state else kind.sliding_window)
+        return [next(iter(w)) if len(w) == 1 else None for w in windows]
 
     @classmethod
     def single_group(
@@ -155,7 +163,11 @@ class KVPool:
     Layers with their own KV heads and head size (`layer_shapes[i]`, None for the model's or a
     state layer) read their region in their shape, `[num_blocks, their group's block size, heads,
     head size]` (`page_view`): vLLM gives every layer sharing a region pages of one size, so only
-    the rows per page differ. A region is allocated in the shape of its first such layer.
+    the rows per page differ. A region is allocated in the shape of its first such layer. Where
+    the layers' pages are no whole multiple of each other (Gemma 4's two head sizes with each
+    row's scale beside it), vLLM pads the smaller pages to the largest (`page_size_padded`): the
+    region is then `[num_blocks, elements of the largest page]` and a layer reads the start of
+    each page (a view with gaps between blocks, which the native ops read and write in place).
 
     `layer_quant` (one per layer, `kv.quant`): a quantized cache, whose arrays are uint8 bytes;
     `row_dtype` is then the dtype rows are written from and queries read in (`dtype` otherwise).
@@ -233,8 +245,10 @@ class KVPool:
         layout: KVLayout,
         default: tuple[int, int],
         layer_shapes: Sequence[tuple[int, int] | None],
-    ) -> list[tuple[int, int, int]]:
-        shapes: list[tuple[int, int, int] | None] = [None] * layout.num_regions
+    ) -> list[tuple[int, ...]]:
+        """Each region's shape past its block axis: its first layer's `(block size, heads, row)`,
+        or `(elements,)` of the largest page where its layers' pages differ in size (padded)."""
+        shapes: list[tuple[int, ...] | None] = [None] * layout.num_regions
         block_sizes = layout.block_sizes()
         for i, layer_shape in enumerate(layer_shapes):
             if layer_shape is None:
@@ -245,18 +259,38 @@ class KVPool:
             if first is None:
                 shapes[region] = shape
             elif np.prod(first) != np.prod(shape):
-                raise ValueError(
-                    f"KV layer {i} reads region {region} as {shape} rows per page but the region "
-                    f"holds {first}: vLLM planned pages of different sizes in one region"
-                )
+                shapes[region] = (int(max(np.prod(first), np.prod(shape))),)
         return [shape or (layout.block_size, *default) for shape in shapes]
 
     @staticmethod
-    def page_view(array: mx.array, block_size: int, heads: int, head_dim: int) -> mx.array:
-        """A region's K or V array as `[num_blocks, block_size, heads, head_dim]` (itself when it
-        has that shape; else a reshape of the same memory, which the paged ops write in place)."""
+    def page_view(
+        array: mx.array, block_size: int, heads: int, head_dim: int, dtype: mx.Dtype | None = None
+    ) -> mx.array:
+        """A region's K or V array as `[num_blocks, block_size, heads, head_dim]`: itself when it
+        has that shape, else a view of the same memory, which the paged ops write in place (a
+        reshape; of a padded region, the start of each page, its bytes read as `dtype`)."""
         shape = (array.shape[0], block_size, heads, head_dim)
-        return array if array.shape == shape else array.reshape(shape)
+        if array.shape == shape:
+            return array
+        if array.ndim == 2:  # padded pages
+            if dtype is not None and dtype != array.dtype:
+                array = mx.view(array, dtype)
+            return array[:, : block_size * heads * head_dim].reshape(shape)
+        return array.reshape(shape)
+
+    @staticmethod
+    def written(region: mx.array, pages: mx.array, in_place: Callable[[], bool]) -> mx.array:
+        """The region array after a write returned `pages` (its `page_view`, written): `pages`
+        itself where the view is the region, else the region's memory ordered after the write
+        (`in_place()`: the op wrote into the view's memory; asked of padded regions only, as it
+        reads the ops' settings) or with the written pages copied in."""
+        if region.ndim != 2 or pages.ndim == 2:
+            return pages.reshape(region.shape)
+        if in_place():
+            return mx.depends(region, pages)
+        rows = mx.view(pages.reshape(pages.shape[0], -1), region.dtype)
+        region[:, : rows.shape[1]] = rows
+        return region
 
     def _zero_block(self, block: int) -> None:
         """Zero one block in every region, in place (the rest stays uncommitted); a no-op
@@ -269,16 +303,18 @@ class KVPool:
         if native is None:
             return
         writer = native if self.layer_quant is None else batched
-        for i, keys in enumerate(self.keys):
+        for i, region in enumerate(self.keys):
+            # A padded region (`_region_shapes`) is zeroed as one row of a page's elements.
+            keys = region[:, None, None] if region.ndim == 2 else region
             block_size = keys.shape[1]
             slots = mx.arange(block * block_size, (block + 1) * block_size, dtype=mx.int64)
             rows = mx.zeros((block_size, *keys.shape[2:]), dtype=self.dtype)
             if self.latent:
                 self.keys[i] = native.mla_reshape_and_cache(rows, keys, slots)
             else:
-                self.keys[i], self.values[i] = writer.reshape_and_cache(
-                    rows, rows, keys, self.values[i], slots
-                )
+                values = self.values[i].reshape(keys.shape)
+                kc, vc = writer.reshape_and_cache(rows, rows, keys, values, slots)
+                self.keys[i], self.values[i] = kc.reshape(region.shape), vc.reshape(region.shape)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every region (copy-on-write of shared blocks)."""

@@ -14,6 +14,8 @@ token and KV head, vLLM's slot (`ops.turboquant.codec`): keys in a uint8 key poo
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -156,10 +158,14 @@ class TurboQuantCache:
 class TurboQuantPool(KVPool):
     """A `KVPool` whose quantized layers' regions hold TurboQuant bytes: keys ``[num_blocks,
     block_size, heads, fmt.key_bytes]`` and values ``[..., fmt.value_bytes]`` (uint8); the other
-    regions are the model's dtype as in any pool. `layer_formats[i]`: layer i's format or None.
-    `fresh[region]`: the unquantized K/V rows its writer saw in the step of `fresh_step` (a
-    prefill step; dropped when the next step writes), which a layer reading that region attends
-    over as vLLM's prefill does (`ops.turboquant`)."""
+    regions are the model's dtype as in any pool. A region shared by layers whose pages differ
+    (a boundary layer's float page beside slots, two head sizes) holds bytes, ``[num_blocks,
+    bytes of the largest page]``, which each layer views (`KVPool.page_view`), as vLLM pads
+    such pages. `layer_formats[i]`: layer i's format or None.
+    `fresh[writer]`: the unquantized K/V rows layer `writer` wrote in the step of `fresh_step` (a
+    prefill step; dropped when the next step writes), which a layer reading its pages attends
+    over as vLLM's prefill does (`ops.turboquant`); keyed by layer, as layers of several groups
+    may share a region."""
 
     def __init__(
         self,
@@ -178,36 +184,47 @@ class TurboQuantPool(KVPool):
         self.layer_formats = list(layer_formats)
         self.fresh: dict[int, tuple[mx.array, mx.array]] = {}
         self.fresh_step: StepMetadata | None = None
-        shapes = self._region_shapes(layout, (num_kv_heads, head_dim), layer_shapes)
-        region_formats: list[TurboQuantFormat | None] = [None] * layout.num_regions
-        for i, fmt in enumerate(self.layer_formats):
-            region = layout.region_of_layer[i]
-            if fmt is not None:
-                region_formats[region] = fmt
-        for i, fmt in enumerate(self.layer_formats):
-            if layer_shapes[i] is not None and fmt != region_formats[layout.region_of_layer[i]]:
-                raise ValueError(
-                    f"KV layer {i} shares region {layout.region_of_layer[i]} with a layer of "
-                    "another TurboQuant storage; vLLM planned pages of different kinds in one region"
-                )
-        self.keys, self.values = [], []
-        for shape, fmt in zip(shapes, region_formats):
+        # Each region's pages, per layer with KV memory: (key page, value page, dtype).
+        block_sizes = layout.block_sizes()
+        pages: list[set] = [set() for _ in range(layout.num_regions)]
+        for i, shape in enumerate(layer_shapes):
+            if shape is None:
+                continue
+            fmt, block = self.layer_formats[i], block_sizes[layout.group_of_layer[i]]
             if fmt is None:
-                self.keys.append(uncommitted((layout.num_blocks, *shape), dtype))
-                self.values.append(uncommitted((layout.num_blocks, *shape), dtype))
+                page = ((block, *shape), (block, *shape), dtype)
             else:
-                rows = (layout.num_blocks, *shape[:2])
-                self.keys.append(uncommitted((*rows, fmt.key_bytes), mx.uint8))
-                self.values.append(uncommitted((*rows, fmt.value_bytes), mx.uint8))
+                rows = (block, shape[0])
+                page = ((*rows, fmt.key_bytes), (*rows, fmt.value_bytes), mx.uint8)
+            pages[layout.region_of_layer[i]].add(page)
+        self.keys, self.values = [], []
+        for region, kinds in enumerate(pages):
+            if not kinds:
+                shape = (layout.block_size, num_kv_heads, head_dim)
+                kinds = {(shape, shape, dtype)}
+            sizes = {(math.prod(k) * t.size, math.prod(v) * t.size) for k, v, t in kinds}
+            if len(sizes) == 1 and len({t for _, _, t in kinds}) == 1:
+                key_page, value_page, page_dtype = next(iter(kinds))
+                self.keys.append(uncommitted((layout.num_blocks, *key_page), page_dtype))
+                self.values.append(uncommitted((layout.num_blocks, *value_page), page_dtype))
+                continue
+            # Pages of several sizes or dtypes (boundary layers' float pages beside slots, two
+            # head sizes): vLLM pads them to the largest; each layer views the start of a page.
+            for arrays, side in ((self.keys, 0), (self.values, 1)):
+                widest = max(size[side] for size in sizes)
+                arrays.append(uncommitted((layout.num_blocks, widest), mx.uint8))
         self._zero_block(0)
         mx.eval(self.keys, self.values)
 
     def _zero_block(self, block: int) -> None:
         """Zero one block of every region (all-zero bytes read as zero keys and values)."""
         for i, (keys, values) in enumerate(zip(self.keys, self.values)):
+            shapes = keys.shape, values.shape
+            if keys.ndim == 2:  # padded pages: one row of a page's bytes
+                keys, values = keys[:, None, None], values[:, None, None]
             block_size = keys.shape[1]
             slots = mx.arange(block * block_size, (block + 1) * block_size, dtype=mx.int64)
-            self.keys[i], self.values[i] = batched.reshape_and_cache(
+            kc, vc = batched.reshape_and_cache(
                 mx.zeros((block_size, *keys.shape[2:]), keys.dtype),
                 mx.zeros((block_size, *values.shape[2:]), values.dtype),
                 keys,
@@ -215,23 +232,22 @@ class TurboQuantPool(KVPool):
                 slots,
                 padded=False,
             )
+            self.keys[i], self.values[i] = kc.reshape(shapes[0]), vc.reshape(shapes[1])
 
 
 class TurboQuantLayerCache(PagedLayerCache):
     """A quantized layer's paged view: writes quantize (`ops.turboquant.reshape_and_cache`),
     attention dequantizes the pages it reads (`ops.turboquant.paged_attention`)."""
 
-    def __init__(self, pool: TurboQuantPool, fmt: TurboQuantFormat, *args, **kwargs):
+    def __init__(self, pool: TurboQuantPool, fmt: TurboQuantFormat, writer: int, *args, **kwargs):
         super().__init__(pool, *args, **kwargs)
         self.fmt = fmt
+        self.writer = writer  # the layer whose pages these are (itself, or its `kv_source`)
 
-    def _pages(self, arrays: list[mx.array]) -> mx.array:
-        array = arrays[self.region]
-        if self.page_shape is None:
-            return array
+    def _slots(self, arrays: list[mx.array], width: int) -> mx.array:
+        """The region's key or value slots as `[num_blocks, block size, heads, width]` bytes."""
         block_size, heads, _ = self.page_shape
-        shape = (array.shape[0], block_size, heads, array.shape[-1])
-        return array if array.shape == shape else array.reshape(shape)
+        return KVPool.page_view(arrays[self.region], block_size, heads, width, mx.uint8)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if not self.writes:
@@ -240,18 +256,20 @@ class TurboQuantLayerCache(PagedLayerCache):
         rows = (keys.reshape(t, h, d), values.reshape(t, h, d))
         kc, vc = turboquant.reshape_and_cache(
             *rows,
-            self._pages(self.pool.keys),
-            self._pages(self.pool.values),
+            self._slots(self.pool.keys, self.fmt.key_bytes),
+            self._slots(self.pool.values, self.fmt.value_bytes),
             self.tables.slot_mapping,
             fmt=self.fmt,
             padded=not self.meta.decode,
         )
-        self.pool.keys[self.region] = kc.reshape(self.pool.keys[self.region].shape)
-        self.pool.values[self.region] = vc.reshape(self.pool.values[self.region].shape)
+        pool = self.pool
+        in_place = functools.partial(turboquant.writes_in_place, self.fmt)
+        pool.keys[self.region] = KVPool.written(pool.keys[self.region], kc, in_place)
+        pool.values[self.region] = KVPool.written(pool.values[self.region], vc, in_place)
         if self.pool.fresh_step is not self.meta:
             self.pool.fresh_step, self.pool.fresh = self.meta, {}
         if not self.meta.decode:
-            self.pool.fresh[self.region] = rows
+            self.pool.fresh[self.writer] = rows
         return keys, values
 
     def attend(
@@ -266,11 +284,11 @@ class TurboQuantLayerCache(PagedLayerCache):
         t, h, _, d = queries.shape  # [T, H_q, 1, D]
         fresh = None
         if not self.meta.decode and self.pool.fresh_step is self.meta:
-            fresh = self.pool.fresh.get(self.region)
+            fresh = self.pool.fresh.get(self.writer)
         out = turboquant.paged_attention(
             queries.reshape(t, h, d),
-            self._pages(self.pool.keys),
-            self._pages(self.pool.values),
+            self._slots(self.pool.keys, self.fmt.key_bytes),
+            self._slots(self.pool.values, self.fmt.value_bytes),
             self.tables.block_tables,
             self.meta.seq_lens,
             self.meta.cu_seqlens_q,
@@ -311,7 +329,8 @@ def layer_cache(
     fmt = pool.layer_formats[layer]
     if fmt is None:
         return PagedLayerCache(pool, *args, **options)
-    return TurboQuantLayerCache(pool, fmt, *args, **options)
+    writer = layer if kind.kv_source is None else kind.kv_source
+    return TurboQuantLayerCache(pool, fmt, writer, *args, **options)
 
 
 __all__ = [

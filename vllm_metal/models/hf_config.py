@@ -54,7 +54,7 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     mlp_types = config.get("mlp_layer_types")
     if "first_k_dense_replace" in takes and "first_k_dense_replace" not in config and mlp_types:
         out["first_k_dense_replace"] = _dense_prefix(mlp_types)
-    for field, value in _global_attention(config).items():
+    for field, value in global_attention(config).items():
         if field in takes and field not in config:
             out[field] = value
     if "text_config" in takes and isinstance(config.get("text_config"), dict):
@@ -70,7 +70,7 @@ def mlx_lm_overrides(config: dict[str, Any], args_class: type) -> dict[str, Any]
     return out
 
 
-def _global_attention(config: dict[str, Any]) -> dict[str, Any]:
+def global_attention(config: dict[str, Any]) -> dict[str, Any]:
     """Gemma 4's full-attention head size and KV heads from transformers 5's `per_layer_config`
     (layer index -> overrides, the same for every full-attention layer)."""
     overrides = [layer for layer in (config.get("per_layer_config") or {}).values() if layer]

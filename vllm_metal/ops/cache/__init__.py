@@ -52,9 +52,9 @@ def reshape_and_cache(
     if _backend.value_checks() and padded:
         check_reshape_and_cache_values(key_cache, slot_mapping)
     per_row = per_token_head.kv_quant(kv_cache_dtype)
-    native = _backend.native_for(key.shape[2])
+    native = _native_writer(key.shape[2], kv_cache_dtype)
     if per_row is not None:
-        if native is not None and per_row.native:
+        if native is not None:
             key, value = per_row.stored_rows(key), per_row.stored_rows(value)
             return native.reshape_and_cache(key, value, *arrays[2:], quant=per_row)
         key, value = per_row.quantize(key), per_row.quantize(value)
@@ -65,6 +65,20 @@ def reshape_and_cache(
     if quant is not None:
         key, value = fp8.quantize(key, quant.fmt, k_scale), fp8.quantize(value, quant.fmt, v_scale)
     return batched.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, padded)
+
+
+def writes_in_place(head_size: int, kv_cache_dtype: str = "auto") -> bool:
+    """Whether `reshape_and_cache` of rows `head_size` wide in that format runs the native op,
+    which writes into the pools' memory (a view of a region included); the MLX one returns new
+    arrays."""
+    return _native_writer(head_size, kv_cache_dtype) is not None
+
+
+def _native_writer(head_size: int, kv_cache_dtype: str):
+    """The native module that writes rows `head_size` wide in that format, or None (MLX's ops)."""
+    per_row = per_token_head.kv_quant(kv_cache_dtype)
+    native = _backend.native_for(head_size)
+    return native if per_row is None or per_row.native else None
 
 
 def check_reshape_and_cache(

@@ -98,6 +98,12 @@ def reshape_and_cache(
     )
 
 
+def writes_in_place(fmt: TurboQuantFormat) -> bool:
+    """Whether `reshape_and_cache` in `fmt` runs the native op, which writes into the pools'
+    memory (a view of a region included); the MLX one returns new arrays."""
+    return _native.module(fmt.head_dim) is not None
+
+
 def paged_attention(
     query: mx.array,
     key_cache: mx.array,

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 JOB_SCRIPT = Path(__file__).with_name("engine_job.py")
 # The job script imports image and audio fixtures as tests.fixtures, from the repository root.
@@ -135,3 +138,26 @@ def assert_logprobs_match_hf(model: str | Path, prompts: list[list[int]], batch:
             got = sample["logprobs"][step][str(token)]
             want = ref[len(prompt) - 1 + step, token]
             assert abs(got - want) < tol, (model, step, token, got, want)
+
+
+def errors_and_shift(
+    model: str | Path,
+    prompts: list[list[int]],
+    batch: list[dict],
+    oracle: Callable[[list[int], list[int]], np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per token sampled in `batch` (requests run with `logprobs=1`): |engine logprob - the
+    oracle's| (`oracle(prompt, ids)`: log-softmax rows of `ids`, the prompt and the sampled
+    tokens) and |engine logprob - transformers float32's| (how far a cache format moves it)."""
+    from tests.fixtures.oracles import hf_logprobs
+
+    errors, moved = [], []
+    for prompt, result in zip(prompts, batch):
+        sample = result["outputs"][0]
+        ids = prompt + sample["token_ids"]
+        ref, plain = oracle(prompt, ids), hf_logprobs(model, ids)
+        for step, token in enumerate(sample["token_ids"]):
+            got, row = sample["logprobs"][step][str(token)], len(prompt) - 1 + step
+            errors.append(abs(got - ref[row, token]))
+            moved.append(abs(got - plain[row, token]))
+    return np.asarray(errors), np.asarray(moved)

@@ -209,3 +209,32 @@ def test_prefill_batch_is_one_sequence_in_blocks_from_zero():
     assert_array_equal(packed.logits_indices, [5])
     assert_array_equal(packed.discard, [False])
     assert packed.token_ids.shape == (6,) and packed.token_ids.max() < 768
+
+
+def test_a_windowed_groups_table_names_the_null_block_where_the_window_has_passed():
+    """Blocks wholly before the window of a request's first row in the step read as block 0 (vLLM
+    frees them; freed, they may hold another group's pages); the full group's table, and every
+    slot written, are unchanged."""
+    from vllm_metal.backends.mlx.runner.batch import pack_batch
+
+    tables = [np.arange(1, 25, dtype=np.int32).reshape(2, 12)] * 2  # 12 blocks of 4 per request
+    windows = [None, 8]
+    # Request a decodes at position 21 (its window: keys 14..21), b prefills 6..9 (keys 0..9).
+    packed = pack_batch(
+        ["a", "b"],
+        {"a": 1, "b": 4},
+        np.array([21, 6]),
+        np.array([22, 10]),
+        np.zeros((2, 48), dtype=np.int32),
+        tables,
+        [4, 4],
+        windows=windows,
+    )
+    full, windowed = packed.block_tables
+    assert_array_equal(full, tables[0][:, :6])
+    assert_array_equal(windowed[0], [0, 0, 0, 4, 5, 6])  # blocks 0-2 (keys 0..11) passed
+    assert_array_equal(windowed[1], tables[1][1, :6])
+    assert_array_equal(packed.slot_mappings[1], packed.slot_mappings[0])
+    assert_array_equal(
+        packed.slot_mappings[1], [6 * 4 + 1, 14 * 4 + 2, 14 * 4 + 3, 15 * 4, 15 * 4 + 1]
+    )

@@ -277,3 +277,31 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(dflash_dirs):
         if tuple(context[:-1]) not in contexts and len(context) - 1 not in prompts:
             after_a_pause += 1
     assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head"])
+def test_self_drafting_head_over_a_quantized_cache(dflash_dirs, dtype):
+    """The head's pages take the target's format and its block reads them both ways: greedy
+    tokens equal an engine's with the same cache and no drafts, and the self-drafting head,
+    which reads its context rows back, keeps >= 90% of its drafts (all 48 of 48 measured)."""
+    from tests.fixtures.tiny_dflash import pairing_prompts
+
+    target, head = dflash_dirs["self_drafting"]
+    jobs = [
+        {"prompts": pairing_prompts([3, 9, BS - 5, 2 * BS + 3]), "params": [greedy(NEW_TOKENS)]}
+    ]
+    engine = {**ENGINE, "kv_cache_dtype": dtype}
+    (plain,) = run_engine_job(target, jobs, engine=engine)
+    (drafted,), counters = run_engine_job(
+        target,
+        jobs,
+        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    assert tokens(drafted) == tokens(plain)
+    proposed = counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert proposed > 0 and accepted >= 0.9 * proposed, counters

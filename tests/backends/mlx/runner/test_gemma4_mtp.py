@@ -18,8 +18,8 @@ Three assistants (`tests.fixtures.tiny_gemma4_mtp`):
   pages at every step and chains its drafts as vLLM does;
 - (`full`) a random one with ordered embeddings (the centroid-masked head), drafting on every
   step: nearly every draft rejected.
-(`full`) Over an fp8 KV cache the noisy one's greedy tokens equal an fp8 engine's without
-speculation.
+(`full`) Over an fp8 or int4 per-token-head KV cache the noisy one's greedy tokens equal that
+engine's without speculation.
 """
 
 from __future__ import annotations
@@ -175,13 +175,15 @@ def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
 
 @pytest.mark.slow
 @pytest.mark.full
-def test_mtp_assistant_over_an_fp8_cache(pairs):
-    """The assistant keeps no K/V, so it drafts over an fp8 cache too, reading the target's fp8
-    pages (the noisy assistant's drafts depend on them): greedy tokens equal an fp8 engine's
-    without speculation, and drafts are accepted."""
+@pytest.mark.parametrize("dtype", ["fp8", "int4_per_token_head", "turboquant_k8v4"])
+def test_mtp_assistant_over_a_quantized_cache(pairs, dtype):
+    """The assistant keeps no K/V, so it drafts over a quantized cache too, reading the target's
+    pages (the noisy assistant's drafts depend on them; per-token-head pages of the two head
+    sizes padded to one size): greedy tokens equal a quantized engine's without speculation, and
+    drafts are accepted."""
     target, drafter = pairs["noisy"]
     jobs = [{"prompts": random_prompts(44, [5, 20, 40]), "params": [greedy(NEW_TOKENS)]}]
-    engine = {**ENGINE, "kv_cache_dtype": "fp8"}
+    engine = {**ENGINE, "kv_cache_dtype": dtype}
     (plain,) = run_engine_job(target, jobs, engine=engine)
     spec = {"method": "mtp", "model": str(drafter), "num_speculative_tokens": K}
     (drafted,), metrics = run_engine_job(

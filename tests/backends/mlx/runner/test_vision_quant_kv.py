@@ -91,18 +91,33 @@ def _through_cache(x: np.ndarray, name: str | None) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _language_model_reads(name: str | None, family: str = "llama"):
+def _language_model_reads(
+    name: str | None, family: str = "llama", raw_rows: int = 0, num_layers: int = 0
+):
     """The language model's eager attention (its family's module: Llama's in Idefics3) over K/V
-    read through the format; the vision tower's attention (another module) is left as it is."""
+    read through the format; the vision tower's attention (another module, or a `...Vision...`
+    class of the same one, as Qwen3.5's) is left as it is. A
+    TurboQuant preset follows vLLM's rule (`turboquant_reference.attention_through_slots`): the
+    first `raw_rows` rows attend unquantized, and of `num_layers` the boundary layers keep the
+    model's dtype."""
     import torch
 
+    from tests.fixtures import turboquant_reference
+
     module = sys.modules[f"transformers.models.{family}.modeling_{family}"]
+    if name in turboquant_reference.PRESETS:
+        skip = turboquant_reference.boundary_skip(num_layers)
+        with turboquant_reference.attention_through_slots(module, name, raw_rows, skip):
+            yield
+        return
     eager = module.eager_attention_forward
 
     def cached(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(_through_cache(x.detach().double().numpy(), name)).to(x.dtype)
 
     def attention(layer, query, key, value, *args, **kwargs):
+        if "Vision" in type(layer).__name__:
+            return eager(layer, query, key, value, *args, **kwargs)
         return eager(layer, query, cached(key), cached(value), *args, **kwargs)
 
     module.eager_attention_forward = attention
@@ -112,10 +127,13 @@ def _language_model_reads(name: str | None, family: str = "llama"):
         module.eager_attention_forward = eager
 
 
-def oracle_logprobs(model_dir, row, new_tokens: list[int], name: str | None) -> np.ndarray:
+def oracle_logprobs(
+    model_dir, row, new_tokens: list[int], name: str | None, raw_rows: int | None = None
+) -> np.ndarray:
     """Log-softmax rows of transformers float32 over the prompt of `row` (with its images)
     followed by `new_tokens`, its language model reading K/V through format `name`; row j
-    predicts token j + 1."""
+    predicts token j + 1. A TurboQuant preset's first `raw_rows` rows (default: the prompt's,
+    one prefill chunk) attend unquantized."""
     import torch
 
     from tests.fixtures.oracles import _one_torch_thread
@@ -123,10 +141,14 @@ def oracle_logprobs(model_dir, row, new_tokens: list[int], name: str | None) -> 
     prompt, images = row
     model, _ = load_hf_idefics3(model_dir)
     inputs = dict(idefics3_inputs(model_dir, prompt, [tiny_image(s, (w, h)) for s, w, h in images]))
+    raw_rows = inputs["input_ids"].shape[1] if raw_rows is None else raw_rows
     extra = torch.tensor([new_tokens], dtype=inputs["input_ids"].dtype)
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    with torch.no_grad(), _one_torch_thread(), _language_model_reads(name):
+    reads = _language_model_reads(
+        name, raw_rows=raw_rows, num_layers=model.config.text_config.num_hidden_layers
+    )
+    with torch.no_grad(), _one_torch_thread(), reads:
         logits = model(**inputs, use_cache=False).logits[0].double().numpy()
     logits -= logits.max(axis=-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
@@ -174,6 +196,58 @@ def test_images_over_quantized_pages_match_the_oracle(tiny_idefics3_dir, name) -
     (hit,) = again
     assert hit["num_cached_tokens"] >= BLOCK_SIZE
     assert tokens(again) == tokens(first)[:1]
+
+
+@pytest.fixture(scope="module")
+def idefics3_six_layers(tmp_path_factory):
+    """The tiny Idefics3 with a six-layer decoder: under TurboQuant vLLM keeps layers 0, 1, 4 and
+    5 at the model's dtype and quantizes 2 and 3 (the two-layer fixture would keep both)."""
+    from tests.fixtures.tiny_idefics3 import ModelSize, write_tiny_idefics3
+
+    out = tmp_path_factory.mktemp("idefics3-six-layers") / "idefics3"
+    return write_tiny_idefics3(out, size=ModelSize(text_layers=6))
+
+
+# Against the TurboQuant oracle: the tower's float32 difference (as above) and a slot coordinate
+# now and then stored at the neighbouring level.
+TURBOQUANT_MAX = 5e-2
+TURBOQUANT_MEAN = 2e-3
+
+
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_3bit_nc"])
+def test_images_over_turboquant_slots_match_the_oracle(idefics3_six_layers, name) -> None:
+    """Every prompt, images included, one prefill chunk attending over its rows unquantized, then
+    decode rows over the stored slots; the same image again is a prefix-cache hit whose remaining
+    rows read every key from the slots (vLLM's rule for a short continuation chunk)."""
+    model_dir = idefics3_six_layers
+    engine = {**ENGINE, "kv_cache_dtype": name, "max_num_batched_tokens": 2048}
+    jobs = [
+        {"prompts": [_request(*r) for r in BATCH], "params": [greedy(MAX_TOKENS, logprobs=1)]},
+        {"prompts": [_request(*AGAIN)], "params": [greedy(MAX_TOKENS, logprobs=1)]},
+    ]
+    first, again = run_engine_job(model_dir, jobs, engine=engine)
+    (hit,) = again
+    assert hit["num_cached_tokens"] >= BLOCK_SIZE
+    errors, moved = [], []
+    for row, result, raw_rows in [
+        *((row, result, None) for row, result in zip(BATCH, first)),
+        (AGAIN, hit, hit["num_cached_tokens"]),
+    ]:
+        sample = result["outputs"][0]
+        toks = sample["token_ids"]
+        ref = oracle_logprobs(model_dir, row, toks, name, raw_rows)
+        plain = oracle_logprobs(model_dir, row, toks, None)
+        start = len(ref) - len(toks) - 1
+        for step, token in enumerate(toks):
+            got = sample["logprobs"][step][str(token)]
+            errors.append(abs(got - ref[start + step, token]))
+            moved.append(abs(got - plain[start + step, token]))
+    errors, moved = np.asarray(errors), np.asarray(moved)
+    print(f"{name}: |logprob - oracle| mean {errors.mean():.2e} max {errors.max():.2e}; "
+          f"the format moves them by {moved.mean():.2e}")  # fmt: skip
+    assert errors.max() <= TURBOQUANT_MAX and errors.mean() <= TURBOQUANT_MEAN
+    assert errors.mean() * 10 <= moved.mean()  # the slots are read: the format shows
+    assert len({tuple(t) for t in tokens(first)}) == len(BATCH)
 
 
 def continuations(model_dir) -> list[list[int]]:

@@ -47,13 +47,16 @@ def pack_batch(
     block_tables: Sequence[np.ndarray],
     block_sizes: Sequence[int],
     num_draft_tokens: np.ndarray | None = None,
+    windows: Sequence[int | None] = (),
 ) -> PackedBatch:
     """Pack the scheduled tokens of `req_ids` (InputBatch order) into one varlen batch.
 
     num_computed_tokens / num_known_tokens / token_ids_table are the InputBatch's per-row arrays
     and block_tables its per-group tables (rows aligned with req_ids). num_draft_tokens[i] of a
     request's scheduled tokens are drafts to verify (they sit in the token table after the known
-    tokens); the scheduler's `-1` placeholders among them are read as token 0.
+    tokens); the scheduler's `-1` placeholders among them are read as token 0. `windows`: each
+    group's sliding window, if any (`KVLayout.group_windows`), whose tables name the null block
+    where a window has passed (`_tables_and_slots`).
     """
     num_reqs = len(req_ids)
     num_sched = np.fromiter(
@@ -69,7 +72,9 @@ def pack_batch(
     token_ids = np.maximum(token_ids_table[row_of_token, positions], 0).astype(np.int32)
     seq_lens = start + num_sched
 
-    tables, slots = _tables_and_slots(block_tables, block_sizes, row_of_token, positions, seq_lens)
+    tables, slots = _tables_and_slots(
+        block_tables, block_sizes, row_of_token, positions, seq_lens, windows
+    )
 
     if num_draft_tokens is None:
         num_draft_tokens = np.zeros(num_reqs, dtype=np.int32)
@@ -97,15 +102,30 @@ def _tables_and_slots(
     row_of_token: np.ndarray,
     positions: np.ndarray,
     seq_lens: np.ndarray,
+    windows: Sequence[int | None] = (),
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per KV-cache group: the block table cut to the step's rows and longest context, and each
-    token's slot (block id * block size + offset)."""
+    token's slot (block id * block size + offset).
+
+    A windowed group's table names block 0, vLLM's null block (kept zeroed), for the blocks
+    wholly before the window of a request's first row in the step: vLLM frees those blocks, and
+    the worker's tables keep their ids. Freed, a block may hold another group's pages, in another
+    layout where the pool pads pages of two sizes (`kv.pool`); no op reads it through a masked
+    position then."""
     num_reqs = len(seq_lens)
+    first = np.full(num_reqs, np.iinfo(np.int32).max, dtype=np.int64)
+    if any(windows):
+        np.minimum.at(first, row_of_token, positions)
     tables, slots = [], []
-    for table, block_size in zip(block_tables, block_sizes):
+    for g, (table, block_size) in enumerate(zip(block_tables, block_sizes)):
         max_blocks = max(1, -(-int(seq_lens.max(initial=1)) // block_size))
-        group_table = np.ascontiguousarray(table[:num_reqs, :max_blocks], dtype=np.int32)
+        group_table = np.array(table[:num_reqs, :max_blocks], dtype=np.int32)
         block_ids = group_table[row_of_token, positions // block_size].astype(np.int64)
+        window = windows[g] if windows else None
+        if window is not None:
+            # A row at position p attends to keys p - window + 1 .. p.
+            passed = (first - window + 1) // block_size  # blocks wholly before every window
+            group_table[np.arange(max_blocks)[None, :] < passed[:, None]] = 0
         tables.append(group_table)
         slots.append(block_ids * block_size + (positions % block_size))
     return tables, slots

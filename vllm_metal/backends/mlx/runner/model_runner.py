@@ -71,6 +71,7 @@ class MLXModelRunner:
         self.states.tokens_from_scheduler = not self.last_stage
 
         self.kv_layout: KVLayout | None = None
+        self.group_windows: list[int | None] = []  # per KV-cache group (`KVLayout.group_windows`)
         self.kv_pool: KVPool | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         # vLLM's KV connector (KV offloading), set up by the worker before the KV cache.
@@ -138,6 +139,7 @@ class MLXModelRunner:
         self.kv_cache_config = kv_cache_config
         self.connector = ConnectorSteps.make()
         self.states.set_block_sizes(layout.block_sizes())
+        self.group_windows = layout.group_windows(self.state.layer_kinds)
         self._allocate_kv_pool()
         if self.spec is not None:
             self.spec.drafter.initialize_kv_cache(kv_cache_config)
@@ -247,6 +249,7 @@ class MLXModelRunner:
             [batch.block_table[g].get_numpy_array() for g in range(num_groups)],
             self.states.block_sizes,
             None if self.spec is None else self.states.num_draft_tokens(),
+            self.group_windows,
         )
 
     def _copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
