@@ -82,7 +82,7 @@ def test_64_concurrent_streams_complete_with_the_requested_token_counts(vllm_ser
 
 def test_disconnected_clients_are_aborted_and_their_kv_blocks_freed(vllm_server):
     assert wait_until(lambda: engine_idle(vllm_server), timeout=30), "not idle before the test"
-    generated_before = vllm_server.gauge("vllm:generation_tokens_total")
+    finished_before = vllm_server.gauge("vllm:request_success_total", finished_reason="length")
     # Long generations that would run for minutes if nobody stopped them.
     body = {
         "model": vllm_server.model,
@@ -135,6 +135,10 @@ def test_disconnected_clients_are_aborted_and_their_kv_blocks_freed(vllm_server)
         f"running={vllm_server.gauge('vllm:num_requests_running')} "
         f"kv={vllm_server.gauge('vllm:kv_cache_usage_perc')}{vllm_server.context()}"
     )
-    # Aborted, not finished: far fewer tokens were generated than the requests asked for.
-    generated = vllm_server.gauge("vllm:generation_tokens_total") - generated_before
-    assert generated < NUM_DISCONNECTS * body["max_tokens"] / 4, generated
+    # Aborted, not finished: a request the engine ran to max_tokens counts as finished by length
+    # (an aborted one is dropped from the front end's statistics). The client that stays may
+    # have read its request to the end.
+    finished = (
+        vllm_server.gauge("vllm:request_success_total", finished_reason="length") - finished_before
+    )
+    assert finished <= 1, f"{finished} requests ran to max_tokens after their clients left"
