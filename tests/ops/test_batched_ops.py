@@ -130,19 +130,22 @@ def test_ops_without_native_kernels_run_the_batched_path(monkeypatch) -> None:
 
 @pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
 @pytest.mark.parametrize("option", OPTIONS)
-def test_a_decode_step_traced_by_compile_matches_reference(monkeypatch, option, reference_ops):
-    """`max_query_len=1` (one query row per sequence): the op reads nothing on the host, so it
-    runs inside mx.compile, and still equals the reference (the padding columns of the block
-    tables name a NaN block, which stays out)."""
+@pytest.mark.parametrize("rows", [1, 4], ids=["decode", "verify"])
+def test_a_step_of_equal_rows_traced_by_compile_matches_reference(
+    monkeypatch, option, reference_ops, rows
+):
+    """`max_query_len=m` with `m` query rows per sequence (a decode step, or one verifying
+    `m - 1` drafts each): the op reads nothing on the host, so it runs inside mx.compile, and
+    still equals the reference (the padding columns of the block tables name a NaN block, which
+    stays out)."""
     if reference_ops:
         monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
     rng = np.random.default_rng(len(option) + 3)
-    batch = make_batch(
-        rng, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, **BATCHES["decode"]
-    )
+    lens = {**BATCHES["decode"], "q_lens": [rows] * len(BATCHES["decode"]["q_lens"])}
+    batch = make_batch(rng, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, **lens)
     _, kwargs = _call(batched, batch, OPTIONS[option], rng)
     traced = mx.compile(
-        lambda *args: ops.paged_attention(*args, scale=0.125, max_query_len=1, **kwargs)
+        lambda *args: ops.paged_attention(*args, scale=0.125, max_query_len=rows, **kwargs)
     )
     want = reference.paged_attention(*batch.args, scale=0.125, **kwargs)
     assert_close(traced(*batch.args), want, "float32")
@@ -171,7 +174,13 @@ def test_max_query_len_is_checked() -> None:
     mixed = make_batch(rng, q_lens=[2, 1], ctx_lens=[4, 9], **shape)
     with pytest.raises(ValueError, match="max_query_len must be a positive integer"):
         ops.paged_attention(*decode.args, scale=0.125, max_query_len=0)
-    with pytest.raises(ValueError, match="max_query_len=1 needs one query row per sequence"):
+    with pytest.raises(ValueError, match="max_query_len=1 allows at most 2 query rows"):
         ops.paged_attention(*mixed.args, scale=0.125, max_query_len=1)
-    with pytest.raises(ValueError, match="max_query_len=1 cannot take key_ends"):
+    with pytest.raises(ValueError, match="max_query_len=1 with rows of equal length cannot take"):
         ops.paged_attention(*decode.args, scale=0.125, max_query_len=1, key_ends=np.array([4, 9]))
+    # The longest sequence's rows, not every sequence's: the step's plan is made on the host.
+    assert_close(
+        ops.paged_attention(*mixed.args, scale=0.125, max_query_len=2),
+        reference.paged_attention(*mixed.args, scale=0.125),
+        "float32",
+    )

@@ -4,6 +4,7 @@ and the attention read agree with a float64 port of vLLM's store and read rules
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import mlx.core as mx
@@ -122,6 +123,7 @@ def _stored_pools(batch, name: str) -> tuple[mx.array, mx.array, np.ndarray, np.
 
 CASES = {
     "decode": {"q_lens": [1, 1, 1], "ctx_lens": [5, 33, 64]},
+    "verify": {"q_lens": [4, 4, 4], "ctx_lens": [5, 33, 64]},  # three drafts each
     "mixed": {"q_lens": [1, 7, batched.TILE + 3, 0], "ctx_lens": [9, 20, 90, 4]},
 }
 OPTIONS = {"causal": {}, "window": {"sliding_window": 5}, "softcap": {"softcap": 5.0}}
@@ -142,10 +144,15 @@ def test_attention_reads_vllms_values(name: str, dtype: str, case: str, option: 
     kwargs = dict(OPTIONS[option])
     sinks = mx.array(rng.standard_normal(8).astype(np.float32) * 2)
     args = (batch.query, kc, vc, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
-    decode = 1 if case == "decode" else None
-    got = ops.paged_attention(
-        *args, scale=0.125, kv_cache_dtype=name, sinks=sinks, max_query_len=decode, **kwargs
+    # Rows of one length per sequence: declared, and traced by mx.compile (nothing read on the
+    # host, int4's rotations in the trace).
+    rows = CASES[case]["q_lens"][0] if case != "mixed" else None
+    attention = functools.partial(
+        ops.paged_attention, scale=0.125, kv_cache_dtype=name, max_query_len=rows, **kwargs
     )
+    if rows is not None:
+        attention = mx.compile(attention)
+    got = attention(*args, sinks=sinks)
     assert got.dtype == batch.query.dtype
     want = naive_attention(
         to_numpy(batch.query),

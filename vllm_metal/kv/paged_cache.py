@@ -45,9 +45,15 @@ class StepMetadata:
     # [T] host ints: how far each token's attention reaches past its own position (the tokens
     # of one image attend to each other in prefix-LM models); None: causal everywhere.
     key_ends: np.ndarray | None = None
-    # A decode step traced by mx.compile: one token per sequence, every slot in range; the ops
-    # then read nothing on the host (their `max_query_len=1`, `padded=False`).
-    decode: bool = False
+    # A step traced by mx.compile: every sequence has `query_rows` tokens (1: decode; 1 + k: a
+    # step verifying k drafts), every slot in range; the ops then read nothing on the host
+    # (their `max_query_len=query_rows`, `padded=False`). None: an eager step.
+    query_rows: int | None = None
+
+    @property
+    def decode(self) -> bool:
+        """A traced step of one token per sequence."""
+        return self.query_rows == 1
 
 
 class PagedLayerCache:
@@ -103,7 +109,7 @@ class PagedLayerCache:
             self._pages(self.pool.keys),
             self._pages(self.pool.values),
             self.tables.slot_mapping,
-            padded=not self.meta.decode,
+            padded=self.meta.query_rows is None,
             **self.storage,
         )
         pool = self.pool
@@ -133,7 +139,7 @@ class PagedLayerCache:
             softcap=softcap,
             sinks=None if sinks is None else sinks.astype(mx.float32),
             key_ends=self.key_ends,
-            max_query_len=1 if self.meta.decode else None,
+            max_query_len=self.meta.query_rows,
             **self.storage,
         )
         return out.reshape(t, h, 1, d).astype(queries.dtype)

@@ -138,18 +138,19 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | PerTokenHeadQuant | None = None,
-    decode: bool = False,
+    uniform: int | None = None,
 ) -> mx.array:
     """arrays: query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q. ``quant``: fp8
     or per-token-head pools (int4: the query already rotated, the scale divided by the rotation
-    block), which the C++ CPU body and every Metal kernel family read. ``decode``: one query row per
-    sequence, lengths made from host data (the call may be traced by mx.compile)."""
+    block), which the C++ CPU body and every Metal kernel family read. ``uniform``: every sequence
+    has that many query rows, lengths made from host data (the call may be traced by
+    mx.compile)."""
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = arrays
     if on_gpu():
         query, block_tables, sinks = _contiguous(query, block_tables, sinks)
-        if not decode:
+        if uniform is None:
             # The GPU plan reads the per-sequence lengths on the host when it encodes the
-            # kernels; a decode step's lengths already hold their values.
+            # kernels; a traced step's lengths already hold their values.
             mx.eval(seq_lens, cu_seqlens_q)
     return _C.paged_attention(
         query,

@@ -74,17 +74,19 @@ def paged_attention(
     each value's weight by its row's scale (int4: levels from nibbles less the row's zero point,
     the rotations in MLX around it).
 
-    ``max_query_len=1`` states that every sequence has exactly one query row (a decode step:
-    ``cu_seqlens_q`` is ``0..S``, without ``key_ends``). The op then reads nothing on the host
+    ``max_query_len=m`` with ``m * S`` query rows states that every sequence has exactly ``m``
+    (``cu_seqlens_q`` is ``0, m, 2m, ..``, without ``key_ends``): a decode step at ``m = 1``, a
+    step verifying ``m - 1`` drafts per sequence above. The op then reads nothing on the host
     while it builds its graph, so it can be traced by ``mx.compile``; ``seq_lens`` and
-    ``cu_seqlens_q`` must hold their values (arrays made from host data, not lazy results).
+    ``cu_seqlens_q`` must hold their values (arrays made from host data, not lazy results). Any
+    other ``max_query_len`` (the longest sequence's rows, fewer rows in all) changes nothing.
     """
     arrays = (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     options = (kv_cache_dtype, k_scale, v_scale)
     signature = (*arrays, scale, sliding_window, softcap, sinks, *options)
     v.once(_PASSED, signature, check_paged_attention)
-    decode = _decode_step(max_query_len, query, block_tables, key_ends)
-    if _backend.value_checks() and not decode:
+    uniform = _uniform_rows(max_query_len, query, block_tables, key_ends)
+    if _backend.value_checks() and uniform is None:
         check_paged_attention_values(*arrays)
     per_row = per_token_head.kv_quant(kv_cache_dtype)
     if per_row is not None:
@@ -103,10 +105,15 @@ def paged_attention(
     if quant is not None:
         options["quant"] = quant
     out = None
-    if impl is batched and decode and _backend.cuda_kernels() and not (softcap or sinks or quant):
+    if (
+        impl is batched
+        and uniform == 1
+        and _backend.cuda_kernels()
+        and not (softcap or sinks or quant)
+    ):
         out = cuda.decode_attention(*arrays[:5], scale=scale, sliding_window=sliding_window)
     if out is None:
-        out = impl.paged_attention(*arrays, scale=scale, decode=decode, **options)
+        out = impl.paged_attention(*arrays, scale=scale, uniform=uniform, **options)
     if key_ends is not None:
         ahead = _rows_seeing_ahead(key_ends, cu_seqlens_q, seq_lens, query.shape[0])
         for s, rows, positions in ahead:
@@ -127,25 +134,30 @@ def paged_attention(
     return out
 
 
-def _decode_step(
+def _uniform_rows(
     max_query_len: object, query: mx.array, block_tables: mx.array, key_ends: object
-) -> bool:
-    """Whether ``max_query_len`` declares a decode step; raises ValueError (naming it) when it is
-    malformed or contradicts the other arguments."""
+) -> int | None:
+    """The query rows of every sequence where ``max_query_len`` declares them all equal (None
+    where it does not); raises ValueError (naming it) when it is malformed or contradicts the
+    other arguments."""
     if max_query_len is None:
-        return False
+        return None
     if not isinstance(max_query_len, Integral) or max_query_len < 1:
         v.fail(f"max_query_len must be a positive integer or None, got {max_query_len!r}")
-    if max_query_len != 1:
-        return False
-    if key_ends is not None:
-        v.fail("max_query_len=1 cannot take key_ends (rows that see ahead belong to a prefill)")
-    if query.shape[0] != block_tables.shape[0]:
+    num_seqs = block_tables.shape[0]
+    if query.shape[0] > max_query_len * num_seqs:
         v.fail(
-            f"max_query_len=1 needs one query row per sequence: query has {query.shape[0]} rows, "
-            f"block_tables {block_tables.shape[0]} sequences"
+            f"max_query_len={max_query_len} allows at most {max_query_len * num_seqs} query rows "
+            f"for {num_seqs} sequences; query has {query.shape[0]}"
         )
-    return True
+    if query.shape[0] < max_query_len * num_seqs:
+        return None
+    if key_ends is not None:
+        v.fail(
+            f"max_query_len={max_query_len} with rows of equal length cannot take key_ends "
+            "(rows that see ahead belong to a prefill)"
+        )
+    return int(max_query_len)
 
 
 def _rows_seeing_ahead(

@@ -140,15 +140,16 @@ def paged_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | None = None,
-    decode: bool = False,
+    uniform: int | None = None,
 ) -> mx.array:
     """vllm_metal.ops.paged_attention on validated arguments (without ``key_ends``); ``quant``:
-    the pools hold fp8 bytes, dequantized to the query's dtype as they are gathered; ``decode``:
-    one query row per sequence (`decode_attention`)."""
-    if decode:
+    the pools hold fp8 bytes, dequantized to the query's dtype as they are gathered;
+    ``uniform``: every sequence has that many query rows (`decode_attention`)."""
+    if uniform is not None:
         return decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, scale=scale,
             sliding_window=sliding_window, softcap=softcap, sinks=sinks, quant=quant,
+            rows=uniform,
         )  # fmt: skip
     num_tokens, num_heads, head_size = query.shape
     block_size = key_cache.shape[1]
@@ -179,22 +180,25 @@ def decode_attention(
     softcap: float | None = None,
     sinks: mx.array | None = None,
     quant: KVQuant | None = None,
+    rows: int = 1,
 ) -> mx.array:
-    """`paged_attention` of a decode step, all on the device: row ``s`` is sequence ``s``'s query at
-    position ``seq_lens[s] - 1`` and gathers every block of ``block_tables[s]``; keys past the
+    """`paged_attention` of a step where every sequence has ``rows`` query rows (a decode step at
+    one), all on the device: query row ``s * rows + i`` is sequence ``s``'s at position
+    ``seq_lens[s] - rows + i`` and gathers every block of ``block_tables[s]``; keys past the
     sequence's length (unwritten slots, padding columns) are zeroed and masked."""
-    num_seqs, num_heads, head_size = query.shape
+    num_seqs = block_tables.shape[0]
+    num_heads, head_size = query.shape[1:]
     num_keys = block_tables.shape[1] * key_cache.shape[1]
-    key_pos = mx.arange(num_keys, dtype=mx.int32)[None, :]
-    query_pos = (seq_lens - 1)[:, None]
-    visible = key_pos <= query_pos
+    key_pos = mx.arange(num_keys, dtype=mx.int32)[None, None, :]
+    query_pos = (seq_lens[:, None] - rows + mx.arange(rows, dtype=mx.int32)[None, :])[..., None]
+    visible = key_pos <= query_pos  # [S, rows, L]
     if sliding_window is not None:
         visible = visible & (key_pos > query_pos - sliding_window)
-    written = (key_pos < seq_lens[:, None])[:, :, None, None]  # [S, L, 1, 1]
+    written = (key_pos[0] < seq_lens[:, None])[:, :, None, None]  # [S, L, 1, 1]
     kv = _gather(key_cache, value_cache, block_tables, written, quant, query.dtype)
-    q = query[:, :, None, :]  # [S, Hq, 1, D]
-    out = _attend(q, *kv, visible[:, None, None, :], scale, softcap, sinks)
-    return out.reshape(num_seqs, num_heads, head_size)
+    q = query.reshape(num_seqs, rows, num_heads, head_size).transpose(0, 2, 1, 3)
+    out = _attend(q, *kv, visible[:, None], scale, softcap, sinks)  # [S, Hq, rows, D]
+    return out.transpose(0, 2, 1, 3).reshape(num_seqs * rows, num_heads, head_size)
 
 
 def _gather(

@@ -193,6 +193,14 @@ def run(spec: dict) -> dict:
             state = llm.llm_engine.model_executor.driver_worker.worker.model_runner.state
             results.append(0 if state.compiled is None else state.compiled.steps)
             continue
+        if job.get("action") == "compiled_verify_steps":  # of which verifying drafts
+            state = llm.llm_engine.model_executor.driver_worker.worker.model_runner.state
+            results.append(0 if state.compiled is None else state.compiled.verify_steps)
+            continue
+        if job.get("action") == "verified_on_device":  # steps whose drafts the device verified
+            output = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output
+            results.append(output.verified_on_device)
+            continue
         if job.get("action") == "carried_steps":  # steps whose tokens stayed on the device
             output = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output
             results.append(output.pipeline.carried_steps)

@@ -102,6 +102,9 @@ JOBS = [
     SEEDED_AGAIN_JOB,
     ASYNC_JOB,
 ) = range(len(JOBS))
+# Counters of the in-process engines (`small_draft`: compiled verification steps; `self_draft`:
+# steps verified on the device).
+VERIFY_COMPILED_JOB = DEVICE_VERIFIED_JOB = len(JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +118,10 @@ def models(tmp_path_factory):
     return {"target": target, "draft": draft}
 
 
-def _run(models, speculative_config, env=None, engine=None):
+def _run(models, speculative_config, env=None, engine=None, jobs=()):
     return run_engine_job(
         models["target"],
-        JOBS,
+        [*JOBS, *jobs],
         engine={**ENGINE, "speculative_config": speculative_config, **(engine or {})},
         with_metrics="per_job",
         env=env,
@@ -153,16 +156,21 @@ def self_draft(models):
     return _run(
         models,
         {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": K},
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+        env={"VLLM_METAL_SPEC_BACKOFF": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         engine={"async_scheduling": False},
+        jobs=[{"action": "verified_on_device"}],
     )
 
 
 @pytest.fixture(scope="module")
 def small_draft(models):
+    """With compiled decode and verification steps (`runner/compiled.py`), which the CPU
+    device does not take by default: every comparison with `plain` (eager) holds for them."""
     return _run(
         models,
         {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": K},
+        env={"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        jobs=[{"action": "compiled_verify_steps"}],
     )
 
 
@@ -174,6 +182,23 @@ def test_engines_run_with_the_async_scheduling_expected(request):
     for name, on in expected.items():
         results, _ = request.getfixturevalue(name)
         assert results[ASYNC_JOB] is on, name
+
+
+def test_verification_steps_compiled(small_draft):
+    """Every comparison of `small_draft` with `plain` holds for steps verifying drafts in
+    compiled forwards. Most of its steps verify nothing (the back-off pauses the small draft's
+    poor requests) or also prefill (16-token chunks beside the decodes), which stay eager."""
+    results, _ = small_draft
+    assert results[VERIFY_COMPILED_JOB] >= 3, results[VERIFY_COMPILED_JOB]
+
+
+def test_greedy_steps_verified_on_the_device(self_draft):
+    """Every comparison of `self_draft` with `plain` (and its exact draft counts) holds for its
+    greedy steps without logprobs, verified from the device's argmax
+    (`spec_decode.verify.greedy_verified`) where the others went to vLLM's `RejectionSampler`:
+    the jobs of max_tokens 1 to 5 and the prefix-cache hit."""
+    results, _ = self_draft
+    assert results[DEVICE_VERIFIED_JOB] >= 10, results[DEVICE_VERIFIED_JOB]
 
 
 def _spec_counts(metrics: list[dict], job: int) -> dict[str, float]:

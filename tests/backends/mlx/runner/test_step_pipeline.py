@@ -72,8 +72,10 @@ def test_carried_tokens_are_the_ones_the_host_would_have_packed(vllm_config):
         second.req_ids[i] for i in np.searchsorted(second.cu_seqlens_q, index, "right") - 1
     ) == ["a", "c"]
     assert_array_equal(np.asarray(step_token_ids(second)), expected.token_ids)
-    padded = np.asarray(step_token_ids(second, second.num_tokens + 3))
-    assert_array_equal(padded, [*expected.token_ids, 0, 0, 0])
+    # A compiled step's padded layout: every token one place on, three zeros around them.
+    dest = np.arange(second.num_tokens) + 1
+    padded = np.asarray(step_token_ids(second, dest, second.num_tokens + 3))
+    assert_array_equal(padded, [0, *expected.token_ids, 0, 0])
 
     # The first step is sampled after the second was packed: its tokens land by request.
     device.record_sampled(_rows(first.req_ids), first.req_ids)

@@ -1,16 +1,20 @@
-"""Decode steps through one `mx.compile`d function: the decoder's whole forward traced once per
-shape bucket and replayed, so a step costs no Python per layer and MLX fuses its elementwise ops.
+"""Decode and verification steps through one `mx.compile`d function: the decoder's whole forward
+traced once per shape bucket and replayed, so a step costs no Python per layer and MLX fuses its
+elementwise ops.
 
-A step qualifies when every scheduled request decodes one token with no drafts and no extra
-inputs but an EAGLE-3 head's aux states, which the trace returns beside the hidden states
-(`takes`); prefill chunks, verification rows, media and the rest stay eager, as do models
-whose layers keep more than paged K/V (`eager_reason`). The batch's rows and each block table's
+A step qualifies when every scheduled request feeds its last token and its drafts to verify, if
+any, and no extra inputs but an EAGLE-3 head's aux states, which the trace returns beside the
+hidden states (`takes`); prefill chunks, media and the rest stay eager, as do models whose layers
+keep more than paged K/V (`eager_reason`). Every request gets the same number of query rows, the
+most drafts of the step plus one: a request with fewer drafts is padded at its end by tokens that
+continue its positions, write nowhere (`NULL_SLOT`) and whose outputs are dropped; causal
+attention keeps them out of the request's own rows. The batch's rows and each block table's
 columns are padded to the next size of 1, 2, 3, 4, 6, 8, 12, ... (`bucket`), so a server traces a
 few dozen shapes and pads by at most a third.
 Everything that changes between steps is an input of the compiled function (token ids, positions,
 lengths, block tables, slots, and the pools themselves, whose updated arrays it returns); the
 weights are constants of the trace, so a model reloaded (sleep level 2) gets a new `CompiledDecode`.
-Padding rows decode token 0 at position 0 into slot 0 of block 0, vLLM's null block, which no
+Padding rows decode tokens 0 from position 0 into slot 0 of block 0, vLLM's null block, which no
 request owns and every read of it masks; their hidden states are dropped.
 """
 
@@ -25,9 +29,11 @@ import numpy as np
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import device_kind
+from vllm_metal.backends.mlx.runner.batch import ranges
 from vllm_metal.backends.mlx.runner.forward import attention_cache, step_token_ids
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
+from vllm_metal.kv.turboquant import TurboQuantPool
 from vllm_metal.models.multimodal import MultimodalAdapter
 
 if TYPE_CHECKING:
@@ -89,40 +95,53 @@ class CompiledDecode:
         # With an EAGLE-3 drafter: its aux layers (one set per engine) and their trace.
         self._aux_layer_ids: tuple[int, ...] = ()
         self._forward_aux = mx.compile(self._trace_aux)
-        self._aranges: dict[int, mx.array] = {}
+        self._cu: dict[tuple[int, int], mx.array] = {}
         self.steps = 0  # steps run compiled (tests read it)
+        self.verify_steps = 0  # of which verifying drafts
         # Why tracing the forward failed (the model's decode steps then stay eager), or None.
         self.failed: str | None = None
 
-    @staticmethod
-    def takes(packed: PackedBatch, inputs: StepInputs) -> bool:
-        """A decode step: one token per request, no drafts, nothing but the packed batch (and
-        the aux layers an EAGLE-3 head reads)."""
+    def takes(self, pool: KVPool, packed: PackedBatch, inputs: StepInputs) -> bool:
+        """A step of decode and verification rows: every request its last token and its drafts,
+        nothing but the packed batch (and the aux layers an EAGLE-3 head reads). Over a
+        TurboQuant pool decode steps only (a verifying step reads its fresh rows on the host)."""
         others = (getattr(inputs, f.name) for f in fields(inputs) if f.name != "aux")
-        return (
-            (inputs is NO_INPUTS or all(value is None for value in others))
-            and packed.num_tokens == len(packed.req_ids)
-            and not packed.num_draft_tokens.any()
-        )
+        if not (inputs is NO_INPUTS or all(value is None for value in others)):
+            return False
+        drafts = packed.num_draft_tokens
+        if not np.array_equal(packed.num_scheduled, drafts + 1):
+            return False
+        return not drafts.any() or not isinstance(pool, TurboQuantPool)
 
     def hidden_states(
         self, pool: KVPool, packed: PackedBatch, aux: AuxHidden | None = None
     ) -> mx.array | None:
-        """The decoder's final hidden states of the step's tokens (`[S, 1, hidden]`), its K/V
+        """The decoder's final hidden states of the step's tokens (`[T, 1, hidden]`), its K/V
         written into `pool`, and with `aux` the aux states of its layers (`aux.states`). Lazy,
         as the eager forward. None, with `failed` set and the pool untouched, when the forward
         cannot be traced (a family reading values on the host): the caller runs the step
         eagerly, as every later one."""
-        num_seqs = packed.num_tokens
-        rows = bucket(num_seqs)
-        positions = _padded(packed.positions, rows, 0)
-        seq_lens = _padded(packed.seq_lens, rows, 1)
+        num_seqs, num_tokens = len(packed.req_ids), packed.num_tokens
+        rows, width = bucket(num_seqs), int(packed.num_scheduled.max(initial=1))
+        # Where each of the step's tokens sits among the padded [rows * width].
+        dest = np.repeat(np.arange(num_seqs) * width, packed.num_scheduled)
+        dest += ranges(packed.num_scheduled)
+        first = packed.positions[packed.cu_seqlens_q[:-1]]  # each request's first position
+        positions = np.tile(np.arange(width, dtype=np.int32), rows)
+        positions[: num_seqs * width] += np.repeat(first, width)
+        seq_lens = np.full(rows, width, dtype=np.int32)
+        seq_lens[:num_seqs] = first + width
         tables, slots = [], []
-        for table, slot_mapping in zip(packed.block_tables, packed.slot_mappings):
-            padded = np.zeros((rows, bucket(table.shape[1])), dtype=np.int32)
+        for table, slot_mapping, block_size in zip(
+            packed.block_tables, packed.slot_mappings, pool.layout.block_sizes()
+        ):
+            need = max(table.shape[1], -(-int(seq_lens.max()) // block_size))
+            padded = np.zeros((rows, bucket(need)), dtype=np.int32)
             padded[:num_seqs, : table.shape[1]] = table
             tables.append(mx.array(padded))
-            slots.append(mx.array(_padded(np.maximum(slot_mapping, NULL_SLOT), rows, NULL_SLOT)))
+            slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
+            slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
+            slots.append(mx.array(slot))
         self._pool = pool
         forward = self._forward
         if aux is not None:
@@ -130,10 +149,10 @@ class CompiledDecode:
             self._aux_layer_ids, forward = aux.layer_ids, self._forward_aux
         try:
             out = forward(
-                step_token_ids(packed, rows),
+                step_token_ids(packed, dest, rows * width),
                 mx.array(positions),
                 mx.array(seq_lens),
-                self._arange(rows + 1),
+                self._cu_seqlens(rows, width),
                 tables,
                 slots,
                 pool.keys,
@@ -146,11 +165,13 @@ class CompiledDecode:
         finally:
             self._pool = None
         hidden, *aux_states, keys, values = out
-        if aux is not None:
-            aux.states = aux_states[0][:num_seqs]
         pool.keys[:], pool.values[:] = keys, values
         self.steps += 1
-        return hidden[:num_seqs]
+        self.verify_steps += width > 1
+        kept = (lambda a: a[:num_tokens]) if width == 1 else (lambda a: a[mx.array(dest)])
+        if aux is not None:
+            aux.states = kept(aux_states[0])
+        return kept(hidden)
 
     def _trace(self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
         pool, caches = self._caches(positions, seq_lens, cu_seqlens_q, tables, slots, keys, values)
@@ -170,19 +191,14 @@ class CompiledDecode:
         assert self._pool is not None, "traced outside hidden_states"
         pool = self._pool.over(keys, values)
         groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
-        meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, decode=True)
+        query_rows = positions.shape[0] // (cu_seqlens_q.shape[0] - 1)  # a shape: fixed per trace
+        meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, query_rows=query_rows)
         return pool, [
             attention_cache(pool, i, kind, meta, False) for i, kind in enumerate(self.kinds)
         ]
 
-    def _arange(self, n: int) -> mx.array:
-        """`cu_seqlens_q` of `n - 1` one-token rows, made from host data once per size."""
-        if n not in self._aranges:
-            self._aranges[n] = mx.array(np.arange(n, dtype=np.int32))
-        return self._aranges[n]
-
-
-def _padded(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    out = np.full(rows, fill, dtype=values.dtype)
-    out[: len(values)] = values
-    return out
+    def _cu_seqlens(self, rows: int, width: int) -> mx.array:
+        """`cu_seqlens_q` of `rows` rows of `width` tokens, made from host data once per size."""
+        if (rows, width) not in self._cu:
+            self._cu[rows, width] = mx.array(np.arange(rows + 1, dtype=np.int32) * width)
+        return self._cu[rows, width]

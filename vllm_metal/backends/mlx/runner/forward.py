@@ -25,16 +25,18 @@ from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
 
 
-def step_token_ids(packed: PackedBatch, rows: int | None = None) -> mx.array:
-    """The step's token ids on the device (`[T]` int32, zero-padded to `rows`), with the tokens
-    a pending step drew on the device in their places (`PackedBatch.carried`)."""
+def step_token_ids(packed: PackedBatch, dest: np.ndarray | None = None, size: int = 0) -> mx.array:
+    """The step's token ids on the device (`[T]` int32), with the tokens a pending step drew on
+    the device in their places (`PackedBatch.carried`); with `dest`, token i at `dest[i]` among
+    `size` zeros (a compiled step's padded layout)."""
     ids = packed.token_ids
-    if rows is not None and rows > ids.shape[0]:
-        ids = np.concatenate([ids, np.zeros(rows - ids.shape[0], dtype=ids.dtype)])
+    if dest is not None:
+        ids = np.zeros(size, dtype=np.int32)
+        ids[dest] = packed.token_ids
     out = mx.array(ids)
     if packed.carried is not None:
         index, tokens = packed.carried
-        out[mx.array(index)] = tokens.astype(out.dtype)
+        out[mx.array(index if dest is None else dest[index])] = tokens.astype(out.dtype)
     return out
 
 

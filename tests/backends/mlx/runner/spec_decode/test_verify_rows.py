@@ -13,6 +13,7 @@ from vllm.sampling_params import SamplingParams
 from tests.backends.mlx.runner.schedules import BS, Cached, new_req, sample, schedule, span, step
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
+from vllm_metal.backends.mlx.runner.spec_decode import verify
 from vllm_metal.backends.mlx.runner.spec_decode.verify import spec_decode_metadata
 
 K = 4
@@ -87,6 +88,58 @@ def test_placeholders_never_reach_the_embedding_and_are_kept_for_rejection(state
     assert_array_equal(packed.token_ids, [500, 0, 0, 600])
     meta = spec_decode_metadata(packed, states.input_batch)
     assert meta.draft_token_ids.tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_drafts_verified_from_the_argmax_as_by_vllms_rejection_sampler(states, seed):
+    """A step of greedy rows (three drafts, two drafts the second a placeholder, none) whose
+    rows' argmax match their drafts or not at random: the tokens taken from the argmax
+    (`greedy_verified`) are those vLLM's `RejectionSampler` gives over the same logits."""
+    import torch
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+
+    register_rejection_kernels()  # as the engine does at start-up
+    step(
+        states,
+        schedule(
+            {"a": 7, "b": 3, "c": 4},
+            new=[
+                new_req("a", span(100, 7), [[5, 2]]),
+                new_req("b", span(200, 3), [[4]]),
+                new_req("c", span(300, 4), [[6]]),
+            ],
+        ),
+    )
+    sample(states, {"a": 500, "b": 600, "c": 700})
+    drafts = {"a": [501, 502, 503], "b": [601, -1]}
+    packed = step(
+        states,
+        schedule(
+            {"a": 4, "b": 3, "c": 1},
+            cached=[Cached("a", 7, 1, ([9],)), Cached("b", 3, 1), Cached("c", 4, 1)],
+            drafts=drafts,
+        ),
+    )
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
+    rows = {"a": [0, 1, 2, 3], "b": [4, 5, 6], "c": [7]}
+    for req_id, req_rows in rows.items():
+        proposed = drafts.get(req_id, [])
+        for j, row in enumerate(req_rows):
+            # Each draft the argmax with probability 3/4; else (and for the bonus) another.
+            hit = j < len(proposed) and proposed[j] >= 0 and rng.random() < 0.75
+            logits[row, proposed[j] if hit else int(rng.integers(1, 99))] = 20.0
+    metadata = states.input_batch.sampling_metadata
+    assert verify.verifies_on_device(metadata, prompt_logprobs=False)
+    argmax = np.argmax(logits, axis=-1)
+    got = verify.greedy_verified(argmax, packed, states.input_batch, states.vocab_size)
+    sampler = RejectionSampler(Sampler())
+    want, _ = verify.verify(sampler, torch.from_numpy(logits), packed, states)
+    assert got == want
+    assert [len(t) for t in got] != [1, 1, 1] or seed > 2  # some drafts are accepted
 
 
 def test_rejected_drafts_are_rolled_back_by_the_next_schedule(states):

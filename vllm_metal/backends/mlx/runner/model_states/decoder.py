@@ -118,7 +118,7 @@ class DecoderState(ModelState):
     ) -> mx.array:
         assert pool is not None, "KV cache not initialized"
         step = self.compiled
-        if step is not None and step.failed is None and step.takes(packed, inputs):
+        if step is not None and step.failed is None and step.takes(pool, packed, inputs):
             hidden = step.hidden_states(pool, packed, inputs.aux)
             if hidden is not None:
                 return hidden

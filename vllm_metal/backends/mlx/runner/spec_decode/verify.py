@@ -1,4 +1,5 @@
-"""Verification of drafts with vLLM's own `RejectionSampler`.
+"""Verification of drafts: on the device where every row is greedy and nothing else acts on the
+logits (`verifies_on_device`, `greedy_verified`), else with vLLM's own `RejectionSampler`.
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
 `[last sampled, d1..dk]`, so row j scores draft j+1 and the last row gives the bonus token. The
@@ -16,6 +17,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsLists
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -24,6 +29,8 @@ from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, ranges
 
 if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
 
 
@@ -65,3 +72,63 @@ def verify(
     return RejectionSampler.parse_output(
         output.sampled_token_ids, states.vocab_size, discard, output.logprobs_tensors
     )
+
+
+def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
+    """Whether a step's drafts are verified from its rows' argmax on the device: every row
+    greedy, and nothing the `RejectionSampler` would apply first (penalties, bad words, allowed
+    tokens, a minimum length, a logit bias, a thinking budget, a custom processor), no logprobs
+    and no prompt logprobs. A grammar, known only when the step is sampled, sends it back."""
+    processors = metadata.logitsprocs
+    holder = getattr(metadata, "thinking_budget_state_holder", None)
+    return (
+        metadata.all_greedy
+        and metadata.no_penalties
+        and not metadata.bad_words_token_ids
+        and metadata.allowed_token_ids_mask is None
+        and metadata.max_num_logprobs is None
+        and not prompt_logprobs
+        and not (holder is not None and holder.has_tracked_requests())
+        and not any(_acts(p) for p in processors.non_argmax_invariant)
+    )
+
+
+def _acts(processor) -> bool:
+    """Whether a processor that may move the argmax does anything this step (vLLM's own min
+    tokens and logit bias only while some row has them; any other always)."""
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return bool(processor.min_toks)
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return bool(processor.biases)
+    return True
+
+
+def greedy_verified(
+    argmax: np.ndarray, packed: PackedBatch, batch: InputBatch, vocab_size: int
+) -> list[list[int]]:
+    """Each request's output tokens from its rows' argmax (`[S + drafts]`, the rows of
+    `[last sampled, d1..dk]`): the argmax of each row while the draft it scores equals it, then
+    the first that differs, or the last row's (the bonus token) when every draft matched; `[]`
+    for a row mid-prefill. vLLM's greedy rejection sampling, placeholders (-1) rejected and
+    tokens past the vocabulary dropped as its `parse_output` drops them."""
+    num_draft = packed.num_draft_tokens.astype(np.int64)
+    num_reqs = len(num_draft)
+    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
+    drafts = np.fromiter(
+        (t for i in range(num_reqs) for t in batch.spec_token_ids[i][: num_draft[i]]),
+        dtype=np.int64,
+        count=int(num_draft.sum()),
+    )
+    offset = ranges(num_draft)
+    owner = np.repeat(np.arange(num_reqs), num_draft)
+    matched = np.zeros((num_reqs, int(num_draft.max(initial=0))), dtype=bool)
+    matched[owner, offset] = argmax[first_row[owner] + offset] == drafts
+    accepted = np.cumprod(matched, axis=1).sum(axis=1)  # leading matches
+    out = []
+    for i in range(num_reqs):
+        if packed.discard[i]:
+            out.append([])
+            continue
+        tokens = argmax[first_row[i] : first_row[i] + accepted[i] + 1]
+        out.append(tokens[tokens < vocab_size].tolist())
+    return out
