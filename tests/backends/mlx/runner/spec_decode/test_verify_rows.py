@@ -12,8 +12,8 @@ from vllm.sampling_params import SamplingParams
 
 from tests.backends.mlx.runner.schedules import BS, Cached, new_req, sample, schedule, span, step
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
-from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
 from vllm_metal.backends.mlx.runner.spec_decode import verify
+from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
 from vllm_metal.backends.mlx.runner.spec_decode.verify import spec_decode_metadata
 
 K = 4
