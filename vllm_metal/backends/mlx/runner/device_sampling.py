@@ -166,6 +166,10 @@ class DeviceSampler:
     def __init__(self, seed: int | None):
         self._rng = np.random.default_rng(seed)
 
+    def next_key(self) -> mx.array:
+        """A fresh random key of the engine's stream."""
+        return mx.random.key(int(self._rng.integers(2**63)))
+
     def tokens(self, logits: mx.array, batch: InputBatch) -> mx.array | None:
         draw = self.draw(logits, batch)
         return None if draw is None else draw.tokens
@@ -195,7 +199,7 @@ class DeviceSampler:
             return Draw(mx.argmax(logits, axis=-1), logits)
         if not samples_random_rows(metadata):
             return None
-        key = mx.random.key(int(self._rng.integers(2**63)))
+        key = self.next_key()
         temperature = batch.temperature_cpu[:n]
         top_k = None if batch.no_top_k else batch.top_k_cpu[:n]
         top_p = None if batch.no_top_p else batch.top_p_cpu[:n]

@@ -3,8 +3,8 @@ the device with the tokens (and raw logprobs) drawn there (`device_sampling.py`,
 request's rules, `logits_rules.py`), and the step takes those tokens unless something the device
 does not do sends it, or some of its rows, to vLLM's own samplers on the host (`host_route`):
 its `Sampler` (grammar bitmask included), or its `RejectionSampler` on a step that verifies
-drafts (`spec_decode/verify.py`), where the device's argmax of every row does not serve (greedy
-rows with nothing else acting on their logits). Token write-back into the request state, and the
+drafts (`spec_decode/verify.py`), where the device's verdicts do not serve (rows greedy or sampled
+with a temperature, top-k and top-p alone). Token write-back into the request state, and the
 step's `ModelRunnerOutput`."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from vllm_metal.backends.mlx.runner.prompt_logprobs import (
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
 from vllm_metal.backends.mlx.runner.spec_decode.verify import (
-    greedy_verified,
+    device_verdicts,
+    verified,
     verifies_on_device,
     verify,
 )
@@ -97,16 +98,14 @@ class Sampling:
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         batch = self.states.input_batch
         tokens, logprobs, values = self.device.outputs(logits, batch, self.logprobs_mode)
-        verify_argmax = None
+        verdicts = None
         prompt_logprobs = bool(prompt_rows) or bool(self.states.num_prompt_logprobs)
         if packed.num_draft_tokens.any() and verifies_on_device(
             batch.sampling_metadata, prompt_logprobs
         ):
-            verify_argmax = mx.argmax(logits, axis=-1)
+            verdicts = device_verdicts(logits, packed, batch, self.device.next_key())
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
-        pending = [logits, *prompt_logits.values(), *forward.kv_arrays]
-        if verify_argmax is not None:
-            pending.append(verify_argmax)
+        pending = [logits, *prompt_logits.values(), *forward.kv_arrays, *(verdicts or ())]
         if forward.aux_hidden is not None:
             pending.append(forward.aux_hidden)
         mx.async_eval(*pending, *([] if tokens is None else [tokens]), *(logprobs or ()))
@@ -119,7 +118,7 @@ class Sampling:
             device_tokens=tokens,
             device_logprobs=logprobs,
             logprob_values=values,
-            verify_argmax=verify_argmax,
+            verdicts=verdicts,
             started=forward.started,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
@@ -167,7 +166,7 @@ class Sampling:
             None if spec is None else spec.rejection_sampler,
             self.device,
         )
-        self.verified_on_device += step.verify_argmax is not None
+        self.verified_on_device += step.verdicts is not None
         if step.drafts is not None:  # a hybrid's states after the accepted drafts
             step.drafts.commit(np.array([max(len(t) - 1, 0) for t in output.sampled_token_ids]))
         if spec is not None:
@@ -191,10 +190,10 @@ def sample_step(
     if step.carried:
         return _device_output(step, states)
     if step.grammar_output is not None:
-        step.verify_argmax = None  # the grammar's masks come first: the host verifies
-    if step.verify_argmax is not None:
-        argmax = to_host(step.verify_argmax)
-        sampled = greedy_verified(argmax, step.packed, batch, states.vocab_size)
+        step.verdicts = None  # the grammar's masks come first: the host verifies
+    if step.verdicts is not None:
+        tokens, accepts = (to_host(a) for a in step.verdicts)
+        sampled = verified(tokens, accepts, step.packed, states.vocab_size)
         return _recorded(states, step.packed.req_ids, sampled, None, {})
     why, host_rows = host_route(step, states, device)
     if why is None:

@@ -44,9 +44,10 @@ class StepState:
     # values they were taken from (`device_sampling.logprob_values`).
     device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     logprob_values: mx.array | None = None
-    # [S + drafts] each logits row's argmax, from which a step verifying greedy drafts takes its
-    # tokens (`spec_decode.verify.verifies_on_device`); None: the host verifies them.
-    verify_argmax: mx.array | None = None
+    # ([S + drafts] tokens, [S + drafts] accepts): each logits row's verdict on the draft it
+    # scores, from which a step verifying drafts on the device takes its tokens
+    # (`spec_decode.verify.device_verdicts`); None: the host verifies them.
+    verdicts: tuple[mx.array, mx.array] | None = None
     started: float = 0.0  # perf_counter() when execute_model began
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None

@@ -90,11 +90,40 @@ def test_placeholders_never_reach_the_embedding_and_are_kept_for_rejection(state
     assert meta.draft_token_ids.tolist() == [-1, -1]
 
 
+def _three_verifying(states, params=None, drafts=None):
+    """a (three drafts), b (two, the second a placeholder) and c (none) verifying after their
+    prompts, sampled with `params` (req_id -> SamplingParams; greedy without)."""
+    params = params or {}
+    step(
+        states,
+        schedule(
+            {"a": 7, "b": 3, "c": 4},
+            new=[
+                new_req(r, span(base, n), [[block]], params=params.get(r))
+                for r, base, n, block in (("a", 100, 7, 5), ("b", 200, 3, 4), ("c", 300, 4, 6))
+            ],
+        ),
+    )
+    sample(states, {"a": 500, "b": 600, "c": 700})
+    drafts = drafts or {"a": [501, 502, 503], "b": [601, -1]}
+    scheduled = {r: 1 + len(drafts.get(r, [])) for r in "abc"}
+    cached = [Cached("a", 7, 1, ([9],)), Cached("b", 3, 1), Cached("c", 4, 1)]
+    return step(states, schedule(scheduled, cached=cached, drafts=drafts)), drafts
+
+
+def _verdicts(states, packed, logits: np.ndarray, key: int) -> list[list[int]]:
+    import mlx.core as mx
+
+    tokens, accepts = verify.device_verdicts(
+        mx.array(logits), packed, states.input_batch, mx.random.key(key)
+    )
+    return verify.verified(np.array(tokens), np.array(accepts), packed, states.vocab_size)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_drafts_verified_from_the_argmax_as_by_vllms_rejection_sampler(states, seed):
-    """A step of greedy rows (three drafts, two drafts the second a placeholder, none) whose
-    rows' argmax match their drafts or not at random: the tokens taken from the argmax
-    (`greedy_verified`) are those vLLM's `RejectionSampler` gives over the same logits."""
+def test_greedy_drafts_verified_on_the_device_as_by_vllms_rejection_sampler(states, seed):
+    """Greedy rows whose argmax match their drafts or not at random: the device's verdicts
+    give the tokens vLLM's `RejectionSampler` gives over the same logits."""
     import torch
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
@@ -102,27 +131,7 @@ def test_greedy_drafts_verified_from_the_argmax_as_by_vllms_rejection_sampler(st
     from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
 
     register_rejection_kernels()  # as the engine does at start-up
-    step(
-        states,
-        schedule(
-            {"a": 7, "b": 3, "c": 4},
-            new=[
-                new_req("a", span(100, 7), [[5, 2]]),
-                new_req("b", span(200, 3), [[4]]),
-                new_req("c", span(300, 4), [[6]]),
-            ],
-        ),
-    )
-    sample(states, {"a": 500, "b": 600, "c": 700})
-    drafts = {"a": [501, 502, 503], "b": [601, -1]}
-    packed = step(
-        states,
-        schedule(
-            {"a": 4, "b": 3, "c": 1},
-            cached=[Cached("a", 7, 1, ([9],)), Cached("b", 3, 1), Cached("c", 4, 1)],
-            drafts=drafts,
-        ),
-    )
+    packed, drafts = _three_verifying(states)
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     rows = {"a": [0, 1, 2, 3], "b": [4, 5, 6], "c": [7]}
@@ -132,14 +141,51 @@ def test_greedy_drafts_verified_from_the_argmax_as_by_vllms_rejection_sampler(st
             # Each draft the argmax with probability 3/4; else (and for the bonus) another.
             hit = j < len(proposed) and proposed[j] >= 0 and rng.random() < 0.75
             logits[row, proposed[j] if hit else int(rng.integers(1, 99))] = 20.0
-    metadata = states.input_batch.sampling_metadata
-    assert verify.verifies_on_device(metadata, prompt_logprobs=False)
-    argmax = np.argmax(logits, axis=-1)
-    got = verify.greedy_verified(argmax, packed, states.input_batch, states.vocab_size)
+    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    got = _verdicts(states, packed, logits, seed)
     sampler = RejectionSampler(Sampler())
     want, _ = verify.verify(sampler, torch.from_numpy(logits), packed, states)
     assert got == want
     assert [len(t) for t in got] != [1, 1, 1] or seed > 2  # some drafts are accepted
+
+
+def test_sampled_drafts_verified_on_the_device_keep_the_targets_distribution(states):
+    """Sampled rows (temperature 0.8, top-k 4) beside a greedy one: a's first token follows its
+    first row's distribution whether the draft is accepted or not, its second (after the draft
+    was accepted) its second row's, and c's (no drafts) its bonus row's: chi-square tests
+    against draws from those distributions; the greedy row verifies as ever. Accepting every
+    draft, or none, fails them."""
+    from tests.backends.mlx.runner.stats import chi2_pvalue
+
+    sampled = SamplingParams(temperature=0.8, top_k=4)
+    packed, _ = _three_verifying(states, {"a": sampled, "c": sampled})
+    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    logits = np.full((packed.num_tokens, states.vocab_size), -10.0, dtype=np.float32)
+    kept = {  # row -> {token: logit}; each row's top 4, the draft it scores among them
+        0: {501: 1.5, 10: 2.0, 11: 1.0, 12: 0.3},
+        1: {502: 0.2, 20: 1.0, 21: 0.5, 22: -0.5},
+        2: {503: 3.0, 30: 0.0, 31: 0.0, 32: 0.0},
+        3: {40: 0.0, 41: 0.5, 42: 1.0, 43: -1.0},
+        7: {70: 0.0, 71: 0.5, 72: 1.0, 73: -1.0},
+    }
+    for row, values in kept.items():
+        logits[row, list(values)] = list(values.values())
+    logits[4, 601], logits[5, 55] = 5.0, 5.0  # b: accepts 601, then 55
+
+    def draws(row: int, n: int, rng) -> list[int]:
+        tokens = np.array(list(kept[row]))
+        p = np.exp(np.array(list(kept[row].values())) / 0.8)
+        return rng.choice(tokens, size=n, p=p / p.sum()).tolist()
+
+    n = 1500
+    outs = [_verdicts(states, packed, logits, key) for key in range(n)]
+    assert all(o[1] == [601, 55] for o in outs)
+    first = [o[0][0] for o in outs]
+    second = [o[0][1] for o in outs if o[0][0] == 501]
+    rng = np.random.default_rng(0)
+    assert chi2_pvalue(first, draws(0, n, rng)) > 1e-3
+    assert chi2_pvalue(second, draws(1, len(second), rng)) > 1e-3
+    assert chi2_pvalue([o[2][0] for o in outs], draws(7, n, rng)) > 1e-3
 
 
 def test_rejected_drafts_are_rolled_back_by_the_next_schedule(states):

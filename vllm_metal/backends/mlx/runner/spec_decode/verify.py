@@ -1,5 +1,6 @@
-"""Verification of drafts: on the device where every row is greedy and nothing else acts on the
-logits (`verifies_on_device`, `greedy_verified`), else with vLLM's own `RejectionSampler`.
+"""Verification of drafts: on the device where rows are greedy or sampled with a temperature,
+top-k and top-p alone (`verifies_on_device`, `device_verdicts`, `verified`), else with vLLM's own
+`RejectionSampler`.
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
 `[last sampled, d1..dk]`, so row j scores draft j+1 and the last row gives the bonus token. The
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsLists
@@ -22,11 +24,13 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, ranges
+from vllm_metal.backends.mlx.runner.device_sampling import sample_rows, samples_random_rows
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -75,14 +79,20 @@ def verify(
 
 
 def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
-    """Whether a step's drafts are verified from its rows' argmax on the device: every row
-    greedy, and nothing the `RejectionSampler` would apply first (penalties, bad words, allowed
-    tokens, a minimum length, a logit bias, a thinking budget, a custom processor), no logprobs
-    and no prompt logprobs. A grammar, known only when the step is sampled, sends it back."""
+    """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
+    or sampled with nothing but a temperature, top-k and top-p (no seed, no min-p), and nothing
+    the `RejectionSampler` would apply first (penalties, bad words, allowed tokens, a minimum
+    length, a logit bias, a thinking budget, a custom processor), no logprobs and no prompt
+    logprobs. A grammar, known only when the step is sampled, sends it back."""
     processors = metadata.logitsprocs
     holder = getattr(metadata, "thinking_budget_state_holder", None)
+    sampled_ok = metadata.all_greedy or (
+        not metadata.generators
+        and samples_random_rows(metadata)
+        and not any(p.min_p_count for p in processors.argmax_invariant)
+    )
     return (
-        metadata.all_greedy
+        sampled_ok
         and metadata.no_penalties
         and not metadata.bad_words_token_ids
         and metadata.allowed_token_ids_mask is None
@@ -103,32 +113,71 @@ def _acts(processor) -> bool:
     return True
 
 
-def greedy_verified(
-    argmax: np.ndarray, packed: PackedBatch, batch: InputBatch, vocab_size: int
+def device_verdicts(
+    logits: mx.array, packed: PackedBatch, batch: InputBatch, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Per logits row (`[S + drafts]`, each request's rows of `[last sampled, d1..dk]`): the
+    token it gives and whether it accepts the draft it scores, by vLLM's rejection rules with
+    no draft probabilities (a draft is a point mass). A greedy row accepts while its argmax is
+    the draft and gives its argmax. A sampled row's probabilities `p` are the softmax of its
+    logits after its request's temperature, top-k and top-p; it accepts draft `d` with
+    probability `p[d]` (giving `d`), else gives a token drawn from `p` without `d`; the last row
+    of a request (its bonus) draws from `p`. Placeholders (-1) are never accepted. Lazy."""
+    num_draft = packed.num_draft_tokens.astype(np.int64)
+    num_reqs, num_rows = len(num_draft), int(num_draft.sum()) + len(num_draft)
+    owner = np.repeat(np.arange(num_reqs), num_draft + 1)
+    target = np.repeat(np.cumsum(num_draft + 1) - (num_draft + 1), num_draft) + ranges(num_draft)
+    draft = np.full(num_rows, -1, dtype=np.int64)
+    draft[target] = np.fromiter(
+        (t for i in range(num_reqs) for t in batch.spec_token_ids[i][: num_draft[i]]),
+        dtype=np.int64,
+        count=len(target),
+    )
+    argmax = mx.argmax(logits, axis=-1)
+    greedy_accept = argmax == mx.array(draft.astype(np.int32))
+    metadata = batch.sampling_metadata
+    if metadata.all_greedy:
+        return argmax, greedy_accept
+    temperature = batch.temperature_cpu[:num_reqs][owner]
+    top_k = None if batch.no_top_k else batch.top_k_cpu[:num_reqs][owner]
+    top_p = None if batch.no_top_p else batch.top_p_cpu[:num_reqs][owner]
+    draw_key, accept_key, residual_key = mx.random.split(key, 3)
+    drawn, processed = sample_rows(logits, temperature, top_k, top_p, draw_key)
+    real = draft >= 0
+    d = mx.array(np.maximum(draft, 0).astype(np.int32))[:, None]
+    p_draft = mx.take_along_axis(mx.softmax(processed, axis=-1, precise=True), d, axis=-1)[:, 0]
+    accept = mx.array(real) & (mx.random.uniform(shape=p_draft.shape, key=accept_key) < p_draft)
+    is_draft = (mx.arange(processed.shape[-1])[None, :] == d) & mx.array(real)[:, None]
+    residual = mx.where(is_draft, -mx.inf, processed)
+    noise = mx.random.gumbel(shape=residual.shape, key=residual_key)
+    recovered = mx.argmax(residual + noise, axis=-1)
+    is_target = np.zeros(num_rows, dtype=bool)
+    is_target[target] = True
+    sampled = mx.where(mx.array(is_target), mx.where(accept, d[:, 0], recovered), drawn)
+    greedy = mx.array(temperature < _SAMPLING_EPS)
+    return mx.where(greedy, argmax, sampled), mx.where(greedy, greedy_accept, accept)
+
+
+def verified(
+    tokens: np.ndarray, accepts: np.ndarray, packed: PackedBatch, vocab_size: int
 ) -> list[list[int]]:
-    """Each request's output tokens from its rows' argmax (`[S + drafts]`, the rows of
-    `[last sampled, d1..dk]`): the argmax of each row while the draft it scores equals it, then
-    the first that differs, or the last row's (the bonus token) when every draft matched; `[]`
-    for a row mid-prefill. vLLM's greedy rejection sampling, placeholders (-1) rejected and
-    tokens past the vocabulary dropped as its `parse_output` drops them."""
+    """Each request's output tokens from its rows' verdicts (`device_verdicts`): the tokens of
+    its leading rows that accept their drafts, then the next row's (a rejected draft's
+    replacement, or the bonus token when every draft was accepted); `[]` for a row mid-prefill.
+    Tokens past the vocabulary are dropped, as vLLM's `parse_output` drops them."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs = len(num_draft)
     first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
-    drafts = np.fromiter(
-        (t for i in range(num_reqs) for t in batch.spec_token_ids[i][: num_draft[i]]),
-        dtype=np.int64,
-        count=int(num_draft.sum()),
-    )
     offset = ranges(num_draft)
     owner = np.repeat(np.arange(num_reqs), num_draft)
     matched = np.zeros((num_reqs, int(num_draft.max(initial=0))), dtype=bool)
-    matched[owner, offset] = argmax[first_row[owner] + offset] == drafts
-    accepted = np.cumprod(matched, axis=1).sum(axis=1)  # leading matches
+    matched[owner, offset] = accepts[first_row[owner] + offset]
+    accepted = np.cumprod(matched, axis=1).sum(axis=1)  # leading accepts
     out = []
     for i in range(num_reqs):
         if packed.discard[i]:
             out.append([])
             continue
-        tokens = argmax[first_row[i] : first_row[i] + accepted[i] + 1]
-        out.append(tokens[tokens < vocab_size].tolist())
+        row_tokens = tokens[first_row[i] : first_row[i] + accepted[i] + 1]
+        out.append(row_tokens[row_tokens < vocab_size].tolist())
     return out
