@@ -38,18 +38,30 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
 
 
+def _rows(num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's first logits row (`[S]`) and the rows that score its drafts, request by
+    request (`[drafts]`): a request with k drafts has rows first .. first + k, the last its bonus."""
+    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
+    return first_row, np.repeat(first_row, num_draft) + ranges(num_draft)
+
+
+def _drafts(batch: InputBatch, num_draft: np.ndarray) -> np.ndarray:
+    """The step's drafts as the scheduler sent them, request by request (`[drafts]`): -1
+    placeholders stay -1 and are always rejected."""
+    return np.fromiter(
+        (t for i, n in enumerate(num_draft) for t in batch.spec_token_ids[i][:n]),
+        dtype=np.int64,
+        count=int(num_draft.sum()),
+    )
+
+
 def spec_decode_metadata(packed: PackedBatch, batch: InputBatch) -> SpecDecodeMetadata:
     """vLLM's metadata for the step's logits rows (indices into `[S + drafts, V]`)."""
-    num_draft = packed.num_draft_tokens.astype(np.int32)
-    num_sampled = num_draft + 1
-    cu_sampled = np.cumsum(num_sampled, dtype=np.int32)
-    first_row = cu_sampled - num_sampled
-    target_rows = np.repeat(first_row, num_draft) + ranges(num_draft)
-    # The drafts as the scheduler sent them: -1 placeholders stay -1 and are always rejected.
-    drafts = [batch.spec_token_ids[i] for i in range(len(num_draft))]
-    draft_ids = np.fromiter((t for row in drafts for t in row), dtype=np.int32)
+    num_draft = packed.num_draft_tokens.astype(np.int64)
+    first_row, target_rows = _rows(num_draft)
+    cu_sampled = (first_row + num_draft + 1).astype(np.int32)
     return SpecDecodeMetadata(
-        draft_token_ids=torch.from_numpy(draft_ids),
+        draft_token_ids=torch.from_numpy(_drafts(batch, num_draft).astype(np.int32)),
         num_draft_tokens=num_draft.tolist(),
         cu_num_draft_tokens=torch.from_numpy(np.cumsum(num_draft, dtype=np.int32)),
         cu_num_sampled_tokens=torch.from_numpy(cu_sampled),
@@ -126,13 +138,9 @@ def device_verdicts(
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs, num_rows = len(num_draft), int(num_draft.sum()) + len(num_draft)
     owner = np.repeat(np.arange(num_reqs), num_draft + 1)
-    target = np.repeat(np.cumsum(num_draft + 1) - (num_draft + 1), num_draft) + ranges(num_draft)
+    _, target = _rows(num_draft)
     draft = np.full(num_rows, -1, dtype=np.int64)
-    draft[target] = np.fromiter(
-        (t for i in range(num_reqs) for t in batch.spec_token_ids[i][: num_draft[i]]),
-        dtype=np.int64,
-        count=len(target),
-    )
+    draft[target] = _drafts(batch, num_draft)
     argmax = mx.argmax(logits, axis=-1)
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
     metadata = batch.sampling_metadata
@@ -167,11 +175,9 @@ def verified(
     Tokens past the vocabulary are dropped, as vLLM's `parse_output` drops them."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs = len(num_draft)
-    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
-    offset = ranges(num_draft)
-    owner = np.repeat(np.arange(num_reqs), num_draft)
+    first_row, target = _rows(num_draft)
     matched = np.zeros((num_reqs, int(num_draft.max(initial=0))), dtype=bool)
-    matched[owner, offset] = accepts[first_row[owner] + offset]
+    matched[np.repeat(np.arange(num_reqs), num_draft), ranges(num_draft)] = accepts[target]
     accepted = np.cumprod(matched, axis=1).sum(axis=1)  # leading accepts
     out = []
     for i in range(num_reqs):
