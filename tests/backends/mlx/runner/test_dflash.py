@@ -43,6 +43,20 @@ def spec(head) -> dict:
     return {"method": "dflash", "model": str(head), "num_speculative_tokens": 3}
 
 
+def plain_and_drafted(target, head, jobs, engine=ENGINE):
+    """The jobs' results without speculation, with `head` drafting on every step (the back-off
+    off), and the drafting engine's metrics."""
+    (plain,) = run_engine_job(target, jobs, engine=engine)
+    (drafted,), metrics = run_engine_job(
+        target,
+        jobs,
+        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    return plain, drafted, metrics
+
+
 @pytest.fixture(scope="module")
 def dflash_dirs(tiny_model_dir, tmp_path_factory):
     """head name -> (target, head) checkpoint directories."""
@@ -195,14 +209,7 @@ def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_pat
     target = _target(tiny_model_dir, arch, tmp_path)
     head = write_dflash_head(target, tmp_path / "head")
     jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
-    (plain,) = run_engine_job(target, jobs, engine=ENGINE)
-    (drafted,), metrics = run_engine_job(
-        target,
-        jobs,
-        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
-    )
+    plain, drafted, metrics = plain_and_drafted(target, head, jobs)
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
 
@@ -216,14 +223,7 @@ def test_requests_near_max_model_len_give_the_tokens_of_plain_decoding(dflash_di
     target, head = dflash_dirs["random"]
     engine = {**ENGINE, "max_model_len": 128}
     jobs = [{"prompts": random_prompts(5, [100, 118, 121]), "params": [greedy(30)]}]
-    (plain,) = run_engine_job(target, jobs, engine=engine)
-    (drafted,), metrics = run_engine_job(
-        target,
-        jobs,
-        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
-    )
+    plain, drafted, metrics = plain_and_drafted(target, head, jobs, engine)
     assert [len(t) for t in tokens(plain)] == [28, 10, 7]  # cut by max_model_len
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
@@ -293,14 +293,7 @@ def test_self_drafting_head_over_a_quantized_cache(dflash_dirs, dtype):
         {"prompts": pairing_prompts([3, 9, BS - 5, 2 * BS + 3]), "params": [greedy(NEW_TOKENS)]}
     ]
     engine = {**ENGINE, "kv_cache_dtype": dtype}
-    (plain,) = run_engine_job(target, jobs, engine=engine)
-    (drafted,), counters = run_engine_job(
-        target,
-        jobs,
-        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
-    )
+    plain, drafted, counters = plain_and_drafted(target, head, jobs, engine)
     assert tokens(drafted) == tokens(plain)
     proposed = counters["vllm:spec_decode_num_draft_tokens"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]
