@@ -194,9 +194,9 @@ def test_verification_steps_compiled(small_draft):
 
 def test_greedy_steps_verified_on_the_device(self_draft):
     """Every comparison of `self_draft` with `plain` (and its exact draft counts) holds for its
-    greedy steps without logprobs, verified from the device's argmax
-    (`spec_decode.verify.greedy_verified`) where the others went to vLLM's `RejectionSampler`:
-    the jobs of max_tokens 1 to 5 and the prefix-cache hit."""
+    greedy steps, verified from the device's argmax (`spec_decode.verify.device_verdicts`) where
+    the others went to vLLM's `RejectionSampler`: the jobs of max_tokens 1 to 5, the
+    prefix-cache hit and the logprobs job, whose logprobs equal plain decoding's."""
     results, _ = self_draft
     assert results[DEVICE_VERIFIED_JOB] >= 10, results[DEVICE_VERIFIED_JOB]
 

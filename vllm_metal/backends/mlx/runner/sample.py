@@ -40,6 +40,7 @@ from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
 from vllm_metal.backends.mlx.runner.spec_decode.verify import (
     device_verdicts,
+    verdict_logprobs,
     verified,
     verifies_on_device,
     verify,
@@ -103,7 +104,11 @@ class Sampling:
         if packed.num_draft_tokens.any() and verifies_on_device(
             batch.sampling_metadata, prompt_logprobs
         ):
-            verdicts = device_verdicts(logits, packed, batch, self.device.next_key())
+            *verdicts, processed = device_verdicts(logits, packed, batch, self.device.next_key())
+            verdicts = tuple(verdicts)
+            logprobs = verdict_logprobs(
+                logits, verdicts[0], processed, batch.sampling_metadata, self.logprobs_mode
+            )
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays, *(verdicts or ())]
         if forward.aux_hidden is not None:
@@ -193,8 +198,15 @@ def sample_step(
         step.verdicts = None  # the grammar's masks come first: the host verifies
     if step.verdicts is not None:
         tokens, accepts = (to_host(a) for a in step.verdicts)
-        sampled = verified(tokens, accepts, step.packed, states.vocab_size)
-        return _recorded(states, step.packed.req_ids, sampled, None, {})
+        logprobs = step.device_logprobs
+        sampled, logprobs = verified(
+            tokens,
+            accepts,
+            step.packed,
+            states.vocab_size,
+            None if logprobs is None else tuple(to_host(a) for a in logprobs),
+        )
+        return _recorded(states, step.packed.req_ids, sampled, logprobs, {})
     why, host_rows = host_route(step, states, device)
     if why is None:
         if step.grammar_output is not None:

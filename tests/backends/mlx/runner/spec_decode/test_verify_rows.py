@@ -111,13 +111,23 @@ def _three_verifying(states, params=None, drafts=None):
     return step(states, schedule(scheduled, cached=cached, drafts=drafts)), drafts
 
 
-def _verdicts(states, packed, logits: np.ndarray, key: int) -> list[list[int]]:
+def _verdicts(states, packed, logits: np.ndarray, key: int, logprobs_mode=None):
+    """The outputs the device's verdicts give; with `logprobs_mode`, (outputs, logprobs)."""
     import mlx.core as mx
 
-    tokens, accepts = verify.device_verdicts(
-        mx.array(logits), packed, states.input_batch, mx.random.key(key)
+    logits = mx.array(logits)
+    batch = states.input_batch
+    tokens, accepts, processed = verify.device_verdicts(logits, packed, batch, mx.random.key(key))
+    logprobs = None
+    if logprobs_mode is not None:
+        rows = verify.verdict_logprobs(
+            logits, tokens, processed, batch.sampling_metadata, logprobs_mode
+        )
+        logprobs = tuple(np.array(a) for a in rows)
+    out, lists = verify.verified(
+        np.array(tokens), np.array(accepts), packed, states.vocab_size, logprobs
     )
-    return verify.verified(np.array(tokens), np.array(accepts), packed, states.vocab_size)
+    return out if logprobs_mode is None else (out, lists)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -186,6 +196,37 @@ def test_sampled_drafts_verified_on_the_device_keep_the_targets_distribution(sta
     assert chi2_pvalue(first, draws(0, n, rng)) > 1e-3
     assert chi2_pvalue(second, draws(1, len(second), rng)) > 1e-3
     assert chi2_pvalue([o[2][0] for o in outs], draws(7, n, rng)) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
+def test_logprobs_of_device_verification_are_vllms(states, mode):
+    """Top-3 logprobs asked by a (greedy, drafts accepted then one rejected), b (greedy) and c
+    (temperature 0.8 and top-k 4 over a row whose top token is certain): the device's token
+    ids, values and ranks of every token output, and their split by request, equal those of
+    vLLM's `RejectionSampler` over the same logits in each logprobs mode."""
+    import torch
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+
+    register_rejection_kernels()
+    greedy = SamplingParams(temperature=0.0, logprobs=3)
+    hot = SamplingParams(temperature=0.8, top_k=4, logprobs=3)
+    packed, _ = _three_verifying(states, {"a": greedy, "b": greedy, "c": hot})
+    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
+    for row, token in ((0, 501), (1, 502), (2, 40), (4, 601), (5, 55), (7, 70)):
+        logits[row, token] = 30.0 if row == 7 else 6.0  # a: 501, 502 accepted, 503 not
+    got, got_logprobs = _verdicts(states, packed, logits, 0, mode)
+    sampler = RejectionSampler(Sampler(logprobs_mode=mode))
+    want, want_logprobs = verify.verify(sampler, torch.from_numpy(logits), packed, states)
+    assert got == want == [[501, 502, 40], [601, 55], [70]]
+    assert got_logprobs.cu_num_generated_tokens == want_logprobs.cu_num_generated_tokens
+    assert_array_equal(got_logprobs.logprob_token_ids, want_logprobs.logprob_token_ids)
+    assert_array_equal(got_logprobs.sampled_token_ranks, want_logprobs.sampled_token_ranks)
+    np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_rejected_drafts_are_rolled_back_by_the_next_schedule(states):

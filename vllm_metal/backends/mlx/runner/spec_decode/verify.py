@@ -1,6 +1,7 @@
 """Verification of drafts: on the device where rows are greedy or sampled with a temperature,
-top-k and top-p alone (`verifies_on_device`, `device_verdicts`, `verified`), else with vLLM's own
-`RejectionSampler`.
+top-k and top-p alone, with or without top logprobs (`verifies_on_device`, `device_verdicts`,
+`verified`), else with vLLM's own `RejectionSampler`. (Under speculative decoding vLLM builds
+no min-p or logit-bias processor: those parameters do nothing, here as there.)
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
 `[last sampled, d1..dk]`, so row j scores draft j+1 and the last row gives the bonus token. The
@@ -30,7 +31,13 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, ranges
-from vllm_metal.backends.mlx.runner.device_sampling import sample_rows, samples_random_rows
+from vllm_metal.backends.mlx.runner.device_sampling import (
+    Draw,
+    logprob_values,
+    sample_rows,
+    samples_random_rows,
+    step_logprobs,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -92,26 +99,22 @@ def verify(
 
 def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
     """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
-    or sampled with nothing but a temperature, top-k and top-p (no seed, no min-p), and nothing
-    the `RejectionSampler` would apply first (penalties, bad words, allowed tokens, a minimum
-    length, a logit bias, a thinking budget, a custom processor), no logprobs and no prompt
-    logprobs. A grammar, known only when the step is sampled, sends it back."""
-    processors = metadata.logitsprocs
+    or sampled with nothing but a temperature, top-k and top-p (no seed), and nothing the
+    `RejectionSampler` would apply first (penalties, bad words, allowed tokens, a minimum
+    length, a logit bias, a thinking budget, a custom processor); top logprobs may be asked
+    for, not logprobs of named tokens (vLLM's verification ignores those) nor prompt logprobs.
+    A grammar, known only when the step is sampled, sends it back."""
     holder = getattr(metadata, "thinking_budget_state_holder", None)
-    sampled_ok = metadata.all_greedy or (
-        not metadata.generators
-        and samples_random_rows(metadata)
-        and not any(p.min_p_count for p in processors.argmax_invariant)
-    )
+    sampled_ok = metadata.all_greedy or (not metadata.generators and samples_random_rows(metadata))
     return (
         sampled_ok
         and metadata.no_penalties
         and not metadata.bad_words_token_ids
         and metadata.allowed_token_ids_mask is None
-        and metadata.max_num_logprobs is None
+        and not metadata.logprob_token_ids
         and not prompt_logprobs
         and not (holder is not None and holder.has_tracked_requests())
-        and not any(_acts(p) for p in processors.non_argmax_invariant)
+        and not any(_acts(p) for p in metadata.logitsprocs.non_argmax_invariant)
     )
 
 
@@ -127,11 +130,12 @@ def _acts(processor) -> bool:
 
 def device_verdicts(
     logits: mx.array, packed: PackedBatch, batch: InputBatch, key: mx.array
-) -> tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array, mx.array]:
     """Per logits row (`[S + drafts]`, each request's rows of `[last sampled, d1..dk]`): the
     token it gives and whether it accepts the draft it scores, by vLLM's rejection rules with
-    no draft probabilities (a draft is a point mass). A greedy row accepts while its argmax is
-    the draft and gives its argmax. A sampled row's probabilities `p` are the softmax of its
+    no draft probabilities (a draft is a point mass), and the `[S + drafts, V]` logits its token
+    was taken from (what vLLM's processed logprobs read). A greedy row accepts while its argmax
+    is the draft and gives its argmax. A sampled row's probabilities `p` are the softmax of its
     logits after its request's temperature, top-k and top-p; it accepts draft `d` with
     probability `p[d]` (giving `d`), else gives a token drawn from `p` without `d`; the last row
     of a request (its bonus) draws from `p`. Placeholders (-1) are never accepted. Lazy."""
@@ -145,7 +149,9 @@ def device_verdicts(
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
     metadata = batch.sampling_metadata
     if metadata.all_greedy:
-        return argmax, greedy_accept
+        return argmax, greedy_accept, logits
+    is_target = np.zeros(num_rows, dtype=bool)
+    is_target[target] = True
     temperature = batch.temperature_cpu[:num_reqs][owner]
     top_k = None if batch.no_top_k else batch.top_k_cpu[:num_reqs][owner]
     top_p = None if batch.no_top_p else batch.top_p_cpu[:num_reqs][owner]
@@ -159,31 +165,61 @@ def device_verdicts(
     residual = mx.where(is_draft, -mx.inf, processed)
     noise = mx.random.gumbel(shape=residual.shape, key=residual_key)
     recovered = mx.argmax(residual + noise, axis=-1)
-    is_target = np.zeros(num_rows, dtype=bool)
-    is_target[target] = True
     sampled = mx.where(mx.array(is_target), mx.where(accept, d[:, 0], recovered), drawn)
     greedy = mx.array(temperature < _SAMPLING_EPS)
-    return mx.where(greedy, argmax, sampled), mx.where(greedy, greedy_accept, accept)
+    return (
+        mx.where(greedy, argmax, sampled),
+        mx.where(greedy, greedy_accept, accept),
+        processed,
+    )
+
+
+def verdict_logprobs(
+    logits: mx.array,
+    tokens: mx.array,
+    processed: mx.array,
+    metadata: SamplingMetadata,
+    logprobs_mode: str,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Every row's logprobs (`device_sampling.step_logprobs`) of the token its verdict gives
+    (`device_verdicts`: `tokens`, and `processed`, the logits those were taken from), as vLLM's
+    `RejectionSampler` takes them from the target's raw or processed logits; None when the step
+    asks for none. `verified` keeps the rows of the tokens output."""
+    if metadata.max_num_logprobs is None:
+        return None
+    values = logprob_values(logits, Draw(tokens, processed), logprobs_mode)
+    return step_logprobs(values, tokens, metadata)
 
 
 def verified(
-    tokens: np.ndarray, accepts: np.ndarray, packed: PackedBatch, vocab_size: int
-) -> list[list[int]]:
+    tokens: np.ndarray,
+    accepts: np.ndarray,
+    packed: PackedBatch,
+    vocab_size: int,
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> tuple[list[list[int]], LogprobsLists | None]:
     """Each request's output tokens from its rows' verdicts (`device_verdicts`): the tokens of
     its leading rows that accept their drafts, then the next row's (a rejected draft's
     replacement, or the bonus token when every draft was accepted); `[]` for a row mid-prefill.
-    Tokens past the vocabulary are dropped, as vLLM's `parse_output` drops them."""
+    Tokens past the vocabulary are dropped, as vLLM's `parse_output` drops them. With the rows'
+    logprobs (`device_sampling.step_logprobs` of the verdicts' tokens), also those of the
+    tokens kept, request by request, as vLLM's `parse_output` keeps them (a row mid-prefill's
+    too, though its token is not output)."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs = len(num_draft)
     first_row, target = _rows(num_draft)
     matched = np.zeros((num_reqs, int(num_draft.max(initial=0))), dtype=bool)
     matched[np.repeat(np.arange(num_reqs), num_draft), ranges(num_draft)] = accepts[target]
     accepted = np.cumprod(matched, axis=1).sum(axis=1)  # leading accepts
-    out = []
+    out, kept = [], []
     for i in range(num_reqs):
-        if packed.discard[i]:
-            out.append([])
-            continue
-        row_tokens = tokens[first_row[i] : first_row[i] + accepted[i] + 1]
-        out.append(row_tokens[row_tokens < vocab_size].tolist())
-    return out
+        rows = np.arange(first_row[i], first_row[i] + accepted[i] + 1)
+        rows = rows[tokens[rows] < vocab_size]
+        kept.append(rows)
+        out.append([] if packed.discard[i] else tokens[rows].tolist())
+    if logprobs is None:
+        return out, None
+    rows = np.concatenate(kept)
+    ids, values, ranks = (a[rows] for a in logprobs)
+    cu = np.cumsum([0] + [len(r) for r in kept]).tolist()
+    return out, LogprobsLists(ids, values, ranks.astype(np.int64), cu)
