@@ -62,6 +62,7 @@ SAMPLED_PARAMS = [
         "ignore_eos": True,
     },
 ]
+PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
 STRUCTURED = [
     {
         "max_tokens": 120,
@@ -89,6 +90,7 @@ JOBS = [
     {"prompts": [REPETITIVE[0]], "params": [greedy(NEW_TOKENS)]},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
+    {"prompts": REPETITIVE, "params": [greedy(NEW_TOKENS, **PENALTIES)]},
     {"action": "async_scheduling"},  # last: the counter snapshots follow generating jobs only
 ]
 (
@@ -100,6 +102,7 @@ JOBS = [
     CACHED_JOB,
     SEEDED_JOB,
     SEEDED_AGAIN_JOB,
+    PENALIZED_JOB,
     ASYNC_JOB,
 ) = range(len(JOBS))
 # Counters of the in-process engines (`small_draft`: compiled verification steps; `self_draft`:
@@ -227,6 +230,19 @@ def test_greedy_equals_plain_and_transformers(request, models, plain, method):
         for a, b in zip(spec_lp, base_lp):
             for t, v in b.items():
                 assert t in a and abs(a[t] - v) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "small_draft"])
+def test_greedy_with_penalties_equals_plain(request, plain, method):
+    """Greedy requests with presence, frequency and repetition penalties verify their drafts
+    with the drafts before each row counted (on the device, `verify.device_verdicts`): the
+    tokens of decoding without drafts. (The penalties keep the outputs from repeating, so the
+    n-gram proposer finds nothing to draft there.)"""
+    results, metrics = request.getfixturevalue(method)
+    base, _ = plain
+    assert tokens(results[PENALIZED_JOB]) == tokens(base[PENALIZED_JOB])
+    if method != "ngram":
+        assert _spec_counts(metrics, PENALIZED_JOB)["draft_tokens"] > 0
 
 
 def test_self_draft_accepts_every_draft(self_draft):

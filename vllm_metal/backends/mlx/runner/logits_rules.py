@@ -124,15 +124,23 @@ def _pairs(shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray) -> mx.a
     return flat.reshape(n, vocab) > 0
 
 
-def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+def penalized(
+    logits: mx.array,
+    metadata: SamplingMetadata,
+    owners: np.ndarray | None = None,
+    outputs: list[list[int]] | None = None,
+) -> mx.array:
     """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
     (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
     the repetition penalty where positive, multiplied where not; then each output occurrence
-    takes off the frequency penalty and any occurrence the presence penalty. The counts are
-    scattered on the device from the host's token lists; ids outside the vocabulary (placeholders,
+    takes off the frequency penalty and any occurrence the presence penalty. Row i is request i
+    with its outputs so far, unless `owners` names each row's request and `outputs` each row's
+    output tokens (rows verifying drafts count the drafts before them). The counts are scattered
+    on the device from the host's token lists; ids outside the vocabulary (placeholders,
     padding) count for nothing."""
     rows, vocab = logits.shape
-    outputs = metadata.output_token_ids[:rows]
+    if owners is None:
+        owners, outputs = np.arange(rows), metadata.output_token_ids[:rows]
     lengths = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=rows)
     counts = _bin_counts(
         np.repeat(np.arange(rows), lengths),
@@ -140,16 +148,19 @@ def penalized(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
         rows,
         vocab,
     )
-    prompt = metadata.prompt_token_ids[:rows].numpy()  # [rows, longest prompt], padded with V
+    prompt = metadata.prompt_token_ids.numpy()[owners]  # [rows, longest prompt], padded with V
     in_prompt = _bin_counts(
         np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
     )
     seen = (counts > 0) | (in_prompt > 0)
-    repetition = mx.array(metadata.repetition_penalties[:rows].numpy())[:, None]
-    penalty = mx.where(seen, repetition, 1.0)
+
+    def per_row(values) -> mx.array:
+        return mx.array(values.numpy()[owners])[:, None]
+
+    penalty = mx.where(seen, per_row(metadata.repetition_penalties), 1.0)
     logits = logits * mx.where(logits > 0, 1.0 / penalty, penalty)
-    frequency = mx.array(metadata.frequency_penalties[:rows].numpy())[:, None]
-    presence = mx.array(metadata.presence_penalties[:rows].numpy())[:, None]
+    frequency = per_row(metadata.frequency_penalties)
+    presence = per_row(metadata.presence_penalties)
     return logits - frequency * counts - presence * (counts > 0)
 
 

@@ -229,6 +229,49 @@ def test_logprobs_of_device_verification_are_vllms(states, mode):
     np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_penalties_count_the_drafts_before_each_row_as_in_vllm(states, mode):
+    """Greedy rows with penalties (a: presence, b: repetition, c: frequency) verified on the
+    device: each row counts its request's outputs and the drafts before it (the bonus row all
+    of them), as vLLM's samplers do. Every token a row must not repeat leads its logits by a
+    margin its penalty removes, so a's drafts are accepted only if the drafts before them count
+    and its bonus is 40 only if they all do. Tokens and logprobs equal vLLM's
+    `RejectionSampler`'s over the same logits."""
+    import torch
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+
+    register_rejection_kernels()
+    params = {
+        "a": SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=2),
+        "b": SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=2),
+        "c": SamplingParams(temperature=0.0, frequency_penalty=0.5, logprobs=2),
+    }
+    packed, _ = _three_verifying(states, params)
+    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    rng = np.random.default_rng(2)
+    logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
+    for row, values in {  # a's output so far is 500, b's prompt 200..202 and output 600, c's 700
+        0: {501: 5.0, 500: 5.5},
+        1: {502: 5.0, 501: 5.5},
+        2: {503: 5.0, 502: 5.5},
+        3: {40: 5.0, 503: 5.5},
+        4: {601: 5.0, 200: 8.0},
+        5: {55: 5.0, 600: 9.0},
+        7: {70: 5.0, 700: 5.4},
+    }.items():
+        logits[row, list(values)] = list(values.values())
+    got, got_logprobs = _verdicts(states, packed, logits, 0, mode)
+    sampler = RejectionSampler(Sampler(logprobs_mode=mode))
+    want, want_logprobs = verify.verify(sampler, torch.from_numpy(logits), packed, states)
+    assert got == want == [[501, 502, 503, 40], [601, 55], [70]]
+    assert_array_equal(got_logprobs.logprob_token_ids, want_logprobs.logprob_token_ids)
+    assert_array_equal(got_logprobs.sampled_token_ranks, want_logprobs.sampled_token_ranks)
+    np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_rejected_drafts_are_rolled_back_by_the_next_schedule(states):
     _two_decoding(states)
     step(states, schedule({"a": 3}, cached=[Cached("a", 7, 1)], drafts={"a": [501, 502]}))

@@ -1,6 +1,6 @@
 """Verification of drafts: on the device where rows are greedy or sampled with a temperature,
-top-k and top-p alone, with or without top logprobs (`verifies_on_device`, `device_verdicts`,
-`verified`), else with vLLM's own `RejectionSampler`. (Under speculative decoding vLLM builds
+top-k and top-p alone, with or without penalties and top logprobs (`verifies_on_device`,
+`device_verdicts`, `verified`), else with vLLM's own `RejectionSampler`. (Under speculative decoding vLLM builds
 no min-p or logit-bias processor: those parameters do nothing, here as there.)
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
@@ -38,6 +38,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     samples_random_rows,
     step_logprobs,
 )
+from vllm_metal.backends.mlx.runner.logits_rules import penalized
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -60,6 +61,20 @@ def _drafts(batch: InputBatch, num_draft: np.ndarray) -> np.ndarray:
         dtype=np.int64,
         count=int(num_draft.sum()),
     )
+
+
+def row_outputs(
+    outputs: list[list[int]], num_draft: np.ndarray, drafts: np.ndarray
+) -> list[list[int]]:
+    """Each logits row's output tokens as vLLM's samplers count them for penalties when they
+    verify drafts: its request's outputs so far, then the drafts before the row (the bonus row
+    counts them all)."""
+    starts = np.cumsum(num_draft) - num_draft
+    return [
+        [*outputs[i], *drafts[starts[i] : starts[i] + j].tolist()]
+        for i, n in enumerate(num_draft)
+        for j in range(n + 1)
+    ]
 
 
 def spec_decode_metadata(packed: PackedBatch, batch: InputBatch) -> SpecDecodeMetadata:
@@ -100,15 +115,14 @@ def verify(
 def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
     """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
     or sampled with nothing but a temperature, top-k and top-p (no seed), and nothing the
-    `RejectionSampler` would apply first (penalties, bad words, allowed tokens, a minimum
-    length, a logit bias, a thinking budget, a custom processor); top logprobs may be asked
-    for, not logprobs of named tokens (vLLM's verification ignores those) nor prompt logprobs.
-    A grammar, known only when the step is sampled, sends it back."""
+    `RejectionSampler` would apply first but presence, frequency and repetition penalties (no
+    bad words, allowed tokens, minimum length, thinking budget or custom processor); top
+    logprobs may be asked for, not logprobs of named tokens (vLLM's verification ignores those)
+    nor prompt logprobs. A grammar, known only when the step is sampled, sends it back."""
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     sampled_ok = metadata.all_greedy or (not metadata.generators and samples_random_rows(metadata))
     return (
         sampled_ok
-        and metadata.no_penalties
         and not metadata.bad_words_token_ids
         and metadata.allowed_token_ids_mask is None
         and not metadata.logprob_token_ids
@@ -134,20 +148,26 @@ def device_verdicts(
     """Per logits row (`[S + drafts]`, each request's rows of `[last sampled, d1..dk]`): the
     token it gives and whether it accepts the draft it scores, by vLLM's rejection rules with
     no draft probabilities (a draft is a point mass), and the `[S + drafts, V]` logits its token
-    was taken from (what vLLM's processed logprobs read). A greedy row accepts while its argmax
-    is the draft and gives its argmax. A sampled row's probabilities `p` are the softmax of its
-    logits after its request's temperature, top-k and top-p; it accepts draft `d` with
-    probability `p[d]` (giving `d`), else gives a token drawn from `p` without `d`; the last row
-    of a request (its bonus) draws from `p`. Placeholders (-1) are never accepted. Lazy."""
+    was taken from (what vLLM's processed logprobs read). Penalties come first, each row's
+    counting its request's outputs and the drafts before it (`row_outputs`). A greedy row
+    accepts while its argmax is the draft and gives its argmax. A sampled row's probabilities
+    `p` are the softmax of its logits after its request's temperature, top-k and top-p; it
+    accepts draft `d` with probability `p[d]` (giving `d`), else gives a token drawn from `p`
+    without `d`; the last row of a request (its bonus) draws from `p`. Placeholders (-1) are
+    never accepted. Lazy."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs, num_rows = len(num_draft), int(num_draft.sum()) + len(num_draft)
     owner = np.repeat(np.arange(num_reqs), num_draft + 1)
     _, target = _rows(num_draft)
+    drafts = _drafts(batch, num_draft)
     draft = np.full(num_rows, -1, dtype=np.int64)
-    draft[target] = _drafts(batch, num_draft)
+    draft[target] = drafts
+    metadata = batch.sampling_metadata
+    if not metadata.no_penalties:
+        outputs = row_outputs(metadata.output_token_ids, num_draft, drafts)
+        logits = penalized(logits, metadata, owner, outputs)
     argmax = mx.argmax(logits, axis=-1)
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
-    metadata = batch.sampling_metadata
     if metadata.all_greedy:
         return argmax, greedy_accept, logits
     is_target = np.zeros(num_rows, dtype=bool)
