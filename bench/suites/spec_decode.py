@@ -10,7 +10,8 @@ with the same prompts and output length:
   distribution is close to uniform, so drafts are almost never right), plain / n-gram / draft
   model, and the two speculative ones again with the back-off off (what it saves);
 - 8 and 32 concurrent requests, greedy, plain / n-gram;
-- single stream, greedy, plain / EAGLE-3 on a *self-drafting* target: the benchmark checkpoint
+- single stream, greedy, plain / EAGLE-3 (with the back-off and without) on a *self-drafting*
+  target: the benchmark checkpoint
   with every attention output and MLP down projection zero (the same cost per step), whose next
   token depends on the current one alone, and an EAGLE-3 head that computes that function
   (`tests.fixtures.tiny_eagle3`), so nearly all of its drafts are accepted.
@@ -104,6 +105,10 @@ def cases(draft: str, eagle3_head: str, concurrency: list[int]) -> list[dict[str
          "target": "self_drafting"},
         {"name": "eagle3_self_drafting", "spec": eagle3_cfg, "params": GREEDY, "concurrency": 1,
          "target": "self_drafting"},
+        # Every step drafts: verification with accepted drafts where the back-off would find
+        # plain steps faster (the GPU proxy).
+        {"name": "eagle3_self_drafting_no_backoff", "spec": eagle3_cfg, "params": GREEDY,
+         "concurrency": 1, "target": "self_drafting", "backoff": False},
     ]  # fmt: skip
     return out
 

@@ -28,6 +28,7 @@ from mlx import nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from vllm_metal.models.families import eagle3
+from vllm_metal.ops.argmax import row_argmax
 
 # vLLM's DFlash architecture names (after its `EAGLEConfig` rewrite) served by this head.
 ARCHITECTURES = ("DFlashDraftModel", "DFlashQwen3ForCausalLM")
@@ -268,7 +269,7 @@ class DFlashHead(nn.Module):
 
     def draft_tokens(self, logits: mx.array) -> mx.array:
         """Target token ids of the argmax of draft-vocabulary logits `[T, Vd]`."""
-        best = mx.argmax(logits, axis=-1)
+        best = row_argmax(logits)
         return best if self.d2t is None else best + self.d2t[best]
 
 

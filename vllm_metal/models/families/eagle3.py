@@ -26,6 +26,7 @@ from mlx_lm.models import llama, qwen3
 
 from vllm_metal.compat.mlx_lm_attention import route_module_sdpa
 from vllm_metal.models.layers import FULL_ATTENTION, kinds_from_config
+from vllm_metal.ops.argmax import row_argmax
 
 # vLLM's EAGLE-3 architecture names (after its `EAGLEConfig` rewrite) -> whether the head's
 # attention norms q and k per head (the Qwen3 form).
@@ -210,7 +211,7 @@ class Eagle3Head(nn.Module):
 
     def draft_tokens(self, logits: mx.array) -> mx.array:
         """Target token ids of the argmax of draft-vocabulary logits `[T, Vd]`."""
-        best = mx.argmax(logits, axis=-1)
+        best = row_argmax(logits)
         return best if self.d2t is None else best + self.d2t[best]
 
 

@@ -30,6 +30,7 @@ from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
 from vllm_metal.models.families import gemma4
 from vllm_metal.models.hf_config import mlx_lm_overrides
+from vllm_metal.ops.argmax import row_argmax
 
 # The targets this assistant drafts for (`families.mtp_model_types`).
 MODEL_TYPES = gemma4.MODEL_TYPES
@@ -144,8 +145,8 @@ class Assistant(nn.Module):
         the head is masked."""
         ids, logits = self._scored(h.reshape(-1, h.shape[-1]))
         if ids is None:
-            return mx.argmax(logits, axis=-1)
-        best = mx.argmax(logits, axis=-1)[:, None]
+            return row_argmax(logits)
+        best = row_argmax(logits)[:, None]
         return mx.take_along_axis(ids, best, axis=-1)[:, 0]
 
 

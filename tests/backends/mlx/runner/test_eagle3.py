@@ -84,18 +84,22 @@ def eagle3_dirs(tiny_model_dir, tmp_path_factory):
 
 
 def test_self_drafting_head_is_accepted_and_exact(eagle3_dirs):
-    """The CI case: one engine, greedy batch and max_tokens 1..5 equal transformers; >= 90%
-    of the drafts accepted under async scheduling."""
+    """The CI case: one engine, greedy batch and max_tokens 1..5 equal transformers; under
+    async scheduling vLLM's counters show every draft accepted, also beside a seeded request
+    with logprobs, which may not draft: the placeholders vLLM scheduled for it are named
+    invalid (`request_state._report_unfilled`), not counted as drafts rejected."""
     from tests.fixtures.oracles import hf_greedy
 
     target, head = eagle3_dirs["self_drafting"]
     expected = hf_greedy(target, PROMPTS, NEW_TOKENS)
+    no_drafts = {"max_tokens": NEW_TOKENS, "temperature": 0.8, "seed": 1, "logprobs": 1}
     jobs = [
         {"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]},
         {"prompts": [PROMPTS[1]] * 5, "params": [greedy(m) for m in range(1, 6)]},
+        {"prompts": PROMPTS[:2], "params": [greedy(NEW_TOKENS), no_drafts]},
         {"action": "async_scheduling"},
     ]
-    (batch, shorts, ran_async), counters = run_engine_job(
+    (batch, shorts, beside, ran_async), counters = run_engine_job(
         target,
         jobs,
         engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
@@ -105,9 +109,10 @@ def test_self_drafting_head_is_accepted_and_exact(eagle3_dirs):
     assert ran_async is True
     assert tokens(batch) == expected
     assert tokens(shorts) == [expected[1][:m] for m in range(1, 6)]
+    assert tokens(beside)[0] == expected[0]
     proposed = counters["vllm:spec_decode_num_draft_tokens"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    assert proposed > 0 and accepted >= 0.9 * proposed, counters
+    assert proposed > 0 and accepted == proposed, counters
 
 
 def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):

@@ -32,6 +32,7 @@ from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
+from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -196,7 +197,7 @@ class DeviceSampler:
             return None
         logits = apply_rules(logits, metadata)
         if metadata.all_greedy:
-            return Draw(mx.argmax(logits, axis=-1), logits)
+            return Draw(row_argmax(logits), logits)
         if not samples_random_rows(metadata):
             return None
         key = self.next_key()
@@ -208,7 +209,7 @@ class DeviceSampler:
         )
         greedy_rows = temperature < _SAMPLING_EPS
         if greedy_rows.any():
-            drawn = mx.where(mx.array(greedy_rows), mx.argmax(logits, axis=-1), drawn)
+            drawn = mx.where(mx.array(greedy_rows), row_argmax(logits), drawn)
         return Draw(drawn, processed)
 
 
@@ -232,7 +233,7 @@ def sample_rows(
         scaled = mx.where(probs < floor, -mx.inf, scaled)
     noise = mx.random.gumbel(shape=scaled.shape, key=key)
     if top_k is None and top_p is None:
-        return mx.argmax(scaled + noise, axis=-1), scaled
+        return row_argmax(scaled + noise), scaled
     vocab = scaled.shape[-1]
     order = mx.argsort(-scaled, axis=-1)  # descending
     ranked = mx.take_along_axis(scaled, order, axis=-1)
@@ -246,7 +247,7 @@ def sample_rows(
         before = mx.cumsum(probs, axis=-1) - probs
         p = mx.array(top_p.astype(np.float32))
         keep = keep & ((before < p[:, None]) | (mx.arange(vocab)[None, :] == 0))
-    choice = mx.argmax(mx.where(keep, ranked, -mx.inf) + noise, axis=-1)
+    choice = row_argmax(mx.where(keep, ranked, -mx.inf) + noise)
     kept = mx.put_along_axis(mx.zeros(keep.shape, mx.bool_), order, keep, axis=-1)
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0], mx.where(
         kept, scaled, -mx.inf

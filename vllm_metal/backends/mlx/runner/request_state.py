@@ -111,6 +111,7 @@ class RequestStates:
             filled = {r: fill_placeholders(d, proposed.get(r, ())) for r, d in drafts.items()}
             self.unfilled = {r: len(d) - len(filled[r]) for r, d in drafts.items()}
             drafts = filled
+            _report_unfilled(scheduler_output, self.unfilled)
         for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
             batch.remove_request(req_id)
 
@@ -256,6 +257,19 @@ class RequestStates:
             batch.token_ids_cpu[i, start:end] = token_ids
             batch.is_token_ids[i, start:end] = True
             batch.num_tokens_no_spec[i] = end
+
+
+def _report_unfilled(scheduler_output: SchedulerOutput, unfilled: dict[str, int]) -> None:
+    """Name the placeholders the runner had no draft for in the scheduler output's
+    `num_invalid_spec_tokens`, which vLLM's spec-decode statistics take off the step's draft
+    counts (as they take off drafts a grammar rejects), so the acceptance rate is that of the
+    drafts proposed. vLLM reads this very object back with the step's output where the worker
+    runs in the engine core's process (the `uni` executor, the default here); elsewhere, and
+    where vLLM sets the field again for a grammar's drafts, the counts stay vLLM's."""
+    invalid = {r: n for r, n in unfilled.items() if n}
+    if invalid:
+        known = scheduler_output.num_invalid_spec_tokens or {}
+        scheduler_output.num_invalid_spec_tokens = {**known, **invalid}
 
 
 def fill_placeholders(scheduled: list[int], proposed: Sequence[int]) -> list[int]:

@@ -24,6 +24,7 @@ from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models import ModelAdapter, load_model
+from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,6 +151,6 @@ class DraftModelDrafter(PagedDrafter):
     def _next_tokens(self, packed: PackedBatch) -> np.ndarray:
         """The argmax at `packed.logits_indices`, with the step's K/V written to the pool."""
         logits, _ = forward(self.adapter, self.pool, self.kinds, packed, {})
-        tokens = mx.argmax(logits, axis=-1)
+        tokens = row_argmax(logits)
         mx.eval(tokens, *self.pool.arrays())
         return np.array(tokens)

@@ -22,6 +22,7 @@ from vllm_metal.backends.mlx.runner.forward import layer_caches
 from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import mtp_module
+from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,7 +79,7 @@ class MTPDrafter(HeadDrafter):
         return self._run(packed, fed, j)
 
     def _draft_tokens(self, out: mx.array) -> mx.array:
-        return mx.argmax(self.target.adapter.logits(out).reshape(out.shape[0], -1), axis=-1)
+        return row_argmax(self.target.adapter.logits(out).reshape(out.shape[0], -1))
 
     def _run(self, packed: PackedBatch, hidden: mx.array, step: int) -> tuple[mx.array, mx.array]:
         """The head over `packed` (tokens at p + 1, positions p) with the hidden states of its

@@ -39,6 +39,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     step_logprobs,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import penalized
+from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -166,7 +167,7 @@ def device_verdicts(
     if not metadata.no_penalties:
         outputs = row_outputs(metadata.output_token_ids, num_draft, drafts)
         logits = penalized(logits, metadata, owner, outputs)
-    argmax = mx.argmax(logits, axis=-1)
+    argmax = row_argmax(logits)
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
     if metadata.all_greedy:
         return argmax, greedy_accept, logits
@@ -184,7 +185,7 @@ def device_verdicts(
     is_draft = (mx.arange(processed.shape[-1])[None, :] == d) & mx.array(real)[:, None]
     residual = mx.where(is_draft, -mx.inf, processed)
     noise = mx.random.gumbel(shape=residual.shape, key=residual_key)
-    recovered = mx.argmax(residual + noise, axis=-1)
+    recovered = row_argmax(residual + noise)
     sampled = mx.where(mx.array(is_target), mx.where(accept, d[:, 0], recovered), drawn)
     greedy = mx.array(temperature < _SAMPLING_EPS)
     return (
