@@ -104,10 +104,12 @@ class Sampling:
         if packed.num_draft_tokens.any() and verifies_on_device(
             batch.sampling_metadata, prompt_logprobs
         ):
-            *verdicts, processed = device_verdicts(logits, packed, batch, self.device.next_key())
-            verdicts = tuple(verdicts)
+            chosen, accepts, processed = device_verdicts(
+                logits, packed, batch, self.device.next_key()
+            )
+            verdicts = (chosen, accepts)
             logprobs = verdict_logprobs(
-                logits, verdicts[0], processed, batch.sampling_metadata, self.logprobs_mode
+                logits, chosen, processed, batch.sampling_metadata, self.logprobs_mode
             )
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
         pending = [logits, *prompt_logits.values(), *forward.kv_arrays, *(verdicts or ())]
