@@ -1,4 +1,5 @@
-"""`ops.argmax.row_argmax` against `mx.argmax` on MLX's CPU device, where it takes the blocked path."""
+"""`ops.argmax.row_argmax` against `mx.argmax` and numpy on MLX's CPU device, where it takes
+the blocked path."""
 
 from __future__ import annotations
 

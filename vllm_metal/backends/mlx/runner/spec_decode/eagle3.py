@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
-from vllm_metal.backends.mlx.runner.forward import layer_caches
+from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
 from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import eagle3
@@ -96,7 +96,7 @@ class Eagle3Drafter(HeadDrafter):
         rows: (normed output, the hidden state the next draft step reads)."""
         head = self.head
         caches = layer_caches(self.pool, packed, self.kinds)
-        token_ids = mx.array(packed.token_ids)[:, None]
+        token_ids = step_token_ids(packed)[:, None]
         if head.embed_tokens is not None:
             embeds = head.embed_tokens(token_ids)
         else:

@@ -162,25 +162,29 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         rows = rows[drafting]
         out, fed = out[at_last], fed[at_last]
         positions = start[rows] + count[rows] - 1
-        for j in range(int(caps[rows].max())):
-            if j > 0:
-                keep = caps[rows] > j
-                rows, positions = rows[keep], positions[keep]
-                if rows.size == 0:
-                    break
-                fed = fed[mx.array(np.nonzero(keep)[0].astype(np.int32))]
-                positions = positions + 1
-                chained = decode_batch(
-                    [req_ids[r] for r in rows],
-                    positions,
-                    np.array([drafts[r][-1] for r in rows], dtype=np.int32),
-                    [t[rows] for t in tables],
-                    states.block_sizes,
-                )
-                out, fed = self._chained(chained, fed, j)
+        tokens = self._draft_tokens(out)
+        drawn = [(rows, tokens)]  # each draft step's rows and drafts, read once at the end
+        for j in range(1, int(caps[rows].max())):
+            keep = caps[rows] > j
+            if not keep.any():
+                break
+            kept = mx.array(np.nonzero(keep)[0].astype(np.int32))
+            rows, positions = rows[keep], positions[keep] + 1
+            chained = decode_batch(
+                [req_ids[r] for r in rows],
+                positions,
+                np.zeros(rows.size, dtype=np.int32),
+                [t[rows] for t in tables],
+                states.block_sizes,
+            )
+            # Draft j - 1 is fed on the device (`PackedBatch.carried`): no wait between steps.
+            chained.carried = (np.arange(rows.size, dtype=np.int32), tokens[kept])
+            out, fed = self._chained(chained, fed[kept], j)
             tokens = self._draft_tokens(out)
-            mx.eval(tokens, fed, *self.pool.arrays())
-            for r, token in zip(rows, np.array(tokens).tolist()):
+            drawn.append((rows, tokens))
+        mx.eval(*(t for _, t in drawn), fed, *self.pool.arrays())
+        for step_rows, step_tokens in drawn:
+            for r, token in zip(step_rows, np.array(step_tokens).tolist()):
                 drafts[r].append(int(token))
         return drafts
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
-from vllm_metal.backends.mlx.runner.forward import layer_caches
+from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
 from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import mtp_module
@@ -87,6 +87,6 @@ class MTPDrafter(HeadDrafter):
         and the hidden state a chained step is fed (a head returning one array feeds it back)."""
         caches = layer_caches(self.pool, packed, self.kinds)
         layer = step % len(self.kinds)
-        embeds = self.target.adapter.embed(mx.array(packed.token_ids)[:, None])
+        embeds = self.target.adapter.embed(step_token_ids(packed)[:, None])
         out = self.head(embeds, hidden, caches[layer], step)
         return out if isinstance(out, tuple) else (out, out)

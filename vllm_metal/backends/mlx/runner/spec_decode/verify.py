@@ -1,7 +1,8 @@
 """Verification of drafts: on the device where rows are greedy or sampled with a temperature,
 top-k and top-p alone, with or without penalties and top logprobs (`verifies_on_device`,
-`device_verdicts`, `verified`), else with vLLM's own `RejectionSampler`. (Under speculative decoding vLLM builds
-no min-p or logit-bias processor: those parameters do nothing, here as there.)
+`device_verdicts`, `verified`), else with vLLM's own `RejectionSampler`. (Under speculative
+decoding vLLM builds no min-p or logit-bias processor: those parameters do nothing, here as
+there.)
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
 `[last sampled, d1..dk]`, so row j scores draft j+1 and the last row gives the bonus token. The
