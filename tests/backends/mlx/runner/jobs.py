@@ -75,6 +75,22 @@ def run_engine_job(
         return (out["results"], out["metrics"]) if with_metrics else out["results"]
 
 
+def plain_and_drafted(
+    model: str | Path, jobs: list[dict], speculative_config: dict, engine: dict
+) -> tuple[list[list[dict]], list[list[dict]], dict]:
+    """The jobs' results without speculation, with `speculative_config` drafting on every step
+    (the back-off off), and the drafting engine's metrics: two engines."""
+    plain = run_engine_job(model, jobs, engine=engine)
+    drafted, metrics = run_engine_job(
+        model,
+        jobs,
+        engine={**engine, "disable_log_stats": False, "speculative_config": speculative_config},
+        with_metrics=True,
+        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
+    )
+    return plain, drafted, metrics
+
+
 @functools.cache
 def _vllm_cpu_results(model: str, spec: str) -> str:
     return json.dumps(run_engine_job(model, json.loads(spec), backend="cpu"))

@@ -20,6 +20,7 @@ import pytest
 from tests.backends.mlx.runner.jobs import (
     assert_logprobs_match_hf,
     greedy,
+    plain_and_drafted,
     random_prompts,
     run_engine_job,
     tokens,
@@ -41,20 +42,6 @@ LEAK = 0.05  # the leaky head's noise: about half its drafts right (22, 8, 8 of 
 def spec(head) -> dict:
     # The self-drafting head reads 3 positions back: 3 masks (see tiny_dflash).
     return {"method": "dflash", "model": str(head), "num_speculative_tokens": 3}
-
-
-def plain_and_drafted(target, head, jobs, engine=ENGINE):
-    """The jobs' results without speculation, with `head` drafting on every step (the back-off
-    off), and the drafting engine's metrics."""
-    (plain,) = run_engine_job(target, jobs, engine=engine)
-    (drafted,), metrics = run_engine_job(
-        target,
-        jobs,
-        engine={**engine, "disable_log_stats": False, "speculative_config": spec(head)},
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
-    )
-    return plain, drafted, metrics
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +196,7 @@ def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_pat
     target = _target(tiny_model_dir, arch, tmp_path)
     head = write_dflash_head(target, tmp_path / "head")
     jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
-    plain, drafted, metrics = plain_and_drafted(target, head, jobs)
+    (plain,), (drafted,), metrics = plain_and_drafted(target, jobs, spec(head), ENGINE)
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
 
@@ -223,7 +210,7 @@ def test_requests_near_max_model_len_give_the_tokens_of_plain_decoding(dflash_di
     target, head = dflash_dirs["random"]
     engine = {**ENGINE, "max_model_len": 128}
     jobs = [{"prompts": random_prompts(5, [100, 118, 121]), "params": [greedy(30)]}]
-    plain, drafted, metrics = plain_and_drafted(target, head, jobs, engine)
+    (plain,), (drafted,), metrics = plain_and_drafted(target, jobs, spec(head), engine)
     assert [len(t) for t in tokens(plain)] == [28, 10, 7]  # cut by max_model_len
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
@@ -293,7 +280,7 @@ def test_self_drafting_head_over_a_quantized_cache(dflash_dirs, dtype):
         {"prompts": pairing_prompts([3, 9, BS - 5, 2 * BS + 3]), "params": [greedy(NEW_TOKENS)]}
     ]
     engine = {**ENGINE, "kv_cache_dtype": dtype}
-    plain, drafted, counters = plain_and_drafted(target, head, jobs, engine)
+    (plain,), (drafted,), counters = plain_and_drafted(target, jobs, spec(head), engine)
     assert tokens(drafted) == tokens(plain)
     proposed = counters["vllm:spec_decode_num_draft_tokens"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]

@@ -31,6 +31,7 @@ import pytest
 from tests.backends.mlx.runner.jobs import (
     assert_logprobs_match_hf,
     greedy,
+    plain_and_drafted,
     random_prompts,
     run_engine_job,
     tokens,
@@ -182,14 +183,7 @@ def test_other_targets_give_the_tokens_of_plain_decoding(tiny_model_dir, tmp_pat
         (target / "config.json").write_text(json.dumps(config))
     head = write_eagle3_head(target, tmp_path / "head")
     jobs = [{"prompts": PROMPTS, "params": [greedy(NEW_TOKENS)]}]
-    (plain,) = run_engine_job(target, jobs, engine=ENGINE)
-    (drafted,), metrics = run_engine_job(
-        target,
-        jobs,
-        engine={**ENGINE, "disable_log_stats": False, "speculative_config": spec(head)},
-        with_metrics=True,
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},
-    )
+    (plain,), (drafted,), metrics = plain_and_drafted(target, jobs, spec(head), ENGINE)
     assert tokens(drafted) == tokens(plain)
     assert metrics.get("vllm:spec_decode_num_draft_tokens", 0) > 0, metrics
 
