@@ -63,6 +63,9 @@ SAMPLED_PARAMS = [
     },
 ]
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
+# Ten tokens allowed, three of them stop tokens, masked for the first ten: the rules a verifying
+# step applies to each row besides penalties.
+RULES = {"allowed_token_ids": list(range(20, 30)), "min_tokens": 10, "stop_token_ids": [20, 21, 22]}
 STRUCTURED = [
     {
         "max_tokens": 120,
@@ -90,7 +93,10 @@ JOBS = [
     {"prompts": [REPETITIVE[0]], "params": [greedy(NEW_TOKENS)]},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
     {"prompts": SEEDED, "params": SEEDED_PARAMS},
-    {"prompts": REPETITIVE, "params": [greedy(NEW_TOKENS, **PENALTIES)]},
+    {
+        "prompts": [*REPETITIVE, REPETITIVE[0]],
+        "params": [greedy(NEW_TOKENS, **PENALTIES)] * 2 + [greedy(NEW_TOKENS, **RULES)],
+    },
     {"action": "async_scheduling"},  # last: the counter snapshots follow generating jobs only
 ]
 (
@@ -233,14 +239,18 @@ def test_greedy_equals_plain_and_transformers(request, models, plain, method):
 
 
 @pytest.mark.parametrize("method", ["ngram", "self_draft", "small_draft"])
-def test_greedy_with_penalties_equals_plain(request, plain, method):
-    """Greedy requests with presence, frequency and repetition penalties verify their drafts
-    with the drafts before each row counted (on the device, `verify.device_verdicts`): the
-    tokens of decoding without drafts. (The penalties keep the outputs from repeating, so the
-    n-gram proposer finds nothing to draft there.)"""
+def test_greedy_with_penalties_and_rules_equals_plain(request, plain, method):
+    """Greedy requests with presence, frequency and repetition penalties, or with allowed
+    tokens and a minimum length before their stop tokens, verify their drafts with the drafts
+    before each row counted (on the device, `verify.device_verdicts`): the tokens of decoding
+    without drafts. (The penalties keep the outputs from repeating, so the n-gram proposer
+    finds nothing to draft there.)"""
     results, metrics = request.getfixturevalue(method)
     base, _ = plain
     assert tokens(results[PENALIZED_JOB]) == tokens(base[PENALIZED_JOB])
+    ruled = results[PENALIZED_JOB][-1]["outputs"][0]
+    assert set(ruled["token_ids"]) <= set(RULES["allowed_token_ids"])
+    assert ruled["finish_reason"] == "stop" and len(ruled["token_ids"]) >= RULES["min_tokens"]
     if method != "ngram":
         assert _spec_counts(metrics, PENALIZED_JOB)["draft_tokens"] > 0
 

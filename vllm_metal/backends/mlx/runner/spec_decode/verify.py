@@ -1,8 +1,8 @@
 """Verification of drafts: on the device where rows are greedy or sampled with a temperature,
-top-k and top-p alone, with or without penalties and top logprobs (`verifies_on_device`,
-`device_verdicts`, `verified`), else with vLLM's own `RejectionSampler`. (Under speculative
-decoding vLLM builds no min-p or logit-bias processor: those parameters do nothing, here as
-there.)
+top-k and top-p, with or without penalties, allowed tokens, bad words, a minimum length and top
+logprobs (`verifies_on_device`, `device_verdicts`, `verified`), else with vLLM's own
+`RejectionSampler`. (Under speculative decoding vLLM builds no min-p or logit-bias processor:
+those parameters do nothing, here as there.)
 
 A request verifying k drafts has k+1 logits rows, in request order: the rows of
 `[last sampled, d1..dk]`, so row j scores draft j+1 and the last row gives the bonus token. The
@@ -39,7 +39,13 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     samples_random_rows,
     step_logprobs,
 )
-from vllm_metal.backends.mlx.runner.logits_rules import penalized
+from vllm_metal.backends.mlx.runner.logits_rules import (
+    allowed,
+    bad_word_bans,
+    masked,
+    min_tokens_masked,
+    penalized,
+)
 from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
@@ -117,31 +123,74 @@ def verify(
 def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
     """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
     or sampled with nothing but a temperature, top-k and top-p (no seed), and nothing the
-    `RejectionSampler` would apply first but presence, frequency and repetition penalties (no
-    bad words, allowed tokens, minimum length, thinking budget or custom processor); top
-    logprobs may be asked for, not logprobs of named tokens (vLLM's verification ignores those)
-    nor prompt logprobs. A grammar, known only when the step is sampled, sends it back."""
+    `RejectionSampler` would apply first but the rules `_rules` applies as it does (no thinking
+    budget or custom processor); top logprobs may be asked for, not logprobs of named tokens
+    (vLLM's verification ignores those) nor prompt logprobs. A grammar, known only when the step
+    is sampled, sends it back."""
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     sampled_ok = metadata.all_greedy or (not metadata.generators and samples_random_rows(metadata))
     return (
         sampled_ok
-        and not metadata.bad_words_token_ids
-        and metadata.allowed_token_ids_mask is None
         and not metadata.logprob_token_ids
         and not prompt_logprobs
         and not (holder is not None and holder.has_tracked_requests())
-        and not any(_acts(p) for p in metadata.logitsprocs.non_argmax_invariant)
+        and not any(_unapplied(p) for p in metadata.logitsprocs.non_argmax_invariant)
     )
 
 
-def _acts(processor) -> bool:
-    """Whether a processor that may move the argmax does anything this step (vLLM's own min
-    tokens and logit bias only while some row has them; any other always)."""
+def _unapplied(processor) -> bool:
+    """Whether a processor that may move the argmax acts this step and `_rules` does not apply
+    it (vLLM's logit bias while some row has one; any but vLLM's own)."""
     if isinstance(processor, MinTokensLogitsProcessor):
-        return bool(processor.min_toks)
+        return False
     if isinstance(processor, LogitBiasLogitsProcessor):
         return bool(processor.biases)
     return True
+
+
+def _rules(
+    logits: mx.array,
+    metadata: SamplingMetadata,
+    num_draft: np.ndarray,
+    drafts: np.ndarray,
+) -> mx.array:
+    """`logits` (`[S + drafts, V]`) after the rules vLLM 0.32 applies to verification rows:
+    the presence, frequency and repetition penalties, each row counting its request's outputs
+    and the drafts before it (`row_outputs`); the allowed tokens; bad words, each row's words
+    matched against those same tokens; and a minimum length, whose stop tokens a row scoring
+    a draft loses while its position is below the minimum and a bonus row while its request's
+    outputs so far are (vLLM's `Sampler` with `predict_bonus_token` counts no drafts there)."""
+    num_reqs = len(num_draft)
+    owner = np.repeat(np.arange(num_reqs), num_draft + 1)
+    bad_words = metadata.bad_words_token_ids
+    if not metadata.no_penalties or bad_words:
+        outputs = row_outputs(metadata.output_token_ids, num_draft, drafts)
+    if not metadata.no_penalties:
+        logits = penalized(logits, metadata, owner, outputs)
+    if metadata.allowed_token_ids_mask is not None:
+        logits = allowed(logits, metadata.allowed_token_ids_mask.numpy()[owner])
+    if bad_words:
+        words = {row: bad_words[i] for row, i in enumerate(owner.tolist()) if i in bad_words}
+        logits = masked(logits, *bad_word_bans(words, outputs, logits.shape[0]))
+    for processor in metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
+            logits = min_tokens_masked(logits, _min_tokens_rows(processor.min_toks, num_draft))
+    return logits
+
+
+def _min_tokens_rows(min_toks: dict, num_draft: np.ndarray) -> dict:
+    """vLLM's `MinTokensLogitsProcessor.min_toks` (request -> (minimum, outputs, stop ids,
+    structured)) keyed by the logits rows whose stop tokens it masks: a request's rows scoring
+    drafts at positions below its minimum, and its bonus row."""
+    first_row, _ = _rows(num_draft)
+    rows = {}
+    for i, entry in min_toks.items():
+        if i >= len(num_draft):
+            continue
+        below = min(max(entry[0] - len(entry[1]), 0), int(num_draft[i]))
+        for j in [*range(below), int(num_draft[i])]:
+            rows[int(first_row[i]) + j] = entry
+    return rows
 
 
 def device_verdicts(
@@ -150,8 +199,8 @@ def device_verdicts(
     """Per logits row (`[S + drafts]`, each request's rows of `[last sampled, d1..dk]`): the
     token it gives and whether it accepts the draft it scores, by vLLM's rejection rules with
     no draft probabilities (a draft is a point mass), and the `[S + drafts, V]` logits its token
-    was taken from (what vLLM's processed logprobs read). Penalties come first, each row's
-    counting its request's outputs and the drafts before it (`row_outputs`). A greedy row
+    was taken from (what vLLM's processed logprobs read). Each request's rules come first
+    (`_rules`: penalties, allowed tokens, bad words, a minimum length). A greedy row
     accepts while its argmax is the draft and gives its argmax. A sampled row's probabilities
     `p` are the softmax of its logits after its request's temperature, top-k and top-p; it
     accepts draft `d` with probability `p[d]` (giving `d`), else gives a token drawn from `p`
@@ -165,9 +214,7 @@ def device_verdicts(
     draft = np.full(num_rows, -1, dtype=np.int64)
     draft[target] = drafts
     metadata = batch.sampling_metadata
-    if not metadata.no_penalties:
-        outputs = row_outputs(metadata.output_token_ids, num_draft, drafts)
-        logits = penalized(logits, metadata, owner, outputs)
+    logits = _rules(logits, metadata, num_draft, drafts)
     argmax = row_argmax(logits)
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
     if metadata.all_greedy:

@@ -1,0 +1,63 @@
+"""Steps verifying drafts in hand-built schedules, and their outputs by the device's verdicts
+and by vLLM's own `RejectionSampler` over the same logits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.backends.mlx.runner.schedules import Cached, new_req, sample, schedule, span, step
+from vllm_metal.backends.mlx.runner.spec_decode import verify
+
+
+def three_verifying(states, params=None, drafts=None):
+    """a (three drafts), b (two, the second a placeholder) and c (none) verifying after their
+    prompts, sampled with `params` (req_id -> SamplingParams; greedy without). a's output so
+    far is [500], b's [600], c's [700]."""
+    params = params or {}
+    step(
+        states,
+        schedule(
+            {"a": 7, "b": 3, "c": 4},
+            new=[
+                new_req(r, span(base, n), [[block]], params=params.get(r))
+                for r, base, n, block in (("a", 100, 7, 5), ("b", 200, 3, 4), ("c", 300, 4, 6))
+            ],
+        ),
+    )
+    sample(states, {"a": 500, "b": 600, "c": 700})
+    drafts = drafts or {"a": [501, 502, 503], "b": [601, -1]}
+    scheduled = {r: 1 + len(drafts.get(r, [])) for r in "abc"}
+    cached = [Cached("a", 7, 1, ([9],)), Cached("b", 3, 1), Cached("c", 4, 1, ([10],))]
+    return step(states, schedule(scheduled, cached=cached, drafts=drafts)), drafts
+
+
+def device_outputs(states, packed, logits: np.ndarray, key: int, logprobs_mode=None):
+    """The outputs the device's verdicts give; with `logprobs_mode`, (outputs, logprobs)."""
+    import mlx.core as mx
+
+    logits = mx.array(logits)
+    batch = states.input_batch
+    tokens, accepts, processed = verify.device_verdicts(logits, packed, batch, mx.random.key(key))
+    logprobs = None
+    if logprobs_mode is not None:
+        rows = verify.verdict_logprobs(
+            logits, tokens, processed, batch.sampling_metadata, logprobs_mode
+        )
+        logprobs = tuple(np.array(a) for a in rows)
+    out, lists = verify.verified(
+        np.array(tokens), np.array(accepts), packed, states.vocab_size, logprobs
+    )
+    return out if logprobs_mode is None else (out, lists)
+
+
+def vllm_outputs(states, packed, logits: np.ndarray, logprobs_mode: str = "raw_logprobs"):
+    """(outputs, logprobs) of vLLM's `RejectionSampler` over the same logits."""
+    import torch
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+
+    register_rejection_kernels()  # as the engine does at start-up
+    sampler = RejectionSampler(Sampler(logprobs_mode=logprobs_mode))
+    return verify.verify(sampler, torch.from_numpy(logits), packed, states)
