@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.harness.phases import PHASES
 from bench.harness.report.format import CPU_NOTE, num, quick_note, ratio
 from bench.harness.report.publish import regenerate
 
@@ -16,10 +17,6 @@ CAVEAT = (
     "kernels (its pure-MLX ops run instead) and another GPU's speeds. Only the ratios between "
     "engines of one run mean anything; no figure here is an Apple figure."
 )
-PHASES = (("graph_build_ms", "graph build"), ("host_other_ms", "host, outside the graph"),
-          ("submit_ms", "submit (mx.async_eval)"),
-          ("wait_ms", "wait for logits"), ("sample_ms", "sampling"),
-          ("engine_other_ms", "engine around the runner"), ("step_ms", "whole step"))  # fmt: skip
 
 
 def _engines(report: dict[str, Any]) -> list[str]:
@@ -70,7 +67,9 @@ def _markdown(report: dict[str, Any]) -> str:
             phases = case.get("phases")
             if phases:
                 lines.append(
-                    f"| {name} | {n} | " + " | ".join(num(phases[k], 2) for k, _ in PHASES) + " |"
+                    f"| {name} | {n} | "
+                    + " | ".join(num(phases.get(k), 2) for k, _ in PHASES)
+                    + " |"
                 )
     lines += _attention(report)
     for name in names:

@@ -15,16 +15,15 @@ attention over a contiguous cache (`run_attention`).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.harness.phases import PhaseTimers, profiled
 
 
 def prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -75,86 +74,6 @@ def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- plugin
 
 
-class PhaseTimers:
-    """Wall time of a step's phases, by wrapping the runner's and engine's methods: graph build
-    (the model state's `hidden_states` and `logits`: the forward's own Python), host other (the
-    rest of `execute_model`: request state, packing, metadata), submit (`mx.async_eval`), wait
-    (the logits, or the tokens sampled on the device, reaching the host), sampling (vLLM's sampler and the write-back: the
-    rest of `sample_step`) and the engine around them (scheduler, output processing: the rest of
-    `LLMEngine.step`). Under async scheduling `execute_model` first samples the step before it;
-    that sampling counts as sampling, not as the step's build."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, float] = {}
-        self.steps = 0
-        self._depth: list[str] = []
-
-    def timed(self, name: str, fn: Any) -> Any:
-        timers = self
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            timers._depth.append(name)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - t0
-                timers._depth.pop()
-                timers.records[name] = timers.records.get(name, 0.0) + seconds
-                if name == "sample_step" and "execute_model" in timers._depth:
-                    key = "sample_step_in_execute"
-                    timers.records[key] = timers.records.get(key, 0.0) + seconds
-                if name == "execute_model":
-                    timers.steps += 1
-
-        return call
-
-    def install(self) -> None:
-        import mlx.core as mx
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        from vllm_metal.backends.mlx.runner import model_runner, sample
-        from vllm_metal.backends.mlx.runner.model_states import decoder, interface
-
-        LLMEngine.step = self.timed("engine_step", LLMEngine.step)
-        sample.sample_step = self.timed("sample_step", sample.sample_step)
-        sample.to_torch = self.timed("wait", sample.to_torch)
-        if hasattr(sample, "to_host"):  # the tokens of a step sampled on the device
-            sample.to_host = self.timed("wait", sample.to_host)
-        runner = model_runner.MLXModelRunner
-        runner.execute_model = self.timed("execute_model", runner.execute_model)
-        submit = self.timed("submit", mx.async_eval)
-        plain = mx.async_eval
-        mx.async_eval = lambda *a: (submit if "execute_model" in self._depth else plain)(*a)
-        for cls in (interface.ModelState, decoder.DecoderState):
-            for attr in ("hidden_states", "logits"):
-                if attr in vars(cls):
-                    setattr(cls, attr, self.timed("graph", vars(cls)[attr]))
-
-    def reset(self) -> None:
-        self.records, self.steps = {}, 0
-
-    def summary(self) -> dict[str, float]:
-        """Mean ms per model step of each phase over a round (its prefill steps included: one or
-        two of the round's hundreds)."""
-        r = {k: v * 1e3 / max(1, self.steps) for k, v in self.records.items()}
-        get = lambda k: r.get(k, 0.0)
-        graph = get("graph")
-        build = get("execute_model") - get("submit") - get("sample_step_in_execute")
-        return {
-            "graph_build_ms": round(graph, 3),
-            "host_other_ms": round(build - graph, 3),
-            "submit_ms": round(get("submit"), 3),
-            "wait_ms": round(get("wait"), 3),
-            "sample_ms": round(get("sample_step") - get("wait"), 3),
-            "engine_other_ms": round(
-                get("engine_step") - build - get("submit") - get("sample_step"), 3
-            ),
-            "step_ms": round(get("engine_step"), 3),
-            "steps": self.steps,
-        }
-
-
 def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     import sys
 
@@ -195,15 +114,7 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
         cases[str(n)] = {**generate(n, spec["output_len"]), "phases": timers.summary()}
     profiles = {}
     for n in spec["profile_streams"]:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        generate(n, spec["profile_tokens"])
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats(45)
-        profiles[str(n)] = text.getvalue()
+        profiles[str(n)] = profiled(lambda n=n: generate(n, spec["profile_tokens"]))
     return {"cases": cases, "profiles": profiles, "engine_start_s": round(engine_start_s, 1),
             "plugin_path": str(Path(vllm_metal.__file__).parent), "device": device_facts()}  # fmt: skip
 

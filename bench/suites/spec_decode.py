@@ -26,6 +26,10 @@ spec-decode counters. Ratios are taken between cases of the same run.
     python -m bench.run spec_decode --out docs/benchmarks            # ~15 min on 2 cores
     python -m bench.run spec_decode --quick --out /tmp/spec-quick    # tiny model, checks the harness
 
+`--profile` runs each engine core in its case's process and adds where its steps go: mean ms a step
+in each phase (`bench.harness.phases.PhaseTimers`: graph build, host work, submit, waits, sampling,
+drafting, the engine around them) and a cProfile of one more round.
+
 `--quick`: the tiny model, 8 output tokens, one round, and the n-gram case of the repetitive
 workload alone (its speedups over plain decoding are then not measured); `--quick --peers` adds the
 plain and draft-model cases of that workload.
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.checkpoints import write_draftable, write_layer_subset, write_model
+from bench.harness.phases import PhaseTimers, profiled
 from bench.harness.single_stream import make_prompts
 from bench.harness.stages import (
     add_case_choice,
@@ -201,6 +206,11 @@ def spec_figures(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    timers = None
+    if args.profile:  # the engine core in this process, its steps timed by phase
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        timers = PhaseTimers()
+        timers.install()
     from vllm import LLM
 
     n = case["concurrency"]
@@ -210,18 +220,24 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(args.num_prompts * max(1, n) + 1, args.input_len, args.seed)
     warm_up(llm, prompts[0])
     before = _spec_counters(llm)
+    if timers is not None:
+        timers.reset()
     tpots, rates = [], []
     for r in range(args.num_prompts):
         round_tpots, rate = run_round(llm, case, args, prompts[1 + r * n : 1 + (r + 1) * n], r * n)
         tpots += round_tpots
         rates.append(rate)
-    return {
+    result = {
         **case,
         "engine_start_s": round(engine_start_s, 1),
         "median_tpot_ms": statistics.median(tpots),
         "output_tok_s": statistics.median(rates),
         **spec_figures(llm, before),
     }
+    if timers is not None:  # then one more round of the first prompts, under cProfile
+        result["phases"] = timers.summary()
+        result["profile"] = profiled(lambda: run_round(llm, case, args, prompts[1 : 1 + n], 0))
+    return result
 
 
 # ------------------------------------------------------------------------------- the whole run
@@ -278,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     add_case_choice(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="engines in-process: each step's phases (bench.harness.phases), and a cProfile of "
+        "one more round of each case",
+    )
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in-process
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -308,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model", str(model), "--dtype", args.dtype, "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--seed", str(args.seed), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
+        *(["--profile"] if args.profile else []),
     ]  # fmt: skip
     chosen = cases(str(draft), str(eagle3_head), args.concurrency)
     if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone

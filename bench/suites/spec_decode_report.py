@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.harness.phases import PHASES
 from bench.harness.report.format import NOT_MEASURED, num, speedup_bars
 from bench.harness.report.publish import publish, regenerate, targets_table
 
@@ -92,7 +93,24 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Ratios (same run)", "", "| ratio | value |", "|---|---:|"]
     for key, value in summary["speedups"].items():
         lines.append(f"| {key} | {NOT_MEASURED if value is None else num(value, 2) + 'x'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *_phases(cases)]) + "\n"
+
+
+def _phases(cases: dict[str, Any]) -> list[str]:
+    """With `--profile`: each case's mean step split into phases, and its cProfile."""
+    profiled = {name: c for name, c in cases.items() if c.get("phases")}
+    if not profiled:
+        return []
+    lines = ["", "## A step, mean ms by phase (`--profile`, engines in-process)", "",
+             "| case | steps | " + " | ".join(label for _, label in PHASES) + " |",
+             "|---|---:|" + "---:|" * len(PHASES)]  # fmt: skip
+    for name, c in profiled.items():
+        phases = c["phases"]
+        values = " | ".join(num(phases.get(k), 2) for k, _ in PHASES)
+        lines.append(f"| {name} | {phases.get('steps')} | {values} |")
+    for name, c in profiled.items():
+        lines += ["", f"### cProfile: {name}", "", "```", c.get("profile", "").strip(), "```"]
+    return lines
 
 
 def _plot(report: dict[str, Any], plt: Any) -> Any:

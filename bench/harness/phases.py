@@ -1,0 +1,119 @@
+"""Where an in-process engine's steps go (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the
+engine core runs in the calling process): `PhaseTimers` splits a step's wall time by wrapping
+the runner's and engine's methods, `profiled` gives a cProfile of one call."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+from collections.abc import Callable
+from typing import Any
+
+# `PhaseTimers.summary`'s keys, in a step's order, with the reports' column names.
+PHASES = (("graph_build_ms", "graph build"), ("host_other_ms", "host, outside the graph"),
+          ("submit_ms", "submit (mx.async_eval)"), ("wait_ms", "wait for logits"),
+          ("sample_ms", "sampling"), ("draft_ms", "drafting"),
+          ("engine_other_ms", "engine around the runner"), ("step_ms", "whole step"))  # fmt: skip
+
+
+class PhaseTimers:
+    """Wall time of a step's phases, by wrapping the runner's and engine's methods: graph build
+    (the model state's `hidden_states` and `logits`: the forward's own Python), host other (the
+    rest of `execute_model`: request state, packing, metadata), submit (`mx.async_eval`), wait
+    (the logits, or the tokens sampled on the device, reaching the host), sampling (vLLM's
+    sampler and the write-back: the rest of `sample_step`), drafting under speculative decoding
+    (`SpecDecoder.after_step`: the drafter's proposal, its own waits included) and the engine
+    around them (scheduler, output processing: the rest of `LLMEngine.step`). Under async
+    scheduling `execute_model` first samples the step before it; that sampling (and drafting)
+    counts as sampling (and drafting), not as the step's build."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, float] = {}
+        self.steps = 0
+        self._depth: list[str] = []
+
+    def timed(self, name: str, fn: Any) -> Any:
+        timers = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            timers._depth.append(name)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - t0
+                timers._depth.pop()
+                timers.records[name] = timers.records.get(name, 0.0) + seconds
+                if name in ("sample_step", "draft") and "execute_model" in timers._depth:
+                    key = f"{name}_in_execute"
+                    timers.records[key] = timers.records.get(key, 0.0) + seconds
+                if name == "execute_model":
+                    timers.steps += 1
+
+        return call
+
+    def install(self) -> None:
+        import mlx.core as mx
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from vllm_metal.backends.mlx.runner import model_runner, sample
+        from vllm_metal.backends.mlx.runner.model_states import decoder, interface
+        from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
+
+        LLMEngine.step = self.timed("engine_step", LLMEngine.step)
+        sample.sample_step = self.timed("sample_step", sample.sample_step)
+        sample.to_torch = self.timed("wait", sample.to_torch)
+        if hasattr(sample, "to_host"):  # the tokens of a step sampled on the device
+            sample.to_host = self.timed("wait", sample.to_host)
+        SpecDecoder.after_step = self.timed("draft", SpecDecoder.after_step)
+        runner = model_runner.MLXModelRunner
+        runner.execute_model = self.timed("execute_model", runner.execute_model)
+        submit = self.timed("submit", mx.async_eval)
+        plain = mx.async_eval
+        mx.async_eval = lambda *a: (submit if "execute_model" in self._depth else plain)(*a)
+        for cls in (interface.ModelState, decoder.DecoderState):
+            for attr in ("hidden_states", "logits"):
+                if attr in vars(cls):
+                    setattr(cls, attr, self.timed("graph", vars(cls)[attr]))
+
+    def reset(self) -> None:
+        self.records, self.steps = {}, 0
+
+    def summary(self) -> dict[str, float]:
+        """Mean ms per model step of each phase over a round (its prefill steps included: one or
+        two of the round's hundreds)."""
+        r = {k: v * 1e3 / max(1, self.steps) for k, v in self.records.items()}
+        get = lambda k: r.get(k, 0.0)
+        graph = get("graph")
+        inside = get("sample_step_in_execute") + get("draft_in_execute")
+        build = get("execute_model") - get("submit") - inside
+        return {
+            "graph_build_ms": round(graph, 3),
+            "host_other_ms": round(build - graph, 3),
+            "submit_ms": round(get("submit"), 3),
+            "wait_ms": round(get("wait"), 3),
+            "sample_ms": round(get("sample_step") - get("wait"), 3),
+            "draft_ms": round(get("draft"), 3),
+            "engine_other_ms": round(
+                get("engine_step") - build - get("submit") - get("sample_step") - get("draft"),
+                3,
+            ),
+            "step_ms": round(get("engine_step"), 3),
+            "steps": self.steps,
+        }
+
+
+def profiled(run: Callable[[], Any], top: int = 25, cumulative: int = 45) -> str:
+    """`run()` under cProfile: its `top` functions by own time, then `cumulative` by time
+    with their callees."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(cumulative)
+    return text.getvalue()
