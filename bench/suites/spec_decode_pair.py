@@ -36,7 +36,7 @@ def run_pair(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rounds = args.num_prompts + 1
     prompts = make_prompts(rounds * n + 1, args.input_len, args.seed)
     for llm in engines.values():
-        warm_up(llm, prompts[0])
+        warm_up(llm, prompts[0], args.output_len)
     before = _spec_counters(engines["spec"])
     tpot: dict[str, list[float]] = {mode: [] for mode in MODES}
     rate: dict[str, list[float]] = {mode: [] for mode in MODES}
