@@ -41,7 +41,7 @@ from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
 from vllm_metal.backends.mlx.runner.spec_decode.verify import (
     device_verdicts,
     verdict_logprobs,
-    verified,
+    verdict_outputs,
     verifies_on_device,
     verify,
 )
@@ -101,14 +101,12 @@ class Sampling:
         tokens, logprobs, values = self.device.outputs(logits, batch, self.logprobs_mode)
         verdicts = None
         prompt_logprobs = bool(prompt_rows) or bool(self.states.num_prompt_logprobs)
-        if packed.num_draft_tokens.any() and verifies_on_device(
-            batch.sampling_metadata, prompt_logprobs
-        ):
+        if packed.num_draft_tokens.any() and verifies_on_device(self.states, prompt_logprobs):
             chosen, accepts, processed = device_verdicts(
                 logits, packed, batch, self.device.next_key()
             )
             verdicts = (chosen, accepts)
-            logprobs = verdict_logprobs(
+            logprobs, values = verdict_logprobs(
                 logits, chosen, processed, batch.sampling_metadata, self.logprobs_mode
             )
         # Evaluating the cache writes with the logits keeps every step's graph self-contained.
@@ -199,14 +197,14 @@ def sample_step(
     if step.grammar_output is not None:
         step.verdicts = None  # the grammar's masks come first: the host verifies
     if step.verdicts is not None:
-        tokens, accepts = (to_host(a) for a in step.verdicts)
-        logprobs = step.device_logprobs
-        sampled, logprobs = verified(
-            tokens,
-            accepts,
+        sampled, logprobs = verdict_outputs(
+            step.verdicts,
+            step.device_logprobs,
+            step.logprob_values,
+            step.logits,
             step.packed,
-            states.vocab_size,
-            None if logprobs is None else tuple(to_host(a) for a in logprobs),
+            states,
+            sampler,
         )
         return _recorded(states, step.packed.req_ids, sampled, logprobs, {})
     why, host_rows = host_route(step, states, device)

@@ -104,17 +104,14 @@ def resample_drafts(
     first = np.asarray(metadata.cu_num_sampled_tokens) - num_draft - 1
     drafts = metadata.draft_token_ids.tolist()
     draft_start = np.asarray(metadata.cu_num_draft_tokens) - num_draft
-    logit_rows, owners, generators = [], [], {}
+    logit_rows, owners, positions = [], [], []
     for i in rows:
-        seed, start = _seed(states, i), int(batch.num_tokens_no_spec[i])
+        start = int(batch.num_tokens_no_spec[i])
         for j in range(int(num_draft[i]) + 1):
-            generator = torch.Generator(device=logits.device)
-            generator.manual_seed(position_seed(seed, start + j))
-            generators[len(logit_rows)] = generator
             logit_rows.append(int(first[i]) + j)
             owners.append(i)
-    tokens = sampler(logits[logit_rows], _metadata(states, owners, generators)).sampled_token_ids
-    tokens = tokens.view(-1).tolist()
+            positions.append(start + j)
+    tokens = draws_by_position(sampler, logits[logit_rows], owners, positions, states)
     at = 0
     for i in rows:
         k, own = int(num_draft[i]), drafts[int(draft_start[i]) : int(draft_start[i] + num_draft[i])]
@@ -125,6 +122,25 @@ def resample_drafts(
                 break
         sampled[i] = torch.tensor(row, dtype=sampled.dtype)
         at += k + 1
+
+
+def draws_by_position(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    owners: list[int],
+    positions: list[int],
+    states: RequestStates,
+) -> list[int]:
+    """A token from each logits row (`[len(owners), V]`, after its request's rules), row r
+    drawn with the temperature, top-k and top-p of batch row `owners[r]` and the generator of
+    its seed keyed to `positions[r]`: the token decoding without drafts samples there."""
+    generators = {}
+    for r, (i, position) in enumerate(zip(owners, positions)):
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(position_seed(_seed(states, i), position))
+        generators[r] = generator
+    drawn = sampler(logits, _metadata(states, owners, generators)).sampled_token_ids
+    return drawn.view(-1).tolist()
 
 
 def host_rows(states: RequestStates) -> list[int] | None:
@@ -181,9 +197,12 @@ def _metadata(
 
 def _min_p(states: RequestStates, owners: list[int]) -> LogitsProcessors:
     """vLLM's min-p processor holding each owner's min-p for its logits row (none if no owner
-    asks for min-p)."""
+    asks for min-p, or where vLLM built none for the batch: under speculative decoding)."""
     params = [_params(states, i) for i in owners]
-    if not any(p is not None and p.min_p for p in params):
+    built = any(
+        isinstance(p, MinPLogitsProcessor) for p in states.input_batch.logitsprocs.argmax_invariant
+    )
+    if not built or not any(p is not None and p.min_p for p in params):
         return LogitsProcessors()
     processor = MinPLogitsProcessor(states.vllm_config, torch.device("cpu"), False)
     added = [(row, p, None, []) for row, p in enumerate(params)]

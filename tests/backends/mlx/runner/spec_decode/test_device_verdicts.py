@@ -32,7 +32,7 @@ def test_greedy_drafts_verified_on_the_device_as_by_vllms_rejection_sampler(stat
             # Each draft the argmax with probability 3/4; else (and for the bonus) another.
             hit = j < len(proposed) and proposed[j] >= 0 and rng.random() < 0.75
             logits[row, proposed[j] if hit else int(rng.integers(1, 99))] = 20.0
-    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
     got = device_outputs(states, packed, logits, seed)
     want, _ = vllm_outputs(states, packed, logits)
     assert got == want
@@ -49,7 +49,7 @@ def test_sampled_drafts_verified_on_the_device_keep_the_targets_distribution(sta
 
     sampled = SamplingParams(temperature=0.8, top_k=4)
     packed, _ = three_verifying(states, {"a": sampled, "c": sampled})
-    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
     logits = np.full((packed.num_tokens, states.vocab_size), -10.0, dtype=np.float32)
     kept = {  # row -> {token: logit}; each row's top 4, the draft it scores among them
         0: {501: 1.5, 10: 2.0, 11: 1.0, 12: 0.3},
@@ -87,7 +87,7 @@ def test_logprobs_of_device_verification_are_vllms(states, mode):
     greedy = SamplingParams(temperature=0.0, logprobs=3)
     hot = SamplingParams(temperature=0.8, top_k=4, logprobs=3)
     packed, _ = three_verifying(states, {"a": greedy, "b": greedy, "c": hot})
-    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     for row, token in ((0, 501), (1, 502), (2, 40), (4, 601), (5, 55), (7, 70)):
@@ -115,7 +115,7 @@ def test_penalties_count_the_drafts_before_each_row_as_in_vllm(states, mode):
         "c": SamplingParams(temperature=0.0, frequency_penalty=0.5, logprobs=2),
     }
     packed, _ = three_verifying(states, params)
-    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
     rng = np.random.default_rng(2)
     logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     for row, values in {  # a's output so far is 500, b's prompt 200..202 and output 600, c's 700
@@ -154,7 +154,7 @@ def test_allowed_tokens_bad_words_and_min_tokens_as_in_vllm(states, c_stops, mod
     c = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[70], logprobs=2)
     drafts = {"a": [501, 502, 503], "b": [601, -1], "c": [701, 702]}
     packed, _ = three_verifying(states, {"a": a, "b": b, "c": c}, drafts)
-    assert verify.verifies_on_device(states.input_batch.sampling_metadata, prompt_logprobs=False)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
     rng = np.random.default_rng(3)
     logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     rows = {
@@ -177,3 +177,34 @@ def test_allowed_tokens_bad_words_and_min_tokens_as_in_vllm(states, c_stops, mod
     assert_array_equal(got_logprobs.logprob_token_ids, want_logprobs.logprob_token_ids)
     assert_array_equal(got_logprobs.sampled_token_ranks, want_logprobs.sampled_token_ranks)
     np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
+    """A seeded sampled request verifying three drafts (each its row's likeliest token), and a
+    seeded one with a presence penalty and top-2 logprobs that does not draft, beside a greedy
+    one: the step is verified on the device, the seeded requests' rows drawn by position on
+    the host. Tokens and logprobs equal those of the host's path (vLLM's `RejectionSampler`,
+    then the seeded rows redrawn by position, `seeded.resample_drafts`)."""
+    params = {
+        "a": SamplingParams(temperature=0.8, top_k=4, seed=seed),
+        "c": SamplingParams(temperature=1.0, seed=100 + seed, presence_penalty=0.5, logprobs=2),
+    }
+    packed, _ = three_verifying(states, params)
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
+    for row, draft in ((0, 501), (1, 502), (2, 503), (4, 601), (5, 55)):
+        logits[row, draft] = 5.0
+    logits[7, 700] = 3.0  # c's output so far, which its presence penalty lowers
+    got, got_logprobs = device_outputs(states, packed, logits, seed, "raw_logprobs")
+    want, want_logprobs = vllm_outputs(states, packed, logits)
+    assert got == want
+    assert got[1] == [601, 55]
+    # c's logprobs (a's rows have some too, the step's largest k, which vLLM hands no one: the
+    # host's are those of the token before a's redraw).
+    c_rows = slice(*want_logprobs.cu_num_generated_tokens[2:4])
+    assert got_logprobs.cu_num_generated_tokens == want_logprobs.cu_num_generated_tokens
+    for name in ("logprob_token_ids", "sampled_token_ranks", "logprobs"):
+        got_c, want_c = getattr(got_logprobs, name)[c_rows], getattr(want_logprobs, name)[c_rows]
+        np.testing.assert_allclose(got_c, want_c, rtol=1e-5, atol=1e-5, err_msg=name)

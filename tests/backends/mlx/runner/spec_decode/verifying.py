@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.backends.mlx.runner.schedules import Cached, new_req, sample, schedule, span, step
+from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.spec_decode import verify
 
 
@@ -32,20 +33,20 @@ def three_verifying(states, params=None, drafts=None):
 
 
 def device_outputs(states, packed, logits: np.ndarray, key: int, logprobs_mode=None):
-    """The outputs the device's verdicts give; with `logprobs_mode`, (outputs, logprobs)."""
+    """The outputs the device's verdicts give (seeded requests' drawn by position on the host,
+    as a step sampled takes them); with `logprobs_mode`, (outputs, logprobs)."""
     import mlx.core as mx
+    from vllm.v1.sample.sampler import Sampler
 
     logits = mx.array(logits)
     batch = states.input_batch
     tokens, accepts, processed = verify.device_verdicts(logits, packed, batch, mx.random.key(key))
-    logprobs = None
-    if logprobs_mode is not None:
-        rows = verify.verdict_logprobs(
-            logits, tokens, processed, batch.sampling_metadata, logprobs_mode
-        )
-        logprobs = tuple(np.array(a) for a in rows)
-    out, lists = verify.verified(
-        np.array(tokens), np.array(accepts), packed, states.vocab_size, logprobs
+    logprobs, values = verify.verdict_logprobs(
+        logits, tokens, processed, batch.sampling_metadata, logprobs_mode or "raw_logprobs"
+    )
+    sampler = Sampler(logprobs_mode=logprobs_mode or "raw_logprobs")
+    out, lists = verify.verdict_outputs(
+        (tokens, accepts), logprobs, values, logits, packed, states, sampler
     )
     return out if logprobs_mode is None else (out, lists)
 
@@ -60,4 +61,5 @@ def vllm_outputs(states, packed, logits: np.ndarray, logprobs_mode: str = "raw_l
 
     register_rejection_kernels()  # as the engine does at start-up
     sampler = RejectionSampler(Sampler(logprobs_mode=logprobs_mode))
+    seeded.reseed(states)  # as a step sampled on the host is
     return verify.verify(sampler, torch.from_numpy(logits), packed, states)

@@ -9,7 +9,8 @@ A request verifying k drafts has k+1 logits rows, in request order: the rows of
 sampler accepts drafts by vLLM's rules (greedy: while the draft is the argmax; random: with
 probability min(1, p_target/p_draft), else a token from the residual distribution), which keeps
 the output distribution of non-speculative sampling. Seeded sampled rows are then verified by
-position (`seeded.py`), which keeps their tokens those of decoding without drafts. Its Triton
+position (`seeded.py`; on the device's path, `seeded_by_position`, only their logits rows are
+copied), which keeps their tokens those of decoding without drafts. Its Triton
 kernels run as the torch implementations in `kernels.py`.
 """
 
@@ -38,6 +39,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     sample_rows,
     samples_random_rows,
     step_logprobs,
+    with_tokens,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import (
     allowed,
@@ -46,10 +48,12 @@ from vllm_metal.backends.mlx.runner.logits_rules import (
     min_tokens_masked,
     penalized,
 )
+from vllm_metal.backends.mlx.runner.tensors import to_host, to_torch
 from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
 
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
 
@@ -120,15 +124,20 @@ def verify(
     )
 
 
-def verifies_on_device(metadata: SamplingMetadata, prompt_logprobs: bool) -> bool:
+def verifies_on_device(states: RequestStates, prompt_logprobs: bool) -> bool:
     """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
-    or sampled with nothing but a temperature, top-k and top-p (no seed), and nothing the
-    `RejectionSampler` would apply first but the rules `_rules` applies as it does (no thinking
-    budget or custom processor); top logprobs may be asked for, not logprobs of named tokens
-    (vLLM's verification ignores those) nor prompt logprobs. A grammar, known only when the step
-    is sampled, sends it back."""
+    or sampled with nothing but a temperature, top-k and top-p (a seeded row's verdicts are
+    then drawn by position on the host, `seeded_by_position`, unless one asks for a grammar or
+    a thinking budget), and nothing the `RejectionSampler` would apply first but the rules
+    `_rules` applies as it does (no thinking budget or custom processor); top logprobs may be
+    asked for, not logprobs of named tokens (vLLM's verification ignores those) nor prompt
+    logprobs. A grammar, known only when the step is sampled, sends it back."""
+    metadata = states.input_batch.sampling_metadata
     holder = getattr(metadata, "thinking_budget_state_holder", None)
-    sampled_ok = metadata.all_greedy or (not metadata.generators and samples_random_rows(metadata))
+    sampled_ok = metadata.all_greedy or (
+        samples_random_rows(metadata)
+        and (not metadata.generators or seeded.host_rows(states) is not None)
+    )
     return (
         sampled_ok
         and not metadata.logprob_token_ids
@@ -249,15 +258,73 @@ def verdict_logprobs(
     processed: mx.array,
     metadata: SamplingMetadata,
     logprobs_mode: str,
-) -> tuple[mx.array, mx.array, mx.array] | None:
+) -> tuple[tuple[mx.array, mx.array, mx.array] | None, mx.array | None]:
     """Every row's logprobs (`device_sampling.step_logprobs`) of the token its verdict gives
     (`device_verdicts`: `tokens`, and `processed`, the logits those were taken from), as vLLM's
-    `RejectionSampler` takes them from the target's raw or processed logits; None when the step
-    asks for none. `verified` keeps the rows of the tokens output."""
+    `RejectionSampler` takes them from the target's raw or processed logits, and the values
+    they were read from (`logprob_values`); (None, None) when the step asks for none.
+    `verified` keeps the rows of the tokens output."""
     if metadata.max_num_logprobs is None:
-        return None
+        return None, None
     values = logprob_values(logits, Draw(tokens, processed), logprobs_mode)
-    return step_logprobs(values, tokens, metadata)
+    return step_logprobs(values, tokens, metadata), values
+
+
+def verdict_outputs(
+    verdicts: tuple[mx.array, mx.array],
+    logprobs: tuple[mx.array, mx.array, mx.array] | None,
+    values: mx.array | None,
+    logits: mx.array,
+    packed: PackedBatch,
+    states: RequestStates,
+    sampler: Sampler,
+) -> tuple[list[list[int]], LogprobsLists | None]:
+    """Each request's output tokens and their logprobs from the device's verdicts (`tokens`,
+    `accepts` of `device_verdicts`; `logprobs` and `values` of `verdict_logprobs`), its seeded
+    requests' drawn by position (`seeded_by_position`) with their logprobs of those tokens."""
+    tokens, accepts = (np.array(to_host(a)) for a in verdicts)
+    if states.input_batch.generators:
+        drawn = seeded_by_position(logits, packed, states, sampler, tokens, accepts)
+        if logprobs is not None and drawn:
+            logprobs = with_tokens(logprobs, values, drawn)
+    host = None if logprobs is None else tuple(to_host(a) for a in logprobs)
+    return verified(tokens, accepts, packed, states.vocab_size, host)
+
+
+def seeded_by_position(
+    logits: mx.array,
+    packed: PackedBatch,
+    states: RequestStates,
+    sampler: Sampler,
+    tokens: np.ndarray,
+    accepts: np.ndarray,
+) -> dict[int, int]:
+    """The verdicts (`tokens`, `accepts`: host copies, changed in place) of the step's seeded
+    requests drawn by position instead (`seeded.py`): each of their logits rows, after its
+    rules (`_rules`) and copied to the host, gives the token the request samples at its
+    position (`seeded.draws_by_position`) and accepts its draft where that token is the draft,
+    so their tokens are those of decoding without drafts. The rows drawn: row -> token."""
+    batch = states.input_batch
+    num_draft = packed.num_draft_tokens.astype(np.int64)
+    requests = [i for i in sorted(batch.generators) if i < len(num_draft) and not packed.discard[i]]
+    if not requests:
+        return {}
+    first_row, target = _rows(num_draft)
+    drafts = _drafts(batch, num_draft)
+    rows, owners, positions = [], [], []
+    for i in requests:
+        start = int(batch.num_tokens_no_spec[i])
+        for j in range(int(num_draft[i]) + 1):
+            rows.append(int(first_row[i]) + j)
+            owners.append(i)
+            positions.append(start + j)
+    ruled = _rules(logits, batch.sampling_metadata, num_draft, drafts)[mx.array(rows)]
+    drawn = seeded.draws_by_position(sampler, to_torch(ruled), owners, positions, states)
+    draft = np.full(len(tokens), -1, dtype=np.int64)
+    draft[target] = drafts
+    tokens[rows] = drawn
+    accepts[rows] = np.array(drawn) == draft[rows]
+    return dict(zip(rows, drawn))
 
 
 def verified(
