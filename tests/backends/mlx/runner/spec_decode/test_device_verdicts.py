@@ -182,13 +182,15 @@ def test_allowed_tokens_bad_words_and_min_tokens_as_in_vllm(states, c_stops, mod
 @pytest.mark.parametrize("seed", range(4))
 def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
     """A seeded sampled request verifying three drafts (each its row's likeliest token), and a
-    seeded one with a presence penalty and top-2 logprobs that does not draft, beside a greedy
-    one: the step is verified on the device, the seeded requests' rows drawn by position on
+    seeded one with a presence penalty, a min-p (which vLLM does not apply under speculative
+    decoding) and top-2 logprobs that does not draft, beside a greedy one: the step is verified on the device, the seeded requests' rows drawn by position on
     the host. Tokens and logprobs equal those of the host's path (vLLM's `RejectionSampler`,
     then the seeded rows redrawn by position, `seeded.resample_drafts`)."""
     params = {
         "a": SamplingParams(temperature=0.8, top_k=4, seed=seed),
-        "c": SamplingParams(temperature=1.0, seed=100 + seed, presence_penalty=0.5, logprobs=2),
+        "c": SamplingParams(
+            temperature=1.0, seed=100 + seed, presence_penalty=0.5, min_p=0.2, logprobs=2
+        ),
     }
     packed, _ = three_verifying(states, params)
     assert verify.verifies_on_device(states, prompt_logprobs=False)
