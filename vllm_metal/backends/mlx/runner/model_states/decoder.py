@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm_metal.backends.mlx import cpu_layers
+from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.forward import hidden_states
 from vllm_metal.backends.mlx.runner.model_states.interface import ModelState, StepInputs
@@ -56,6 +58,8 @@ class DecoderState(ModelState):
                 f"model={config.model!r}: the MLX model has {adapter.num_layers} "
                 f"layers but the config says {self.num_layers}"
             )
+        if device_kind() == "cpu":
+            cpu_layers.install(adapter.model, config.max_model_len)
         self.layer_kinds = adapter.layer_kinds()
         stage = "" if self.layers is None else f"pipeline stage {self.layers}; "
         return (

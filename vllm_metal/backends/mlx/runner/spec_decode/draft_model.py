@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.backends.mlx import cpu_layers
+from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import forward
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import PagedDrafter, block_tables
@@ -70,6 +72,8 @@ class DraftModelDrafter(PagedDrafter):
             download_dir=self.download_dir,
             trust_remote_code=self.model_config.trust_remote_code,
         )
+        if device_kind() == "cpu":
+            cpu_layers.install(adapter.model, self.model_config.max_model_len)
         self.kinds = adapter.layer_kinds()
         self.layer_names = [DRAFT_LAYER_PREFIX + n for n in adapter.attention_layer_names]
 
