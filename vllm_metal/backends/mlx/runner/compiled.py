@@ -97,6 +97,10 @@ class CompiledDecode:
         self._forward_aux = mx.compile(self._trace_aux)
         self._cu: dict[tuple[int, int], mx.array] = {}
         self.steps = 0  # steps run compiled (tests read it)
+        # Step shapes met so far (`_shape`), and how many: a step of a new one traces the
+        # forward and builds its kernels, so its time says little of the next ones'.
+        self._shapes: set[tuple] = set()
+        self.traces = 0
         self.verify_steps = 0  # of which verifying drafts
         # Why tracing the forward failed (the model's decode steps then stay eager), or None.
         self.failed: str | None = None
@@ -142,6 +146,10 @@ class CompiledDecode:
             slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
             slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
             slots.append(mx.array(slot))
+        shape = (aux is not None, rows, width, *(t.shape[1] for t in tables))
+        if shape not in self._shapes:
+            self._shapes.add(shape)
+            self.traces += 1
         self._pool = pool
         forward = self._forward
         if aux is not None:

@@ -214,6 +214,7 @@ class MLXModelRunner:
                 inputs,
                 stage_hidden=stages.from_previous(intermediate_tensors, self.state.compute_dtype),
             )
+        traces = self.state.compiled_traces
         hidden = self.state.hidden_states(self.kv_pool, packed, inputs)
         kv_arrays = [] if self.kv_pool is None else self.kv_pool.arrays()
         if inputs.drafts is not None:
@@ -230,6 +231,7 @@ class MLXModelRunner:
             inputs.drafts,
             self.kv_pool,
             None if inputs.aux is None else inputs.aux.states,
+            traced=self.state.compiled_traces != traces,
         )
         output = self.output.finish_step(self.state, forward)
         if self.lora is not None:

@@ -37,6 +37,7 @@ class Forward:
     drafts: StepDrafts | None = None
     kv_pool: KVPool | None = None  # the pool the step ran on
     aux_hidden: mx.array | None = None  # the aux states an EAGLE-3 head reads (`AuxHidden`)
+    traced: bool = False  # the compiled forward traced a new shape for the step
 
 
 class OutputStage(Protocol):

@@ -125,6 +125,7 @@ class Sampling:
             logprob_values=values,
             verdicts=verdicts,
             started=forward.started,
+            traced=forward.traced,
             kv_connector_output=None if connector is None else connector.finish(scheduler_output),
             drafts=forward.drafts,
             hidden=forward.hidden if self._drafter_reads_hidden else None,

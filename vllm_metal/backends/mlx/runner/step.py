@@ -49,6 +49,7 @@ class StepState:
     # (`spec_decode.verify.device_verdicts`); None: the host verifies them.
     verdicts: tuple[mx.array, mx.array] | None = None
     started: float = 0.0  # perf_counter() when execute_model began
+    traced: bool = False  # its compiled forward traced a new shape (`Forward.traced`)
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
     kv_connector_output: KVConnectorOutput | None = None  # the step's KV transfers

@@ -139,7 +139,7 @@ def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatc
         num_scheduled=np.array([1, 1]), num_draft_tokens=np.array([0, 0]), req_ids=["a", "b"]
     )
     for k in range(3):
-        step_k = SimpleNamespace(packed=packed, started=0.001 * k)
+        step_k = SimpleNamespace(packed=packed, started=0.001 * k, traced=False)
         spec._record_rate(step_k, [[7], [8]], verified=False)
     plain = backoff.buckets[batch_bucket(2)].plain
     assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(2 / 0.010)
@@ -166,11 +166,36 @@ def test_drafting_steps_count_the_drafters_time_once(vllm_config, monkeypatch, b
     for k, out in enumerate(outputs):
         previous = out - 0.020
         start = previous - 0.001 if began == "before_the_drafts" else previous + 0.014
-        spec._record_rate(SimpleNamespace(packed=packed, started=start), [[1, 2, 3]], True)
+        step = SimpleNamespace(packed=packed, started=start, traced=False)
+        spec._record_rate(step, [[1, 2, 3]], True)
         spec._drafted = 0.004  # as after_step records its propose
     cost = 0.020 if began == "before_the_drafts" else 0.010
     rate = backoff.buckets[batch_bucket(1)].spec
     assert rate.samples == 4 and rate.tokens_per_s == pytest.approx(3 / cost)
+
+
+def test_a_step_that_traced_a_compiled_shape_is_not_timed(vllm_config, monkeypatch):
+    """Verifying steps 20 ms apart but for one that traced a new compiled shape (500 ms): the
+    drafting mode's rate is that of the others, so a trace does not switch drafting off."""
+    from types import SimpleNamespace
+
+    from vllm_metal.backends.mlx.runner.spec_decode import decoder as decoder_module
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    spec = _decoder(vllm_config, backoff)
+    gaps = [0.020, 0.020, 0.500, 0.020, 0.020]
+    outputs = np.cumsum(gaps).tolist()
+    clock = iter(outputs)
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    packed = SimpleNamespace(
+        num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
+    )
+    for k, gap in enumerate(gaps):
+        step = SimpleNamespace(packed=packed, started=outputs[k] - gap, traced=gap > 0.1)
+        spec._record_rate(step, [[1, 2, 3]], True)
+    rate = backoff.buckets[batch_bucket(1)].spec
+    assert rate.samples == 4 and rate.tokens_per_s == pytest.approx(3 / 0.020)
 
 
 def test_a_step_read_right_after_the_previous_one_does_not_inflate_its_modes_rate():

@@ -117,6 +117,10 @@ class DecoderState(ModelState):
             quant=self.kv_cache_quant(),
         )
 
+    @property
+    def compiled_traces(self) -> int:
+        return 0 if self.compiled is None else self.compiled.traces
+
     def hidden_states(
         self, pool: KVPool | None, packed: PackedBatch, inputs: StepInputs
     ) -> mx.array:

@@ -222,6 +222,12 @@ class ModelState:
         """This step's inputs beyond the packed batch (a plain decoder has none)."""
         return NO_INPUTS
 
+    @property
+    def compiled_traces(self) -> int:
+        """How many step shapes the state's compiled forward has traced (0 where it has none):
+        a step during which this grew paid for tracing (`compiled.CompiledDecode`)."""
+        return 0
+
     def hidden_states(
         self, pool: KVPool | None, packed: PackedBatch, inputs: StepInputs
     ) -> mx.array:

@@ -101,10 +101,11 @@ class SpecDecoder:
 
     def _record_rate(self, step: StepState, sampled: list[list[int]], verified: bool) -> None:
         """The step's token rate, for decode steps only (one known token per row, drafts aside:
-        a prefill chunk's cost says nothing about what drafting costs). Its cost is the time
-        since the previous step's output was recorded, which includes the drafting done after
-        that output; where the step began only after that drafting (the engine waited between),
-        the time since its start and the drafting instead. A step carried one ahead starts
+        a prefill chunk's cost says nothing about what drafting costs) that traced no new
+        compiled shape (tracing it and building its kernels costs many steps' time, once). Its
+        cost is the time since the previous step's output was recorded, which includes the
+        drafting done after that output; where the step began only after that drafting (the
+        engine waited between), the time since its start and the drafting instead. A step carried one ahead starts
         before the previous one's output, and a step that verifies drafts under async scheduling
         starts before they are proposed: either way no time counts twice, so neither mode is
         measured slower than it runs."""
@@ -112,7 +113,7 @@ class SpecDecoder:
         since = max(self._recorded_at, step.started - self._drafted)
         self._recorded_at, self._drafted = now, 0.0
         packed = step.packed
-        if (packed.num_scheduled - packed.num_draft_tokens != 1).any():
+        if step.traced or (packed.num_scheduled - packed.num_draft_tokens != 1).any():
             return
         tokens = sum(len(s) for s in sampled)
         self.backoff.record_decode_step(len(packed.req_ids), tokens, now - since, verified)
