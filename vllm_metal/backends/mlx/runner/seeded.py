@@ -104,13 +104,7 @@ def resample_drafts(
     first = np.asarray(metadata.cu_num_sampled_tokens) - num_draft - 1
     drafts = metadata.draft_token_ids.tolist()
     draft_start = np.asarray(metadata.cu_num_draft_tokens) - num_draft
-    logit_rows, owners, positions = [], [], []
-    for i in rows:
-        start = int(batch.num_tokens_no_spec[i])
-        for j in range(int(num_draft[i]) + 1):
-            logit_rows.append(int(first[i]) + j)
-            owners.append(i)
-            positions.append(start + j)
+    logit_rows, owners, positions = verification_rows(states, rows, first, num_draft)
     tokens = draws_by_position(sampler, logits[logit_rows], owners, positions, states)
     at = 0
     for i in rows:
@@ -122,6 +116,22 @@ def resample_drafts(
                 break
         sampled[i] = torch.tensor(row, dtype=sampled.dtype)
         at += k + 1
+
+
+def verification_rows(
+    states: RequestStates, requests: list[int], first_row: np.ndarray, num_draft: np.ndarray
+) -> tuple[list[int], list[int], list[int]]:
+    """The logits rows of batch rows `requests` in a step verifying drafts (request i's rows
+    first_row[i] .. first_row[i] + num_draft[i]), each row's request, and the position each
+    samples (the request's tokens so far, then one more a row)."""
+    rows, owners, positions = [], [], []
+    for i in requests:
+        start = int(states.input_batch.num_tokens_no_spec[i])
+        for j in range(int(num_draft[i]) + 1):
+            rows.append(int(first_row[i]) + j)
+            owners.append(i)
+            positions.append(start + j)
+    return rows, owners, positions
 
 
 def draws_by_position(

@@ -311,13 +311,7 @@ def seeded_by_position(
         return {}
     first_row, target = _rows(num_draft)
     drafts = _drafts(batch, num_draft)
-    rows, owners, positions = [], [], []
-    for i in requests:
-        start = int(batch.num_tokens_no_spec[i])
-        for j in range(int(num_draft[i]) + 1):
-            rows.append(int(first_row[i]) + j)
-            owners.append(i)
-            positions.append(start + j)
+    rows, owners, positions = seeded.verification_rows(states, requests, first_row, num_draft)
     ruled = _rules(logits, batch.sampling_metadata, num_draft, drafts)[mx.array(rows)]
     drawn = seeded.draws_by_position(sampler, to_torch(ruled), owners, positions, states)
     draft = np.full(len(tokens), -1, dtype=np.int64)
