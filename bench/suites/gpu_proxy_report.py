@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.harness.phases import PHASES
+from bench.harness.phases import PHASES as ALL_PHASES
 from bench.harness.report.format import CPU_NOTE, num, quick_note, ratio
 from bench.harness.report.publish import regenerate
 
@@ -17,6 +17,10 @@ CAVEAT = (
     "kernels (its pure-MLX ops run instead) and another GPU's speeds. Only the ratios between "
     "engines of one run mean anything; no figure here is an Apple figure."
 )
+
+
+# A plugin step's phases; its engines do not draft (`spec_decode --profile` reports drafting).
+PHASES = tuple(p for p in ALL_PHASES if p[0] != "draft_ms")
 
 
 def _engines(report: dict[str, Any]) -> list[str]:
