@@ -97,8 +97,9 @@ class CompiledDecode:
         self._forward_aux = mx.compile(self._trace_aux)
         self._cu: dict[tuple[int, int], mx.array] = {}
         self.steps = 0  # steps run compiled (tests read it)
-        # Step shapes met so far (`_shape`), and how many: a step of a new one traces the
-        # forward and builds its kernels, so its time says little of the next ones'.
+        # Step shapes met so far (rows, query width, block-table widths, with aux or not), and
+        # how many: a step of a new one traces the forward and builds its kernels, so its time
+        # says little of the next ones'.
         self._shapes: set[tuple] = set()
         self.traces = 0
         self.verify_steps = 0  # of which verifying drafts

@@ -105,10 +105,10 @@ class SpecDecoder:
         compiled shape (tracing it and building its kernels costs many steps' time, once). Its
         cost is the time since the previous step's output was recorded, which includes the
         drafting done after that output; where the step began only after that drafting (the
-        engine waited between), the time since its start and the drafting instead. A step carried one ahead starts
-        before the previous one's output, and a step that verifies drafts under async scheduling
-        starts before they are proposed: either way no time counts twice, so neither mode is
-        measured slower than it runs."""
+        engine waited between), the time since its start and the drafting instead. A step
+        carried one ahead starts before the previous one's output, and a step that verifies
+        drafts under async scheduling starts before they are proposed: either way no time counts
+        twice, so neither mode is measured slower than it runs."""
         now = time.perf_counter()
         since = max(self._recorded_at, step.started - self._drafted)
         self._recorded_at, self._drafted = now, 0.0
