@@ -49,6 +49,7 @@ def _main_common(run) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_main_quick(run_suite) -> None:
     run = run_suite("main")
     res = _main_common(run)
