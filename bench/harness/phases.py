@@ -60,19 +60,24 @@ class PhaseTimers:
 
         from vllm_metal.backends.mlx.runner import model_runner, sample
         from vllm_metal.backends.mlx.runner.model_states import decoder, interface
+        from vllm_metal.backends.mlx.runner.spec_decode import verify
         from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
 
         LLMEngine.step = self.timed("engine_step", LLMEngine.step)
         sample.sample_step = self.timed("sample_step", sample.sample_step)
         sample.to_torch = self.timed("wait", sample.to_torch)
-        if hasattr(sample, "to_host"):  # the tokens of a step sampled on the device
-            sample.to_host = self.timed("wait", sample.to_host)
+        for module in (sample, verify):  # the tokens (or verdicts) drawn on the device
+            if hasattr(module, "to_host"):
+                module.to_host = self.timed("wait", module.to_host)
         SpecDecoder.after_step = self.timed("draft", SpecDecoder.after_step)
         runner = model_runner.MLXModelRunner
         runner.execute_model = self.timed("execute_model", runner.execute_model)
         submit = self.timed("submit", mx.async_eval)
         plain = mx.async_eval
-        mx.async_eval = lambda *a: (submit if "execute_model" in self._depth else plain)(*a)
+        # The step's own submit: not a drafter's, which counts as drafting.
+        mx.async_eval = lambda *a: (
+            submit if "execute_model" in self._depth and "draft" not in self._depth else plain
+        )(*a)
         for cls in (interface.ModelState, decoder.DecoderState):
             for attr in ("hidden_states", "logits"):
                 if attr in vars(cls):
