@@ -75,6 +75,15 @@ def _drafts(batch: InputBatch, num_draft: np.ndarray) -> np.ndarray:
     )
 
 
+def _row_drafts(num_draft: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Each logits row's draft (`[S + drafts]`): the draft it scores, -1 on a bonus row (and
+    where the scheduler's placeholder is)."""
+    _, target = _rows(num_draft)
+    draft = np.full(int(num_draft.sum()) + len(num_draft), -1, dtype=np.int64)
+    draft[target] = drafts
+    return draft
+
+
 def row_outputs(
     outputs: list[list[int]], num_draft: np.ndarray, drafts: np.ndarray
 ) -> list[list[int]]:
@@ -216,20 +225,18 @@ def device_verdicts(
     without `d`; the last row of a request (its bonus) draws from `p`. Placeholders (-1) are
     never accepted. Lazy."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
-    num_reqs, num_rows = len(num_draft), int(num_draft.sum()) + len(num_draft)
+    num_reqs = len(num_draft)
     owner = np.repeat(np.arange(num_reqs), num_draft + 1)
-    _, target = _rows(num_draft)
     drafts = _drafts(batch, num_draft)
-    draft = np.full(num_rows, -1, dtype=np.int64)
-    draft[target] = drafts
+    draft = _row_drafts(num_draft, drafts)
     metadata = batch.sampling_metadata
     logits = _rules(logits, metadata, num_draft, drafts)
     argmax = row_argmax(logits)
     greedy_accept = argmax == mx.array(draft.astype(np.int32))
     if metadata.all_greedy:
         return argmax, greedy_accept, logits
-    is_target = np.zeros(num_rows, dtype=bool)
-    is_target[target] = True
+    is_target = np.zeros(len(draft), dtype=bool)
+    is_target[_rows(num_draft)[1]] = True
     temperature = batch.temperature_cpu[:num_reqs][owner]
     top_k = None if batch.no_top_k else batch.top_k_cpu[:num_reqs][owner]
     top_p = None if batch.no_top_p else batch.top_p_cpu[:num_reqs][owner]
@@ -309,13 +316,12 @@ def seeded_by_position(
     requests = [i for i in sorted(batch.generators) if i < len(num_draft) and not packed.discard[i]]
     if not requests:
         return {}
-    first_row, target = _rows(num_draft)
+    first_row, _ = _rows(num_draft)
     drafts = _drafts(batch, num_draft)
     rows, owners, positions = seeded.verification_rows(states, requests, first_row, num_draft)
     ruled = _rules(logits, batch.sampling_metadata, num_draft, drafts)[mx.array(rows)]
     drawn = seeded.draws_by_position(sampler, to_torch(ruled), owners, positions, states)
-    draft = np.full(len(tokens), -1, dtype=np.int64)
-    draft[target] = drafts
+    draft = _row_drafts(num_draft, drafts)
     tokens[rows] = drawn
     accepts[rows] = np.array(drawn) == draft[rows]
     return dict(zip(rows, drawn))
