@@ -33,6 +33,7 @@ class PhaseTimers:
         self.records: dict[str, float] = {}
         self.steps = 0
         self._depth: list[str] = []
+        self.kinds = StepKinds()
 
     def timed(self, name: str, fn: Any) -> Any:
         timers = self
@@ -71,7 +72,7 @@ class PhaseTimers:
                 module.to_host = self.timed("wait", module.to_host)
         SpecDecoder.after_step = self.timed("draft", SpecDecoder.after_step)
         runner = model_runner.MLXModelRunner
-        runner.execute_model = self.timed("execute_model", runner.execute_model)
+        runner.execute_model = self.kinds.wrap(self.timed("execute_model", runner.execute_model))
         submit = self.timed("submit", mx.async_eval)
         plain = mx.async_eval
         # The step's own submit: not a drafter's, which counts as drafting.
@@ -85,6 +86,7 @@ class PhaseTimers:
 
     def reset(self) -> None:
         self.records, self.steps = {}, 0
+        self.kinds.reset()
 
     def summary(self) -> dict[str, float]:
         """Mean ms per model step of each phase over a round (its prefill steps included: one or
@@ -107,7 +109,70 @@ class PhaseTimers:
             ),
             "step_ms": round(get("engine_step"), 3),
             "steps": self.steps,
+            "kinds": self.kinds.summary(),
         }
+
+
+class StepKinds:
+    """Each model step by kind, with the wall time from its start to the next step's start
+    (what it costs the stream, whatever overlaps): a decode step that verifies drafts or not,
+    one whose tokens went in on the device from the step before (`carried in`: built one
+    ahead), one run through the compiled forward, or a step with prefill rows."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self._last: tuple[str, float] | None = None
+
+    def wrap(self, execute_model: Any) -> Any:
+        kinds = self
+
+        def call(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            pipeline = getattr(runner.output, "pipeline", None)
+            compiled = getattr(runner.state, "compiled", None)
+            before = (
+                None if pipeline is None else pipeline.carried_steps,
+                None if compiled is None else compiled.steps,
+            )
+            started = time.perf_counter()
+            try:
+                return execute_model(runner, *args, **kwargs)
+            finally:
+                executed = None if pipeline is None else pipeline.executed
+                if executed is not None:
+                    after = (pipeline.carried_steps, None if compiled is None else compiled.steps)
+                    kinds._add(kind_of(executed.packed, before, after), started)
+
+        return call
+
+    def _add(self, kind: str, started: float) -> None:
+        if self._last is not None:
+            last_kind, last_started = self._last
+            self.seconds.setdefault(last_kind, []).append(started - last_started)
+        self._last = (kind, started)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind: its steps and their mean ms (the round's last step, with no next one,
+        left out)."""
+        return {
+            kind: {"steps": len(s), "ms": round(sum(s) * 1e3 / len(s), 3)}
+            for kind, s in sorted(self.seconds.items())
+        }
+
+
+def kind_of(packed: Any, before: tuple, after: tuple) -> str:
+    """'prefill', or 'decode' / 'verify' with ', carried in' and ', compiled' where they hold."""
+    drafts = packed.num_draft_tokens
+    if (packed.num_scheduled - drafts != 1).any():
+        return "prefill"
+    kind = "verify" if drafts.any() else "decode"
+    if before[0] is not None and after[0] > before[0]:
+        kind += ", carried in"
+    if before[1] is not None and after[1] > before[1]:
+        kind += ", compiled"
+    return kind
 
 
 def profiled(run: Callable[[], Any], top: int = 25, cumulative: int = 45) -> str:

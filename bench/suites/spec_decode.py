@@ -239,8 +239,28 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     }
     if timers is not None:  # then one more round of the first prompts, under cProfile
         result["phases"] = timers.summary()
+        result["backoff_rates"] = backoff_rates(llm)
         result["profile"] = profiled(lambda: run_round(llm, case, args, prompts[1 : 1 + n], 0))
     return result
+
+
+def backoff_rates(llm: Any) -> dict[str, dict[str, Any]]:
+    """In-process: what the back-off measured, per batch bucket (`backoff.batch_bucket`): the
+    token rate of decode steps that verified drafts and of those that did not, with their
+    samples, and which it took for the faster when it last decided."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    if runner.spec is None:
+        return {}
+    return {
+        str(b): {
+            "spec_tok_s": round(k.spec.tokens_per_s, 1),
+            "spec_samples": k.spec.samples,
+            "plain_tok_s": round(k.plain.tokens_per_s, 1),
+            "plain_samples": k.plain.samples,
+            "faster_is_spec": k.faster_is_spec,
+        }
+        for b, k in sorted(runner.spec.backoff.buckets.items())
+    }
 
 
 # ------------------------------------------------------------------------------- the whole run
@@ -336,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         *(["--profile"] if args.profile else []),
     ]  # fmt: skip
     chosen = cases(str(draft), str(eagle3_head), args.concurrency)
-    if args.quick:  # one engine of each kind (plain, n-gram, draft model), or n-gram alone
+    if args.quick and not args.cases:  # one engine of each kind, or n-gram alone
         quick = QUICK_CASES if runs_peers(args) else ("ngram_repetitive",)
         chosen = [c for c in chosen if c["name"] in quick]
     chosen = pick_cases(p, args, chosen)

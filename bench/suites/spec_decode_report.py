@@ -108,8 +108,32 @@ def _phases(cases: dict[str, Any]) -> list[str]:
         phases = c["phases"]
         values = " | ".join(num(phases.get(k), 2) for k, _ in PHASES)
         lines.append(f"| {name} | {phases.get('steps')} | {values} |")
+    lines += _kinds(profiled)
     for name, c in profiled.items():
         lines += ["", f"### cProfile: {name}", "", "```", c.get("profile", "").strip(), "```"]
+    return lines
+
+
+def _kinds(profiled: dict[str, Any]) -> list[str]:
+    """Each case's steps by kind (`phases.StepKinds`) and what its back-off measured."""
+    if not any(c["phases"].get("kinds") for c in profiled.values()):
+        return []
+    lines = ["", "### Steps by kind: count, mean ms from its start to the next step's", "",
+             "| case | kind | steps | ms |", "|---|---|---:|---:|"]  # fmt: skip
+    for name, c in profiled.items():
+        for kind, k in c["phases"].get("kinds", {}).items():
+            lines.append(f"| {name} | {kind} | {k['steps']} | {num(k['ms'], 2)} |")
+    rated = {name: c["backoff_rates"] for name, c in profiled.items() if c.get("backoff_rates")}
+    if rated:
+        lines += ["", "### The back-off's rates (tok/s, samples) by batch bucket", "",
+                  "| case | bucket | drafting | plain | faster |", "|---|---:|---:|---:|---|"]  # fmt: skip
+        for name, buckets in rated.items():
+            for b, r in buckets.items():
+                faster = {True: "drafting", False: "plain", None: "—"}[r["faster_is_spec"]]
+                lines.append(
+                    f"| {name} | {b} | {num(r['spec_tok_s'], 1)} ({r['spec_samples']}) | "
+                    f"{num(r['plain_tok_s'], 1)} ({r['plain_samples']}) | {faster} |"
+                )
     return lines
 
 

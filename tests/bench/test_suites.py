@@ -248,6 +248,11 @@ def test_gpu_proxy_quick(run_suite) -> None:
     for case in plugin["cases"].values():
         assert case["decode_tok_s"] > 0 and case["phases"]["steps"] > 0
         assert case["phases"]["step_ms"] >= case["phases"]["graph_build_ms"] > 0
+        # Its decode steps are told apart by kind: under async scheduling each takes the
+        # tokens of the step before on the device (built one ahead).
+        kinds = case["phases"]["kinds"]
+        assert kinds and all(k["steps"] > 0 and k["ms"] > 0 for k in kinds.values()), kinds
+        assert any(kind.startswith("decode, carried in") for kind in kinds), kinds
     assert "execute_model" in plugin["profiles"]["1"]  # the profile is of the engine's steps
     attention = data["attention"]
     assert attention["status"] == "ok", attention
