@@ -208,6 +208,7 @@ def test_a_step_read_right_after_the_previous_one_does_not_inflate_its_modes_rat
     for _ in range(20):
         backoff.record_decode_step(1, 1, 0.100, verified_drafts=False)
         backoff.record_decode_step(1, 1, 0.008, verified_drafts=False)
+    for _ in range(20):
         backoff.record_decode_step(1, 3, 0.115, verified_drafts=True)
     plain = backoff.buckets[batch_bucket(1)].plain.tokens_per_s
     assert 1 / 0.075 < plain < 1 / 0.040
@@ -216,9 +217,9 @@ def test_a_step_read_right_after_the_previous_one_does_not_inflate_its_modes_rat
 
 def _measured(spec_rate: float, plain_rate: float, num_decoding: int = 1) -> Backoff:
     backoff = Backoff()
-    for _ in range(4):
-        backoff.record_decode_step(num_decoding, 10, 10 / spec_rate, verified_drafts=True)
-        backoff.record_decode_step(num_decoding, 10, 10 / plain_rate, verified_drafts=False)
+    for verified, rate in ((True, spec_rate), (False, plain_rate)):
+        for _ in range(5):
+            backoff.record_decode_step(num_decoding, 10, 10 / rate, verified_drafts=verified)
     return backoff
 
 
@@ -237,20 +238,38 @@ def test_backoff_keeps_the_faster_mode_per_batch_size_and_retries_the_other():
     assert slow.choose(["a"], [4], 16) == [0]
     # Batch sizes are measured apart: 16 decoding requests say nothing about 2.
     assert slow.choose(["a"], [4], 2) == [4]
-    # The slower mode is tried once after 32 decode steps of a batch size, and after twice as
-    # many each time it is still the slower one.
+    # The slower mode is tried for three steps after 32 decode steps of a batch size, and
+    # after twice as many each time it is still the slower one (each step runs the mode chosen).
     tried = []
-    for k in range(32 + 64 + 128 + 8):
-        slow.record_decode_step(16, 16, 1.6, verified_drafts=False)
-        if slow.choose(["a"], [4], 16)[0]:
+    for k in range(32 + 64 + 128 + 16):
+        drafts = slow.choose(["a"], [4], 16)[0] > 0
+        if drafts:
             tried.append(k)
-    assert np.diff(tried).tolist() == [64, 128]
+        slow.record_decode_step(16, 16, 3.2 if drafts else 1.6, verified_drafts=drafts)
+    assert tried == [32, 33, 34, 96, 97, 98, 224, 225, 226]
     # Drafting turned faster: it is used, and plain decoding is tried again within 32 steps.
     choices = []
     for _ in range(8 + 33):
         slow.record_decode_step(16, 64, 1.6, verified_drafts=True)
         choices.append(slow.choose(["a"], [4], 16)[0])
-    assert choices[-33] == 4 and choices[-33:].count(0) == 1
+    assert choices[-33] == 4 and choices[-33:].count(0) == 3
+
+
+def test_the_first_step_after_a_change_of_mode_is_not_timed():
+    """Plain steps of 10 ms, then drafting steps of 3 tokens in 15 ms whose first one paid for
+    the change (a head's catch-up pass, a step not built one ahead: 400 ms): drafting runs at
+    200 tokens/s, not at the 7.5 tokens/s the first step alone would say."""
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    for _ in range(6):
+        backoff.record_decode_step(1, 1, 0.010, verified_drafts=False)
+    for seconds in (0.400, 0.015, 0.015, 0.015):
+        backoff.record_decode_step(1, 3, seconds, verified_drafts=True)
+    bucket = backoff.buckets[batch_bucket(1)]
+    assert bucket.spec.samples == 3 and bucket.spec.tokens_per_s == pytest.approx(200.0)
+    assert bucket.plain.tokens_per_s == pytest.approx(100.0)
+    assert backoff.choose(["a"], [3], 1) == [3]
 
 
 def test_backoff_pauses_a_poor_request_for_longer_each_time():

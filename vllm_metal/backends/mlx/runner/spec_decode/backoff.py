@@ -9,7 +9,9 @@ real token. Instead of modelling the device, the policy measures:
   verified drafts and of decode steps that did not: tokens produced per second, the drafter's
   own time included. The faster mode is used; the slower one is tried again now and then, so a
   change (a stream turning repetitive, a longer context) is noticed, and more rarely each time
-  it stays slower;
+  it stays slower. The first step after a change of mode is not timed: it pays for the change
+  (a head's pass over the positions it left while nobody drafted, a step that could not be
+  built while the one before ran), which the next ones do not, so a try runs a few steps;
 - **per request**, the share of its drafts that were accepted (with a weak prior). A request
   whose share falls below `MIN_ACCEPTANCE` stops drafting for a pause that doubles (up to a cap)
   each time it is still poor, so one bad stream does not weigh down a batch.
@@ -33,6 +35,8 @@ _MIN_SAMPLES = 3
 # the faster mode changes; each try that leaves it the slower one doubles the wait, up to the cap
 # (a try of a useless drafter costs a catch-up pass and a verification, many steps' worth).
 _EXPLORE_EVERY, _MAX_EXPLORE_EVERY = 32, 512
+# Decode steps of one try: the first, after the change of mode, is not timed.
+_EXPLORE_STEPS = 3
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64  # steps a poor request waits before drafting again
 
 
@@ -80,6 +84,8 @@ class _Bucket:
     faster_is_spec: bool | None = None  # the faster mode when last decided
     explore_every: int = _EXPLORE_EVERY
     explored_at: int = -1  # `steps` when the slower mode was last tried
+    exploring: int = 0  # steps of the slower mode's current try still to run
+    last_verified: bool | None = None  # the mode of the last decode step recorded
 
 
 def batch_bucket(num_decoding: int) -> int:
@@ -109,10 +115,14 @@ class Backoff:
         self, num_decoding: int, num_tokens_out: int, seconds: float, verified_drafts: bool
     ) -> None:
         """A step of decoding rows only: tokens it produced and its cost (sampling included,
-        and the drafter's time before it: its drafts and its catch-up forward)."""
+        and the drafter's time before it: its drafts and its catch-up forward). Not timed where
+        the step before it in the batch size ran the other mode (it paid for the change)."""
         bucket = self.buckets.setdefault(batch_bucket(num_decoding), _Bucket())
         bucket.steps += 1
-        (bucket.spec if verified_drafts else bucket.plain).add(num_tokens_out, seconds)
+        changed = bucket.last_verified not in (None, verified_drafts)
+        bucket.last_verified = verified_drafts
+        if not changed:
+            (bucket.spec if verified_drafts else bucket.plain).add(num_tokens_out, seconds)
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -165,9 +175,11 @@ class Backoff:
         better = spec.tokens_per_s >= plain.tokens_per_s
         if better != bucket.faster_is_spec:  # a new faster mode: try the other one soon
             bucket.faster_is_spec, bucket.explore_every = better, _EXPLORE_EVERY
-            bucket.explored_at = bucket.steps
-        explore = bucket.steps - bucket.explored_at >= bucket.explore_every
-        if explore:
-            bucket.explored_at = bucket.steps
+            bucket.explored_at, bucket.exploring = bucket.steps, 0
+        if not bucket.exploring and bucket.steps - bucket.explored_at >= bucket.explore_every:
+            bucket.explored_at, bucket.exploring = bucket.steps, _EXPLORE_STEPS
             bucket.explore_every = min(2 * bucket.explore_every, _MAX_EXPLORE_EVERY)
-        return better != explore
+        if bucket.exploring:
+            bucket.exploring -= 1
+            return not better
+        return better
