@@ -167,7 +167,11 @@ MLX_THEN_LLM = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("touch_platform_first", ["0", "1"], ids=["mlx-first", "platform-first"])
+@pytest.mark.parametrize(
+    "touch_platform_first",
+    ["0", pytest.param("1", marks=pytest.mark.full)],  # the same start method either way
+    ids=["mlx-first", "platform-first"],
+)
 def test_llm_after_mlx_work_does_not_hang(
     tmp_path: Path, tiny_model_dir, touch_platform_first: str
 ) -> None:

@@ -239,9 +239,11 @@ def qwen3_dir(tiny_model_dir) -> Path:
 
 
 def test_vllm_version_and_serve_help() -> None:
-    version = _run([str(VENV_BIN / "vllm"), "--version"])
-    assert version.returncode == 0, version.stderr[-3000:]
-    assert "0.32.0" in version.stdout
+    """The installed vLLM is the one the plugin pins, and its command line starts with the
+    plugin installed (one process: each start of the CLI imports all of vLLM)."""
+    from importlib.metadata import version
+
+    assert version("vllm").split("+")[0] == "0.32.0"  # "+cpu": the Linux CPU wheel
     serve = _run([str(VENV_BIN / "vllm"), "serve", "--help"])
     assert serve.returncode == 0, serve.stderr[-3000:]
     assert "usage: vllm serve" in serve.stdout and "ModelConfig" in serve.stdout

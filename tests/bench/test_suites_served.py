@@ -75,6 +75,7 @@ def test_lora_with_peers(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI's budget: test_spec_decode.py runs the spec-decode engines in CI
 def test_spec_decode_quick(run_suite) -> None:
     run = run_suite("spec_decode")
     data = run.results()
