@@ -179,6 +179,27 @@ def test_allowed_tokens_bad_words_and_min_tokens_as_in_vllm(states, c_stops, mod
     np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_logit_bias_is_ignored_as_in_vllm(states):
+    """vLLM builds no logit-bias processor under speculative decoding (it warns that the
+    parameter will not work): a step with biased requests is verified on the device, and its
+    tokens and logprobs are those of vLLM's host path, which ignores the biases. a: -30 on its
+    first draft (accepted) and +10 on 60 (its bonus stays 40); c, no draft: +6 on 75 (71 stays)."""
+    a = SamplingParams(temperature=0.0, logit_bias={501: -30.0, 60: 10.0}, logprobs=2)
+    c = SamplingParams(temperature=0.0, logit_bias={75: 6.0}, logprobs=2)
+    packed, _ = three_verifying(states, {"a": a, "c": c})
+    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    rng = np.random.default_rng(5)
+    logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
+    rows = {0: {501: 5.0}, 1: {502: 5.0}, 2: {503: 5.0}, 3: {40: 5.0, 60: -1.0}, 7: {71: 5.0}}
+    for row, values in rows.items():
+        logits[row, list(values)] = list(values.values())
+    got, got_logprobs = device_outputs(states, packed, logits, 0, "processed_logprobs")
+    want, want_logprobs = vllm_outputs(states, packed, logits, "processed_logprobs")
+    assert got == want
+    assert got[0] == [501, 502, 503, 40] and got[2] == [71]
+    np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
     """A seeded sampled request verifying three drafts (each its row's likeliest token), and a

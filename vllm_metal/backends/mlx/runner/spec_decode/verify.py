@@ -22,10 +22,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsLists
-from vllm.v1.sample.logits_processor.builtin import (
-    LogitBiasLogitsProcessor,
-    MinTokensLogitsProcessor,
-)
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -157,13 +154,10 @@ def verifies_on_device(states: RequestStates, prompt_logprobs: bool) -> bool:
 
 
 def _unapplied(processor) -> bool:
-    """Whether a processor that may move the argmax acts this step and `_rules` does not apply
-    it (vLLM's logit bias while some row has one; any but vLLM's own)."""
-    if isinstance(processor, MinTokensLogitsProcessor):
-        return False
-    if isinstance(processor, LogitBiasLogitsProcessor):
-        return bool(processor.biases)
-    return True
+    """Whether a processor that may move the argmax is one `_rules` does not apply. Under
+    speculative decoding vLLM 0.32 builds the minimum-length one only (`build_logitsprocs`: no
+    logit bias, no min-p, custom ones refused), so this holds only if a later vLLM adds one."""
+    return not isinstance(processor, MinTokensLogitsProcessor)
 
 
 def _rules(
