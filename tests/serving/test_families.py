@@ -17,13 +17,15 @@ from tests.serving.conftest import backend_env, greedy_completion
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
-# qwen3 first: it is the main server's checkpoint, so that server is reused for it. GLM-4 (one of
-# the families without an input-embeddings decoder in mlx-lm) in the `full` tier.
+# qwen3 first: it is the main server's checkpoint, so that server is reused for it. In the `full`
+# tier: Qwen2 and Mistral (their decoders and chat templates close to Qwen3's and Llama's; the
+# engine tests run every family in CI) and GLM-4 (one of the families without an
+# input-embeddings decoder in mlx-lm).
 FAMILIES = [
     "qwen3",
     "llama",
-    "qwen2",
-    "mistral",
+    pytest.param("qwen2", marks=pytest.mark.full),
+    pytest.param("mistral", marks=pytest.mark.full),
     "gemma3",
     pytest.param("glm4", marks=pytest.mark.full),
 ]
