@@ -25,7 +25,7 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,7 @@ def run(
     dtype: str,
     kv_cache_bytes: int | None = None,
     keep_tokens: bool = False,
+    backend_engine: Mapping[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Start one worker per backend on the model `desc` describes, run the rounds, return the
     model, engine arguments, workers, cases and (with two backends) the agreement.
@@ -123,7 +124,8 @@ def run(
     `args`: streams (`round_parser`'s), input_len, output_len, c1_rounds, c<N>_rounds, seed,
     timeout, quick (`enforce_eager`). `kv_cache_bytes`: default room for N full sequences at
     `desc["kv_bytes_per_token"]`. `keep_tokens`: also return each backend's greedy tokens of the
-    first N-stream round (`token_ids`). Workers are named `<tag>_<backend>` and log to
+    first N-stream round (`token_ids`). `backend_engine`: engine arguments one backend takes
+    besides the common ones. Workers are named `<tag>_<backend>` and log to
     `logs/<tag>_<backend>.log`.
     """
     from bench.harness.single_stream import make_prompts
@@ -145,8 +147,9 @@ def run(
 
     print(f"[{tag}] starting {len(backends)} worker(s): {', '.join(backends)}", flush=True)
     started = time.perf_counter()
-    workers = {be: Worker(f"{tag}_{be}", be, engine, inputs, logs / f"{tag}_{be}.log",
-                          args.timeout) for be in backends}  # fmt: skip
+    extra = backend_engine or {}
+    workers = {be: Worker(f"{tag}_{be}", be, {**engine, **extra.get(be, {})}, inputs,
+                          logs / f"{tag}_{be}.log", args.timeout) for be in backends}  # fmt: skip
     nxt = 0
     try:
         ready = {be: w.receive() for be, w in workers.items()}

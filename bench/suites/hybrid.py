@@ -134,6 +134,10 @@ PEER_DEVIATES = {
         "below is reported, not required."
     ),
 }
+# Engine arguments of a family's vLLM CPU peer: on an x86 CPU with AMX tiles vLLM picks its AMX MLA
+# backend, which takes no float32 weights (`convert_weight_packed` refuses them at load), unless
+# the reference MLA backend is asked for.
+PEER_ENGINE = {"deepseek_v3": {"attention_backend": "CPU_MLA"}}
 # What must agree between this run and an earlier hybrid.json for its other families to be kept.
 SAME_SETTINGS = ("quick", "dtype", "input_len", "output_len", "streams", "c1_rounds", "c16_rounds",
                  "seed")  # fmt: skip
@@ -159,7 +163,8 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
     backends = BACKENDS[family] if runs_peers(args) else ("plugin",)
     result = run_rounds(args, describe_hybrid_model(model), logs, backends=backends,
                         tag=f"hybrid_{family}", dtype=DTYPE,
-                        kv_cache_bytes=KV_CACHE_BYTES[args.quick])  # fmt: skip
+                        kv_cache_bytes=KV_CACHE_BYTES[args.quick],
+                        backend_engine={"cpu": PEER_ENGINE.get(family, {})})  # fmt: skip
     for w in result["workers"].values():
         w["kv"] = kv_log(w["log"])
     if family == "deepseek_v3":
@@ -168,7 +173,9 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
         # (its rounds just ran through it).
         idle_backends = ("plugin",) if args.quick else BACKENDS[family]
         if runs_peers(args):
-            result["idle_memory"] = idle_memory(args, model, idle_backends, logs)
+            result["idle_memory"] = idle_memory(
+                args, model, idle_backends, logs, PEER_ENGINE.get(family, {})
+            )
         else:
             # The rounds' engine was idle when it reported ready: its figure at its KV cache size,
             # without starting another engine.
@@ -178,11 +185,12 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
     return result
 
 
-def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...],
-                logs: Path) -> list[dict[str, Any]]:  # fmt: skip
+def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...], logs: Path,
+                peer_engine: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """Resident memory of each backend's engine, up and idle, at each of `IDLE_KV_BYTES`: one
-    engine at a time, started, asked nothing, shut down. A pool committed at allocation shows as
-    the difference between the sizes; one committed as it is written does not."""
+    engine at a time, started, asked nothing, shut down (the vLLM CPU peer with `peer_engine`
+    besides). A pool committed at allocation shows as the difference between the sizes; one
+    committed as it is written does not."""
     from bench.harness.decode_rounds import engine_args, max_model_len
     from bench.harness.workers import Worker, close_all
 
@@ -191,6 +199,8 @@ def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...]
     for kv_bytes in IDLE_KV_BYTES[args.quick]:
         for be in backends:
             engine = engine_args(model, DTYPE, kv_bytes, max_model_len(args), args.quick)
+            if be == "cpu":
+                engine.update(peer_engine)
             name = f"idle_{be}_{kv_bytes >> 20}mib"
             worker = Worker(name, be, engine, inputs, logs / f"{name}.log", args.timeout)  # fmt: skip
             try:
