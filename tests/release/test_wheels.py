@@ -44,6 +44,8 @@ TOOLS = (
 )
 
 
+# Every test of the built wheel is in the `full` tier (the build alone takes a worker about two
+# minutes); CI runs the installer's and the release workflow's checks, which need no wheel.
 @pytest.fixture(scope="module")
 def plugin_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin wheel as a release builds it (against the installed MLX and nanobind)."""
@@ -98,6 +100,7 @@ def _compiler_calls(log: Path) -> str:
 # --- what a wheel holds -------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_built_wheel_is_a_complete_plugin_wheel(plugin_wheel: Path) -> None:
     from vllm_metal import __version__
 
@@ -112,6 +115,7 @@ def test_built_wheel_is_a_complete_plugin_wheel(plugin_wheel: Path) -> None:
     assert any("vllm_metal.metallib" in p for p in missing), missing
 
 
+@pytest.mark.full
 def test_wheel_check_names_what_is_missing(plugin_wheel: Path, tmp_path: Path) -> None:
     """A wheel without the extension or the entry point (e.g. built with VLLM_METAL_SKIP_NATIVE)."""
     doctored = tmp_path / plugin_wheel.name
@@ -125,6 +129,7 @@ def test_wheel_check_names_what_is_missing(plugin_wheel: Path, tmp_path: Path) -
     assert any("entry point" in p for p in found), found
 
 
+@pytest.mark.full
 def test_metallib_kernels_are_looked_up_by_name(plugin_wheel: Path, tmp_path: Path) -> None:
     """A metallib holding only some kernels is reported with the missing ones."""
     names = ["paged_attention_decode_f16_hd128", "nax_prefill_f16_hd128"]
@@ -140,6 +145,7 @@ def test_metallib_kernels_are_looked_up_by_name(plugin_wheel: Path, tmp_path: Pa
     assert any("kernels missing" in p and names[1] in p for p in with_nax), with_nax
 
 
+@pytest.mark.full
 def test_index_page_links_every_wheel_with_its_digest(plugin_wheel: Path, tmp_path: Path) -> None:
     folder = tmp_path / "release"
     folder.mkdir()
@@ -155,6 +161,7 @@ def test_index_page_links_every_wheel_with_its_digest(plugin_wheel: Path, tmp_pa
 # --- installing it --------------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_wheel_installs_and_runs_without_a_compiler(plugin_wheel: Path, tmp_path: Path) -> None:
     """A fresh venv gets MLX (the wheel's runtime dependency for its extension) and the plugin
     wheel; the extension loads MLX from that venv and writes a KV cache through its op."""

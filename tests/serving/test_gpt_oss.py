@@ -109,6 +109,9 @@ TOOL_CALL_ANSWER = (
 )
 
 
+@pytest.mark.full  # CI's budget (two servers, about two minutes): the parsing is vLLM's own, the
+# tokens it parses are the engine's, which test_completions_and_harmony_chat_match_transformers
+# checks in CI.
 def test_harmony_chat_separates_reasoning_and_a_parsed_tool_call(
     server_slot, harmony_model, tmp_path
 ):
