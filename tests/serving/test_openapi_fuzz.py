@@ -83,7 +83,9 @@ def test_no_5xx_from_generated_requests(vllm_server, check):
 
         run()
 
-    assert counts["operations"] >= 10 and counts["requests"] >= 50, counts
+    # At least this many within the time budget (41 on a slow day of the 2-core machine, 50+ on
+    # a usual one): the budget, not a count, bounds the test.
+    assert counts["operations"] >= 10 and counts["requests"] >= 30, counts
     assert counts.get("2xx", 0) >= 10, (
         f"almost nothing was accepted, so little was tested: {counts}"
     )
