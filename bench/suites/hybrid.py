@@ -161,10 +161,11 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
     model = write_hybrid_model(Path(args.work_dir), family, args.quick, args.seed)
     logs.mkdir(parents=True, exist_ok=True)
     backends = BACKENDS[family] if runs_peers(args) else ("plugin",)
+    backend_engine = {"cpu": PEER_ENGINE.get(family, {})}
     result = run_rounds(args, describe_hybrid_model(model), logs, backends=backends,
                         tag=f"hybrid_{family}", dtype=DTYPE,
                         kv_cache_bytes=KV_CACHE_BYTES[args.quick],
-                        backend_engine={"cpu": PEER_ENGINE.get(family, {})})  # fmt: skip
+                        backend_engine=backend_engine)  # fmt: skip
     for w in result["workers"].values():
         w["kv"] = kv_log(w["log"])
     if family == "deepseek_v3":
@@ -173,9 +174,7 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
         # (its rounds just ran through it).
         idle_backends = ("plugin",) if args.quick else BACKENDS[family]
         if runs_peers(args):
-            result["idle_memory"] = idle_memory(
-                args, model, idle_backends, logs, PEER_ENGINE.get(family, {})
-            )
+            result["idle_memory"] = idle_memory(args, model, idle_backends, logs, backend_engine)
         else:
             # The rounds' engine was idle when it reported ready: its figure at its KV cache size,
             # without starting another engine.
@@ -186,11 +185,11 @@ def run_family(args: argparse.Namespace, family: str, logs: Path) -> dict[str, A
 
 
 def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...], logs: Path,
-                peer_engine: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+                backend_engine: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
     """Resident memory of each backend's engine, up and idle, at each of `IDLE_KV_BYTES`: one
-    engine at a time, started, asked nothing, shut down (the vLLM CPU peer with `peer_engine`
-    besides). A pool committed at allocation shows as the difference between the sizes; one
-    committed as it is written does not."""
+    engine at a time, started, asked nothing, shut down (each with its `backend_engine`
+    arguments besides the common ones, as in the rounds). A pool committed at allocation shows
+    as the difference between the sizes; one committed as it is written does not."""
     from bench.harness.decode_rounds import engine_args, max_model_len
     from bench.harness.workers import Worker, close_all
 
@@ -198,9 +197,8 @@ def idle_memory(args: argparse.Namespace, model: Path, backends: tuple[str, ...]
     rows = []
     for kv_bytes in IDLE_KV_BYTES[args.quick]:
         for be in backends:
-            engine = engine_args(model, DTYPE, kv_bytes, max_model_len(args), args.quick)
-            if be == "cpu":
-                engine.update(peer_engine)
+            engine = {**engine_args(model, DTYPE, kv_bytes, max_model_len(args), args.quick),
+                      **backend_engine.get(be, {})}  # fmt: skip
             name = f"idle_{be}_{kv_bytes >> 20}mib"
             worker = Worker(name, be, engine, inputs, logs / f"{name}.log", args.timeout)  # fmt: skip
             try:
