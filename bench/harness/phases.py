@@ -132,18 +132,21 @@ class StepKinds:
         def call(runner: Any, *args: Any, **kwargs: Any) -> Any:
             pipeline = getattr(runner.output, "pipeline", None)
             compiled = getattr(runner.state, "compiled", None)
-            before = (
-                None if pipeline is None else pipeline.carried_steps,
-                None if compiled is None else compiled.steps,
-            )
+
+            def counts() -> tuple:  # (steps carried one ahead, steps run compiled) so far
+                return (
+                    None if pipeline is None else pipeline.carried_steps,
+                    None if compiled is None else compiled.steps,
+                )
+
+            before = counts()
             started = time.perf_counter()
             try:
                 return execute_model(runner, *args, **kwargs)
             finally:
                 executed = None if pipeline is None else pipeline.executed
                 if executed is not None:
-                    after = (pipeline.carried_steps, None if compiled is None else compiled.steps)
-                    kinds._add(kind_of(executed.packed, before, after), started)
+                    kinds._add(kind_of(executed.packed, before, counts()), started)
 
         return call
 
@@ -164,10 +167,9 @@ class StepKinds:
 
 def kind_of(packed: Any, before: tuple, after: tuple) -> str:
     """'prefill', or 'decode' / 'verify' with ', carried in' and ', compiled' where they hold."""
-    drafts = packed.num_draft_tokens
-    if (packed.num_scheduled - drafts != 1).any():
+    if not packed.decodes_only:
         return "prefill"
-    kind = "verify" if drafts.any() else "decode"
+    kind = "verify" if packed.num_draft_tokens.any() else "decode"
     if before[0] is not None and after[0] > before[0]:
         kind += ", carried in"
     if before[1] is not None and after[1] > before[1]:

@@ -37,6 +37,11 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def decodes_only(self) -> bool:
+        """Every request scheduled its one known token and its drafts: no prefill rows."""
+        return bool((self.num_scheduled - self.num_draft_tokens == 1).all())
+
 
 def pack_batch(
     req_ids: Sequence[str],

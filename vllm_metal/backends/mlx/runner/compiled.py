@@ -113,10 +113,9 @@ class CompiledDecode:
         others = (getattr(inputs, f.name) for f in fields(inputs) if f.name != "aux")
         if not (inputs is NO_INPUTS or all(value is None for value in others)):
             return False
-        drafts = packed.num_draft_tokens
-        if not np.array_equal(packed.num_scheduled, drafts + 1):
+        if not packed.decodes_only:
             return False
-        return not drafts.any() or not isinstance(pool, TurboQuantPool)
+        return not packed.num_draft_tokens.any() or not isinstance(pool, TurboQuantPool)
 
     def hidden_states(
         self, pool: KVPool, packed: PackedBatch, aux: AuxHidden | None = None

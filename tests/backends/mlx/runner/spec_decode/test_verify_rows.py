@@ -123,6 +123,18 @@ def test_caps_stop_one_short_of_max_tokens_and_max_model_len(states, vllm_config
     assert _decoder(vllm_config).caps(states, np.array([0, 1, 0])).tolist()[order.index("a")] == 0
 
 
+def _decode_rows(**fields):
+    """The packed batch of a step as the rate bookkeeping reads it: its rows' counts, and
+    `decodes_only` as `PackedBatch` works it out from them."""
+    from types import SimpleNamespace
+
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
+
+    packed = SimpleNamespace(**fields)
+    packed.decodes_only = PackedBatch.decodes_only.fget(packed)
+    return packed
+
+
 def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatch):
     """Steps carried one ahead start 1 ms apart (each built while the previous one runs) and
     give their outputs 10 ms apart: each is timed 10 ms, not from its own start."""
@@ -135,7 +147,7 @@ def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatc
     spec = _decoder(vllm_config, backoff)
     clock = iter([0.010, 0.020, 0.030])
     monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    packed = SimpleNamespace(
+    packed = _decode_rows(
         num_scheduled=np.array([1, 1]), num_draft_tokens=np.array([0, 0]), req_ids=["a", "b"]
     )
     for k in range(3):
@@ -160,7 +172,7 @@ def test_drafting_steps_count_the_drafters_time_once(vllm_config, monkeypatch, b
     outputs = [0.020 * (k + 1) for k in range(4)]
     clock = iter(outputs)
     monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    packed = SimpleNamespace(
+    packed = _decode_rows(
         num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
     )
     for k, out in enumerate(outputs):
@@ -188,7 +200,7 @@ def test_a_step_that_traced_a_compiled_shape_is_not_timed(vllm_config, monkeypat
     outputs = np.cumsum(gaps).tolist()
     clock = iter(outputs)
     monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    packed = SimpleNamespace(
+    packed = _decode_rows(
         num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
     )
     for k, gap in enumerate(gaps):

@@ -112,11 +112,10 @@ class SpecDecoder:
         now = time.perf_counter()
         since = max(self._recorded_at, step.started - self._drafted)
         self._recorded_at, self._drafted = now, 0.0
-        packed = step.packed
-        if step.traced or (packed.num_scheduled - packed.num_draft_tokens != 1).any():
+        if step.traced or not step.packed.decodes_only:
             return
         tokens = sum(len(s) for s in sampled)
-        self.backoff.record_decode_step(len(packed.req_ids), tokens, now - since, verified)
+        self.backoff.record_decode_step(len(step.packed.req_ids), tokens, now - since, verified)
 
     def _keep(self, req_ids: list[str], drafts: list[list[int]]) -> None:
         self._drafts = DraftTokenIds(list(req_ids), drafts)
