@@ -24,6 +24,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     sample_rows,
 )
 from vllm_metal.backends.mlx.runner.logits_rules import penalized
+from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.seeded import sampling_metadata
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -56,6 +57,11 @@ def _run(
     table = np.full((3, vocab), -np.inf, np.float32)
     table[:, :VOCAB] = rng.standard_normal((3, VOCAB))
     logits = mx.array(table)
+    # Rows of the requests asking for prompt logprobs, as `Sampling.finish_step` takes them.
+    prompt_logits = {
+        req_id: mx.array(rng.standard_normal((len(rows), vocab)).astype(np.float32))
+        for req_id, rows in prompt_logprob_rows(states, packed).items()
+    }
     tokens = logprobs = values = None
     if on_device:  # as `Sampling.finish_step` queues them
         tokens, logprobs, values = DeviceSampler(0).outputs(
@@ -68,7 +74,7 @@ def _run(
         sched,
         packed,
         logits,
-        {},
+        prompt_logits,
         device_tokens=tokens,
         device_logprobs=logprobs,
         logprob_values=values,
@@ -89,6 +95,28 @@ def test_greedy_rows_sample_on_the_device_like_the_host_sampler(vllm_config, mon
     assert not copied and host_copied
     assert device == host
     assert device["b"] == [] and len(device["a"]) == len(device["c"]) == 1
+
+
+def test_prompt_logprobs_leave_the_step_on_the_device(vllm_config, monkeypatch):
+    """Requests asking for prompt logprobs (a: its whole prompt in the step, so they are
+    reported; b: the first chunk of its prompt) beside one asking for logprobs: the step's
+    tokens and logprobs are drawn on the device (its logits never copied), and they and the
+    prompt logprobs are those of vLLM's samplers on the host."""
+    params = {"a": SamplingParams(temperature=0.0, prompt_logprobs=2),
+              "b": SamplingParams(temperature=0.0, prompt_logprobs=1),
+              "c": SamplingParams(temperature=0.0, logprobs=2)}  # fmt: skip
+    device, copied, ours = _run(vllm_config, params, True, monkeypatch, with_output=True)
+    host, host_copied, theirs = _run(vllm_config, params, False, monkeypatch, with_output=True)
+    assert not copied and host_copied
+    assert device == host
+    np.testing.assert_array_equal(
+        ours.logprobs.logprob_token_ids, theirs.logprobs.logprob_token_ids
+    )
+    assert list(ours.prompt_logprobs_dict) == list(theirs.prompt_logprobs_dict) == ["a"]
+    got, want = ours.prompt_logprobs_dict["a"], theirs.prompt_logprobs_dict["a"]
+    assert got.logprob_token_ids.shape == (2, 3)  # a's 3 prompt tokens: 2 rows, k + 1 each
+    for field in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field))
 
 
 def _bitmask(vocab: int, allowed: list[list[int]]) -> np.ndarray:

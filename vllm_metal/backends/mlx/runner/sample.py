@@ -100,8 +100,7 @@ class Sampling:
         batch = self.states.input_batch
         tokens, logprobs, values = self.device.outputs(logits, batch, self.logprobs_mode)
         verdicts = None
-        prompt_logprobs = bool(prompt_rows) or bool(self.states.num_prompt_logprobs)
-        if packed.num_draft_tokens.any() and verifies_on_device(self.states, prompt_logprobs):
+        if packed.num_draft_tokens.any() and verifies_on_device(self.states):
             chosen, accepts, processed = device_verdicts(
                 logits, packed, batch, self.device.next_key()
             )
@@ -142,13 +141,15 @@ class Sampling:
         its output is the tokens drawn on the device (no row drawn on the host; a grammar's
         rows drawn again over their masked logits here, on the device, as sampling would), and
         nothing before the next forward reads them on the host (no penalty, bad word or minimum
-        length counts a row's outputs; a pipeline stage before the last takes its tokens from
-        the scheduler; under speculative decoding, nobody drafts after the step,
-        `SpecDecoder.plan_ahead`, weighed last: it decides)."""
+        length counts a row's outputs; no prompt logprobs are pending, gathered when the step
+        is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
+        speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
+        last: it decides)."""
         metadata = self.states.input_batch.sampling_metadata
         if not (
             not self.states.tokens_from_scheduler
             and not reads_outputs(metadata)
+            and not self.states.num_prompt_logprobs
             and host_route(step, self.states, self.device) == (None, [])
             and (self.spec is None or self.spec.plan_ahead(step, self.states))
         ):
@@ -191,10 +192,14 @@ def sample_step(
 ) -> ModelRunnerOutput:
     """The step's output: its tokens drawn on the device, but for the rows `host_route` sends
     to the host (a grammar step's tokens drawn again over the masked logits, by `device`), or
-    every row drawn by vLLM's samplers on the host when it sends the whole step."""
+    every row drawn by vLLM's samplers on the host when it sends the whole step. Prompt
+    logprobs are gathered from their own logits rows whichever way the tokens were drawn."""
     batch = states.input_batch
     if step.carried:
         return _device_output(step, states)
+    prompt_logprobs = gather_prompt_logprobs(
+        states, step.packed, step.prompt_logits, sampler, logprobs_mode
+    )
     if step.grammar_output is not None:
         step.verdicts = None  # the grammar's masks come first: the host verifies
     if step.verdicts is not None:
@@ -207,7 +212,7 @@ def sample_step(
             states,
             sampler,
         )
-        return _recorded(states, step.packed.req_ids, sampled, logprobs, {})
+        return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
     why, host_rows = host_route(step, states, device)
     if why is None:
         if step.grammar_output is not None:
@@ -220,7 +225,7 @@ def sample_step(
             drawn = dict(zip(host_rows, seeded.sample_apart(sampler, logits, host_rows, states)))
             if step.device_logprobs is not None:
                 step.device_logprobs = with_tokens(step.device_logprobs, step.logprob_values, drawn)
-        return _device_output(step, states, drawn)
+        return _device_output(step, states, drawn, prompt_logprobs)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -233,9 +238,6 @@ def sample_step(
         sampled, logprobs = verify(rejection_sampler, logits, step.packed, states)
     else:
         sampled, logprobs = _sample(sampler, logits, batch, step.packed.discard)
-    prompt_logprobs = gather_prompt_logprobs(
-        states, step.packed, step.prompt_logits, sampler, logprobs_mode
-    )
     return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
 
 
@@ -247,12 +249,10 @@ def host_route(
     while the others keep the device's tokens. A step goes to the host as a whole where what
     it needs acts on the whole batch: vLLM's custom logits processors and its thinking-budget
     state take every row's logits at once, indexed by batch row, with no way to hand them a
-    subset; drafts are verified over the whole step; prompt logprobs read the prompt's logits."""
+    subset; drafts are verified over the whole step."""
     metadata = states.input_batch.sampling_metadata
     if step.packed.num_draft_tokens.any():
         return "drafts to verify", []
-    if step.prompt_logits or states.num_prompt_logprobs:
-        return "prompt logprobs", []
     if step.device_tokens is None:
         return "the device drew no tokens (a custom processor acts on random rows)", []
     if step.grammar_output is not None and device is None:
@@ -353,7 +353,10 @@ def _recorded(
 
 
 def _device_output(
-    step: StepState, states: RequestStates, host: dict[int, int] | None = None
+    step: StepState,
+    states: RequestStates,
+    host: dict[int, int] | None = None,
+    prompt_logprobs: dict | None = None,
 ) -> ModelRunnerOutput:
     """The step's output from the tokens (and logprobs) drawn on the device, but the rows of
     `host` (row -> token), drawn on the host (waits for the forward)."""
@@ -365,7 +368,7 @@ def _device_output(
     if step.device_logprobs is not None:
         ids, values, ranks = (to_host(a) for a in step.device_logprobs)
         logprobs = LogprobsLists(ids, values, ranks.astype(np.int64), None)
-    return _recorded(states, step.packed.req_ids, sampled, logprobs, {})
+    return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs or {})
 
 
 def _sample(sampler: Sampler, logits, batch, discard: np.ndarray):

@@ -10,6 +10,7 @@ import pytest
 from numpy.testing import assert_array_equal
 from vllm.sampling_params import SamplingParams
 
+from tests.backends.mlx.runner.schedules import BS, new_req, span
 from tests.backends.mlx.runner.spec_decode.verifying import (
     device_outputs,
     three_verifying,
@@ -32,7 +33,7 @@ def test_greedy_drafts_verified_on_the_device_as_by_vllms_rejection_sampler(stat
             # Each draft the argmax with probability 3/4; else (and for the bonus) another.
             hit = j < len(proposed) and proposed[j] >= 0 and rng.random() < 0.75
             logits[row, proposed[j] if hit else int(rng.integers(1, 99))] = 20.0
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     got = device_outputs(states, packed, logits, seed)
     want, _ = vllm_outputs(states, packed, logits)
     assert got == want
@@ -49,7 +50,7 @@ def test_sampled_drafts_verified_on_the_device_keep_the_targets_distribution(sta
 
     sampled = SamplingParams(temperature=0.8, top_k=4)
     packed, _ = three_verifying(states, {"a": sampled, "c": sampled})
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     logits = np.full((packed.num_tokens, states.vocab_size), -10.0, dtype=np.float32)
     kept = {  # row -> {token: logit}; each row's top 4, the draft it scores among them
         0: {501: 1.5, 10: 2.0, 11: 1.0, 12: 0.3},
@@ -87,7 +88,7 @@ def test_logprobs_of_device_verification_are_vllms(states, mode):
     greedy = SamplingParams(temperature=0.0, logprobs=3)
     hot = SamplingParams(temperature=0.8, top_k=4, logprobs=3)
     packed, _ = three_verifying(states, {"a": greedy, "b": greedy, "c": hot})
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     for row, token in ((0, 501), (1, 502), (2, 40), (4, 601), (5, 55), (7, 70)):
@@ -99,6 +100,61 @@ def test_logprobs_of_device_verification_are_vllms(states, mode):
     assert_array_equal(got_logprobs.logprob_token_ids, want_logprobs.logprob_token_ids)
     assert_array_equal(got_logprobs.sampled_token_ranks, want_logprobs.sampled_token_ranks)
     np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_logprobs_beside_drafts_verified_on_the_device(vllm_config):
+    """d's whole prompt arrives, asking for prompt logprobs, in a step that verifies a's and b's
+    drafts: the device still verifies the step, and the step's tokens and d's prompt logprobs
+    are those of the step sent to the host, where vLLM's `RejectionSampler` verifies it."""
+    import mlx.core as mx
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
+    from vllm_metal.backends.mlx.runner.prompt_logprobs import prompt_logprob_rows
+    from vllm_metal.backends.mlx.runner.request_state import RequestStates
+    from vllm_metal.backends.mlx.runner.sample import sample_step
+    from vllm_metal.backends.mlx.runner.spec_decode.kernels import register_rejection_kernels
+    from vllm_metal.backends.mlx.runner.step import StepState
+
+    register_rejection_kernels()  # as the engine does at start-up
+    outputs = {}
+    for where in ("device", "host"):
+        states = RequestStates(vllm_config, [BS])
+        d = new_req("d", span(400, 5), [[11]], params=SamplingParams(temperature=0.0, prompt_logprobs=2))
+        packed, drafts = three_verifying(states, new=[d])
+        rows = prompt_logprob_rows(states, packed)
+        assert list(rows) == ["d"] and len(rows["d"]) == 4
+        rng = np.random.default_rng(3)
+        shape = (len(packed.logits_indices), states.vocab_size)  # d's last prompt row only
+        table = rng.standard_normal(shape).astype(np.float32)
+        table[[0, 1, 4], [501, 502, 601]] = 8.0  # a accepts two drafts, b its one
+        logits = mx.array(table)
+        prompt_logits = {"d": mx.array(rng.standard_normal((4, states.vocab_size), np.float32))}
+        # The scheduler output is read for a grammar only.
+        state = StepState(None, packed, logits, prompt_logits)
+        if where == "device":
+            assert verify.verifies_on_device(states)
+            batch = states.input_batch
+            tokens, accepts, processed = verify.device_verdicts(
+                logits, packed, batch, mx.random.key(0)
+            )
+            state.verdicts = (tokens, accepts)
+            state.device_logprobs, state.logprob_values = verify.verdict_logprobs(
+                logits, tokens, processed, batch.sampling_metadata, "raw_logprobs"
+            )
+        sampler = Sampler()
+        outputs[where] = sample_step(
+            state, states, sampler, "raw_logprobs", RejectionSampler(sampler), DeviceSampler(0)
+        )
+    got, want = outputs["device"], outputs["host"]
+    assert got.sampled_token_ids == want.sampled_token_ids
+    assert [len(t) for t in got.sampled_token_ids] == [3, 2, 1, 1]
+    assert list(got.prompt_logprobs_dict) == list(want.prompt_logprobs_dict) == ["d"]
+    ours, theirs = got.prompt_logprobs_dict["d"], want.prompt_logprobs_dict["d"]
+    assert ours.logprob_token_ids.shape == (4, 3)
+    for field in ("logprob_token_ids", "logprobs", "selected_token_ranks"):
+        assert_array_equal(getattr(ours, field).numpy(), getattr(theirs, field).numpy())
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
@@ -115,7 +171,7 @@ def test_penalties_count_the_drafts_before_each_row_as_in_vllm(states, mode):
         "c": SamplingParams(temperature=0.0, frequency_penalty=0.5, logprobs=2),
     }
     packed, _ = three_verifying(states, params)
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     rng = np.random.default_rng(2)
     logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     for row, values in {  # a's output so far is 500, b's prompt 200..202 and output 600, c's 700
@@ -154,7 +210,7 @@ def test_allowed_tokens_bad_words_and_min_tokens_as_in_vllm(states, c_stops, mod
     c = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[70], logprobs=2)
     drafts = {"a": [501, 502, 503], "b": [601, -1], "c": [701, 702]}
     packed, _ = three_verifying(states, {"a": a, "b": b, "c": c}, drafts)
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     rng = np.random.default_rng(3)
     logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     rows = {
@@ -187,7 +243,7 @@ def test_logit_bias_is_ignored_as_in_vllm(states):
     a = SamplingParams(temperature=0.0, logit_bias={501: -30.0, 60: 10.0}, logprobs=2)
     c = SamplingParams(temperature=0.0, logit_bias={75: 6.0}, logprobs=2)
     packed, _ = three_verifying(states, {"a": a, "c": c})
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     rng = np.random.default_rng(5)
     logits = 0.5 * rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     rows = {0: {501: 5.0}, 1: {502: 5.0}, 2: {503: 5.0}, 3: {40: 5.0, 60: -1.0}, 7: {71: 5.0}}
@@ -214,7 +270,7 @@ def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
         ),
     }
     packed, _ = three_verifying(states, params)
-    assert verify.verifies_on_device(states, prompt_logprobs=False)
+    assert verify.verifies_on_device(states)
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((packed.num_tokens, states.vocab_size)).astype(np.float32)
     for row, draft in ((0, 501), (1, 502), (2, 503), (4, 601), (5, 55)):

@@ -10,10 +10,11 @@ from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.spec_decode import verify
 
 
-def three_verifying(states, params=None, drafts=None):
+def three_verifying(states, params=None, drafts=None, new=()):
     """a (three drafts), b (two, the second a placeholder) and c (none) verifying after their
-    prompts, sampled with `params` (req_id -> SamplingParams; greedy without). a's output so
-    far is [500], b's [600], c's [700]."""
+    prompts, sampled with `params` (req_id -> SamplingParams; greedy without), beside the whole
+    prompts of `new` (`NewRequestData`, arriving in that step). a's output so far is [500], b's
+    [600], c's [700]."""
     params = params or {}
     step(
         states,
@@ -28,8 +29,9 @@ def three_verifying(states, params=None, drafts=None):
     sample(states, {"a": 500, "b": 600, "c": 700})
     drafts = drafts or {"a": [501, 502, 503], "b": [601, -1]}
     scheduled = {r: 1 + len(drafts.get(r, [])) for r in "abc"}
+    scheduled.update({n.req_id: len(n.prompt_token_ids) for n in new})
     cached = [Cached("a", 7, 1, ([9],)), Cached("b", 3, 1), Cached("c", 4, 1, ([10],))]
-    return step(states, schedule(scheduled, cached=cached, drafts=drafts)), drafts
+    return step(states, schedule(scheduled, new=new, cached=cached, drafts=drafts)), drafts
 
 
 def device_outputs(states, packed, logits: np.ndarray, key: int, logprobs_mode=None):

@@ -130,14 +130,15 @@ def verify(
     )
 
 
-def verifies_on_device(states: RequestStates, prompt_logprobs: bool) -> bool:
+def verifies_on_device(states: RequestStates) -> bool:
     """Whether a step's drafts are verified on the device (`device_verdicts`): every row greedy,
     or sampled with nothing but a temperature, top-k and top-p (a seeded row's verdicts are
     then drawn by position on the host, `seeded_by_position`, unless one asks for a grammar or
     a thinking budget), and nothing the `RejectionSampler` would apply first but the rules
     `_rules` applies as it does (no thinking budget or custom processor); top logprobs may be
-    asked for, not logprobs of named tokens (vLLM's verification ignores those) nor prompt
-    logprobs. A grammar, known only when the step is sampled, sends it back."""
+    asked for, not logprobs of named tokens (vLLM's verification ignores those); prompt
+    logprobs are gathered apart from their own logits rows. A grammar, known only when the step
+    is sampled, sends it back."""
     metadata = states.input_batch.sampling_metadata
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     sampled_ok = metadata.all_greedy or (
@@ -147,7 +148,6 @@ def verifies_on_device(states: RequestStates, prompt_logprobs: bool) -> bool:
     return (
         sampled_ok
         and not metadata.logprob_token_ids
-        and not prompt_logprobs
         and not (holder is not None and holder.has_tracked_requests())
         and not any(_unapplied(p) for p in metadata.logitsprocs.non_argmax_invariant)
     )
