@@ -218,6 +218,50 @@ def test_metal_plan(native: ModuleType) -> None:
     assert cache["kernel"] == "mla_reshape_and_cache_f16" and cache["grid"] == [9, 1, 1]
 
 
+@pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
+@pytest.mark.parametrize("rows", [1, 4], ids=["decode", "verify"])
+def test_a_step_of_equal_rows_traced_by_compile_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, rows: int, reference_ops: bool
+) -> None:
+    """`max_query_len=m` with `m` query rows per sequence: the op (the native one, or without it
+    the batched pure-MLX graph) reads nothing on the host, so it runs inside mx.compile, and
+    equals the per-sequence reference; the block tables' padding names a NaN block, which stays
+    out. The cache write with every slot in range (`padded=False`) traces too."""
+    if reference_ops:
+        monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
+    rng = np.random.default_rng(rows)
+    batch = make_mla_batch(
+        rng, q_lens=[rows] * 4, ctx_lens=[5, 17, 33, 64], num_heads=4, latent_dim=64
+    )
+    traced = mx.compile(
+        lambda *a: ops.mla_attention(*a, scale=0.2, value_dim=48, max_query_len=rows)
+    )
+    want = reference.mla_attention(*batch.args, scale=0.2, value_dim=48)
+    assert_close(traced(*batch.args), want, "float32")
+    cache = mx.array(rng.standard_normal((4, 16, 64)).astype(np.float32))
+    latent = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    slots = mx.array(np.array([7, 40, 0], np.int64))
+    write = mx.compile(lambda *a: ops.mla_reshape_and_cache(*a, padded=False))
+    want = reference.mla_reshape_and_cache(latent, mx.array(cache), slots)
+    np.testing.assert_array_equal(np.asarray(write(latent, cache, slots)), np.asarray(want))
+
+
+def test_max_query_len_is_checked() -> None:
+    batch = make_mla_batch(
+        np.random.default_rng(5), q_lens=[2, 1], ctx_lens=[4, 9], num_heads=2, latent_dim=32
+    )
+    with pytest.raises(ValueError, match="max_query_len must be a positive integer"):
+        ops.mla_attention(*batch.args, scale=0.2, value_dim=16, max_query_len=0)
+    with pytest.raises(ValueError, match="max_query_len=1 allows at most 2 query rows"):
+        ops.mla_attention(*batch.args, scale=0.2, value_dim=16, max_query_len=1)
+    # The longest sequence's rows, not every sequence's: the per-sequence path runs.
+    assert_close(
+        ops.mla_attention(*batch.args, scale=0.2, value_dim=16, max_query_len=2),
+        reference.mla_attention(*batch.args, scale=0.2, value_dim=16),
+        "float32",
+    )
+
+
 # --- the reference against an independent float64 loop ----------------------------------------
 
 

@@ -37,7 +37,10 @@ class LatentLayerCache:
     def write(self, rows: mx.array) -> None:
         """Store the step's latent rows (`[T, D]`: latent then rotary key) at their slots."""
         self.pool.keys[self.region] = ops.mla_reshape_and_cache(
-            rows.astype(self.pool.dtype), self.pool.keys[self.region], self.tables.slot_mapping
+            rows.astype(self.pool.dtype),
+            self.pool.keys[self.region],
+            self.tables.slot_mapping,
+            padded=self.meta.query_rows is None,
         )
 
     def attend(self, queries: mx.array, scale: float, value_dim: int) -> mx.array:
@@ -51,5 +54,6 @@ class LatentLayerCache:
             self.meta.cu_seqlens_q,
             scale=float(scale),
             value_dim=value_dim,
+            max_query_len=self.meta.query_rows,
         )
         return out.astype(queries.dtype)

@@ -85,7 +85,7 @@ def paged_attention(
     options = (kv_cache_dtype, k_scale, v_scale)
     signature = (*arrays, scale, sliding_window, softcap, sinks, *options)
     v.once(_PASSED, signature, check_paged_attention)
-    uniform = _uniform_rows(max_query_len, query, block_tables, key_ends)
+    uniform = uniform_rows(max_query_len, query, block_tables, key_ends)
     if _backend.value_checks() and uniform is None:
         check_paged_attention_values(*arrays)
     per_row = per_token_head.kv_quant(kv_cache_dtype)
@@ -134,7 +134,7 @@ def paged_attention(
     return out
 
 
-def _uniform_rows(
+def uniform_rows(
     max_query_len: object, query: mx.array, block_tables: mx.array, key_ends: object
 ) -> int | None:
     """The query rows of every sequence where ``max_query_len`` declares them all equal (None

@@ -49,13 +49,19 @@ def reshape_and_cache(
 ) -> tuple[mx.array, mx.array]:
     """vllm_metal.ops.reshape_and_cache on validated arguments. Returns new pool arrays."""
     if not padded:
-        return _write(key_cache, key, slot_mapping, None), _write(
-            value_cache, value, slot_mapping, None
+        return scatter_rows(key_cache, key, slot_mapping), scatter_rows(
+            value_cache, value, slot_mapping
         )
     slots, rows = plan(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
     if slots is None:
         return key_cache, value_cache
     return _write(key_cache, key, slots, rows), _write(value_cache, value, slots, rows)
+
+
+def scatter_rows(pool: mx.array, values: mx.array, slots: mx.array) -> mx.array:
+    """`pool` (`[num_blocks, block_size, ...]`) with row `t` of `values` at slot `slots[t]`,
+    every slot in range (nothing is read on the host). A new array."""
+    return _write(pool, values, slots, None)
 
 
 def _write(pool: mx.array, values: mx.array, slots: mx.array, rows: mx.array | None) -> mx.array:

@@ -13,9 +13,10 @@ import mlx.core as mx
 
 from vllm_metal.ops import _backend
 from vllm_metal.ops import _validate as v
-from vllm_metal.ops.attention import check_paged_attention_values
+from vllm_metal.ops.attention import check_paged_attention_values, uniform_rows
 from vllm_metal.ops.cache import check_reshape_and_cache_values
-from vllm_metal.ops.mla import reference
+from vllm_metal.ops.cache.batched import scatter_rows
+from vllm_metal.ops.mla import batched, reference
 
 
 def mla_attention(
@@ -27,6 +28,7 @@ def mla_attention(
     *,
     scale: float,
     value_dim: int,
+    max_query_len: int | None = None,
 ) -> mx.array:
     """Varlen causal attention of packed, absorbed queries ``[T, H, D]`` over a paged latent cache.
 
@@ -45,19 +47,29 @@ def mla_attention(
     ``ops.BLOCK_SIZE_MULTIPLE``. Any sizes work: the Metal kernel is built for the
     ``(D, value_dim)`` pairs of ``ops.MLA_SIZES``, and on the GPU other sizes run the reference
     (the C++ CPU body takes any).
+
+    ``max_query_len=m`` with ``m * S`` query rows states that every sequence has exactly ``m``,
+    as for ``ops.paged_attention``: without native kernels the op then runs one batched graph
+    (`batched`) that reads nothing on the host, so it can be traced by ``mx.compile``.
     """
     arrays = (query, latent_cache, block_tables, seq_lens, cu_seqlens_q)
     check_mla_attention(*arrays, scale, value_dim)
-    if _backend.value_checks():
+    uniform = uniform_rows(max_query_len, query, block_tables, None)
+    if _backend.value_checks() and uniform is None:
         check_paged_attention_values(
             query, latent_cache, None, block_tables, seq_lens, cu_seqlens_q
         )
-    impl = _backend.native_for((query.shape[2], value_dim), sizes="MLA_SIZES") or reference
-    return impl.mla_attention(*arrays, scale=scale, value_dim=value_dim)
+    impl = _backend.native_for((query.shape[2], value_dim), sizes="MLA_SIZES")
+    if impl is None and uniform is not None:
+        return batched.mla_attention(
+            query, latent_cache, block_tables, seq_lens, scale=scale, value_dim=value_dim,
+            rows=uniform,
+        )  # fmt: skip
+    return (impl or reference).mla_attention(*arrays, scale=scale, value_dim=value_dim)
 
 
 def mla_reshape_and_cache(
-    latent: mx.array, latent_cache: mx.array, slot_mapping: mx.array
+    latent: mx.array, latent_cache: mx.array, slot_mapping: mx.array, padded: bool = True
 ) -> mx.array:
     """Writes latent rows ``[T, D]`` into the paged latent cache at ``slot_mapping`` (int64).
 
@@ -65,13 +77,19 @@ def mla_reshape_and_cache(
     ``slot_mapping[t] = block_id * block_size + offset``; a negative slot is padding and skipped
     (so is a slot past the cache's end). Rows and cache share one dtype of ``ops.FLOAT_DTYPES``.
     Returns the updated cache: rebind your reference to it. The native op writes in place, so the
-    returned array shares the input's memory.
+    returned array shares the input's memory. ``padded=False`` states that every slot is in
+    range, as for ``ops.reshape_and_cache``: without native kernels the write is then one
+    scatter that reads nothing on the host (traceable by ``mx.compile``).
     """
     check_mla_reshape_and_cache(latent, latent_cache, slot_mapping)
-    if _backend.value_checks():
+    if _backend.value_checks() and padded:
         check_reshape_and_cache_values(latent_cache, slot_mapping)
-    impl = _backend.native() or reference
-    return impl.mla_reshape_and_cache(latent, latent_cache, slot_mapping)
+    native = _backend.native()
+    if native is not None:
+        return native.mla_reshape_and_cache(latent, latent_cache, slot_mapping)
+    if not padded:
+        return scatter_rows(latent_cache, latent, slot_mapping)
+    return reference.mla_reshape_and_cache(latent, latent_cache, slot_mapping)
 
 
 def check_mla_attention(

@@ -8,7 +8,8 @@ logprobs equal transformers float32 (which expands the latent into per-head keys
 mixed batch prefilled in chunks smaller than its prompts, from a KV pool so small that vLLM
 preempts requests; then two prompts sharing a prefix, one job after the other: the second is
 served from vLLM's prefix cache and still equals transformers (a cache-on round whose results
-equal the cache-free oracle)."""
+equal the cache-free oracle). GLM-4.7-Flash's engine runs its decode steps compiled
+(`runner/compiled.py`, the default on a Mac's GPU), the others eagerly (the CPU's default)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ NEW_TOKENS = 24
 BLOCK_SIZE = 16
 # A latent row is 64 + 16 float32 values in every tiny checkpoint; 3 layers: 960 bytes a token.
 TOKEN_BYTES = 3 * (64 + 16) * 4
+# Engines with compiled decode steps (in-process, so the runner's count of them can be read).
+COMPILED = {"glm4_moe_lite"}
+COMPILED_ENV = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(
@@ -94,7 +98,16 @@ def mla_run(mla_model):
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         *({"prompts": [prompt], "params": [greedy(NEW_TOKENS)]} for prompt in shared),
     ]
-    results, metrics = run_engine_job(mla_model, jobs, engine=engine, with_metrics="per_job")
+    compiled = mla_model.name in COMPILED
+    if compiled:
+        jobs.append({"action": "compiled_steps"})
+    results, metrics = run_engine_job(
+        mla_model,
+        jobs,
+        engine=engine,
+        with_metrics="per_job",
+        env=COMPILED_ENV if compiled else None,
+    )
     return prompts, shared, results, metrics
 
 
@@ -112,6 +125,16 @@ def test_mla_greedy_matches_transformers_through_chunks_and_preemption(mla_model
 def test_mla_prefix_cache_hits_match_transformers(mla_model, mla_run):
     from tests.fixtures.oracles import hf_greedy
 
-    _, shared, (_, first, second), _ = mla_run
+    _, shared, (_, first, second, *_), _ = mla_run
     assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
     assert tokens(first + second) == hf_greedy(_oracle(mla_model), shared, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_mla_decode_steps_compiled(mla_model, mla_run):
+    """The compiled engine's tokens above come from compiled decode steps (decode steps of
+    this schedule: the batch's and both prefix rounds' most steps)."""
+    if mla_model.name not in COMPILED:
+        pytest.skip("an eager engine")
+    *_, results, _ = mla_run
+    assert results[-1] >= 2 * NEW_TOKENS, results[-1]

@@ -5,10 +5,11 @@ elementwise ops.
 A step qualifies when every scheduled request feeds its last token and its drafts to verify, if
 any, and no extra inputs but an EAGLE-3 head's aux states, which the trace returns beside the
 hidden states (`takes`); prefill chunks, media and the rest stay eager, as do models whose layers
-keep more than paged K/V (`eager_reason`). Every request gets the same number of query rows, the
-most drafts of the step plus one: a request with fewer drafts is padded at its end by tokens that
-continue its positions, write nowhere (`NULL_SLOT`) and whose outputs are dropped; causal
-attention keeps them out of the request's own rows. The batch's rows and each block table's
+keep recurrent state (`eager_reason`); an MLA model's latent cache is traced as paged K/V is.
+Every request gets the same number of query rows, the most drafts of the step plus one: a request
+with fewer drafts is padded at its end by tokens that continue its positions, write nowhere
+(`NULL_SLOT`) and whose outputs are dropped; causal attention keeps them out of the request's own
+rows. The batch's rows and each block table's
 columns are padded to the next size of 1, 2, 3, 4, 6, 8, 12, ... (`bucket`), so a server traces a
 few dozen shapes and pads by at most a third.
 Everything that changes between steps is an input of the compiled function (token ids, positions,
@@ -32,6 +33,7 @@ from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner.batch import ranges
 from vllm_metal.backends.mlx.runner.forward import attention_cache, step_token_ids
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
+from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 from vllm_metal.kv.turboquant import TurboQuantPool
 from vllm_metal.models.multimodal import MultimodalAdapter
@@ -70,8 +72,8 @@ def eager_reason(
         return "a pipeline stage"
     if isinstance(adapter, MultimodalAdapter):
         return "a model with media inputs"
-    if any(kind.is_state or kind.latent for kind in kinds):
-        return "layers that keep state or latent (MLA) rows"
+    if any(kind.is_state for kind in kinds):
+        return "layers that keep state"
     if vllm_config.lora_config is not None:
         return "LoRA adapters (a step's adapter mask is not an input of the trace)"
     return None
@@ -201,8 +203,12 @@ class CompiledDecode:
         groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
         query_rows = positions.shape[0] // (cu_seqlens_q.shape[0] - 1)  # a shape: fixed per trace
         meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, query_rows=query_rows)
+        region, group = pool.layout.region_of_layer, pool.layout.group_of_layer
         return pool, [
-            attention_cache(pool, i, kind, meta, False) for i, kind in enumerate(self.kinds)
+            LatentLayerCache(pool, region[i], meta, groups[group[i]])
+            if kind.latent
+            else attention_cache(pool, i, kind, meta, False)
+            for i, kind in enumerate(self.kinds)
         ]
 
     def _cu_seqlens(self, rows: int, width: int) -> mx.array:

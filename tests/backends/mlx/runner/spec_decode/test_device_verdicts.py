@@ -121,8 +121,8 @@ def test_prompt_logprobs_beside_drafts_verified_on_the_device(vllm_config):
     outputs = {}
     for where in ("device", "host"):
         states = RequestStates(vllm_config, [BS])
-        d = new_req("d", span(400, 5), [[11]], params=SamplingParams(temperature=0.0, prompt_logprobs=2))
-        packed, drafts = three_verifying(states, new=[d])
+        params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+        packed, _ = three_verifying(states, new=[new_req("d", span(400, 5), [[11]], params=params)])
         rows = prompt_logprob_rows(states, packed)
         assert list(rows) == ["d"] and len(rows["d"]) == 4
         rng = np.random.default_rng(3)
