@@ -184,6 +184,26 @@ class StateBlocks:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TracedBlocks:
+    """The state pages of a compiled decode step's rows (`runner/compiled.py`), inputs of its
+    trace: read and written as `StateBlocks`' are, with nothing read on the host."""
+
+    read: mx.array  # [rows] int32 block ids holding the state each row starts from
+    write: mx.array  # [rows] int32 block ids that receive its state after the step
+    keep: mx.array  # [rows] bool: False where the row starts from a zero state
+
+    @classmethod
+    def of_step(cls, blocks: StateBlocks, rows: int) -> TracedBlocks:
+        """`blocks` of a step's requests, padded to `rows` rows that read and write block 0
+        (vLLM's null block, which no request owns)."""
+        read, write = np.zeros((2, rows), np.int32)
+        keep = np.zeros(rows, bool)
+        n = len(blocks.read)
+        read[:n], write[:n], keep[:n] = blocks.read, blocks.write, ~blocks.fresh
+        return cls(mx.array(read), mx.array(write), mx.array(keep))
+
+
 def page_column(num_tokens: np.ndarray, block_size: int) -> np.ndarray:
     """The block-table column of the page holding the state after `num_tokens` tokens."""
     return (num_tokens - 1) // block_size
@@ -208,15 +228,19 @@ class StateLayerCache:
         pool: KVPool,
         region: int,
         shapes: StateShapes,
-        blocks: StateBlocks,
+        blocks: StateBlocks | TracedBlocks,
         cu_seqlens: mx.array,
         drafts: StepDrafts | None = None,
+        query_rows: int | None = None,
     ):
         self.pool = pool
         self.region = region
         self.shapes = shapes
         self.blocks = blocks
         self.cu_seqlens = cu_seqlens  # [S+1] int32
+        # A traced step's rows per sequence (`StepMetadata.query_rows`), the recurrent ops'
+        # `max_query_len`; None: an eager step.
+        self.query_rows = query_rows
         # The step verifies drafts: the layer runs over expanded rows (`run`), and the states of
         # the verifying requests wait for the accepted drafts.
         self.drafts = drafts
@@ -254,8 +278,10 @@ class StateLayerCache:
     def read(self) -> tuple[mx.array, mx.array]:
         """Each request's convolution window `[S, K-1, C]` (cache dtype) and recurrent state
         (float32); zeros for fresh requests."""
-        num = len(self.blocks.read)
-        idx = mx.array(self.blocks.read.astype(np.int32))
+        blocks = self.blocks
+        traced = isinstance(blocks, TracedBlocks)
+        idx = blocks.read if traced else mx.array(blocks.read.astype(np.int32))
+        num = idx.shape[0]
         _, k_rows, v_rows, conv_words = self._layout()
 
         def words(pool: mx.array, rows: int) -> mx.array:
@@ -272,8 +298,12 @@ class StateLayerCache:
             recurrent = mx.zeros((num, 0), dtype=RECURRENT_DTYPE)
         conv = mx.view(page[:, split : split + conv_words], self.pool.row_dtype)
         conv = conv[:, : int(np.prod(self.shapes.conv))].reshape(num, *self.shapes.conv)
-        if self.blocks.fresh.any():
-            keep = mx.array(~self.blocks.fresh)
+        keep = None
+        if traced:
+            keep = blocks.keep
+        elif blocks.fresh.any():
+            keep = mx.array(~blocks.fresh)
+        if keep is not None:
             if self.shapes.recurrent:
                 recurrent = mx.where(keep[:, None, None, None], recurrent, 0)
             conv = mx.where(keep[:, None, None], conv, 0)
@@ -287,11 +317,13 @@ class StateLayerCache:
         else:
             self.drafts.write(self, conv, recurrent)
 
-    def store(self, conv: mx.array, recurrent: mx.array, blocks: np.ndarray) -> None:
-        """Store window `i` and state `i` in the page of block `blocks[i]` (in place)."""
-        num = len(blocks)
+    def store(self, conv: mx.array, recurrent: mx.array, blocks: np.ndarray | mx.array) -> None:
+        """Store window `i` and state `i` in the page of block `blocks[i]` (in place); blocks
+        on the device (a traced step's) are written with nothing read on the host."""
+        num = blocks.shape[0]
         if num == 0:
             return
+        traced = isinstance(blocks, mx.array)
         keys = self.pool.keys[self.region]
         values = None if self.pool.latent else self.pool.values[self.region]
         block_size = keys.shape[1]
@@ -314,17 +346,24 @@ class StateLayerCache:
         def rows(part: mx.array, array: mx.array) -> mx.array:
             return mx.view(part, array.dtype).reshape(num * k_rows, *array.shape[2:])
 
-        slots = blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
-        slots = mx.array(slots.reshape(-1))
+        first = (blocks if traced else mx.array(blocks)).astype(mx.int64) * block_size
+        slots = (first[:, None] + mx.arange(k_rows)).reshape(-1)
         if self.pool.latent:
-            self.pool.keys[self.region] = ops.mla_reshape_and_cache(rows(page, keys), keys, slots)
+            self.pool.keys[self.region] = ops.mla_reshape_and_cache(
+                rows(page, keys), keys, slots, padded=not traced
+            )
             return
         # A quantized pool's attention rows are bytes, and so is a page: it is copied as it is,
         # never quantized (`cache.batched` writes what it is given).
         float_rows = keys.dtype == values.dtype == self.pool.row_dtype
         write = ops.reshape_and_cache if float_rows else batched_write
         kc, vc = write(
-            rows(page[:, :half], keys), rows(page[:, half:], values), keys, values, slots
+            rows(page[:, :half], keys),
+            rows(page[:, half:], values),
+            keys,
+            values,
+            slots,
+            padded=not traced,
         )
         self.pool.keys[self.region] = kc
         self.pool.values[self.region] = vc

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from numbers import Real
+from numbers import Integral, Real
 
 import mlx.core as mx
 
@@ -184,3 +184,17 @@ def batch_tables(block_tables: object, seq_lens: object, cu_seqlens_q: object) -
 def scale(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         fail(f"scale must be a finite number, got {value!r}")
+
+
+def rows_per_sequence(max_query_len: object, num_tokens: int, num_seqs: int) -> None:
+    """A recurrent op's ``max_query_len``: None, or every sequence's rows (``num_tokens`` of
+    them in all)."""
+    if max_query_len is None:
+        return
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, Integral):
+        fail(f"max_query_len must be a positive integer or None, got {max_query_len!r}")
+    if max_query_len < 1 or num_tokens != max_query_len * num_seqs:
+        fail(
+            f"max_query_len={max_query_len} gives {num_seqs} sequences "
+            f"{max_query_len * num_seqs} rows; the batch has {num_tokens}"
+        )

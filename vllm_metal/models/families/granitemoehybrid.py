@@ -62,7 +62,12 @@ def packed_mamba2_scan(
     window, state = cache.read()
     bias = mixer.conv1d.bias if "bias" in mixer.conv1d else None
     conv_out, window = ops.causal_conv1d(
-        conv_input, mixer.conv1d.weight[:, :, 0], window, cache.cu_seqlens, bias
+        conv_input,
+        mixer.conv1d.weight[:, :, 0],
+        window,
+        cache.cu_seqlens,
+        bias,
+        max_query_len=cache.query_rows,
     )
     x, B, C = mx.split(conv_out, [inner, inner + groups * state_size], axis=-1)
     y, state = ops.mamba2_scan(
@@ -74,6 +79,7 @@ def packed_mamba2_scan(
         mixer.D.astype(mx.float32),
         state,
         cache.cu_seqlens,
+        cache.query_rows,
     )
     cache.write(window, state)
     return y.reshape(t, 1, inner), gate.reshape(t, 1, inner)

@@ -57,7 +57,7 @@ def _packed_delta_attention(
     weight = mx.concatenate([c.conv.weight[:, :, 0] for c in convs], axis=0)  # [3 width, K]
     conv_state, state = cache.read()
     conv_out, conv_state = ops.causal_conv1d(
-        mixed.reshape(t, -1), weight, conv_state, cache.cu_seqlens
+        mixed.reshape(t, -1), weight, conv_state, cache.cu_seqlens, max_query_len=cache.query_rows
     )
     q, k, v = mx.split(conv_out, [width, 2 * width], axis=-1)
     shape = (t, heads, head_dim)
@@ -67,7 +67,9 @@ def _packed_delta_attention(
         layer.A_log.reshape(heads, 1), decay_logits, layer.dt_bias.reshape(heads, head_dim)
     ).astype(mx.float32)  # [T, heads, head_dim]: one decay per key channel
     beta = mx.sigmoid(layer.b_proj(x)).reshape(t, heads).astype(mx.float32)
-    out, state = ops.gated_delta_rule(q, k, v.reshape(shape), g, beta, state, cache.cu_seqlens)
+    out, state = ops.gated_delta_rule(
+        q, k, v.reshape(shape), g, beta, state, cache.cu_seqlens, cache.query_rows
+    )
     cache.write(conv_state, state)
     gate = layer.g_b_proj(layer.g_a_proj(x)).reshape(shape)
     out = layer.o_norm(out.reshape(shape)) * mx.sigmoid(gate)

@@ -52,7 +52,13 @@ def _packed_short_conv(layer: ShortConv, inputs: mx.array, cache: StateLayerCach
     window, none = cache.read()  # no recurrent state
     bias = layer.conv.bias if "bias" in layer.conv else None
     conv_out, window = ops.causal_conv1d(
-        gate_in * x, layer.conv.weight[:, :, 0], window, cache.cu_seqlens, bias, silu=False
+        gate_in * x,
+        layer.conv.weight[:, :, 0],
+        window,
+        cache.cu_seqlens,
+        bias,
+        silu=False,
+        max_query_len=cache.query_rows,
     )
     cache.write(window, none)
     return layer.out_proj((gate_out * conv_out).reshape(t, 1, -1))

@@ -61,13 +61,19 @@ def packed_gated_delta(
     nv, dv = layer.num_v_heads, layer.head_v_dim
     conv_state, state = cache.read()
     conv_out, conv_state = ops.causal_conv1d(
-        mixed, layer.conv1d.weight[:, :, 0], conv_state, cache.cu_seqlens
+        mixed,
+        layer.conv1d.weight[:, :, 0],
+        conv_state,
+        cache.cu_seqlens,
+        max_query_len=cache.query_rows,
     )
     q, k, v = mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], axis=-1)
     q, k = normalize_qk(q.reshape(t, nk, dk), k.reshape(t, nk, dk), inv_scale=dk**-0.5, eps=1e-6)
     beta = mx.sigmoid(b).reshape(t, nv).astype(mx.float32)
     g = compute_g(layer.A_log, a.reshape(t, nv), layer.dt_bias).astype(mx.float32)
-    out, state = ops.gated_delta_rule(q, k, v.reshape(t, nv, dv), g, beta, state, cache.cu_seqlens)
+    out, state = ops.gated_delta_rule(
+        q, k, v.reshape(t, nv, dv), g, beta, state, cache.cu_seqlens, cache.query_rows
+    )
     cache.write(conv_state, state)
     out = layer.norm(out.reshape(t, 1, nv, dv), z.reshape(t, 1, nv, dv))
     return layer.out_proj(out.reshape(t, 1, -1))

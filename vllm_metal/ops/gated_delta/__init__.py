@@ -22,6 +22,7 @@ def gated_delta_rule(
     beta: mx.array,
     state: mx.array,
     cu_seqlens: mx.array,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Runs the gated delta rule over every sequence of a packed batch.
 
@@ -37,17 +38,18 @@ def gated_delta_rule(
 
     Returns ``y`` ``[T, Hv, Dv]`` in the dtype of ``q`` and the states after each sequence's
     last token ``[S, Hv, Dv, Dk]`` float32 (a sequence with no tokens keeps its state).
+    ``max_query_len=m`` states that every sequence has exactly ``m`` rows (a decode step traced
+    by ``mx.compile``, `runner/compiled.py`): the pure-MLX reference then reads nothing on the
+    host (the native op never does).
     """
     check_gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens)
+    v.rows_per_sequence(max_query_len, q.shape[0], state.shape[0])
     native = _backend.native()
     # The native kernel takes a per-head decay; a per-channel one runs the reference.
     per_head = g.ndim == 2
-    impl = (
-        native
-        if per_head and native is not None and hasattr(native, "gated_delta_rule")
-        else reference
-    )
-    return impl.gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens)
+    if per_head and native is not None and hasattr(native, "gated_delta_rule"):
+        return native.gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens)
+    return reference.gated_delta_rule(q, k, v_, g, beta, state, cu_seqlens, max_query_len)
 
 
 def check_gated_delta_rule(

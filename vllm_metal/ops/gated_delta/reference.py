@@ -2,7 +2,7 @@
 
 The sequences are padded to the longest one and stepped together, one token per step, so a decode
 batch is a single step; rows past a sequence's end leave its state unchanged. Reads cu_seqlens on
-the host.
+the host, unless `max_query_len` gives every sequence's rows (a traced step's).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ def gated_delta_rule(
     beta: mx.array,
     state: mx.array,
     cu_seqlens: mx.array,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     t, hk, _ = q.shape
     hv = v.shape[1]
-    rows, live = lockstep(cu_seqlens)
+    rows, live = lockstep(cu_seqlens, max_query_len)
     if t == 0 or not live.any():
         return mx.zeros(v.shape, dtype=q.dtype), state
     group = hv // hk

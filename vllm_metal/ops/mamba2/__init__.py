@@ -23,6 +23,7 @@ def mamba2_scan(
     D: mx.array,
     state: mx.array,
     cu_seqlens: mx.array,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Runs the Mamba-2 recurrence over every sequence of a packed batch.
 
@@ -38,11 +39,16 @@ def mamba2_scan(
 
     Returns ``y`` ``[T, H, P]`` in the dtype of ``x`` and the states after each sequence's last
     token ``[S, H, P, N]`` float32 (a sequence with no tokens keeps its state).
+    ``max_query_len=m`` states that every sequence has exactly ``m`` rows (a decode step traced
+    by ``mx.compile``, `runner/compiled.py`): the pure-MLX reference then reads nothing on the
+    host (the native op never does).
     """
     check_mamba2_scan(x, dt, A, B, C, D, state, cu_seqlens)
+    v.rows_per_sequence(max_query_len, x.shape[0], state.shape[0])
     native = _backend.native()
-    impl = native if native is not None and hasattr(native, "mamba2_scan") else reference
-    return impl.mamba2_scan(x, dt, A, B, C, D, state, cu_seqlens)
+    if native is not None and hasattr(native, "mamba2_scan"):
+        return native.mamba2_scan(x, dt, A, B, C, D, state, cu_seqlens)
+    return reference.mamba2_scan(x, dt, A, B, C, D, state, cu_seqlens, max_query_len)
 
 
 def check_mamba2_scan(

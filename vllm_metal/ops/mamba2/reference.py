@@ -2,7 +2,7 @@
 
 Like the gated delta reference: the sequences are padded to the longest one and stepped together,
 one token per step; rows past a sequence's end leave its state unchanged. Reads cu_seqlens on the
-host.
+host, unless `max_query_len` gives every sequence's rows (a traced step's).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ def mamba2_scan(
     D: mx.array,
     state: mx.array,
     cu_seqlens: mx.array,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     t, h, _ = x.shape
     g = B.shape[1]
-    rows, live = lockstep(cu_seqlens)
+    rows, live = lockstep(cu_seqlens, max_query_len)
     if t == 0 or not live.any():
         return mx.zeros(x.shape, dtype=x.dtype), state
     f32 = mx.float32

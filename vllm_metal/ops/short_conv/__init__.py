@@ -21,6 +21,7 @@ def causal_conv1d(
     cu_seqlens: mx.array,
     bias: mx.array | None = None,
     silu: bool = True,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """SiLU of a causal depthwise convolution of each sequence, continued from its window (the
     sums themselves with ``silu=False``, LFM2's gated short convolution).
@@ -32,13 +33,17 @@ def causal_conv1d(
     ``y[t, c] = silu(bias[c] + sum_j weight[c, j] * u[t + j, c])`` (accumulated in float32).
     Returns ``y`` ``[T, C]`` in the dtype of ``x`` and the new windows
     ``[S, K-1, C]`` (the last ``K-1`` entries of each ``u``) in the dtype of ``conv_state``.
+    ``max_query_len=m`` states that every sequence has exactly ``m`` rows (a decode step traced
+    by ``mx.compile``, `runner/compiled.py`): the pure-MLX reference then reads nothing on the
+    host (the native op never does).
     """
     check_causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
-    if not silu:  # the native kernels apply SiLU; the reference's one gather serves without
-        return reference.causal_conv1d(x, weight, conv_state, cu_seqlens, bias, silu=False)
+    v.rows_per_sequence(max_query_len, x.shape[0], conv_state.shape[0])
     native = _backend.native()
-    impl = native if native is not None and hasattr(native, "causal_conv1d") else reference
-    return impl.causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
+    # The native kernels apply SiLU; without it the reference's one gather serves.
+    if silu and native is not None and hasattr(native, "causal_conv1d"):
+        return native.causal_conv1d(x, weight, conv_state, cu_seqlens, bias)
+    return reference.causal_conv1d(x, weight, conv_state, cu_seqlens, bias, silu, max_query_len)
 
 
 def check_causal_conv1d(

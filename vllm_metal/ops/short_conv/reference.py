@@ -1,14 +1,17 @@
 """Pure-MLX reference of causal_conv1d (the contract: vllm_metal.ops.short_conv).
 
 Every sequence's window and tokens are laid side by side in one buffer; each output row gathers
-its K inputs from it by index (computed on the host from cu_seqlens), so the whole packed batch is
-one gather and one weighted sum, whatever the sequence lengths.
+its K inputs from it by index (computed on the host from cu_seqlens, or from its shape where
+`max_query_len` gives every sequence's rows: a traced step's), so the whole packed batch is one
+gather and one weighted sum, whatever the sequence lengths.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from vllm_metal.ops._varlen import offsets
 
 
 def window_indices(cu_seqlens: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,9 +44,10 @@ def causal_conv1d(
     cu_seqlens: mx.array,
     bias: mx.array | None = None,
     silu: bool = True,
+    max_query_len: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     num_seqs, keep, channels = conv_state.shape
-    taps, windows = window_indices(np.asarray(cu_seqlens), keep + 1)
+    taps, windows = window_indices(offsets(cu_seqlens, max_query_len), keep + 1)
     buffer = mx.concatenate(
         [conv_state.reshape(num_seqs * keep, channels).astype(mx.float32), x.astype(mx.float32)]
     )

@@ -27,6 +27,11 @@ ENGINE_DEFAULTS = {
 }
 
 
+# An in-process engine with compiled decode steps (`runner/compiled.py`, the default on a Mac's
+# GPU, not on the CPU): the runner's count of them can be read with {"action": "compiled_steps"}.
+COMPILED_ENV = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_engine_job(
     model: str | Path,
     jobs: list[dict],

@@ -16,7 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.backends.mlx.runner.jobs import greedy, kv_block_bytes, random_prompts, run_engine_job
+from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
+    greedy,
+    kv_block_bytes,
+    random_prompts,
+    run_engine_job,
+)
 from tests.backends.mlx.runner.jobs import tokens as tokens_of
 from tests.fixtures.oracles import hf_greedy, hf_logprobs
 from vllm_metal.backends.mlx.runner import compiled
@@ -369,11 +375,20 @@ class _Config:
     lora_config = None
 
 
-def test_kinds_that_stay_eager(tiny_qwen3_5_dir, tiny_kimi_linear_dir):
-    for model in (tiny_qwen3_5_dir, tiny_kimi_linear_dir):  # GDN or KDA state layers
+class _LoRAConfig(_Config):
+    lora_config = object()
+
+
+def test_which_models_compile(tiny_model_dir, tiny_qwen3_5_dir, tiny_kimi_linear_dir):
+    """Hybrids compile (their state pages traced, `kv.state.TracedBlocks`; their engines run
+    compiled against transformers in test_hybrid.py, test_short_conv.py' and here below); LoRA
+    keeps a model eager, by name."""
+    for model in (tiny_qwen3_5_dir, tiny_kimi_linear_dir):  # GDN; KDA beside MLA
         adapter = load_model(str(model), compute_dtype=mx.float32)
-        got = compiled.eager_reason(adapter, adapter.layer_kinds(), _Config())
-        assert got is not None and "keep state" in got, got
+        assert compiled.eager_reason(adapter, adapter.layer_kinds(), _Config()) is None
+    adapter = load_model(str(tiny_model_dir("qwen3")), compute_dtype=mx.float32)
+    got = compiled.eager_reason(adapter, adapter.layer_kinds(), _LoRAConfig())
+    assert got is not None and "LoRA" in got, got
 
 
 def test_buckets():
@@ -414,7 +429,7 @@ def test_engine_with_compiled_decode_matches_transformers(tiny_model_dir):
         {"action": "compiled_steps"},
         {"action": "carried_steps"},
     ]
-    env = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = COMPILED_ENV
     (mixed, preempted, _, hits, steps, carried), metrics = run_engine_job(
         model, jobs, engine=engine, env=env, with_metrics=True
     )

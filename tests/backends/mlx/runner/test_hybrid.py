@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
     assert_logprobs_match_hf,
     greedy,
     random_prompts,
@@ -48,6 +49,9 @@ CASES = {
     "nemotron_h": "nemotron_h",
     "falcon_h1": "falcon_h1",
 }
+# Cases whose engines run their decode steps compiled (`runner/compiled.py`, the default on a
+# Mac's GPU; in-process, so the runner's count of them can be read); the others eagerly.
+COMPILED = {"qwen3_5", "granitemoehybrid", "qwen3_5_moe", "falcon_h1"}
 
 
 def _mixed(block_size: int) -> list[list[int]]:
@@ -87,8 +91,15 @@ def test_hybrid_greedy_matches_transformers_through_chunks_and_preemption(reques
         "disable_log_stats": False,
     }
     jobs = [{"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]}]
-    (batch,), counters = run_engine_job(model, jobs, engine=engine, with_metrics=True)
+    compiled = case in COMPILED
+    if compiled:
+        jobs.append({"action": "compiled_steps"})
+    (batch, *compiled_steps), counters = run_engine_job(
+        model, jobs, engine=engine, with_metrics=True, env=COMPILED_ENV if compiled else None
+    )
 
+    if compiled:  # most of the schedule's decode steps
+        assert compiled_steps[0] >= NEW_TOKENS, compiled_steps
     assert counters.get("vllm:num_preemptions", 0) >= 1, sorted(counters.items())
     assert tokens(batch) == hf_greedy(model, prompts, NEW_TOKENS)
     assert_logprobs_match_hf(model, prompts, batch)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
     assert_logprobs_match_hf,
     greedy,
     random_prompts,
@@ -32,7 +33,6 @@ BLOCK_SIZE = 16
 TOKEN_BYTES = 3 * (64 + 16) * 4
 # Engines with compiled decode steps (in-process, so the runner's count of them can be read).
 COMPILED = {"glm4_moe_lite"}
-COMPILED_ENV = {"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(

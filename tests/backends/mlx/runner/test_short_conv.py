@@ -5,13 +5,15 @@ prefix hit (vLLM's "align" mode: the window after a block's last token stays in 
 page). Greedy tokens and logprobs equal transformers float32 for a mixed batch from a pool so
 small that vLLM preempts requests; then two prompts sharing a prefix that ends mid-block, one job
 after the other: the second is served from the prefix cache (two blocks) and still equals
-transformers."""
+transformers. The engine runs its decode steps compiled (`runner/compiled.py`: the windows'
+pages read and written by block ids that are inputs of the trace)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
     assert_logprobs_match_hf,
     greedy,
     random_prompts,
@@ -41,8 +43,11 @@ def lfm2_run(tiny_lfm2_dir):
     jobs = [
         {"prompts": prompts, "params": [greedy(NEW_TOKENS, logprobs=1)]},
         *({"prompts": [prompt], "params": [greedy(NEW_TOKENS)]} for prompt in shared),
+        {"action": "compiled_steps"},
     ]
-    results, metrics = run_engine_job(tiny_lfm2_dir, jobs, engine=engine, with_metrics="per_job")
+    results, metrics = run_engine_job(
+        tiny_lfm2_dir, jobs, engine=engine, with_metrics="per_job", env=COMPILED_ENV
+    )
     return prompts, shared, results, metrics
 
 
@@ -60,6 +65,7 @@ def test_lfm2_greedy_matches_transformers_through_chunks_and_preemption(tiny_lfm
 def test_lfm2_prefix_hits_restore_the_window(tiny_lfm2_dir, lfm2_run):
     from tests.fixtures.oracles import hf_greedy
 
-    _, shared, (_, first, second), _ = lfm2_run
+    _, shared, (_, first, second, compiled_steps), _ = lfm2_run
     assert second[0]["num_cached_tokens"] == 2 * BLOCK_SIZE, second[0]["num_cached_tokens"]
     assert tokens(first + second) == hf_greedy(tiny_lfm2_dir, shared, NEW_TOKENS)
+    assert compiled_steps >= 2 * NEW_TOKENS, compiled_steps  # the decode steps above

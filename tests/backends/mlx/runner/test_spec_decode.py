@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
     PERSON_SCHEMA,
     greedy,
     random_prompts,
@@ -178,7 +179,7 @@ def small_draft(models):
     return _run(
         models,
         {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": K},
-        env={"VLLM_METAL_COMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        env=COMPILED_ENV,
         jobs=[{"action": "compiled_verify_steps"}],
     )
 

@@ -4,8 +4,10 @@ elementwise ops.
 
 A step qualifies when every scheduled request feeds its last token and its drafts to verify, if
 any, and no extra inputs but an EAGLE-3 head's aux states, which the trace returns beside the
-hidden states (`takes`); prefill chunks, media and the rest stay eager, as do models whose layers
-keep recurrent state (`eager_reason`); an MLA model's latent cache is traced as paged K/V is.
+hidden states (`takes`); prefill chunks, media and the rest stay eager (`eager_reason`, `takes`);
+an MLA model's latent cache is traced as paged K/V is, and a hybrid's state pages by block ids
+that are inputs of the trace (its steps verifying drafts stay eager: their states wait for the
+verdicts, `kv.state_drafts`).
 Every request gets the same number of query rows, the most drafts of the step plus one: a request
 with fewer drafts is padded at its end by tokens that continue its positions, write nowhere
 (`NULL_SLOT`) and whose outputs are dropped; causal attention keeps them out of the request's own
@@ -35,6 +37,7 @@ from vllm_metal.backends.mlx.runner.forward import attention_cache, step_token_i
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
 from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
+from vllm_metal.kv.state import StateBlocks, StateLayerCache, TracedBlocks
 from vllm_metal.kv.turboquant import TurboQuantPool
 from vllm_metal.models.multimodal import MultimodalAdapter
 
@@ -72,8 +75,6 @@ def eager_reason(
         return "a pipeline stage"
     if isinstance(adapter, MultimodalAdapter):
         return "a model with media inputs"
-    if any(kind.is_state for kind in kinds):
-        return "layers that keep state"
     if vllm_config.lora_config is not None:
         return "LoRA adapters (a step's adapter mask is not an input of the trace)"
     return None
@@ -148,6 +149,7 @@ class CompiledDecode:
             slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
             slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
             slots.append(mx.array(slot))
+        states = [[b.read, b.write, b.keep] for b in self._state_blocks(pool, packed, rows)]
         shape = (aux is not None, rows, width, *(t.shape[1] for t in tables))
         if shape not in self._shapes:
             self._shapes.add(shape)
@@ -165,6 +167,7 @@ class CompiledDecode:
                 self._cu_seqlens(rows, width),
                 tables,
                 slots,
+                states,
                 pool.keys,
                 pool.values,
             )
@@ -183,33 +186,71 @@ class CompiledDecode:
             aux.states = kept(aux_states[0])
         return kept(hidden)
 
-    def _trace(self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
-        pool, caches = self._caches(positions, seq_lens, cu_seqlens_q, tables, slots, keys, values)
+    def _state_blocks(self, pool: KVPool, packed: PackedBatch, rows: int) -> list[TracedBlocks]:
+        """Each state group's pages of the step's rows (`kv.state`), padded to `rows`."""
+        computed = packed.seq_lens - packed.num_scheduled
+        block_sizes = pool.layout.block_sizes()
+        return [
+            TracedBlocks.of_step(
+                StateBlocks.of_step(
+                    packed.block_tables[g], block_sizes[g], computed, packed.seq_lens
+                ),
+                rows,
+            )
+            for g in self._state_groups(pool)
+        ]
+
+    def _state_groups(self, pool: KVPool) -> list[int]:
+        """The KV-cache groups of the state layers, in order."""
+        group = pool.layout.group_of_layer
+        return sorted({group[i] for i, kind in enumerate(self.kinds) if kind.is_state})
+
+    def _trace(
+        self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values
+    ):
+        pool, caches = self._caches(
+            positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values
+        )
         ids = token_ids[:, None]
         extra = {"token_ids": ids} if self.adapter.takes_token_ids else {}
         hidden = self.adapter.forward(self.adapter.embed(ids), caches, **extra)
         return hidden, pool.keys, pool.values
 
-    def _trace_aux(self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
-        pool, caches = self._caches(positions, seq_lens, cu_seqlens_q, tables, slots, keys, values)
+    def _trace_aux(
+        self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values
+    ):
+        pool, caches = self._caches(
+            positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values
+        )
         embeds = self.adapter.embed(token_ids[:, None])
         hidden, aux = self.adapter.forward_with_aux(embeds, caches, self._aux_layer_ids)
         return hidden, aux, pool.keys, pool.values
 
-    def _caches(self, positions, seq_lens, cu_seqlens_q, tables, slots, keys, values):
-        """The traced pool over `keys` / `values` and each layer's paged view of the step."""
+    def _caches(self, positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values):
+        """The traced pool over `keys` / `values` and each layer's view of the step: paged K/V,
+        latent rows, or its state group's pages (`states`: each group's `TracedBlocks` arrays,
+        in `_state_groups`' order)."""
         assert self._pool is not None, "traced outside hidden_states"
         pool = self._pool.over(keys, values)
         groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
         query_rows = positions.shape[0] // (cu_seqlens_q.shape[0] - 1)  # a shape: fixed per trace
         meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, query_rows=query_rows)
         region, group = pool.layout.region_of_layer, pool.layout.group_of_layer
-        return pool, [
-            LatentLayerCache(pool, region[i], meta, groups[group[i]])
-            if kind.latent
-            else attention_cache(pool, i, kind, meta, False)
-            for i, kind in enumerate(self.kinds)
-        ]
+        state_of = {g: TracedBlocks(*a) for g, a in zip(self._state_groups(pool), states)}
+        caches = []
+        for i, kind in enumerate(self.kinds):
+            if kind.is_state:
+                blocks = state_of[group[i]]
+                caches.append(
+                    StateLayerCache(
+                        pool, region[i], kind.state, blocks, cu_seqlens_q, query_rows=query_rows
+                    )
+                )
+            elif kind.latent:
+                caches.append(LatentLayerCache(pool, region[i], meta, groups[group[i]]))
+            else:
+                caches.append(attention_cache(pool, i, kind, meta, False))
+        return pool, caches
 
     def _cu_seqlens(self, rows: int, width: int) -> mx.array:
         """`cu_seqlens_q` of `rows` rows of `width` tokens, made from host data once per size."""
