@@ -7,7 +7,9 @@ Engines, one after another, each alone in a process of its own (`gpu_proxy_worke
   that tree first on PYTHONPATH, engine core in-process, so one run can hold a before and an
   after of the plugin beside mlx-lm.
 The checkpoint is the harness's random Qwen3-0.6B-shaped one in bfloat16
-(`bench/harness/checkpoints.py`); prompts are `--input-len` random ids, `--output-len` greedy
+(`bench/harness/checkpoints.py`), or with `--family` a hybrid suite's model of that family in
+bfloat16 (`hybrid_models.py`: Gated DeltaNet, Mamba-2, latent attention, short convolutions;
+then no attention-alone case); prompts are `--input-len` random ids, `--output-len` greedy
 tokens with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
 median per-step phases (host build, submit, wait, sampling, the engine around them) and a
 cProfile of `--profile-streams`. Last, a decode step's attention alone (the last tree's pure-MLX
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.stages import ROOT, command_line, process_env, suite_parser
+from bench.suites.hybrid_models import FAMILIES, write_hybrid_model
 
 STREAMS = (1, 8, 32, 64)
 QUICK = {"streams": [1, 2], "input_len": 16, "output_len": 8, "profile_tokens": 4,
@@ -49,6 +52,8 @@ def parser():
     p.add_argument("--no-mlx-lm", action="store_true", help="the plugin trees only")
     p.add_argument("--model-size", default=None,
                    help="bench.harness.checkpoints shape (0.6b; tiny with --quick)")  # fmt: skip
+    p.add_argument("--family", default=None, choices=FAMILIES,
+                   help="a hybrid suite's model instead (hybrid_models.py)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     return p
@@ -133,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     logs = work / ("gpu-proxy-quick" if args.quick else "gpu-proxy")
     logs.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    path = write_model(work / "models", settings["model_size"], "bfloat16", args.seed)
-    spec = {**settings, "model": str(path), "seed": args.seed,
-            "vocab_size": SHAPES[settings["model_size"]].vocab_size}  # fmt: skip
+    if args.family:
+        path = write_hybrid_model(work, args.family, args.quick, args.seed, "bfloat16")
+        settings["family"] = args.family
+        vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    else:
+        path = write_model(work / "models", settings["model_size"], "bfloat16", args.seed)
+        vocab_size = SHAPES[settings["model_size"]].vocab_size
+    spec = {**settings, "model": str(path), "seed": args.seed, "vocab_size": vocab_size}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"settings": {**settings, "trees": {n: f"{p} {e or ''}".strip()
@@ -152,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         report["seconds"] = round(time.perf_counter() - started, 1)
         (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")  # partial too
     name, tree, _ = trees[-1]
-    print("[gpu_proxy] attention alone", flush=True)
-    report["attention"] = run_worker("attention", spec, tree, logs / "attention.log", args.timeout)
-    (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.family:  # the attention-alone case takes the Qwen3 shape's layers
+        print("[gpu_proxy] attention alone", flush=True)
+        report["attention"] = run_worker(
+            "attention", spec, tree, logs / "attention.log", args.timeout
+        )
+        (out / "gpu_proxy.json").write_text(json.dumps(report, indent=2) + "\n")
     write_report(out)
     print(json.dumps(report["summary"], indent=2))
     return 1 if report["summary"]["failed"] else 0

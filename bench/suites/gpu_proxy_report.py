@@ -47,7 +47,7 @@ def _markdown(report: dict[str, Any]) -> str:
     lines += [f"*{CPU_NOTE if on_cpu else CAVEAT}*", "",
               f"Command: `{report['command']}`. Device: {device.get('device_name', '?')} "
               f"(MLX {device.get('mlx', '?')}, default device {device.get('default_device', '?')}). "
-              f"Checkpoint: random {s['model_size']} bfloat16; {s['input_len']}-token prompts, "
+              f"Checkpoint: random {_model(s)} bfloat16; {s['input_len']}-token prompts, "
               f"{s['output_len']} greedy tokens, EOS ignored. Trees: "
               + ", ".join(f"`{k}` = {v}" for k, v in s["trees"].items()), "",
               "## Decode tok/s (same run)", "",
@@ -127,7 +127,7 @@ def _plot(report: dict[str, Any], plt: Any) -> Any:
     device = next((e.get("device") for e in report["engines"].values() if e.get("device")), {})
     on_cpu = "cpu" in str(device.get("default_device", "cpu"))
     where = "MLX's CPU device" if on_cpu else "an NVIDIA GPU through MLX's CUDA backend"
-    ax.set_title(f"{report['settings']['model_size']} on {where}: ratios only, not Apple figures",
+    ax.set_title(f"{_model(report['settings'])} on {where}: ratios only, not Apple figures",
                  fontsize=9)  # fmt: skip
     return fig
 
@@ -139,3 +139,9 @@ def write_report(out: Path) -> None:
 
 def regenerate_report(folder: Path) -> None:
     regenerate(folder, STEM, _markdown, _plot)
+
+
+def _model(settings: dict[str, Any]) -> str:
+    """The checkpoint's name: a hybrid suite's family (`--family`) or the harness's shape."""
+    family = settings.get("family")
+    return f"{family} (hybrid suite's shape)" if family else settings["model_size"]

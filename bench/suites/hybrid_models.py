@@ -153,10 +153,15 @@ STDS = {
 # ------------------------------------------------------------------------------ checkpoints
 
 
-def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> Path:
+FAMILIES = ("qwen3_next", "qwen3_5", "granite", "deepseek_v3", "gemma4", "lfm2")
+
+
+def write_hybrid_model(
+    work: Path, family: str, quick: bool, seed: int = 0, dtype: str = DTYPE
+) -> Path:
     """Write (or reuse) a family's benchmark checkpoint (`--quick`: the tests' tiny one, Granite
     with one group; Qwen3.5 in the text-only `Qwen3_5ForCausalLM` layout; Gemma 4 the E2B-like
-    dense `Gemma4ForCausalLM`)."""
+    dense `Gemma4ForCausalLM`), its weights in `dtype`."""
     from tests.fixtures.tiny_deepseek_v3 import write_tiny_deepseek_v3
     from tests.fixtures.tiny_gemma4 import write_tiny_gemma4
     from tests.fixtures.tiny_granitemoehybrid import write_tiny_granitemoehybrid
@@ -173,16 +178,16 @@ def write_hybrid_model(work: Path, family: str, quick: bool, seed: int = 0) -> P
         "lfm2": write_tiny_lfm2,
     }[family]
     name = f"{family}-tiny" if quick else f"{family}-hybrid-random"
-    path = Path(work) / "models" / f"{name}-{DTYPE}"
+    path = Path(work) / "models" / f"{name}-{dtype}"
     if quick:
         kwargs: dict[str, Any] = dict(QUICK_KWARGS[family])
     else:
         kwargs = {**SHAPES[family], **STDS[family]}
-    stamp = {"kind": family, "kwargs": kwargs, "dtype": DTYPE, "seed": seed, "format": 1}
+    stamp = {"kind": family, "kwargs": kwargs, "dtype": dtype, "seed": seed, "format": 1}
     stamp_file = path / "bench_model.json"
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return path
-    writer(path, dtype=DTYPE, seed=seed, **kwargs)
+    writer(path, dtype=dtype, seed=seed, **kwargs)
     if not quick:
         from bench.harness.checkpoints import pad_tokenizer
 

@@ -48,14 +48,14 @@ def bench_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def run_suite(tmp_path: Path, bench_work: Path) -> Callable[..., SuiteRun]:
-    """`run_suite(name, peers=False)`: the suite's `--quick` run (with `--peers`), asserted to
-    have exited 0."""
+    """`run_suite(name, peers=False, *args)`: the suite's `--quick` run (with `--peers`, and
+    `args`), asserted to have exited 0."""
     pytest.importorskip("matplotlib", reason="the reports' plots need matplotlib")
 
-    def run(name: str, peers: bool = False) -> SuiteRun:
+    def run(name: str, peers: bool = False, *args: str) -> SuiteRun:
         out = tmp_path / "out"
         cmd = [sys.executable, "-m", "bench.run", name, "--quick", "--out", str(out),
-               "--work-dir", str(bench_work), *(["--peers"] if peers else [])]  # fmt: skip
+               "--work-dir", str(bench_work), *(["--peers"] if peers else []), *args]  # fmt: skip
         started = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=900, check=False)  # fmt: skip

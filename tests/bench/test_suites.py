@@ -263,3 +263,22 @@ def test_gpu_proxy_quick(run_suite) -> None:
         ("## Decode tok/s (same run)", "## A plugin step", "## A decode step's attention alone"),
     )
     assert "say nothing about the plugin's speed on an Apple GPU" in text  # CPU here
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_gpu_proxy_quick_hybrid_family(run_suite) -> None:
+    """`--family`: a hybrid suite's model (Granite 4.0-H's Mamba-2 layers) in two trees, eager
+    and compiled: the compiled tree's decode steps run compiled, the eager one's do not, and no
+    attention-alone case is run (it takes the Qwen3 shape's layers)."""
+    trees = ("--tree", "eager=.,VLLM_METAL_COMPILE=0", "--tree", "compiled=.,VLLM_METAL_COMPILE=1")
+    run = run_suite("gpu_proxy", False, "--family", "granite", *trees)
+    data = run.results("gpu_proxy")
+    assert data["settings"]["family"] == "granite" and "attention" not in data
+    for name in ("eager", "compiled"):
+        engine = data["engines"][name]
+        assert engine["status"] == "ok", engine
+        kinds = [k for case in engine["cases"].values() for k in case["phases"]["kinds"]]
+        assert any(k.startswith("decode") for k in kinds), kinds
+        assert any("compiled" in k for k in kinds) == (name == "compiled"), (name, kinds)
+    assert "granite" in run.report("gpu_proxy", ("## Decode tok/s (same run)",))
