@@ -7,6 +7,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,7 +118,8 @@ class StepKinds:
     """Each model step by kind, with the wall time from its start to the next step's start
     (what it costs the stream, whatever overlaps): a decode step that verifies drafts or not,
     one whose tokens went in on the device from the step before (`carried in`: built one
-    ahead), one run through the compiled forward, or a step with prefill rows."""
+    ahead), one run through the compiled forward (`traced`: a shape traced for the first
+    time), or a step with prefill rows."""
 
     def __init__(self) -> None:
         self.reset()
@@ -146,7 +148,8 @@ class StepKinds:
             finally:
                 executed = None if pipeline is None else pipeline.executed
                 if executed is not None:
-                    kinds._add(kind_of(executed.packed, before, counts()), started)
+                    kind = kind_of(executed.packed, before, counts())
+                    kinds._add(kind + (", traced" if executed.traced else ""), started)
 
         return call
 
@@ -157,10 +160,15 @@ class StepKinds:
         self._last = (kind, started)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per kind: its steps and their mean ms (the round's last step, with no next one,
-        left out)."""
+        """Per kind: its steps and their mean, median and longest ms (the round's last step,
+        with no next one, left out): a mean well above the median is a few slow steps."""
         return {
-            kind: {"steps": len(s), "ms": round(sum(s) * 1e3 / len(s), 3)}
+            kind: {
+                "steps": len(s),
+                "ms": round(sum(s) * 1e3 / len(s), 3),
+                "median_ms": round(statistics.median(s) * 1e3, 3),
+                "max_ms": round(max(s) * 1e3, 3),
+            }
             for kind, s in sorted(self.seconds.items())
         }
 

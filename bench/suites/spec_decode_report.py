@@ -118,11 +118,13 @@ def _kinds(profiled: dict[str, Any]) -> list[str]:
     """Each case's steps by kind (`phases.StepKinds`) and what its back-off measured."""
     if not any(c["phases"].get("kinds") for c in profiled.values()):
         return []
-    lines = ["", "### Steps by kind: count, mean ms from its start to the next step's", "",
-             "| case | kind | steps | ms |", "|---|---|---:|---:|"]  # fmt: skip
+    lines = ["", "### Steps by kind: count, ms from its start to the next step's", "",
+             "| case | kind | steps | mean ms | median ms | longest ms |",
+             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for name, c in profiled.items():
         for kind, k in c["phases"].get("kinds", {}).items():
-            lines.append(f"| {name} | {kind} | {k['steps']} | {num(k['ms'], 2)} |")
+            spread = " | ".join(num(k.get(key), 2) for key in ("ms", "median_ms", "max_ms"))
+            lines.append(f"| {name} | {kind} | {k['steps']} | {spread} |")
     rated = {name: c["backoff_rates"] for name, c in profiled.items() if c.get("backoff_rates")}
     if rated:
         lines += ["", "### The back-off's rates (tok/s, samples) by batch bucket", "",
