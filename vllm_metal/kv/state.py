@@ -346,8 +346,11 @@ class StateLayerCache:
         def rows(part: mx.array, array: mx.array) -> mx.array:
             return mx.view(part, array.dtype).reshape(num * k_rows, *array.shape[2:])
 
-        first = (blocks if traced else mx.array(blocks)).astype(mx.int64) * block_size
-        slots = (first[:, None] + mx.arange(k_rows)).reshape(-1)
+        if traced:
+            slots = (blocks.astype(mx.int64)[:, None] * block_size + mx.arange(k_rows)).reshape(-1)
+        else:  # host data, which a write's host-side plan reads without waiting
+            slots = blocks.astype(np.int64)[:, None] * block_size + np.arange(k_rows)
+            slots = mx.array(slots.reshape(-1))
         if self.pool.latent:
             self.pool.keys[self.region] = ops.mla_reshape_and_cache(
                 rows(page, keys), keys, slots, padded=not traced

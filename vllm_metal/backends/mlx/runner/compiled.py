@@ -11,9 +11,8 @@ verdicts, `kv.state_drafts`).
 Every request gets the same number of query rows, the most drafts of the step plus one: a request
 with fewer drafts is padded at its end by tokens that continue its positions, write nowhere
 (`NULL_SLOT`) and whose outputs are dropped; causal attention keeps them out of the request's own
-rows. The batch's rows and each block table's
-columns are padded to the next size of 1, 2, 3, 4, 6, 8, 12, ... (`bucket`), so a server traces a
-few dozen shapes and pads by at most a third.
+rows. The batch's rows and each block table's columns are padded to the next size of 1, 2, 3, 4,
+6, 8, 12, ... (`bucket`), so a server traces a few dozen shapes and pads by at most a third.
 Everything that changes between steps is an input of the compiled function (token ids, positions,
 lengths, block tables, slots, and the pools themselves, whose updated arrays it returns); the
 weights are constants of the trace, so a model reloaded (sleep level 2) gets a new `CompiledDecode`.
