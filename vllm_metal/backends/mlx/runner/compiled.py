@@ -32,11 +32,10 @@ from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner.batch import ranges
-from vllm_metal.backends.mlx.runner.forward import attention_cache, step_token_ids
+from vllm_metal.backends.mlx.runner.forward import layer_cache, state_groups, step_token_ids
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
-from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
-from vllm_metal.kv.state import StateBlocks, StateLayerCache, TracedBlocks
+from vllm_metal.kv.state import StateBlocks, TracedBlocks
 from vllm_metal.kv.turboquant import TurboQuantPool
 from vllm_metal.models.multimodal import MultimodalAdapter
 
@@ -196,13 +195,8 @@ class CompiledDecode:
                 ),
                 rows,
             )
-            for g in self._state_groups(pool)
+            for g in state_groups(pool, self.kinds)
         ]
-
-    def _state_groups(self, pool: KVPool) -> list[int]:
-        """The KV-cache groups of the state layers, in order."""
-        group = pool.layout.group_of_layer
-        return sorted({group[i] for i, kind in enumerate(self.kinds) if kind.is_state})
 
     def _trace(
         self, token_ids, positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values
@@ -228,28 +222,16 @@ class CompiledDecode:
     def _caches(self, positions, seq_lens, cu_seqlens_q, tables, slots, states, keys, values):
         """The traced pool over `keys` / `values` and each layer's view of the step: paged K/V,
         latent rows, or its state group's pages (`states`: each group's `TracedBlocks` arrays,
-        in `_state_groups`' order)."""
+        in `state_groups`' order)."""
         assert self._pool is not None, "traced outside hidden_states"
         pool = self._pool.over(keys, values)
         groups = [GroupTables(t, s) for t, s in zip(tables, slots)]
         query_rows = positions.shape[0] // (cu_seqlens_q.shape[0] - 1)  # a shape: fixed per trace
         meta = StepMetadata(positions, seq_lens, cu_seqlens_q, groups, query_rows=query_rows)
-        region, group = pool.layout.region_of_layer, pool.layout.group_of_layer
-        state_of = {g: TracedBlocks(*a) for g, a in zip(self._state_groups(pool), states)}
-        caches = []
-        for i, kind in enumerate(self.kinds):
-            if kind.is_state:
-                blocks = state_of[group[i]]
-                caches.append(
-                    StateLayerCache(
-                        pool, region[i], kind.state, blocks, cu_seqlens_q, query_rows=query_rows
-                    )
-                )
-            elif kind.latent:
-                caches.append(LatentLayerCache(pool, region[i], meta, groups[group[i]]))
-            else:
-                caches.append(attention_cache(pool, i, kind, meta, False))
-        return pool, caches
+        state_of = {g: TracedBlocks(*a) for g, a in zip(state_groups(pool, self.kinds), states)}
+        return pool, [
+            layer_cache(pool, i, kind, meta, state_of) for i, kind in enumerate(self.kinds)
+        ]
 
     def _cu_seqlens(self, rows: int, width: int) -> mx.array:
         """`cu_seqlens_q` of `rows` rows of `width` tokens, made from host data once per size."""

@@ -16,7 +16,7 @@ from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS, Ste
 from vllm_metal.kv.latent import LatentLayerCache
 from vllm_metal.kv.paged_cache import GroupTables, PagedLayerCache, StepMetadata
 from vllm_metal.kv.pool import KVPool
-from vllm_metal.kv.state import StateBlocks, StateLayerCache
+from vllm_metal.kv.state import StateBlocks, StateLayerCache, TracedBlocks
 from vllm_metal.kv.state_drafts import StepDrafts
 from vllm_metal.kv.turboquant import TurboQuantPool
 from vllm_metal.kv.turboquant import layer_cache as turboquant_layer_cache
@@ -65,28 +65,46 @@ def layer_caches(
     """One cache view per layer of `kinds`; `key_ends` (media attended both ways) apply to every
     attention layer, or with `key_ends_sliding_only` to the sliding-window ones."""
     meta = step_metadata(packed, key_ends)
-    layout = pool.layout
-    block_sizes = layout.block_sizes()
+    block_sizes = pool.layout.block_sizes()
     computed = packed.seq_lens - packed.num_scheduled
-    state_blocks: dict[int, StateBlocks] = {}  # per state group
-    caches: list[PagedLayerCache | LatentLayerCache | StateLayerCache] = []
-    for i, kind in enumerate(kinds):
-        region, group = layout.region_of_layer[i], layout.group_of_layer[i]
-        if kind.is_state:
-            if group not in state_blocks:
-                state_blocks[group] = StateBlocks.of_step(
-                    packed.block_tables[group], block_sizes[group], computed, packed.seq_lens
-                )
-            caches.append(
-                StateLayerCache(
-                    pool, region, kind.state, state_blocks[group], meta.cu_seqlens_q, drafts
-                )
-            )
-        elif kind.latent:
-            caches.append(LatentLayerCache(pool, region, meta, meta.groups[group]))
-        else:
-            caches.append(attention_cache(pool, i, kind, meta, key_ends_sliding_only))
-    return caches
+    state_blocks = {
+        group: StateBlocks.of_step(
+            packed.block_tables[group], block_sizes[group], computed, packed.seq_lens
+        )
+        for group in state_groups(pool, kinds)
+    }
+    return [
+        layer_cache(pool, i, kind, meta, state_blocks, drafts, key_ends_sliding_only)
+        for i, kind in enumerate(kinds)
+    ]
+
+
+def state_groups(pool: KVPool, kinds: Sequence[LayerKind]) -> list[int]:
+    """The KV-cache groups of the state layers among `kinds`, in order."""
+    group = pool.layout.group_of_layer
+    return sorted({group[i] for i, kind in enumerate(kinds) if kind.is_state})
+
+
+def layer_cache(
+    pool: KVPool,
+    layer: int,
+    kind: LayerKind,
+    meta: StepMetadata,
+    state_blocks: Mapping[int, StateBlocks | TracedBlocks],
+    drafts: StepDrafts | None = None,
+    key_ends_sliding_only: bool = False,
+) -> PagedLayerCache | LatentLayerCache | StateLayerCache:
+    """The view of layer `layer` for the step of `meta` (eager, or traced when it says
+    `query_rows`): paged K/V, latent rows, or its state group's pages (`state_blocks`)."""
+    region, group = pool.layout.region_of_layer[layer], pool.layout.group_of_layer[layer]
+    if kind.is_state:
+        return StateLayerCache(
+            pool, region, kind.state, state_blocks[group], meta.cu_seqlens_q, drafts,
+            query_rows=meta.query_rows,
+        )  # fmt: skip
+    if kind.latent:
+        return LatentLayerCache(pool, region, meta, meta.groups[group])
+    return attention_cache(pool, layer, kind, meta, key_ends_sliding_only)
 
 
 def attention_cache(
