@@ -16,7 +16,13 @@ from bench.harness import servers
 from bench.harness.decode_rounds import agreement
 from bench.harness.report.format import cases_table, machine_line, num, quick_note
 from bench.harness.report.publish import publish, targets_table
-from bench.harness.stages import StageLog, blas_log_lines, keep_earlier_families, kv_bytes
+from bench.harness.stages import (
+    StageLog,
+    blas_log_lines,
+    keep_earlier_families,
+    kv_bytes,
+    pick_cases,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -40,6 +46,18 @@ def test_blas_lines_and_kv_bytes() -> None:
     assert kv_bytes({"kv_bytes_per_token": 1}, 100, 1) == 64 * 2**20  # the floor
     big = kv_bytes({"kv_bytes_per_token": 2**16}, 1024, 32)
     assert big == int(1.5 * 32 * (64 + 1) * 16 * 2**16)
+
+
+def test_cases_run_in_the_order_named() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    chosen = [{"name": n} for n in ("plain", "backoff", "no_backoff")]
+    picked = pick_cases(p, argparse.Namespace(cases=["no_backoff", "plain", "no_backoff"]), chosen)
+    assert [c["name"] for c in picked] == ["no_backoff", "plain"]
+    assert pick_cases(p, argparse.Namespace(cases=None), chosen) == chosen
+    with pytest.raises(SystemExit):
+        pick_cases(p, argparse.Namespace(cases=["nope"]), chosen)
 
 
 def test_free_port_is_bindable_and_log_tail_reads_the_end(tmp_path: Path) -> None:
