@@ -284,6 +284,28 @@ def test_the_first_step_after_a_change_of_mode_is_not_timed():
     assert backoff.choose(["a"], [3], 1) == [3]
 
 
+def test_a_try_of_the_slower_mode_measures_it_afresh():
+    """Drafting's first steps ran while MLX built the kernels of its shapes (3 tokens in 400
+    ms), then plain steps were measured at 10 ms a token. The first try of drafting after 32
+    plain steps finds 3 tokens in 15 ms (200 tokens/s against 100) and keeps drafting: blended
+    with those first steps, drafting would look slower than plain decoding for five more tries
+    (about a thousand steps)."""
+    backoff = Backoff()
+    warm = False
+    chosen = []
+    for _ in range(48):
+        drafts = backoff.choose(["a"], [3], 1)[0] > 0
+        chosen.append(drafts)
+        if drafts:
+            seconds = 0.015 if warm else 0.400
+            backoff.record_decode_step(1, 3, seconds, verified_drafts=True)
+        else:
+            warm = True  # by the next drafting step, its kernels are built
+            backoff.record_decode_step(1, 1, 0.010, verified_drafts=False)
+    assert chosen[:3] == [True] * 3 and not any(chosen[3:30])
+    assert all(chosen[-8:])
+
+
 def test_backoff_pauses_a_poor_request_for_longer_each_time():
     backoff = Backoff()
     for _ in range(3):

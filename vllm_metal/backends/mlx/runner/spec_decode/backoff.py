@@ -9,7 +9,8 @@ real token. Instead of modelling the device, the policy measures:
   verified drafts and of decode steps that did not: tokens produced per second, the drafter's
   own time included. The faster mode is used; the slower one is tried again now and then, so a
   change (a stream turning repetitive, a longer context) is noticed, and more rarely each time
-  it stays slower. The first step after a change of mode is not timed: it pays for the change
+  it stays slower. A try measures the slower mode afresh: its old average may date from the
+  engine's first steps, when MLX was still building kernels for the mode's shapes. The first step after a change of mode is not timed: it pays for the change
   (a head's pass over the positions it left while nobody drafted, a step that could not be
   built while the one before ran), which the next ones do not, so a try runs a few steps;
 - **per request**, the share of its drafts that were accepted (with a weak prior). A request
@@ -62,14 +63,21 @@ class _Rate:
     samples: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
+    fresh: bool = False  # the next sample replaces the averages (`restart`)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.samples += 1
-        if self.samples == 2:
-            self.tokens, self.seconds = tokens, seconds
+        if self.samples == 2 or (self.fresh and self.samples > 2):
+            self.tokens, self.seconds, self.fresh = tokens, seconds, False
         elif self.samples > 2:
             self.tokens += _RATE_WEIGHT * (tokens - self.tokens)
             self.seconds += _RATE_WEIGHT * (seconds - self.seconds)
+
+    def restart(self) -> None:
+        """Measure afresh from the next sample: the averages are of steps taken long ago (at
+        shorter contexts, or while kernels were still being built for the mode's first shapes,
+        which can make a mode look several times slower than it runs)."""
+        self.fresh = True
 
     @property
     def tokens_per_s(self) -> float:
@@ -179,6 +187,9 @@ class Backoff:
         if not bucket.exploring and bucket.steps - bucket.explored_at >= bucket.explore_every:
             bucket.explored_at, bucket.exploring = bucket.steps, _EXPLORE_STEPS
             bucket.explore_every = min(2 * bucket.explore_every, _MAX_EXPLORE_EVERY)
+            # A try measures the slower mode as it runs now, not blended with what it cost
+            # when last used.
+            (plain if better else spec).restart()
         if bucket.exploring:
             bucket.exploring -= 1
             return not better
