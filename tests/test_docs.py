@@ -16,7 +16,7 @@ OPTIONAL = {"__init__.py"}
 def _tree_paths() -> set[str]:
     """Paths named by the code blocks of the doc that are trees rooted at a source directory."""
     paths: set[str] = set()
-    for block in re.findall(r"```\n(.*?)```", DOC.read_text(), flags=re.S):
+    for block in re.findall(r"```\n(.*?)```", DOC.read_text(), flags=re.DOTALL):
         lines = [line for line in block.splitlines() if line.strip()]
         if not lines or lines[0].strip() not in ROOTS and not lines[0].startswith(ROOTS):
             continue
@@ -42,9 +42,9 @@ def _source_files() -> set[str]:
                 path.is_file()
                 and path.suffix in SOURCE_SUFFIXES
                 and "__pycache__" not in path.parts
+                and path.name not in OPTIONAL
             ):
-                if path.name not in OPTIONAL:
-                    files.add(str(path.relative_to(ROOT)))
+                files.add(str(path.relative_to(ROOT)))
     return files
 
 

@@ -11,7 +11,9 @@ import sys
 def sysctl(name: str) -> str | None:
     """A macOS sysctl value, or None where there is none."""
     try:
-        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["sysctl", "-n", name], capture_output=True, text=True, timeout=5, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None

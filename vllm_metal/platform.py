@@ -5,7 +5,7 @@ table), and vLLM internals are patched only through `vllm_metal.compat`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
@@ -42,7 +42,7 @@ class MetalPlatform(Platform):
     # on macOS, so each node declares it (`ray start --num-gpus 1`, docs/parallel.md).
     ray_device_key: str = "GPU"
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
+    supported_quantization: ClassVar[list[str]] = []
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -52,7 +52,7 @@ class MetalPlatform(Platform):
     def get_device_name(cls, device_id: int = 0) -> str:
         try:
             device = get_backend().device_description()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a name for logs never stops the engine's start
             device = f"{backend_name()} unavailable"
         return f"{chip_name()} ({device})"
 

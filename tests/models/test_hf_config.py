@@ -11,14 +11,14 @@ from transformers import AutoConfig
 
 from vllm_metal.models.hf_config import mlx_lm_overrides
 
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=256,
-)
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
 
 
 def _saved(model_type: str, **kwargs) -> dict:
