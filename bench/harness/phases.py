@@ -35,6 +35,7 @@ class PhaseTimers:
         self.steps = 0
         self._depth: list[str] = []
         self.kinds = StepKinds()
+        self.drafts = DraftCalls()
 
     def timed(self, name: str, fn: Any) -> Any:
         timers = self
@@ -72,6 +73,7 @@ class PhaseTimers:
             if hasattr(module, "to_host"):
                 module.to_host = self.timed("wait", module.to_host)
         SpecDecoder.after_step = self.timed("draft", SpecDecoder.after_step)
+        self.drafts.install()
         runner = model_runner.MLXModelRunner
         runner.execute_model = self.kinds.wrap(self.timed("execute_model", runner.execute_model))
         submit = self.timed("submit", mx.async_eval)
@@ -88,6 +90,7 @@ class PhaseTimers:
     def reset(self) -> None:
         self.records, self.steps = {}, 0
         self.kinds.reset()
+        self.drafts.reset()
 
     def summary(self) -> dict[str, float]:
         """Mean ms per model step of each phase over a round (its prefill steps included: one or
@@ -111,6 +114,7 @@ class PhaseTimers:
             "step_ms": round(get("engine_step"), 3),
             "steps": self.steps,
             "kinds": self.kinds.summary(),
+            "drafts": self.drafts.summary(),
         }
 
 
@@ -162,15 +166,71 @@ class StepKinds:
     def summary(self) -> dict[str, dict[str, float]]:
         """Per kind: its steps and their mean, median and longest ms (the round's last step,
         with no next one, left out): a mean well above the median is a few slow steps."""
-        return {
-            kind: {
-                "steps": len(s),
-                "ms": round(sum(s) * 1e3 / len(s), 3),
-                "median_ms": round(statistics.median(s) * 1e3, 3),
-                "max_ms": round(max(s) * 1e3, 3),
-            }
-            for kind, s in sorted(self.seconds.items())
+        return spread(self.seconds)
+
+
+class DraftCalls:
+    """A head drafter's proposals (`HeadDrafter.propose`: EAGLE-3 and MTP heads) by what they
+    ran: the rows of the head's first pass (each row's new positions after those it deferred
+    while it did not draft, `HeadDrafter._catch_up`), and whether a row then drafted; or no
+    pass at all (every row deferred). Tells a drafting call slow because its first pass caught
+    up over many positions (a shape met rarely) from every drafting call being slow."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self._rows: int | None = None
+
+    def install(self) -> None:
+        from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
+
+        calls, catch_up, propose = self, HeadDrafter._catch_up, HeadDrafter.propose
+
+        def first_pass(drafter: Any, *args: Any, **kwargs: Any) -> Any:
+            packed, inputs = catch_up(drafter, *args, **kwargs)
+            calls._rows = packed.num_tokens
+            return packed, inputs
+
+        def timed(drafter: Any, step: Any, states: Any, sampled: Any, caps: Any) -> Any:
+            calls._rows = None
+            started = time.perf_counter()
+            try:
+                return propose(drafter, step, states, sampled, caps)
+            finally:
+                seconds = time.perf_counter() - started
+                kind = "no head pass" if calls._rows is None else _rows_label(calls._rows)
+                if calls._rows is not None and caps.any():
+                    kind += ", drafting"
+                calls.seconds.setdefault(kind, []).append(seconds)
+
+        HeadDrafter._catch_up, HeadDrafter.propose = first_pass, timed
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind of call: how many, and their mean, median and longest ms."""
+        return spread(self.seconds)
+
+
+def _rows_label(rows: int) -> str:
+    """'first pass of N rows' up to 4 rows, else of a range (5-8, 9-16, ...)."""
+    if rows <= 4:
+        return f"first pass of {rows} rows"
+    top = 1 << (rows - 1).bit_length()
+    return f"first pass of {top // 2 + 1}-{top} rows"
+
+
+def spread(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per key: the count of its times and their mean, median and longest ms."""
+    return {
+        key: {
+            "steps": len(s),
+            "ms": round(sum(s) * 1e3 / len(s), 3),
+            "median_ms": round(statistics.median(s) * 1e3, 3),
+            "max_ms": round(max(s) * 1e3, 3),
         }
+        for key, s in sorted(seconds.items())
+    }
 
 
 def kind_of(packed: Any, before: tuple, after: tuple) -> str:

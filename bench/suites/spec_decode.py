@@ -28,7 +28,8 @@ spec-decode counters. Ratios are taken between cases of the same run.
 
 `--profile` runs each engine core in its case's process and adds where its steps go: mean ms a step
 in each phase (`bench.harness.phases.PhaseTimers`: graph build, host work, submit, waits, sampling,
-drafting, the engine around them) and a cProfile of one more round.
+drafting, the engine around them), each step kind's and each kind of a head's proposal's
+count with median and longest ms (`StepKinds`, `DraftCalls`), and a cProfile of one more round.
 
 `--quick`: the tiny model, 8 output tokens, one round, and the n-gram case of the repetitive
 workload alone (its speedups over plain decoding are then not measured); `--quick --peers` adds the

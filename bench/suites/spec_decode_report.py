@@ -115,16 +115,20 @@ def _phases(cases: dict[str, Any]) -> list[str]:
 
 
 def _kinds(profiled: dict[str, Any]) -> list[str]:
-    """Each case's steps by kind (`phases.StepKinds`) and what its back-off measured."""
+    """Each case's steps by kind (`phases.StepKinds`), a head's proposals by its first pass
+    (`phases.DraftCalls`) and what its back-off measured."""
     if not any(c["phases"].get("kinds") for c in profiled.values()):
         return []
-    lines = ["", "### Steps by kind: count, ms from its start to the next step's", "",
-             "| case | kind | steps | mean ms | median ms | longest ms |",
-             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
-    for name, c in profiled.items():
-        for kind, k in c["phases"].get("kinds", {}).items():
-            spread = " | ".join(num(k.get(key), 2) for key in ("ms", "median_ms", "max_ms"))
-            lines.append(f"| {name} | {kind} | {k['steps']} | {spread} |")
+    lines = _spread_table(
+        profiled,
+        "kinds",
+        "Steps by kind: count, ms from its start to the next step's",
+        "kind",
+        "steps",
+    )
+    lines += _spread_table(
+        profiled, "drafts", "A head's proposals by its first pass: count, ms each", "call", "calls"
+    )
     rated = {name: c["backoff_rates"] for name, c in profiled.items() if c.get("backoff_rates")}
     if rated:
         lines += ["", "### The back-off's rates (tok/s, samples) by batch bucket", "",
@@ -151,3 +155,20 @@ def write_report(report: dict[str, Any], out: Path) -> list[Path]:
 def regenerate_report(folder: Path) -> None:
     """The markdown and plot again from the JSON in `folder`."""
     regenerate(folder, "spec_decode", _markdown, _plot)
+
+
+def _spread_table(
+    profiled: dict[str, Any], key: str, title: str, label: str, count: str
+) -> list[str]:
+    """A table of each case's `phases.spread` figures under `phases[key]` (none: no table)."""
+    rows = [
+        f"| {name} | {what} | {k['steps']} | "
+        + " | ".join(num(k.get(field), 2) for field in ("ms", "median_ms", "max_ms"))
+        + " |"
+        for name, c in profiled.items()
+        for what, k in c["phases"].get(key, {}).items()
+    ]
+    if not rows:
+        return []
+    return ["", f"### {title}", "", f"| case | {label} | {count} | mean ms | median ms | longest ms |",
+            "|---|---|---:|---:|---:|---:|", *rows]  # fmt: skip

@@ -88,6 +88,22 @@ def test_spec_decode_quick(run_suite) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
+def test_spec_decode_profile_splits_steps_and_a_heads_proposals(run_suite) -> None:
+    run = run_suite(
+        "spec_decode", False, "--cases", "eagle3_self_drafting", "--profile", "--output-len", "48"
+    )
+    phases = run.results()["cases"]["eagle3_self_drafting"]["phases"]
+    verify = [k for k in phases["kinds"] if k.startswith("verify")]
+    assert verify and all(phases["kinds"][k]["steps"] > 0 for k in verify)
+    # Every drafting call ran the head's first pass over at least one row per drafting request.
+    drafting = {k: v for k, v in phases["drafts"].items() if k.endswith(", drafting")}
+    assert drafting and sum(v["steps"] for v in drafting.values()) >= 10
+    assert all(v["median_ms"] > 0 for v in drafting.values())
+    assert "A head's proposals by its first pass" in run.report()
+
+
+@pytest.mark.slow
 @pytest.mark.full  # CI's budget: test_mtp.py runs MTP engines in CI
 def test_mtp_quick(run_suite) -> None:
     run = run_suite("mtp")
