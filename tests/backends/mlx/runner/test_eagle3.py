@@ -122,7 +122,9 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
     every earlier position, so a draft equals the every-step engine's at the same tokens only
     if the head caught up over the positions it left (and, after the prefix hits, ran over the
     blocks completed while paused). The paused engine compiles its decode steps
-    (`VLLM_METAL_COMPILE=1`): the aux states the head catches up over come from the traces."""
+    (`VLLM_METAL_COMPILE=1`): the aux states the head catches up over come from the traces, and
+    its chained draft steps run through the head's compiled chain (`spec_decode/chain.py`), whose
+    drafts must be the eager chain's."""
     target, head = eagle3_dirs["random"]
     first = {"prompts": PROMPTS, "params": [greedy(48)]}
     (expected,) = run_engine_job(target, [first], engine=ENGINE)
@@ -134,6 +136,7 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
         {"action": "recorded_drafts"},
         {"action": "compiled_steps"},
         {"action": "carried_steps"},
+        {"action": "compiled_chains"},
     ]
     engine = {**ENGINE, "speculative_config": spec(head)}
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -148,8 +151,9 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
     # Steps after which nobody drafts hand their tokens to the next step on the device, the
     # head's bookkeeping done before they reach the host (`SpecDecoder.plan_ahead`).
     assert runs["on"][5] > 20, runs["on"][5]
+    assert runs["off"][6] == 0 and runs["on"][6] > 0, (runs["off"][6], runs["on"][6])
     every = {tuple(c): d for c, d in runs["off"][3]}
-    for _, batch, resent, _, _, _ in runs.values():
+    for _, batch, resent, _, _, _, _ in runs.values():
         assert tokens(batch) == tokens(expected)
         assert all(r["num_cached_tokens"] >= BS for r in resent), resent
     paused = runs["on"][3]

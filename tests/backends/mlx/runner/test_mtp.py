@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 
 from tests.backends.mlx.runner.jobs import (
+    COMPILED_ENV,
     assert_logprobs_match_hf,
     greedy,
     random_prompts,
@@ -83,18 +84,26 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
         SEEDED,
         {"action": "async_scheduling"},
     ]
-    async_scheduling = head == "self_drafting"
-    (batch, resent, shorts, sampled, again, ran_async), per_job = run_engine_job(
+    # The self-drafting head's engine compiles (MLX's GPU default; in-process): its decode steps
+    # and its head's chained draft steps (`spec_decode/chain.py`), which must keep its drafts
+    # accepted.
+    async_scheduling = compiled = head == "self_drafting"
+    if compiled:
+        jobs.append({"action": "compiled_chains"})
+    (batch, resent, shorts, sampled, again, ran_async, *chains), per_job = run_engine_job(
         path,
         jobs,
         engine={**ENGINE, "disable_log_stats": False, "speculative_config": SPEC,
                 "async_scheduling": async_scheduling},
         with_metrics="per_job",
-        env={"VLLM_METAL_SPEC_BACKOFF": "0"},  # draft on every step, whatever it costs
+        # Draft on every step, whatever it costs.
+        env={"VLLM_METAL_SPEC_BACKOFF": "0", **(COMPILED_ENV if compiled else {})},
     )  # fmt: skip
     counters = per_job[2]  # after the greedy jobs (sampled requests reject drafts by chance)
 
     assert ran_async is async_scheduling
+    if compiled:
+        assert chains[0] > 0, chains
     assert tokens(batch) == expected
     assert_logprobs_match_hf(path, prompts, batch)
     assert tokens(resent) == hf_greedy(path, resend, 8)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
-from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
 from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import eagle3
@@ -44,6 +44,7 @@ class Eagle3Drafter(HeadDrafter):
             self.draft_config.get_head_size(),
             kv_dtype,
             draft_cache_config(vllm_config),
+            compile_chain=compiled.enabled(vllm_config),
         )
         self.target = target
         self.download_dir = vllm_config.load_config.download_dir
@@ -83,20 +84,18 @@ class Eagle3Drafter(HeadDrafter):
         return step.aux_hidden
 
     def _first(self, packed: PackedBatch, inputs: mx.array) -> tuple[mx.array, mx.array]:
-        return self._run(packed, self.head.combine(inputs))
-
-    def _chained(self, packed: PackedBatch, fed: mx.array, j: int) -> tuple[mx.array, mx.array]:
-        return self._run(packed, fed)
+        return self._run(packed, self.head.combine(inputs), 0)
 
     def _draft_tokens(self, out: mx.array) -> mx.array:
         return self.head.draft_tokens(self._logits(out))
 
-    def _run(self, packed: PackedBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """The head over `packed` (tokens at p + 1, positions p) with the hidden states of its
-        rows: (normed output, the hidden state the next draft step reads)."""
+    def _pass(
+        self, token_ids: mx.array, hidden: mx.array, caches: list, j: int
+    ) -> tuple[mx.array, mx.array]:
+        """The head over tokens `[T, 1]` (at p + 1, their rows at positions p) with the hidden
+        states of its rows: (normed output, the hidden state the next draft step reads). Every
+        pass is the same, `j` aside."""
         head = self.head
-        caches = layer_caches(self.pool, packed, self.kinds)
-        token_ids = step_token_ids(packed)[:, None]
         if head.embed_tokens is not None:
             embeds = head.embed_tokens(token_ids)
         else:

@@ -29,6 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
+from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
+from vllm_metal.backends.mlx.runner.spec_decode.chain import CompiledChain
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
     HeadWeights,
     PagedDrafter,
@@ -85,7 +87,7 @@ class _Deferred:
 
 class HeadDrafter(HeadWeights, PagedDrafter):
     """`propose` for a head with paged K/V of its own. A subclass loads `head` and says what the
-    head reads from the step (`_step_inputs`) and how it runs (`_first`, `_chained`,
+    head reads from the step (`_step_inputs`) and how it runs (`_first`, `_pass`,
     `_draft_tokens`)."""
 
     def __init__(
@@ -94,9 +96,13 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         head_dim: int,
         kv_dtype: mx.Dtype,
         cache_config: CacheConfig | None = None,
+        compile_chain: bool = False,
     ):
         super().__init__(num_kv_heads, head_dim, kv_dtype, cache_config)
         self._deferred: dict[str, _Deferred] = {}
+        # The chained draft steps through one compiled function (`chain.py`) where the target's
+        # decode steps compile too; None: eager.
+        self.chain = CompiledChain(self) if compile_chain else None
 
     def discard(self, tags: tuple[str, ...]) -> None:
         super().discard(tags)
@@ -116,13 +122,22 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         tokens: (the output the draft is read from, the state a chained step is fed)."""
         raise NotImplementedError
 
-    def _chained(self, packed: PackedBatch, fed: mx.array, j: int) -> tuple[mx.array, mx.array]:
-        """Draft step j > 0 over `packed` (draft j - 1 at the next position) fed `fed`."""
+    def _pass(
+        self, token_ids: mx.array, hidden: mx.array, caches: list, j: int
+    ) -> tuple[mx.array, mx.array]:
+        """Draft step `j` (0: the first pass) over tokens `[T, 1]` fed `hidden`, each layer
+        writing through its view in `caches`: (the output the draft is read from, the state the
+        next step is fed). Traced as well as eager (`chain.py`): it reads nothing on the host."""
         raise NotImplementedError
 
     def _draft_tokens(self, out: mx.array) -> mx.array:
         """The target tokens drafted from the head's outputs (`[rows]`)."""
         raise NotImplementedError
+
+    def _run(self, packed: PackedBatch, hidden: mx.array, j: int) -> tuple[mx.array, mx.array]:
+        """`_pass` over `packed` (tokens at p + 1, positions p), eagerly."""
+        caches = layer_caches(self.pool, packed, self.kinds)
+        return self._pass(step_token_ids(packed)[:, None], hidden, caches, j)
 
     # ------------------------------------------------------------ drafting
 
@@ -164,6 +179,20 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         positions = start[rows] + count[rows] - 1
         tokens = self._draft_tokens(out)
         drawn = [(rows, tokens)]  # each draft step's rows and drafts, read once at the end
+        compiled = None
+        if self.chain is not None and self.chain.takes(caps[rows]):
+            compiled = self.chain.drafts(
+                tokens,
+                fed,
+                positions,
+                [t[rows] for t in tables],
+                states.block_sizes,
+                int(caps[rows[0]]),
+            )
+        if compiled is not None:
+            drawn += [(rows, compiled[:, j]) for j in range(compiled.shape[1])]
+            mx.eval(tokens, compiled, *self.pool.arrays())
+            return self._read(drafts, drawn)
         for j in range(1, int(caps[rows].max())):
             keep = caps[rows] > j
             if not keep.any():
@@ -179,10 +208,16 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             )
             # Draft j - 1 is fed on the device (`PackedBatch.carried`): no wait between steps.
             chained.carried = (np.arange(rows.size, dtype=np.int32), tokens[kept])
-            out, fed = self._chained(chained, fed[kept], j)
+            out, fed = self._run(chained, fed[kept], j)
             tokens = self._draft_tokens(out)
             drawn.append((rows, tokens))
         mx.eval(*(t for _, t in drawn), fed, *self.pool.arrays())
+        return self._read(drafts, drawn)
+
+    @staticmethod
+    def _read(drafts: list[list[int]], drawn: list[tuple[np.ndarray, mx.array]]) -> list[list[int]]:
+        """`drafts` with each draft step's tokens (`drawn`: its rows and their drafts, evaluated)
+        appended to their rows' lists."""
         for step_rows, step_tokens in drawn:
             for r, token in zip(step_rows, np.array(step_tokens).tolist()):
                 drafts[r].append(int(token))

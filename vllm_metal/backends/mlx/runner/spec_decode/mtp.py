@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from vllm_metal.backends.mlx.runner import compiled
 from vllm_metal.backends.mlx.runner.batch import PackedBatch
-from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
 from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
 from vllm_metal.kv.quant import draft_cache_config
 from vllm_metal.models.families import mtp_module
@@ -44,6 +44,7 @@ class MTPDrafter(HeadDrafter):
             model_config.get_head_size(),
             kv_dtype,
             draft_cache_config(vllm_config),
+            compile_chain=compiled.enabled(vllm_config),
         )
         self.target = target
         self.model_path = model_config.model
@@ -75,18 +76,17 @@ class MTPDrafter(HeadDrafter):
     def _first(self, packed: PackedBatch, inputs: mx.array) -> tuple[mx.array, mx.array]:
         return self._run(packed, inputs, 0)
 
-    def _chained(self, packed: PackedBatch, fed: mx.array, j: int) -> tuple[mx.array, mx.array]:
-        return self._run(packed, fed, j)
-
     def _draft_tokens(self, out: mx.array) -> mx.array:
         return row_argmax(self.target.adapter.logits(out).reshape(out.shape[0], -1))
 
-    def _run(self, packed: PackedBatch, hidden: mx.array, step: int) -> tuple[mx.array, mx.array]:
-        """The head over `packed` (tokens at p + 1, positions p) with the hidden states of its
-        rows, its K/V written to layer `step mod layers`: the normed output the LM head reads,
-        and the hidden state a chained step is fed (a head returning one array feeds it back)."""
-        caches = layer_caches(self.pool, packed, self.kinds)
-        layer = step % len(self.kinds)
-        embeds = self.target.adapter.embed(step_token_ids(packed)[:, None])
-        out = self.head(embeds, hidden, caches[layer], step)
+    def _pass(
+        self, token_ids: mx.array, hidden: mx.array, caches: list, j: int
+    ) -> tuple[mx.array, mx.array]:
+        """The head over tokens `[T, 1]` (at p + 1, their rows at positions p) with the hidden
+        states of its rows, its K/V written to layer `j mod layers`: the normed output the LM
+        head reads, and the hidden state a chained step is fed (a head returning one array
+        feeds it back)."""
+        layer = j % len(self.kinds)
+        embeds = self.target.adapter.embed(token_ids)
+        out = self.head(embeds, hidden, caches[layer], j)
         return out if isinstance(out, tuple) else (out, out)
