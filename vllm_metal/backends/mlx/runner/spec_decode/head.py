@@ -107,6 +107,8 @@ class HeadDrafter(HeadWeights, PagedDrafter):
     def discard(self, tags: tuple[str, ...]) -> None:
         super().discard(tags)
         self._deferred.clear()
+        if self.chain is not None:  # its traces hold the head's weights as constants
+            self.chain = CompiledChain(self)
 
     def reset(self, req_id: str) -> None:
         self._deferred.pop(req_id, None)
