@@ -86,15 +86,17 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
     ]
     # The self-drafting head's engine compiles (MLX's GPU default; in-process): its decode steps
     # and its head's chained draft steps (`spec_decode/chain.py`), which must keep its drafts
-    # accepted.
+    # accepted; after sleep level 2 (the weights reloaded) the chains are traced afresh, not
+    # run on traces holding the weights let go.
     async_scheduling = compiled = head == "self_drafting"
+    chains = {"action": "compiled_chains"}
     if compiled:
-        jobs.append({"action": "compiled_chains"})
-    (batch, resent, shorts, sampled, again, ran_async, *chains), per_job = run_engine_job(
+        jobs += [chains, {"action": "sleep_wake"}, jobs[0], chains]
+    (batch, resent, shorts, sampled, again, ran_async, *woken), per_job = run_engine_job(
         path,
         jobs,
         engine={**ENGINE, "disable_log_stats": False, "speculative_config": SPEC,
-                "async_scheduling": async_scheduling},
+                "async_scheduling": async_scheduling, "enable_sleep_mode": compiled},
         with_metrics="per_job",
         # Draft on every step, whatever it costs.
         env={"VLLM_METAL_SPEC_BACKOFF": "0", **(COMPILED_ENV if compiled else {})},
@@ -103,7 +105,10 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
 
     assert ran_async is async_scheduling
     if compiled:
-        assert chains[0] > 0, chains
+        before, _, again_batch, after = woken
+        assert tokens(again_batch) == expected
+        # Counted afresh after the wake-up: no more than all the jobs before the sleep ran.
+        assert 0 < after <= before, (before, after)
     assert tokens(batch) == expected
     assert_logprobs_match_hf(path, prompts, batch)
     assert tokens(resent) == hf_greedy(path, resend, 8)
