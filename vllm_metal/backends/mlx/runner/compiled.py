@@ -85,6 +85,15 @@ def bucket(n: int) -> int:
     return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
 
 
+def padded_table(table: np.ndarray, rows: int, longest: int, block_size: int) -> mx.array:
+    """A block table (a row per request) padded with block 0, vLLM's null block, to `rows` rows
+    and to the bucket of the columns `longest` tokens need (at least its own width)."""
+    need = max(table.shape[1], -(-longest // block_size))
+    padded = np.zeros((rows, bucket(need)), dtype=np.int32)
+    padded[: table.shape[0], : table.shape[1]] = table
+    return mx.array(padded)
+
+
 class CompiledDecode:
     """The compiled decode forward of one loaded model (`hidden_states` of a qualifying step)."""
 
@@ -140,10 +149,7 @@ class CompiledDecode:
         for table, slot_mapping, block_size in zip(
             packed.block_tables, packed.slot_mappings, pool.layout.block_sizes()
         ):
-            need = max(table.shape[1], -(-int(seq_lens.max()) // block_size))
-            padded = np.zeros((rows, bucket(need)), dtype=np.int32)
-            padded[:num_seqs, : table.shape[1]] = table
-            tables.append(mx.array(padded))
+            tables.append(padded_table(table, rows, int(seq_lens.max()), block_size))
             slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
             slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
             slots.append(mx.array(slot))

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.runner.compiled import NULL_SLOT, bucket
+from vllm_metal.backends.mlx.runner.batch import _tables_and_slots
+from vllm_metal.backends.mlx.runner.compiled import NULL_SLOT, bucket, padded_table
 from vllm_metal.backends.mlx.runner.forward import layer_cache
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 
@@ -67,18 +68,16 @@ class CompiledChain:
         num = len(positions)
         rows = bucket(num)
         steps = num_drafts - 1
-        chain = (
-            positions[None, :] + np.arange(1, steps + 1, dtype=np.int64)[:, None]
-        )  # [steps, num]
+        chain = positions[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, num]
+        # Each step's slots as the eager chain's packing makes them (`decode_batch`).
+        _, chain_slots = _tables_and_slots(
+            tables, block_sizes, np.tile(np.arange(num), steps), chain.reshape(-1), chain[-1] + 1
+        )
         padded_tables, slots = [], []
-        for table, block_size in zip(tables, block_sizes):
-            need = max(table.shape[1], int(chain.max()) // block_size + 1)
-            padded = np.zeros((rows, bucket(need)), dtype=np.int32)
-            padded[:num, : table.shape[1]] = table
+        for table, chain_slot, block_size in zip(tables, chain_slots, block_sizes):
+            padded_tables.append(padded_table(table, rows, int(chain.max()) + 1, block_size))
             slot = np.full((steps, rows), NULL_SLOT, dtype=np.int64)
-            blocks = padded[np.arange(num)[None, :], chain // block_size].astype(np.int64)
-            slot[:, :num] = blocks * block_size + chain % block_size
-            padded_tables.append(mx.array(padded))
+            slot[:, :num] = chain_slot.reshape(steps, num)
             slots.append(mx.array(slot))
         start = np.zeros(rows, dtype=np.int32)
         start[:num] = positions + 1
