@@ -195,6 +195,7 @@ class DraftCalls:
 
         def timed(drafter: Any, step: Any, states: Any, sampled: Any, caps: Any) -> Any:
             calls._rows = None
+            traces = drafter.chain.traces if drafter.chain is not None else 0
             started = time.perf_counter()
             try:
                 return propose(drafter, step, states, sampled, caps)
@@ -203,6 +204,8 @@ class DraftCalls:
                 kind = "no head pass" if calls._rows is None else _rows_label(calls._rows)
                 if calls._rows is not None and caps.any():
                     kind += ", drafting"
+                if drafter.chain is not None and drafter.chain.traces != traces:
+                    kind += ", chain traced"
                 calls.seconds.setdefault(kind, []).append(seconds)
 
         HeadDrafter._catch_up, HeadDrafter.propose = first_pass, timed

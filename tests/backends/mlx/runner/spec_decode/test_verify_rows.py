@@ -11,7 +11,7 @@ from numpy.testing import assert_array_equal
 from vllm.sampling_params import SamplingParams
 
 from tests.backends.mlx.runner.schedules import Cached, new_req, sample, schedule, span, step
-from vllm_metal.backends.mlx.runner.spec_decode.backoff import Backoff
+from vllm_metal.backends.mlx.runner.spec_decode.backoff import _EXPLORE_STEPS, Backoff
 from vllm_metal.backends.mlx.runner.spec_decode.verify import spec_decode_metadata
 
 
@@ -151,7 +151,7 @@ def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatc
         num_scheduled=np.array([1, 1]), num_draft_tokens=np.array([0, 0]), req_ids=["a", "b"]
     )
     for k in range(3):
-        step_k = SimpleNamespace(packed=packed, started=0.001 * k, traced=False)
+        step_k = SimpleNamespace(packed=packed, started=0.001 * k, traced=False, spec_caps=None)
         spec._record_rate(step_k, [[7], [8]], verified=False)
     plain = backoff.buckets[batch_bucket(2)].plain
     assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(2 / 0.010)
@@ -178,7 +178,7 @@ def test_drafting_steps_count_the_drafters_time_once(vllm_config, monkeypatch, b
     for k, out in enumerate(outputs):
         previous = out - 0.020
         start = previous - 0.001 if began == "before_the_drafts" else previous + 0.014
-        step = SimpleNamespace(packed=packed, started=start, traced=False)
+        step = SimpleNamespace(packed=packed, started=start, traced=False, spec_caps=None)
         spec._record_rate(step, [[1, 2, 3]], True)
         spec._drafted = 0.004  # as after_step records its propose
     cost = 0.020 if began == "before_the_drafts" else 0.010
@@ -204,10 +204,37 @@ def test_a_step_that_traced_a_compiled_shape_is_not_timed(vllm_config, monkeypat
         num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
     )
     for k, gap in enumerate(gaps):
-        step = SimpleNamespace(packed=packed, started=outputs[k] - gap, traced=gap > 0.1)
+        started, traced = outputs[k] - gap, gap > 0.1
+        step = SimpleNamespace(packed=packed, started=started, traced=traced, spec_caps=None)
         spec._record_rate(step, [[1, 2, 3]], True)
     rate = backoff.buckets[batch_bucket(1)].spec
     assert rate.samples == 4 and rate.tokens_per_s == pytest.approx(3 / 0.020)
+
+
+def test_a_plain_step_after_which_drafting_was_decided_is_not_timed(vllm_config, monkeypatch):
+    """Plain steps carried one ahead give their outputs 10 ms apart; the last one before drafting
+    resumes (decided ahead: `spec_caps`) gives its output 1 ms after the one before, as nothing
+    was built while it ran. Plain decoding runs at 100 tokens/s, not at the 143 that timing
+    that step would say."""
+    from types import SimpleNamespace
+
+    from vllm_metal.backends.mlx.runner.spec_decode import decoder as decoder_module
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = Backoff()
+    spec = _decoder(vllm_config, backoff)
+    outputs = [0.010, 0.020, 0.030, 0.031]
+    clock = iter(outputs)
+    monkeypatch.setattr(decoder_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    packed = _decode_rows(
+        num_scheduled=np.array([1]), num_draft_tokens=np.array([0]), req_ids=["a"]
+    )
+    for k in range(len(outputs)):
+        caps = np.array([3 if k == len(outputs) - 1 else 0], dtype=np.int32)
+        step = SimpleNamespace(packed=packed, started=0.001 * k, traced=False, spec_caps=caps)
+        spec._record_rate(step, [[7]], verified=False)
+    plain = backoff.buckets[batch_bucket(1)].plain
+    assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(100.0)
 
 
 def test_a_step_read_right_after_the_previous_one_does_not_inflate_its_modes_rate():
@@ -250,7 +277,7 @@ def test_backoff_keeps_the_faster_mode_per_batch_size_and_retries_the_other():
     assert slow.choose(["a"], [4], 16) == [0]
     # Batch sizes are measured apart: 16 decoding requests say nothing about 2.
     assert slow.choose(["a"], [4], 2) == [4]
-    # The slower mode is tried for three steps after 32 decode steps of a batch size, and
+    # The slower mode is tried for five steps after 32 decode steps of a batch size, and
     # after twice as many each time it is still the slower one (each step runs the mode chosen).
     tried = []
     for k in range(32 + 64 + 128 + 16):
@@ -258,13 +285,30 @@ def test_backoff_keeps_the_faster_mode_per_batch_size_and_retries_the_other():
         if drafts:
             tried.append(k)
         slow.record_decode_step(16, 16, 3.2 if drafts else 1.6, verified_drafts=drafts)
-    assert tried == [32, 33, 34, 96, 97, 98, 224, 225, 226]
+    n = _EXPLORE_STEPS
+    assert tried == [*range(32, 32 + n), *range(96, 96 + n), *range(224, 224 + n)]
     # Drafting turned faster: it is used, and plain decoding is tried again within 32 steps.
     choices = []
     for _ in range(8 + 33):
         slow.record_decode_step(16, 64, 1.6, verified_drafts=True)
         choices.append(slow.choose(["a"], [4], 16)[0])
-    assert choices[-33] == 4 and choices[-33:].count(0) == 3
+    assert choices[-33] == 4 and choices[-33:].count(0) == _EXPLORE_STEPS
+
+
+def test_the_mode_in_use_stays_until_the_other_leads_it_clearly():
+    """Drafting measured at 100 tokens/s against plain decoding's 97 is used; plain decoding
+    measured at 103 since (within the noise of steps' timing) does not take over, at 110 it
+    does. Every change of mode costs a step that cannot be built one ahead."""
+    from vllm_metal.backends.mlx.runner.spec_decode.backoff import batch_bucket
+
+    backoff = _measured(spec_rate=100.0, plain_rate=97.0)
+    assert backoff.choose(["a"], [4], 1) == [4]
+    bucket = backoff.buckets[batch_bucket(1)]
+    for rate, faster_is_spec in ((103.0, True), (110.0, False)):
+        for _ in range(64):
+            backoff.record_decode_step(1, 10, 10 / rate, verified_drafts=False)
+        backoff.choose(["a"], [4], 1)
+        assert bucket.faster_is_spec is faster_is_spec
 
 
 def test_the_first_step_after_a_change_of_mode_is_not_timed():

@@ -7,12 +7,14 @@ real token. Instead of modelling the device, the policy measures:
 
 - **per batch size** (decoding requests, in powers of two), the token rate of decode steps that
   verified drafts and of decode steps that did not: tokens produced per second, the drafter's
-  own time included. The faster mode is used; the slower one is tried again now and then, so a
-  change (a stream turning repetitive, a longer context) is noticed, and more rarely each time
-  it stays slower. A try measures the slower mode afresh: its old average may date from the
-  engine's first steps, when MLX was still building kernels for the mode's shapes. The first step after a change of mode is not timed: it pays for the change
-  (a head's pass over the positions it left while nobody drafted, a step that could not be
-  built while the one before ran), which the next ones do not, so a try runs a few steps;
+  own time included, over about each mode's last sixteen steps (`_Rate`). The faster mode is used,
+  and only a clear lead changes which one that is; the slower one is tried again now and then,
+  so a change (a stream turning repetitive, a longer context) is noticed, and more rarely each
+  time it stays slower. A try measures the slower mode afresh: its old figures may date from the
+  engine's first steps, when MLX was still building kernels for the mode's shapes. The first
+  step after a change of mode is not timed: it pays for the change (a head's pass over the
+  positions it left while nobody drafted, a step that could not be built while the one before
+  ran), which the next ones do not, so a try runs several steps;
 - **per request**, the share of its drafts that were accepted (with a weak prior). A request
   whose share falls below `MIN_ACCEPTANCE` stops drafting for a pause that doubles (up to a cap)
   each time it is still poor, so one bad stream does not weigh down a batch.
@@ -28,16 +30,22 @@ MIN_ACCEPTANCE = 0.25
 # Prior of a request's acceptance counts: as if one draft had been accepted and one rejected.
 _PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
 _ACCEPTANCE_DECAY = 0.8  # per verification
-_RATE_WEIGHT = 0.25  # weight of the newest step in a mode's averages
+# Weight kept by a mode's sums of tokens and seconds at each new step: they span about its last
+# 1 / (1 - _RATE_DECAY) steps, so the pairs of one long and one short step that pipelined steps
+# give (two outputs read in one drain) weigh in whole, whichever came last.
+_RATE_DECAY = 15 / 16
 # Samples of a mode before its rate is trusted; the first one of each (new shapes, JIT) is not
 # counted.
 _MIN_SAMPLES = 3
+# How much faster the other mode must run before it becomes the one used (each change of mode
+# costs a step that cannot be built one ahead and, for a head, a pass over what it left).
+_LEAD = 0.05
 # Decode steps in a batch size between tries of the slower mode: at first, and again whenever
 # the faster mode changes; each try that leaves it the slower one doubles the wait, up to the cap
 # (a try of a useless drafter costs a catch-up pass and a verification, many steps' worth).
 _EXPLORE_EVERY, _MAX_EXPLORE_EVERY = 32, 512
 # Decode steps of one try: the first, after the change of mode, is not timed.
-_EXPLORE_STEPS = 3
+_EXPLORE_STEPS = 5
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64  # steps a poor request waits before drafting again
 
 
@@ -56,25 +64,27 @@ class _Request:
 
 @dataclass
 class _Rate:
-    """A mode's token rate: running averages of tokens per step and of seconds per step, so a
-    step timed short because its output came right after the previous one (two steps read in
-    one drain) and the long one before it average to what the two cost."""
+    """A mode's token rate: sums of the tokens and the seconds of its recent steps, each older
+    step weighing `_RATE_DECAY` less. Sums, not an average of per-step rates, so a step timed
+    short because its output came right after the previous one (two steps read in one drain)
+    and the long one before it count as what the two cost together."""
 
     samples: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
-    fresh: bool = False  # the next sample replaces the averages (`restart`)
+    fresh: bool = False  # the next sample starts the sums afresh (`restart`)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.samples += 1
-        if self.samples == 2 or (self.fresh and self.samples > 2):
-            self.tokens, self.seconds, self.fresh = tokens, seconds, False
-        elif self.samples > 2:
-            self.tokens += _RATE_WEIGHT * (tokens - self.tokens)
-            self.seconds += _RATE_WEIGHT * (seconds - self.seconds)
+        if self.samples == 1:
+            return
+        if self.fresh:
+            self.tokens, self.seconds, self.fresh = 0.0, 0.0, False
+        self.tokens = _RATE_DECAY * self.tokens + tokens
+        self.seconds = _RATE_DECAY * self.seconds + seconds
 
     def restart(self) -> None:
-        """Measure afresh from the next sample: the averages are of steps taken long ago (at
+        """Measure afresh from the next sample: the sums are of steps taken long ago (at
         shorter contexts, or while kernels were still being built for the mode's first shapes,
         which can make a mode look several times slower than it runs)."""
         self.fresh = True
@@ -180,7 +190,7 @@ class Backoff:
             return True
         if plain.samples < _MIN_SAMPLES:
             return False
-        better = spec.tokens_per_s >= plain.tokens_per_s
+        better = _faster_is_spec(spec.tokens_per_s, plain.tokens_per_s, bucket.faster_is_spec)
         if better != bucket.faster_is_spec:  # a new faster mode: try the other one soon
             bucket.faster_is_spec, bucket.explore_every = better, _EXPLORE_EVERY
             bucket.explored_at, bucket.exploring = bucket.steps, 0
@@ -194,3 +204,13 @@ class Backoff:
             bucket.exploring -= 1
             return not better
         return better
+
+
+def _faster_is_spec(spec: float, plain: float, was_spec: bool | None) -> bool:
+    """Whether drafting is the faster mode at these rates, the mode found faster last time
+    (`was_spec`) keeping its place unless the other leads it by `_LEAD`."""
+    if was_spec is None:
+        return spec >= plain
+    if was_spec:
+        return spec * (1 + _LEAD) >= plain
+    return spec > plain * (1 + _LEAD)

@@ -40,6 +40,9 @@ class CompiledChain:
         self.drafter = drafter
         self._traces: dict[int, object] = {}  # chain length -> its compiled function
         self.steps = 0  # chains run compiled (tests read it)
+        # Traces made (a chain length or padded shape met for the first time): a chain that
+        # traces also builds its kernels, which costs many chains' time, once.
+        self.traces = 0
         # Why tracing the chain failed (every chain then runs eagerly), or None.
         self.failed: str | None = None
 
@@ -101,6 +104,7 @@ class CompiledChain:
         return drafts[:num]
 
     def _trace(self, steps, tokens, fed, start, tables, slots, keys, values):
+        self.traces += 1  # the Python function runs only when MLX traces
         drafter = self.drafter
         pool = drafter.pool.over(keys, values)
         rows = tokens.shape[0]

@@ -108,11 +108,16 @@ class SpecDecoder:
         engine waited between), the time since its start and the drafting instead. A step
         carried one ahead starts before the previous one's output, and a step that verifies
         drafts under async scheduling starts before they are proposed: either way no time counts
-        twice, so neither mode is measured slower than it runs."""
+        twice, so neither mode is measured slower than it runs. A step without drafts after which
+        drafting was already decided (`plan_ahead`) is not timed either: nothing was built while
+        it ran (the next step waits for its drafts), so it looks cheaper than the steps of its
+        mode, and the change of mode is paid by the next one."""
         now = time.perf_counter()
         since = max(self._recorded_at, step.started - self._drafted)
         self._recorded_at, self._drafted = now, 0.0
         if step.traced or not step.packed.decodes_only:
+            return
+        if not verified and step.spec_caps is not None and step.spec_caps.any():
             return
         tokens = sum(len(s) for s in sampled)
         self.backoff.record_decode_step(len(step.packed.req_ids), tokens, now - since, verified)
