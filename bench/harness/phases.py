@@ -173,8 +173,10 @@ class DraftCalls:
     """A head drafter's proposals (`HeadDrafter.propose`: EAGLE-3 and MTP heads) by what they
     ran: the rows of the head's first pass (each row's new positions after those it deferred
     while it did not draft, `HeadDrafter._catch_up`), and whether a row then drafted; or no
-    pass at all (every row deferred). Tells a drafting call slow because its first pass caught
-    up over many positions (a shape met rarely) from every drafting call being slow."""
+    pass at all (every row deferred); and whether its compiled chain traced a new shape
+    (`CompiledChain.traces`). Tells a drafting call slow because its first pass caught up over
+    many positions (a shape met rarely), or because it traced, from every drafting call being
+    slow."""
 
     def __init__(self) -> None:
         self.reset()

@@ -197,10 +197,11 @@ def run(spec: dict) -> dict:
             state = llm.llm_engine.model_executor.driver_worker.worker.model_runner.state
             results.append(0 if state.compiled is None else state.compiled.verify_steps)
             continue
-        if job.get("action") == "compiled_chains":  # a head drafter's chains run compiled
+        if job.get("action") in ("compiled_chains", "chain_traces"):  # a head drafter's chains
             spec = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output.spec
             chain = None if spec is None else getattr(spec.drafter, "chain", None)
-            results.append(0 if chain is None else chain.steps)
+            count = "steps" if job["action"] == "compiled_chains" else "traces"
+            results.append(0 if chain is None else getattr(chain, count))
             continue
         if job.get("action") == "verified_on_device":  # steps whose drafts the device verified
             output = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output
