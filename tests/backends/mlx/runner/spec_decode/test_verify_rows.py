@@ -135,6 +135,14 @@ def _decode_rows(**fields):
     return packed
 
 
+def _timed_step(packed, started, traced=False, spec_caps=None):
+    """A step as `SpecDecoder._record_rate` reads it: its packed batch, when it began, whether
+    its compiled forward traced, and the caps decided ahead for the step after it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(packed=packed, started=started, traced=traced, spec_caps=spec_caps)
+
+
 def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatch):
     """Steps carried one ahead start 1 ms apart (each built while the previous one runs) and
     give their outputs 10 ms apart: each is timed 10 ms, not from its own start."""
@@ -151,7 +159,7 @@ def test_pipelined_steps_are_timed_between_their_outputs(vllm_config, monkeypatc
         num_scheduled=np.array([1, 1]), num_draft_tokens=np.array([0, 0]), req_ids=["a", "b"]
     )
     for k in range(3):
-        step_k = SimpleNamespace(packed=packed, started=0.001 * k, traced=False, spec_caps=None)
+        step_k = _timed_step(packed, started=0.001 * k)
         spec._record_rate(step_k, [[7], [8]], verified=False)
     plain = backoff.buckets[batch_bucket(2)].plain
     assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(2 / 0.010)
@@ -178,7 +186,7 @@ def test_drafting_steps_count_the_drafters_time_once(vllm_config, monkeypatch, b
     for k, out in enumerate(outputs):
         previous = out - 0.020
         start = previous - 0.001 if began == "before_the_drafts" else previous + 0.014
-        step = SimpleNamespace(packed=packed, started=start, traced=False, spec_caps=None)
+        step = _timed_step(packed, started=start)
         spec._record_rate(step, [[1, 2, 3]], True)
         spec._drafted = 0.004  # as after_step records its propose
     cost = 0.020 if began == "before_the_drafts" else 0.010
@@ -204,8 +212,7 @@ def test_a_step_that_traced_a_compiled_shape_is_not_timed(vllm_config, monkeypat
         num_scheduled=np.array([3]), num_draft_tokens=np.array([2]), req_ids=["a"]
     )
     for k, gap in enumerate(gaps):
-        started, traced = outputs[k] - gap, gap > 0.1
-        step = SimpleNamespace(packed=packed, started=started, traced=traced, spec_caps=None)
+        step = _timed_step(packed, started=outputs[k] - gap, traced=gap > 0.1)
         spec._record_rate(step, [[1, 2, 3]], True)
     rate = backoff.buckets[batch_bucket(1)].spec
     assert rate.samples == 4 and rate.tokens_per_s == pytest.approx(3 / 0.020)
@@ -231,7 +238,7 @@ def test_a_plain_step_after_which_drafting_was_decided_is_not_timed(vllm_config,
     )
     for k in range(len(outputs)):
         caps = np.array([3 if k == len(outputs) - 1 else 0], dtype=np.int32)
-        step = SimpleNamespace(packed=packed, started=0.001 * k, traced=False, spec_caps=caps)
+        step = _timed_step(packed, started=0.001 * k, spec_caps=caps)
         spec._record_rate(step, [[7]], verified=False)
     plain = backoff.buckets[batch_bucket(1)].plain
     assert plain.samples == 3 and plain.tokens_per_s == pytest.approx(100.0)
