@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import pytest
 import requests
 
 import vllm_metal
+from bench.harness.servers import free_port
 
 ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 * 2**20}
 ENGINE_TIMEOUT_S = 420  # a healthy run takes well under this on 2 busy cores; a hang never ends
@@ -207,12 +207,6 @@ def test_llm_after_mlx_work_does_not_hang(
 # --- vllm serve still forks -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -232,7 +226,7 @@ def _children(pid: int) -> list[int]:
 )
 def test_vllm_serve_forks_its_engine_core_and_answers(tmp_path: Path, tiny_model_dir) -> None:
     model = tiny_model_dir("qwen3")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     cmd = [
         *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -40,11 +41,37 @@ _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<va
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+# Listening ports are drawn from here, below the kernel's ephemeral range: a port from that
+# range (what bind(0) gives) can be taken by another process's outgoing connection in the
+# seconds before `vllm serve` binds it.
+_LISTEN_PORTS_FROM = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_EPHEMERAL_LOW_ELSEWHERE = 49152  # the IANA dynamic range, macOS's default first port
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW_ELSEWHERE
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, chosen at random below the
+    ephemeral range (so no outgoing connection is given it before the server binds it)."""
+    high = _ephemeral_low()
+    if high <= _LISTEN_PORTS_FROM:
+        raise RuntimeError(f"the ephemeral port range starts at {high}: no port below it to use")
+    rng = random.Random()  # its own state: a seeded global `random` must not repeat ports
+    for _ in range(100):
+        port = rng.randrange(_LISTEN_PORTS_FROM, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in {_LISTEN_PORTS_FROM}..{high - 1}")
 
 
 def log_tail(path: Path, lines: int = 60) -> str:

@@ -60,10 +60,15 @@ def test_cases_run_in_the_order_named() -> None:
         pick_cases(p, argparse.Namespace(cases=["nope"]), chosen)
 
 
-def test_free_port_is_bindable_and_log_tail_reads_the_end(tmp_path: Path) -> None:
-    port = servers.free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+def test_free_port_is_bindable_below_the_ephemeral_range_and_log_tail_reads_the_end(
+    tmp_path: Path,
+) -> None:
+    ports = {servers.free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn at random, not one fixed port
+    for port in ports:
+        assert 10000 <= port < servers._ephemeral_low()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
     log = tmp_path / "server.log"
     log.write_text("\n".join(f"line {i}" for i in range(100)))
     assert servers.log_tail(log, 2) == "line 98\nline 99"
