@@ -203,6 +203,11 @@ def run(spec: dict) -> dict:
             count = "steps" if job["action"] == "compiled_chains" else "traces"
             results.append(0 if chain is None else getattr(chain, count))
             continue
+        if job.get("action") == "queued_proposals":  # a head's, queued behind their step
+            spec = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output.spec
+            drafter = None if spec is None else spec.drafter
+            results.append([getattr(drafter, "queued", 0), getattr(drafter, "dropped", 0)])
+            continue
         if job.get("action") == "verified_on_device":  # steps whose drafts the device verified
             output = llm.llm_engine.model_executor.driver_worker.worker.model_runner.output
             results.append(output.verified_on_device)

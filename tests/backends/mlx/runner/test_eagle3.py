@@ -167,6 +167,37 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
     assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
 
 
+def test_drafts_queued_behind_the_verifying_step_are_those_proposed_after_it(eagle3_dirs):
+    """Where the target's steps compile, a head's proposal after a step that verifies drafts
+    on the device is queued behind that step (`spec_decode/ahead.py`): its first draft is read
+    at the row of each request's last accepted draft, counted on the device. The leaky head's
+    drafts are accepted only in part, so that row moves; every draft list must be the one the
+    eager engine proposes from the host's tokens at the same context (every step drafting)."""
+    target, head = eagle3_dirs["leaky"]
+    jobs = [
+        {"action": "record_drafts"},
+        {"prompts": PROMPTS, "params": [greedy(32)]},
+        {"action": "recorded_drafts"},
+        {"action": "queued_proposals"},
+    ]
+    engine = {**ENGINE, "speculative_config": spec(head)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_METAL_SPEC_BACKOFF": "0"}
+    eager, queued_run = (
+        run_engine_job(target, jobs, engine=engine, env={**env, "VLLM_METAL_COMPILE": c})
+        for c in ("0", "1")
+    )
+    _, eager, eager_drafts, eager_queued = eager
+    _, ahead, ahead_drafts, (queued, dropped) = queued_run
+    assert tokens(ahead) == tokens(eager)
+    assert eager_queued == [0, 0] and dropped == 0, (eager_queued, dropped)
+    # Most draft lists (one per request and step) came from a queued proposal.
+    assert queued * len(PROMPTS) >= len(ahead_drafts) / 2, (queued, len(ahead_drafts))
+    every = {tuple(c): d for c, d in eager_drafts}
+    assert {tuple(c) for c, _ in ahead_drafts} == set(every)
+    for context, drafts in ahead_drafts:
+        assert drafts == every[tuple(context)], context
+
+
 @pytest.mark.slow
 @pytest.mark.full
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3_moe", "gpt_oss"])

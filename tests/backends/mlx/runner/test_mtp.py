@@ -91,7 +91,8 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
     async_scheduling = compiled = head == "self_drafting"
     chains = {"action": "compiled_chains"}
     if compiled:
-        jobs += [chains, {"action": "chain_traces"}, {"action": "sleep_wake"}, jobs[0], chains]
+        jobs += [chains, {"action": "chain_traces"}, {"action": "queued_proposals"},
+                 {"action": "sleep_wake"}, jobs[0], chains]  # fmt: skip
     (batch, resent, shorts, sampled, again, ran_async, *woken), per_job = run_engine_job(
         path,
         jobs,
@@ -105,10 +106,14 @@ def test_mtp_gives_the_tokens_of_plain_decoding(mtp_dirs, plain_seeded, head):
 
     assert ran_async is async_scheduling
     if compiled:
-        before, traces, _, again_batch, after = woken
+        before, traces, (queued, dropped), _, again_batch, after = woken
         # A trace per chain length and padded shape, replayed: positions, slots and tables
         # are its inputs, not constants of one step.
         assert 0 < traces < before / 4, (traces, before)
+        # The proposals after the batch's uniform verifying steps were queued on the device
+        # behind them (`spec_decode/ahead.py`), none dropped: the MTP head's drafts and their
+        # acceptance below are partly theirs.
+        assert queued > 0 and dropped == 0, (queued, dropped, before)
         assert tokens(again_batch) == expected
         # Counted afresh after the wake-up: no more than all the jobs before the sleep ran.
         assert 0 < after <= before, (before, after)

@@ -114,7 +114,7 @@ class Sampling:
             pending.append(forward.aux_hidden)
         mx.async_eval(*pending, *([] if tokens is None else [tokens]), *(logprobs or ()))
         connector, scheduler_output = forward.connector, forward.scheduler_output
-        self.pipeline.executed = StepState(
+        step = self.pipeline.executed = StepState(
             scheduler_output,
             packed,
             logits,
@@ -131,6 +131,8 @@ class Sampling:
             kv_pool=forward.kv_pool if self._drafter_reads_target_kv else None,
             aux_hidden=forward.aux_hidden,
         )
+        if verdicts is not None and self.spec is not None:
+            self.spec.queue(step, self.states)
 
     def drain(self) -> CarriedTokens | None:
         step = self.pipeline.drain(self._carries)

@@ -25,6 +25,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
+    from vllm_metal.backends.mlx.runner.spec_decode.ahead import QueuedDrafts
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
@@ -69,6 +70,9 @@ class StepState:
     # Under speculative decoding, the drafts each row may propose after the step where they
     # were decided before its tokens reached the host (`SpecDecoder.plan_ahead`).
     spec_caps: np.ndarray | None = None
+    # A head's drafts for the next step, queued on the device behind this one
+    # (`spec_decode/ahead.py`); None: proposed once the step's tokens are on the host.
+    queued: QueuedDrafts | None = None
 
 
 @dataclass

@@ -3,13 +3,15 @@ device where the target's decode steps compile, `compiled.enabled`).
 
 After its first pass a head drafts one token at a time: draft j + 1 comes from the head at the
 next position fed draft j and the head's own output before it. Every chained step of a drafting
-row has one query row at a position known on the host, so the whole chain, drafts 2..k of each
-row, is one trace: the rows' positions, slots and block tables are inputs, the drafts are fed
-from step to step on the device, and the head's pool arrays go in and come back updated, as in
-the target's compiled steps (`runner/compiled.py`, whose `bucket` pads the rows and the tables'
-columns and whose `NULL_SLOT` padding rows write). A trace is made per chain length and padded
-shape. It takes the rows that draft the same number of tokens (the case unless a request nears
-`max_model_len`); the eager chain runs the others, and every chain once tracing failed.
+row has one query row, so the whole chain, drafts 2..k of each row, is one trace: the rows'
+first positions and block tables are inputs (each step's slots are read from the tables on the
+device, so the positions may be the device's: a proposal queued behind the step that verified
+its tokens, `HeadDrafter.queue`), the drafts are fed from step to step on the device, and the
+head's pool arrays go in and come back updated, as in the target's compiled steps
+(`runner/compiled.py`, whose `bucket` pads the rows and the tables' columns and whose `NULL_SLOT`
+padding rows write). A trace is made per chain length and padded shape. It takes the rows that
+draft the same number of tokens (the case unless a request nears `max_model_len`); the eager
+chain runs the others, and every chain once tracing failed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.runner.batch import _tables_and_slots
 from vllm_metal.backends.mlx.runner.compiled import NULL_SLOT, bucket, padded_table
 from vllm_metal.backends.mlx.runner.forward import layer_cache
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
@@ -55,45 +56,48 @@ class CompiledChain:
         self,
         tokens: mx.array,
         fed: mx.array,
-        positions: np.ndarray,
+        positions: np.ndarray | mx.array,
         tables: Sequence[np.ndarray],
         block_sizes: Sequence[int],
         num_drafts: int,
+        last: int | None = None,
     ) -> mx.array | None:
         """Drafts 2..`num_drafts` of each row (`[rows, num_drafts - 1]`, lazy), the head's K/V
         of each step written into its pool: the rows' first drafts `tokens` and the head's
         output before them `fed`, drafted at `positions` (the chain's first step is at
-        `positions + 1`), with the rows' block tables. None, with `failed` set and the pool
-        untouched, where the chain cannot be traced."""
+        `positions + 1`; on the host, or on the device with `last`, no row's position above it),
+        with the rows' block tables. None, with `failed` set and the pool untouched, where the
+        chain cannot be traced."""
         drafter = self.drafter
         pool = drafter.pool
         assert pool is not None, "the drafter's pool is not allocated"
-        num = len(positions)
+        num = int(positions.shape[0])
         rows = bucket(num)
         steps = num_drafts - 1
-        chain = positions[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, num]
-        # Each step's slots as the eager chain's packing makes them (`decode_batch`).
-        _, chain_slots = _tables_and_slots(
-            tables, block_sizes, np.tile(np.arange(num), steps), chain.reshape(-1), chain[-1] + 1
-        )
-        padded_tables, slots = [], []
-        for table, chain_slot, block_size in zip(tables, chain_slots, block_sizes):
-            padded_tables.append(padded_table(table, rows, int(chain.max()) + 1, block_size))
-            slot = np.full((steps, rows), NULL_SLOT, dtype=np.int64)
-            slot[:, :num] = chain_slot.reshape(steps, num)
-            slots.append(mx.array(slot))
-        start = np.zeros(rows, dtype=np.int32)
-        start[:num] = positions + 1
+        if isinstance(positions, np.ndarray):
+            last = int(positions.max())
+            positions = mx.array(positions.astype(np.int32))
+        assert last is not None, "device positions need their bound"
+        longest = last + steps + 1  # the tokens the chain's last step attends over
+        padded_tables = [
+            padded_table(table, rows, longest, size) for table, size in zip(tables, block_sizes)
+        ]
         pad = rows - num
+        start = positions.astype(mx.int32) + 1
         if pad:
+            start = mx.concatenate([start, mx.zeros((pad,), dtype=mx.int32)])
             tokens = mx.concatenate([tokens, mx.zeros((pad,), dtype=tokens.dtype)])
             fed = mx.concatenate([fed, mx.zeros((pad, *fed.shape[1:]), dtype=fed.dtype)])
-        forward = self._traces.get(steps)
+        real = mx.array(np.arange(rows) < num)
+        key = (steps, tuple(block_sizes))
+        forward = self._traces.get(key)
         if forward is None:
-            forward = self._traces[steps] = mx.compile(lambda *args: self._trace(steps, *args))
+            forward = self._traces[key] = mx.compile(
+                lambda *args: self._trace(steps, tuple(block_sizes), *args)
+            )
         try:
             drafts, keys, values = forward(
-                tokens, fed, mx.array(start), padded_tables, slots, pool.keys, pool.values
+                tokens, fed, start, real, padded_tables, pool.keys, pool.values
             )
         except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -103,7 +107,7 @@ class CompiledChain:
         self.steps += 1
         return drafts[:num]
 
-    def _trace(self, steps, tokens, fed, start, tables, slots, keys, values):
+    def _trace(self, steps, block_sizes, tokens, fed, start, real, tables, keys, values):
         self.traces += 1  # the Python function runs only when MLX traces
         drafter = self.drafter
         pool = drafter.pool.over(keys, values)
@@ -112,10 +116,21 @@ class CompiledChain:
         drafts = []
         for j in range(1, steps + 1):
             positions = start + (j - 1)
-            groups = [GroupTables(t, s[j - 1]) for t, s in zip(tables, slots)]
+            groups = [
+                GroupTables(table, _slots(table, size, positions, real))
+                for table, size in zip(tables, block_sizes)
+            ]
             meta = StepMetadata(positions, positions + 1, cu_seqlens_q, groups, query_rows=1)
             caches = [layer_cache(pool, i, kind, meta, {}) for i, kind in enumerate(drafter.kinds)]
             out, fed = drafter._pass(tokens[:, None], fed, caches, j)
             tokens = drafter._draft_tokens(out).astype(mx.int32)
             drafts.append(tokens)
         return mx.stack(drafts, axis=1), pool.keys, pool.values
+
+
+def _slots(table: mx.array, block_size: int, positions: mx.array, real: mx.array) -> mx.array:
+    """Each row's slot at its position (block id * block size + offset, as `batch.pack_batch`
+    makes them); `NULL_SLOT` for the padding rows (`real` false)."""
+    block = mx.take_along_axis(table, (positions // block_size)[:, None], axis=1)[:, 0]
+    slot = block.astype(mx.int64) * block_size + (positions % block_size).astype(mx.int64)
+    return mx.where(real, slot, NULL_SLOT)

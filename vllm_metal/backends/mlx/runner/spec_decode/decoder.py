@@ -84,6 +84,18 @@ class SpecDecoder:
         self._keep(states.input_batch.req_ids, [[] for _ in caps])
         return True
 
+    def queue(self, step: StepState, states: RequestStates) -> None:
+        """As a step that verifies drafts is queued, under async scheduling: where the drafter
+        may propose on the device behind it (`Drafter.may_queue`), who drafts after the step is
+        decided now (once: `after_step` keeps the decision; no row knows yet how many of its
+        drafts are accepted, so each is capped as if all were), and the drafts are queued."""
+        if not self.async_scheduling or not self.drafter.may_queue(step, states):
+            return
+        num_draft = step.packed.num_draft_tokens
+        ones = np.ones_like(num_draft)
+        caps = step.spec_caps = self.caps(states, ones, unrecorded=num_draft + 1)
+        self.drafter.queue(step, states, caps)
+
     def _record_positions(
         self, step: StepState, states: RequestStates, num_sampled: np.ndarray
     ) -> None:

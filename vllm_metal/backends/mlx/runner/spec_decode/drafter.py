@@ -45,6 +45,17 @@ class Drafter:
         caps[i] is the most drafts row i may use (0: none); longer lists are cut."""
         raise NotImplementedError
 
+    def may_queue(self, step: StepState, states: RequestStates) -> bool:
+        """Whether the drafts after a step that verifies drafts may be proposed on the device
+        behind it, before its tokens are known (`queue`). Only a head does it
+        (`spec_decode/ahead.py`)."""
+        return False
+
+    def queue(self, step: StepState, states: RequestStates, caps: np.ndarray) -> None:
+        """Where `may_queue`: the drafts after `step` queued on the device where it can
+        (`StepState.queued`, which `propose` reads), each row proposing up to `caps[i]`."""
+        return
+
     def keeps_up(self, step: StepState, states: RequestStates, num_sampled: np.ndarray) -> bool:
         """Where no row drafts after `step`: do now what `propose` would, before the step's
         tokens reach the host (`num_sampled[i]` of them per row, not yet in the batch), and say

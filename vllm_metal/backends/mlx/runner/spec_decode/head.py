@@ -30,6 +30,7 @@ import numpy as np
 
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, decode_batch, pack_batch
 from vllm_metal.backends.mlx.runner.forward import layer_caches, step_token_ids
+from vllm_metal.backends.mlx.runner.spec_decode import ahead
 from vllm_metal.backends.mlx.runner.spec_decode.chain import CompiledChain
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import (
     HeadWeights,
@@ -103,6 +104,9 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         # The chained draft steps through one compiled function (`chain.py`) where the target's
         # decode steps compile too; None: eager.
         self.chain = CompiledChain(self) if compile_chain else None
+        # Proposals queued behind their step (`ahead.py`), and those dropped when the step's
+        # output was not what the head was fed (tests read them).
+        self.queued = self.dropped = 0
 
     def discard(self, tags: tuple[str, ...]) -> None:
         super().discard(tags)
@@ -151,6 +155,11 @@ class HeadDrafter(HeadWeights, PagedDrafter):
         caps: np.ndarray,
     ) -> list[list[int]]:
         assert self.head is not None and self.pool is not None, "the drafter's head is not ready"
+        if step.queued is not None:
+            queued = step.queued.take(step, sampled)
+            if queued is not None:
+                return [d[:c] for d, c in zip(queued, caps.tolist())]
+            self.dropped += 1
         batch = states.input_batch
         n = batch.num_reqs
         req_ids = batch.req_ids[:n]
@@ -224,6 +233,14 @@ class HeadDrafter(HeadWeights, PagedDrafter):
             for r, token in zip(step_rows, np.array(step_tokens).tolist()):
                 drafts[r].append(int(token))
         return drafts
+
+    def may_queue(self, step: StepState, states: RequestStates) -> bool:
+        return ahead.possible(self, step, states)
+
+    def queue(self, step: StepState, states: RequestStates, caps: np.ndarray) -> None:
+        assert self.chain is not None
+        step.queued = ahead.queue(self, step, states, caps)
+        self.queued += step.queued is not None
 
     def keeps_up(self, step: StepState, states: RequestStates, num_sampled: np.ndarray) -> bool:
         """The step's new positions deferred, where every request may wait (the head's pass
