@@ -113,24 +113,23 @@ def _corrupt_files(pattern: str) -> dict:
 
 def _record_drafts(llm) -> list:
     """Record every draft list the in-process engine's drafter proposes from now on, as
-    [tokens it follows, drafts] (cut at the row's cap, as the runner cuts them): the drafter's
-    own `propose` still runs, wrapped."""
+    [tokens it follows, drafts] (cut at the row's cap, as the runner cuts them), where the
+    runner keeps them for vLLM (`SpecDecoder._keep`, also for drafts proposed on the device
+    behind their step), wrapped."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    drafter = runner.output.spec.drafter
-    propose = drafter.propose
+    spec = runner.output.spec
+    keep = spec._keep
     recorded: list = []
 
-    def recording(step, states, sampled, caps):
-        drafts = propose(step, states, sampled, caps)
-        batch = states.input_batch
-        for i, row in enumerate(drafts):
-            row = list(row[: int(caps[i])])
-            if row:
-                known = int(batch.num_tokens_no_spec[i])
-                recorded.append([batch.token_ids_cpu[i, :known].tolist(), row])
-        return drafts
+    def recording(req_ids, drafts):
+        for req_id, row in zip(req_ids, drafts):
+            state = runner.states.requests.get(req_id)
+            if row and state is not None:
+                context = [*state.prompt_token_ids, *state.output_token_ids]
+                recorded.append([context, list(row)])
+        return keep(req_ids, drafts)
 
-    drafter.propose = recording
+    spec._keep = recording
     return recorded
 
 

@@ -167,18 +167,26 @@ def test_drafts_after_a_pause_are_those_of_drafting_every_step(eagle3_dirs):
     assert len(paused) < len(every) and after_a_pause >= len(PROMPTS), (len(paused), after_a_pause)
 
 
-def test_drafts_queued_behind_the_verifying_step_are_those_proposed_after_it(eagle3_dirs):
+@pytest.mark.parametrize("head_name", ["leaky", "random"])
+def test_drafts_queued_behind_the_verifying_step_are_those_proposed_after_it(
+    eagle3_dirs, head_name
+):
     """Where the target's steps compile, a head's proposal after a step that verifies drafts
     on the device is queued behind that step (`spec_decode/ahead.py`): its first draft is read
-    at the row of each request's last accepted draft, counted on the device. The leaky head's
-    drafts are accepted only in part, so that row moves; every draft list must be the one the
-    eager engine proposes from the host's tokens at the same context (every step drafting)."""
-    target, head = eagle3_dirs["leaky"]
+    at the row of each request's last accepted draft, counted on the device, and the next step
+    takes the step's tokens and those drafts on the device, its positions shifted there by the
+    drafts rejected. The leaky head's drafts are accepted only in part, so that row moves (its
+    target's attention adds nothing, so positions do not show); the random head's are nearly
+    all rejected over an ordinary target, whose tokens follow only at the right positions.
+    Tokens and every draft list must be the eager engine's (host proposals, steps built after
+    the previous one's tokens reach the host) at the same context, every step drafting."""
+    target, head = eagle3_dirs[head_name]
     jobs = [
         {"action": "record_drafts"},
         {"prompts": PROMPTS, "params": [greedy(32)]},
         {"action": "recorded_drafts"},
         {"action": "queued_proposals"},
+        {"action": "carried_steps"},
     ]
     engine = {**ENGINE, "speculative_config": spec(head)}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_METAL_SPEC_BACKOFF": "0"}
@@ -186,10 +194,13 @@ def test_drafts_queued_behind_the_verifying_step_are_those_proposed_after_it(eag
         run_engine_job(target, jobs, engine=engine, env={**env, "VLLM_METAL_COMPILE": c})
         for c in ("0", "1")
     )
-    _, eager, eager_drafts, eager_queued = eager
-    _, ahead, ahead_drafts, (queued, dropped) = queued_run
+    _, eager, eager_drafts, eager_queued, eager_carried = eager
+    _, ahead, ahead_drafts, (queued, dropped), carried = queued_run
     assert tokens(ahead) == tokens(eager)
     assert eager_queued == [0, 0] and dropped == 0, (eager_queued, dropped)
+    # Verifying steps whose tokens and drafts the next step took on the device, its positions
+    # shifted there by the drafts rejected (`ahead.CarriedDrafts`); none where steps are eager.
+    assert eager_carried == 0 and carried >= queued / 2, (eager_carried, carried, queued)
     # Most draft lists (one per request and step) came from a queued proposal.
     assert queued * len(PROMPTS) >= len(ahead_drafts) / 2, (queued, len(ahead_drafts))
     every = {tuple(c): d for c, d in eager_drafts}

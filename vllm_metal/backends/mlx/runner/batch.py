@@ -32,6 +32,12 @@ class PackedBatch:
     # Tokens the host does not know yet: a pending step's samples still on the device
     # (`step.CarriedTokens`), as (indices into token_ids, an MLX array of those tokens).
     carried: tuple[np.ndarray, Any] | None = None
+    # Where a pending verifying step's tokens and the drafts after it were carried in on the
+    # device (`spec_decode.ahead.CarriedDrafts`): per row, the drafts of that step it rejected
+    # (an MLX `[S]` int32 array), by which its positions and context length fall short of the
+    # ones here, which count every draft as accepted as the scheduler does. None: these are the
+    # step's.
+    shift: Any = None
 
     @property
     def num_tokens(self) -> int:

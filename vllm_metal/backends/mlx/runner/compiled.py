@@ -32,7 +32,13 @@ from vllm_metal import envs
 from vllm_metal._logging import init_logger
 from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner.batch import ranges
-from vllm_metal.backends.mlx.runner.forward import layer_cache, state_groups, step_token_ids
+from vllm_metal.backends.mlx.runner.forward import (
+    NULL_SLOT,
+    layer_cache,
+    slots_at,
+    state_groups,
+    step_token_ids,
+)
 from vllm_metal.backends.mlx.runner.model_states.interface import NO_INPUTS
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 from vllm_metal.kv.state import StateBlocks, TracedBlocks
@@ -51,8 +57,6 @@ if TYPE_CHECKING:
     from vllm_metal.models.layers import LayerKind
 
 logger = init_logger(__name__)
-
-NULL_SLOT = 0  # slot 0 of block 0: vLLM's null block, which no request is given
 
 
 def enabled(vllm_config: VllmConfig) -> bool:
@@ -153,7 +157,18 @@ class CompiledDecode:
             slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
             slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
             slots.append(mx.array(slot))
+        positions, seq_lens = mx.array(positions), mx.array(seq_lens)
+        if packed.shift is not None:  # the rows' rejected drafts, known on the device only
+            shift = mx.concatenate([packed.shift, mx.zeros(rows - num_seqs, dtype=mx.int32)])
+            positions, seq_lens = positions - mx.repeat(shift, width), seq_lens - shift
+            real = np.zeros(rows * width, dtype=bool)
+            real[dest] = True
+            slots = [
+                slots_at(mx.repeat(table, width, axis=0), size, positions, mx.array(real))
+                for table, size in zip(tables, pool.layout.block_sizes())
+            ]
         states = [[b.read, b.write, b.keep] for b in self._state_blocks(pool, packed, rows)]
+        assert packed.shift is None or not states, "a state's pages follow the host's lengths"
         shape = (aux is not None, rows, width, *(t.shape[1] for t in tables))
         if shape not in self._shapes:
             self._shapes.add(shape)
@@ -166,8 +181,8 @@ class CompiledDecode:
         try:
             out = forward(
                 step_token_ids(packed, dest, rows * width),
-                mx.array(positions),
-                mx.array(seq_lens),
+                positions,
+                seq_lens,
                 self._cu_seqlens(rows, width),
                 tables,
                 slots,

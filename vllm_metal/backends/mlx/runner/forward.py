@@ -24,6 +24,16 @@ from vllm_metal.models import ModelAdapter
 from vllm_metal.models.layers import LayerKind
 from vllm_metal.models.multimodal import MultimodalAdapter
 
+NULL_SLOT = 0  # slot 0 of block 0: vLLM's null block, which no request is given
+
+
+def slots_at(table: mx.array, block_size: int, positions: mx.array, real: mx.array) -> mx.array:
+    """On the device: each row's slot at its position in its block table's row (block id *
+    block size + offset, as `batch.pack_batch` makes them), `NULL_SLOT` where `real` is false."""
+    block = mx.take_along_axis(table, (positions // block_size)[:, None], axis=1)[:, 0]
+    slot = block.astype(mx.int64) * block_size + (positions % block_size).astype(mx.int64)
+    return mx.where(real, slot, NULL_SLOT)
+
 
 def step_token_ids(packed: PackedBatch, dest: np.ndarray | None = None, size: int = 0) -> mx.array:
     """The step's token ids on the device (`[T]` int32), with the tokens a pending step drew on
@@ -40,15 +50,31 @@ def step_token_ids(packed: PackedBatch, dest: np.ndarray | None = None, size: in
     return out
 
 
-def step_metadata(packed: PackedBatch, key_ends: np.ndarray | None = None) -> StepMetadata:
-    """The step's varlen metadata, moved to the device."""
+def step_metadata(
+    packed: PackedBatch,
+    key_ends: np.ndarray | None = None,
+    block_sizes: Sequence[int] = (),
+) -> StepMetadata:
+    """The step's varlen metadata, moved to the device; where its rows' positions are shifted
+    on the device (`PackedBatch.shift`), its positions, lengths and slots (from the block
+    tables, of `block_sizes`) are those."""
+    positions, seq_lens = mx.array(packed.positions), mx.array(packed.seq_lens)
+    tables = [mx.array(t) for t in packed.block_tables]
+    slots = [mx.array(s) for s in packed.slot_mappings]
+    if packed.shift is not None:
+        row_of_token = mx.array(np.repeat(np.arange(len(packed.req_ids)), packed.num_scheduled))
+        positions, seq_lens = positions - packed.shift[row_of_token], seq_lens - packed.shift
+        real = mx.ones(positions.shape, dtype=mx.bool_)
+        slots = [
+            slots_at(table[row_of_token], size, positions, real)
+            for table, size in zip(tables, block_sizes, strict=True)
+        ]
     return StepMetadata(
-        positions=mx.array(packed.positions),
-        seq_lens=mx.array(packed.seq_lens),
+        positions=positions,
+        seq_lens=seq_lens,
         cu_seqlens_q=mx.array(packed.cu_seqlens_q),
         groups=[
-            GroupTables(block_tables=mx.array(t), slot_mapping=mx.array(s))
-            for t, s in zip(packed.block_tables, packed.slot_mappings)
+            GroupTables(block_tables=t, slot_mapping=s) for t, s in zip(tables, slots, strict=True)
         ],
         key_ends=key_ends,
     )
@@ -64,8 +90,8 @@ def layer_caches(
 ) -> list[PagedLayerCache | LatentLayerCache | StateLayerCache]:
     """One cache view per layer of `kinds`; `key_ends` (media attended both ways) apply to every
     attention layer, or with `key_ends_sliding_only` to the sliding-window ones."""
-    meta = step_metadata(packed, key_ends)
     block_sizes = pool.layout.block_sizes()
+    meta = step_metadata(packed, key_ends, block_sizes)
     computed = packed.seq_lens - packed.num_scheduled
     state_blocks = {
         group: StateBlocks.of_step(

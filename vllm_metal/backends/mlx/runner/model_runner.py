@@ -32,9 +32,11 @@ from vllm_metal.backends.mlx.runner.model_states.interface import AuxHidden
 from vllm_metal.backends.mlx.runner.output import Forward, output_stage_class
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.self_check import startup_stage
+from vllm_metal.backends.mlx.runner.spec_decode.ahead import CarriedDrafts
 from vllm_metal.backends.protocol import RunnerMemory
 from vllm_metal.kv.pool import KVLayout, KVPool
 from vllm_metal.kv.state_drafts import StepDrafts
+from vllm_metal.kv.turboquant import TurboQuantPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -172,7 +174,7 @@ class MLXModelRunner:
         stage's `intermediate_tensors`, and a stage before the last returns its own."""
         # The previous step's tokens are inputs of this one: sampled now, or left on the
         # device when it drew them there (`step.CarriedTokens`).
-        carried = self.output.drain()
+        carried = self.output.drain(scheduler_output, self._shifts_positions())
         started = time.perf_counter()
         if self.connector is not None:
             self.connector.start(scheduler_output)
@@ -181,7 +183,12 @@ class MLXModelRunner:
             for req_id in scheduler_output.finished_req_ids:
                 self.spec.forget(req_id)
             self.spec.restart(scheduler_output)
-        self.states.update(scheduler_output, None if self.spec is None else self.spec.proposed())
+        proposed = None if self.spec is None else self.spec.proposed()
+        if isinstance(carried, CarriedDrafts):  # the scheduler's counts stand, less on the device
+            proposed = {**(proposed or {}), **carried.placeholders()}
+            for req_id in carried.placeholders():
+                self.states.computed_after_step.pop(req_id, None)
+        self.states.update(scheduler_output, proposed)
         self.output.add_requests(scheduler_output)
         batch = self.states.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
@@ -237,6 +244,20 @@ class MLXModelRunner:
         if self.lora is not None:
             self.lora.clear_step()  # the graph holds this step's mask; dummy runs get none
         return output
+
+    def _shifts_positions(self) -> bool:
+        """Whether a step's positions may be taken from the device (`PackedBatch.shift`): its
+        decode steps compile, and no layer's pages, window or cache reads its lengths on the
+        host (no state layer, sliding window, TurboQuant cache or KV connector)."""
+        step = getattr(self.state, "compiled", None)
+        return (
+            step is not None
+            and step.failed is None
+            and self.connector is None
+            and not any(kind.is_state for kind in self.state.layer_kinds)
+            and not any(self.group_windows)
+            and not isinstance(self.kv_pool, TurboQuantPool)
+        )
 
     def _pack(self, scheduler_output: SchedulerOutput) -> PackedBatch:
         """This step's scheduled tokens of the InputBatch as one varlen batch (`batch.py`)."""

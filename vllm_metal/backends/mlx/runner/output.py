@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from vllm_metal.backends.mlx.runner.batch import PackedBatch
     from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
     from vllm_metal.backends.mlx.runner.model_states import ModelState
+    from vllm_metal.backends.mlx.runner.spec_decode.ahead import CarriedDrafts
     from vllm_metal.backends.mlx.runner.spec_decode.decoder import SpecDecoder
     from vllm_metal.backends.mlx.runner.step import CarriedTokens
     from vllm_metal.kv.pool import KVPool
@@ -60,9 +61,13 @@ class OutputStage(Protocol):
         `sample_tokens`."""
         ...
 
-    def drain(self) -> CarriedTokens | None:
-        """Before the next step: finish the steps still pending whose tokens it needs on the
-        host; a pending step whose tokens stay on the device for it returns them."""
+    def drain(
+        self, scheduler_output: SchedulerOutput, shifts: bool
+    ) -> CarriedTokens | CarriedDrafts | None:
+        """Before the next step (`scheduler_output`): finish the steps still pending whose
+        tokens it needs on the host; a pending step whose tokens stay on the device for it
+        returns them (with its drafts where `shifts`: the next step's forward can take its
+        positions from the device)."""
         ...
 
     def sample_tokens(

@@ -38,6 +38,7 @@ from vllm_metal.backends.mlx.runner.prompt_logprobs import (
 )
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.spec_decode import make_spec_decoder
+from vllm_metal.backends.mlx.runner.spec_decode.ahead import CarriedDrafts
 from vllm_metal.backends.mlx.runner.spec_decode.verify import (
     device_verdicts,
     verdict_logprobs,
@@ -74,6 +75,8 @@ class Sampling:
         self.pipeline = StepPipeline(self._sample, async_scheduling)
         self.spec = make_spec_decoder(vllm_config, self.sampler, state)
         self.verified_on_device = 0  # steps whose drafts the device verified (tests read it)
+        self._next: SchedulerOutput | None = None  # the step `drain` is called before
+        self._shifts = False
 
     def load(self, state: ModelState) -> None:
         pass
@@ -134,9 +137,34 @@ class Sampling:
         if verdicts is not None and self.spec is not None:
             self.spec.queue(step, self.states)
 
-    def drain(self) -> CarriedTokens | None:
+    def drain(
+        self, scheduler_output: SchedulerOutput, shifts: bool
+    ) -> CarriedTokens | CarriedDrafts | None:
+        self._next, self._shifts = scheduler_output, shifts
         step = self.pipeline.drain(self._carries)
-        return None if step is None else CarriedTokens.of(step)
+        if step is None:
+            return None
+        if step.packed.num_draft_tokens.any():
+            step.carried_drafts = CarriedDrafts.of(step)
+            return step.carried_drafts
+        return CarriedTokens.of(step)
+
+    def _carries_drafts(self, step: StepState) -> bool:
+        """Whether the next step may take a verifying step's tokens and the drafts queued
+        behind it on the device (`ahead.CarriedDrafts`): the next step's forward takes its
+        positions from the device (`shifts`), the drafts were queued, no grammar sends the step
+        to the host, nothing reads the tokens on the host before the next forward, and the next
+        step is the same requests verifying as many drafts."""
+        metadata = self.states.input_batch.sampling_metadata
+        return (
+            self._shifts
+            and step.queued is not None
+            and step.grammar_output is None
+            and not self.states.tokens_from_scheduler
+            and not reads_outputs(metadata)
+            and not self.states.num_prompt_logprobs
+            and CarriedDrafts.fits(step, self._next)
+        )
 
     def _carries(self, step: StepState) -> bool:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
@@ -147,6 +175,8 @@ class Sampling:
         is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
         speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
         last: it decides)."""
+        if step.packed.num_draft_tokens.any():
+            return self._carries_drafts(step)
         metadata = self.states.input_batch.sampling_metadata
         if not (
             not self.states.tokens_from_scheduler
@@ -197,7 +227,7 @@ def sample_step(
     every row drawn by vLLM's samplers on the host when it sends the whole step. Prompt
     logprobs are gathered from their own logits rows whichever way the tokens were drawn."""
     batch = states.input_batch
-    if step.carried:
+    if step.carried and step.verdicts is None:
         return _device_output(step, states)
     prompt_logprobs = gather_prompt_logprobs(
         states, step.packed, step.prompt_logits, sampler, logprobs_mode

@@ -25,7 +25,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
-    from vllm_metal.backends.mlx.runner.spec_decode.ahead import QueuedDrafts
+    from vllm_metal.backends.mlx.runner.spec_decode.ahead import CarriedDrafts, QueuedDrafts
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
 
@@ -73,6 +73,9 @@ class StepState:
     # A head's drafts for the next step, queued on the device behind this one
     # (`spec_decode/ahead.py`); None: proposed once the step's tokens are on the host.
     queued: QueuedDrafts | None = None
+    # Set with `carried` where the next step took the step's tokens and those drafts on the
+    # device (`ahead.CarriedDrafts`), to be settled when the step's tokens reach the host.
+    carried_drafts: CarriedDrafts | None = None
 
 
 @dataclass

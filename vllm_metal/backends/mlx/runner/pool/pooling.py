@@ -110,7 +110,7 @@ class Pooling:
             pooler_output=outputs,
         )
 
-    def drain(self) -> None:
+    def drain(self, scheduler_output: SchedulerOutput, shifts: bool) -> None:
         return None  # pooling steps finish in execute_model
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> None:

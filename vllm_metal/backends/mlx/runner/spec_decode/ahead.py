@@ -35,6 +35,9 @@ import numpy as np
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import block_tables
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
     from vllm_metal.backends.mlx.runner.spec_decode.head import HeadDrafter
     from vllm_metal.backends.mlx.runner.step import StepState
@@ -106,11 +109,14 @@ def queue(
     out, hidden = out[at], hidden[at]
     first_drafts = drafter._draft_tokens(out).astype(mx.int32)
     starts = packed.positions[packed.cu_seqlens_q[:-1]]
+    first = mx.array(starts.astype(np.int32))
+    if packed.shift is not None:  # the step's own drafts came in on the device
+        first = first - packed.shift
     num_drafts = int(caps[0])
     chained = drafter.chain.drafts(
         first_drafts,
         hidden,
-        mx.array(starts.astype(np.int32)) + accepted,
+        first + accepted,
         block_tables(states, len(packed.block_tables)),
         states.block_sizes,
         num_drafts,
@@ -121,3 +127,93 @@ def queue(
     drafts = mx.concatenate([first_drafts[:, None], chained], axis=1)
     mx.async_eval(accepted, drafts, *drafter.pool.arrays())
     return QueuedDrafts(accepted, drafts)
+
+
+@dataclass
+class CarriedDrafts:
+    """A pending verifying step's tokens and the drafts queued behind it, as inputs of the next
+    step (the one-step-ahead order of `step.CarriedTokens` for speculative decoding): each
+    request's row there is its next token (the verdict at its last accepted draft's row) and
+    its drafts, at the positions the scheduler gave it less the drafts it rejected
+    (`PackedBatch.shift`), all on the device. Once the pending step's tokens reach the host,
+    `settle` makes the next step's host records what the device used."""
+
+    step: StepState
+    tokens: mx.array  # [S, 1 + num_drafts] each row of the pending step: next token, drafts
+    rejected: mx.array  # [S] int32 the drafts each row rejected
+    num_drafts: int
+    into_packed: PackedBatch | None = None
+
+    @classmethod
+    def of(cls, step: StepState) -> CarriedDrafts:
+        packed, queued = step.packed, step.queued
+        assert queued is not None and step.verdicts is not None
+        verdict_tokens, _ = step.verdicts
+        per_request = int(packed.num_draft_tokens[0]) + 1
+        last = mx.array(packed.cu_seqlens_q[:-1]) + queued.accepted
+        tokens = mx.concatenate([verdict_tokens[last][:, None], queued.drafts], axis=1)
+        rejected = (per_request - 1 - queued.accepted).astype(mx.int32)
+        return cls(step, tokens, rejected, int(queued.drafts.shape[1]))
+
+    @staticmethod
+    def fits(step: StepState, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the next step (`scheduler_output`) is the pending step's requests again,
+        each with its last token and as many placeholders as drafts were queued."""
+        assert step.queued is not None
+        num_drafts = int(step.queued.drafts.shape[1])
+        scheduled = scheduler_output.num_scheduled_tokens
+        placeholders = scheduler_output.scheduled_spec_decode_tokens
+        return (
+            not scheduler_output.scheduled_new_reqs
+            and not scheduler_output.scheduled_cached_reqs.resumed_req_ids
+            and set(scheduled) == set(step.packed.req_ids)
+            and all(n == 1 + num_drafts for n in scheduled.values())
+            and all(len(placeholders.get(r, ())) == num_drafts for r in scheduled)
+        )
+
+    def placeholders(self) -> dict[str, list[int]]:
+        """What stands in for the drafts in the host's records until they are known (the
+        scheduler's placeholders are then all in the step)."""
+        return {r: [0] * self.num_drafts for r in self.step.packed.req_ids}
+
+    def into(self, packed: PackedBatch) -> PackedBatch:
+        """`packed` (the pending step's requests, `fits`) with every token and shift on the
+        device."""
+        row_of = {req_id: i for i, req_id in enumerate(self.step.packed.req_ids)}
+        prev = mx.array(np.array([row_of[r] for r in packed.req_ids], dtype=np.int32))
+        packed.carried = (
+            np.arange(packed.num_tokens, dtype=np.int32),
+            self.tokens[prev].reshape(-1),
+        )
+        packed.shift = self.rejected[prev]
+        self.into_packed = packed
+        return packed
+
+    def settle(self, states: RequestStates, rejected: np.ndarray, drafts: list[list[int]]) -> None:
+        """Once the pending step's tokens are recorded (`rejected[i]`: the drafts its row i
+        rejected; `drafts[i]`: those queued behind it): the next step's requests count the
+        tokens they really computed, hold their real drafts, and its packed batch the positions,
+        lengths and slots its forward used."""
+        packed = self.into_packed
+        assert packed is not None, "settled before the next step took the drafts"
+        row_of = {req_id: i for i, req_id in enumerate(self.step.packed.req_ids)}
+        prev = np.array([row_of[r] for r in packed.req_ids], dtype=np.int64)
+        batch = states.input_batch
+        for req_id, q in zip(packed.req_ids, prev.tolist()):
+            state = states.requests.get(req_id)
+            if state is not None:
+                state.num_computed_tokens -= int(rejected[q])
+            i = batch.req_id_to_index.get(req_id)
+            if i is not None:
+                batch.num_computed_tokens_cpu[i] -= int(rejected[q])
+                batch.spec_token_ids[i][:] = drafts[q][: self.num_drafts]
+        shift = rejected[prev]
+        row_of_token = np.repeat(np.arange(len(prev)), packed.num_scheduled)
+        packed.positions = (packed.positions - shift[row_of_token]).astype(np.int32)
+        packed.seq_lens = (packed.seq_lens - shift).astype(np.int32)
+        packed.slot_mappings = [
+            table[row_of_token, packed.positions // size].astype(np.int64) * size
+            + packed.positions % size
+            for table, size in zip(packed.block_tables, states.block_sizes, strict=True)
+        ]
+        packed.shift = None

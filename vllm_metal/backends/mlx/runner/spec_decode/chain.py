@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.runner.compiled import NULL_SLOT, bucket, padded_table
-from vllm_metal.backends.mlx.runner.forward import layer_cache
+from vllm_metal.backends.mlx.runner.compiled import bucket, padded_table
+from vllm_metal.backends.mlx.runner.forward import layer_cache, slots_at
 from vllm_metal.kv.paged_cache import GroupTables, StepMetadata
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class CompiledChain:
         for j in range(1, steps + 1):
             positions = start + (j - 1)
             groups = [
-                GroupTables(table, _slots(table, size, positions, real))
+                GroupTables(table, slots_at(table, size, positions, real))
                 for table, size in zip(tables, block_sizes)
             ]
             meta = StepMetadata(positions, positions + 1, cu_seqlens_q, groups, query_rows=1)
@@ -126,11 +126,3 @@ class CompiledChain:
             tokens = drafter._draft_tokens(out).astype(mx.int32)
             drafts.append(tokens)
         return mx.stack(drafts, axis=1), pool.keys, pool.values
-
-
-def _slots(table: mx.array, block_size: int, positions: mx.array, real: mx.array) -> mx.array:
-    """Each row's slot at its position (block id * block size + offset, as `batch.pack_batch`
-    makes them); `NULL_SLOT` for the padding rows (`real` false)."""
-    block = mx.take_along_axis(table, (positions // block_size)[:, None], axis=1)[:, 0]
-    slot = block.astype(mx.int64) * block_size + (positions % block_size).astype(mx.int64)
-    return mx.where(real, slot, NULL_SLOT)

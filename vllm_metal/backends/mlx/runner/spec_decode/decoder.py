@@ -47,7 +47,9 @@ class SpecDecoder:
         """Called once the step's tokens are recorded in `states`. A step planned ahead and
         carried (`plan_ahead`) has only its rate left to record: the batch has moved on since."""
         if step.carried:
-            self._record_rate(step, sampled, verified=False)
+            if step.carried_drafts is not None:
+                self._settle(step, states, sampled)
+            self._record_rate(step, sampled, verified=step.carried_drafts is not None)
             return
         batch = states.input_batch
         verified = False
@@ -64,6 +66,25 @@ class SpecDecoder:
         drafts = self.drafter.propose(step, states, sampled, caps)
         self._drafted = time.perf_counter() - started
         self._keep(batch.req_ids, [list(d[:c]) for d, c in zip(drafts, caps.tolist())])
+
+    def _settle(self, step: StepState, states: RequestStates, sampled: list[list[int]]) -> None:
+        """A verifying step whose tokens and next drafts the next step took on the device
+        (`ahead.CarriedDrafts`), once its tokens are on the host: the drafts' verdicts recorded,
+        the drafts kept for vLLM, and the next step's host records made what the device used
+        (`CarriedDrafts.settle`)."""
+        assert step.queued is not None and step.carried_drafts is not None
+        drafts = step.queued.take(step, sampled)
+        if drafts is None:
+            raise RuntimeError(
+                "a step's tokens differ from those its verdicts gave the next step on the device"
+            )
+        num_draft = step.packed.num_draft_tokens
+        for req_id, n, tokens in zip(step.packed.req_ids, num_draft.tolist(), sampled):
+            self.backoff.record_verification(req_id, n, len(tokens) - 1)
+        rejected = num_draft - sampled_counts(sampled) + 1
+        step.carried_drafts.settle(states, rejected, drafts)
+        caps = step.spec_caps.tolist() if step.spec_caps is not None else []
+        self._keep(step.packed.req_ids, [d[:c] for d, c in zip(drafts, caps, strict=True)])
 
     def plan_ahead(self, step: StepState, states: RequestStates) -> bool:
         """Before the step's tokens reach the host, as the next step is about to be built: under

@@ -38,6 +38,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
     step_logprobs,
     with_tokens,
 )
+from vllm_metal.backends.mlx.runner.forward import step_token_ids
 from vllm_metal.backends.mlx.runner.logits_rules import (
     allowed,
     bad_word_bans,
@@ -226,7 +227,11 @@ def device_verdicts(
     metadata = batch.sampling_metadata
     logits = _rules(logits, metadata, num_draft, drafts)
     argmax = row_argmax(logits)
-    greedy_accept = argmax == mx.array(draft.astype(np.int32))
+    if packed.shift is None:
+        row_draft = mx.array(draft.astype(np.int32))
+    else:  # the drafts were carried in on the device (`ahead.CarriedDrafts`)
+        row_draft = _carried_row_drafts(packed)
+    greedy_accept = argmax == row_draft
     if metadata.all_greedy:
         return argmax, greedy_accept, logits
     is_target = np.zeros(len(draft), dtype=bool)
@@ -236,11 +241,11 @@ def device_verdicts(
     top_p = None if batch.no_top_p else batch.top_p_cpu[:num_reqs][owner]
     draw_key, accept_key, residual_key = mx.random.split(key, 3)
     drawn, processed = sample_rows(logits, temperature, top_k, top_p, draw_key)
-    real = draft >= 0
-    d = mx.array(np.maximum(draft, 0).astype(np.int32))[:, None]
+    real = row_draft >= 0
+    d = mx.maximum(row_draft, 0)[:, None]
     p_draft = mx.take_along_axis(mx.softmax(processed, axis=-1, precise=True), d, axis=-1)[:, 0]
-    accept = mx.array(real) & (mx.random.uniform(shape=p_draft.shape, key=accept_key) < p_draft)
-    is_draft = (mx.arange(processed.shape[-1])[None, :] == d) & mx.array(real)[:, None]
+    accept = real & (mx.random.uniform(shape=p_draft.shape, key=accept_key) < p_draft)
+    is_draft = (mx.arange(processed.shape[-1])[None, :] == d) & real[:, None]
     residual = mx.where(is_draft, -mx.inf, processed)
     noise = mx.random.gumbel(shape=residual.shape, key=residual_key)
     recovered = row_argmax(residual + noise)
@@ -251,6 +256,17 @@ def device_verdicts(
         mx.where(greedy, greedy_accept, accept),
         processed,
     )
+
+
+def _carried_row_drafts(packed: PackedBatch) -> mx.array:
+    """Each logits row's draft where a step's drafts are on the device only, in its token ids
+    (a step of decode rows, one logits row per token): the token after the row in its request,
+    -1 on a request's last row (its bonus)."""
+    ids = step_token_ids(packed)
+    last = np.zeros(packed.num_tokens, dtype=bool)
+    last[packed.cu_seqlens_q[1:] - 1] = True
+    after = np.minimum(np.arange(1, packed.num_tokens + 1), packed.num_tokens - 1)
+    return mx.where(mx.array(last), -1, ids[mx.array(after.astype(np.int32))])
 
 
 def verdict_logprobs(
