@@ -191,9 +191,10 @@ def test_drafts_queued_behind_the_verifying_step_are_those_proposed_after_it(
     engine = {**ENGINE, "speculative_config": spec(head)}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_METAL_SPEC_BACKOFF": "0"}
     eager, queued_run = (
-        run_engine_job(target, jobs, engine=engine, env={**env, "VLLM_METAL_COMPILE": c})
+        run_engine_job(target, jobs, engine=engine, env={**env, "VLLM_METAL_COMPILE": c,
+                                                         "VLLM_METAL_DRAFTS_AHEAD": c})
         for c in ("0", "1")
-    )
+    )  # fmt: skip
     _, eager, eager_drafts, eager_queued, eager_carried = eager
     _, ahead, ahead_drafts, (queued, dropped), carried = queued_run
     assert tokens(ahead) == tokens(eager)
