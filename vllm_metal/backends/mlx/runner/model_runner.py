@@ -176,7 +176,8 @@ class MLXModelRunner:
         stage's `intermediate_tensors`, and a stage before the last returns its own."""
         # The previous step's tokens are inputs of this one: sampled now, or left on the
         # device when it drew them there (`step.CarriedTokens`).
-        carried = self.output.drain(scheduler_output, self._shifts_positions())
+        shifts = self.spec is not None and self._shifts_positions()
+        carried = self.output.drain(scheduler_output, shifts)
         started = time.perf_counter()
         if self.connector is not None:
             self.connector.start(scheduler_output)
