@@ -149,23 +149,26 @@ class CompiledDecode:
         positions[: num_seqs * width] += np.repeat(first, width)
         seq_lens = np.full(rows, width, dtype=np.int32)
         seq_lens[:num_seqs] = first + width
-        tables, slots = [], []
-        for table, slot_mapping, block_size in zip(
-            packed.block_tables, packed.slot_mappings, pool.layout.block_sizes()
-        ):
-            tables.append(padded_table(table, rows, int(seq_lens.max()), block_size))
-            slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
-            slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
-            slots.append(mx.array(slot))
+        block_sizes = pool.layout.block_sizes()
+        tables = [
+            padded_table(table, rows, int(seq_lens.max()), size)
+            for table, size in zip(packed.block_tables, block_sizes)
+        ]
         positions, seq_lens = mx.array(positions), mx.array(seq_lens)
-        if packed.shift is not None:  # the rows' rejected drafts, known on the device only
+        if packed.shift is None:
+            slots = []
+            for slot_mapping in packed.slot_mappings:
+                slot = np.full(rows * width, NULL_SLOT, dtype=np.int64)
+                slot[dest] = np.maximum(slot_mapping, NULL_SLOT)
+                slots.append(mx.array(slot))
+        else:  # the rows' rejected drafts, known on the device only
             shift = mx.concatenate([packed.shift, mx.zeros(rows - num_seqs, dtype=mx.int32)])
             positions, seq_lens = positions - mx.repeat(shift, width), seq_lens - shift
             real = np.zeros(rows * width, dtype=bool)
             real[dest] = True
             slots = [
                 slots_at(mx.repeat(table, width, axis=0), size, positions, mx.array(real))
-                for table, size in zip(tables, pool.layout.block_sizes())
+                for table, size in zip(tables, block_sizes)
             ]
         states = [[b.read, b.write, b.keep] for b in self._state_blocks(pool, packed, rows)]
         assert packed.shift is None or not states, "a state's pages follow the host's lengths"

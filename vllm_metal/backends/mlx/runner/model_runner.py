@@ -188,8 +188,9 @@ class MLXModelRunner:
             self.spec.restart(scheduler_output)
         proposed = None if self.spec is None else self.spec.proposed()
         if isinstance(carried, CarriedDrafts):  # the scheduler's counts stand, less on the device
-            proposed = {**(proposed or {}), **carried.placeholders()}
-            for req_id in carried.placeholders():
+            placeholders = carried.placeholders()
+            proposed = {**(proposed or {}), **placeholders}
+            for req_id in placeholders:
                 self.states.computed_after_step.pop(req_id, None)
         self.states.update(scheduler_output, proposed)
         self.output.add_requests(scheduler_output)

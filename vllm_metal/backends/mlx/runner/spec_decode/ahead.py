@@ -22,6 +22,10 @@ and no row is seeded (drawn again by position on the host) or mid-prefill, and n
 has positions whose head pass was deferred (`head._Deferred`). When the step's output differs
 from the tokens the pass was fed (a token past the vocabulary dropped, or verdicts the host
 replaced), the drafts are dropped and the head proposes as before, from the host's tokens.
+
+Queued drafts also let the next step be built before the step's tokens reach the host
+(`CarriedDrafts`): its tokens, drafts and positions are taken on the device, and its host
+records are settled once the tokens arrive.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from vllm_metal.backends.mlx.runner.batch import _tables_and_slots
 from vllm_metal.backends.mlx.runner.spec_decode.drafter import block_tables
 
 if TYPE_CHECKING:
@@ -142,7 +147,8 @@ class CarriedDrafts:
     tokens: mx.array  # [S, 1 + num_drafts] each row of the pending step: next token, drafts
     rejected: mx.array  # [S] int32 the drafts each row rejected
     num_drafts: int
-    into_packed: PackedBatch | None = None
+    into_packed: PackedBatch | None = None  # the next step's, once it took them (`into`)
+    into_rows: np.ndarray | None = None  # each of its rows' row in the pending step
 
     @classmethod
     def of(cls, step: StepState) -> CarriedDrafts:
@@ -180,7 +186,8 @@ class CarriedDrafts:
         """`packed` (the pending step's requests, `fits`) with every token and shift on the
         device."""
         row_of = {req_id: i for i, req_id in enumerate(self.step.packed.req_ids)}
-        prev = mx.array(np.array([row_of[r] for r in packed.req_ids], dtype=np.int32))
+        self.into_rows = np.array([row_of[r] for r in packed.req_ids], dtype=np.int32)
+        prev = mx.array(self.into_rows)
         packed.carried = (
             np.arange(packed.num_tokens, dtype=np.int32),
             self.tokens[prev].reshape(-1),
@@ -194,10 +201,8 @@ class CarriedDrafts:
         rejected; `drafts[i]`: those queued behind it): the next step's requests count the
         tokens they really computed, hold their real drafts, and its packed batch the positions,
         lengths and slots its forward used."""
-        packed = self.into_packed
-        assert packed is not None, "settled before the next step took the drafts"
-        row_of = {req_id: i for i, req_id in enumerate(self.step.packed.req_ids)}
-        prev = np.array([row_of[r] for r in packed.req_ids], dtype=np.int64)
+        packed, prev = self.into_packed, self.into_rows
+        assert packed is not None and prev is not None, "settled before the next step took them"
         batch = states.input_batch
         for req_id, q in zip(packed.req_ids, prev.tolist()):
             state = states.requests.get(req_id)
@@ -211,9 +216,7 @@ class CarriedDrafts:
         row_of_token = np.repeat(np.arange(len(prev)), packed.num_scheduled)
         packed.positions = (packed.positions - shift[row_of_token]).astype(np.int32)
         packed.seq_lens = (packed.seq_lens - shift).astype(np.int32)
-        packed.slot_mappings = [
-            table[row_of_token, packed.positions // size].astype(np.int64) * size
-            + packed.positions % size
-            for table, size in zip(packed.block_tables, states.block_sizes, strict=True)
-        ]
+        _, packed.slot_mappings = _tables_and_slots(
+            packed.block_tables, states.block_sizes, row_of_token, packed.positions, packed.seq_lens
+        )
         packed.shift = None
