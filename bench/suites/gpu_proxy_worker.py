@@ -47,7 +47,13 @@ def device_facts() -> dict[str, Any]:
 def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     from mlx_lm import batch_generate, load, stream_generate
 
-    model, tokenizer = load(spec["model"])
+    from vllm_metal.models.families.qwen3_5 import MLX_LM_MODULES
+
+    # mlx-lm knows Qwen3.5 by its wrapper's model types only; it reads a text-only config as
+    # the wrapper's text model when told that type.
+    model_type = json.loads((Path(spec["model"]) / "config.json").read_text())["model_type"]
+    wrapper = MLX_LM_MODULES.get(model_type)
+    model, tokenizer = load(spec["model"], model_config={"model_type": wrapper} if wrapper else {})
     tokenizer.eos_token_ids = []  # EOS ignored, as for the plugin
     inputs = prompts(max(spec["streams"]), spec["input_len"], spec["vocab_size"], spec["seed"])
 

@@ -282,3 +282,17 @@ def test_gpu_proxy_quick_hybrid_family(run_suite) -> None:
         assert any(k.startswith("decode") for k in kinds), kinds
         assert any("compiled" in k for k in kinds) == (name == "compiled"), (name, kinds)
     assert "granite" in run.report("gpu_proxy", ("## Decode tok/s (same run)",))
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_gpu_proxy_quick_qwen3_5_against_mlx_lm(run_suite) -> None:
+    """The text-only Qwen3.5 checkpoint, whose model type mlx-lm knows only as its wrapper's, runs
+    in stock mlx-lm beside the plugin, and the report gives the ratio."""
+    run = run_suite("gpu_proxy", True, "--family", "qwen3_5", "--streams", "1,2")
+    data = run.results("gpu_proxy")
+    for name in ("mlx_lm", "plugin"):
+        engine = data["engines"][name]
+        assert engine["status"] == "ok", engine
+        assert all(case["decode_tok_s"] > 0 for case in engine["cases"].values()), engine
+    assert set(data["summary"]["vs_mlx_lm"]["plugin"]) == {"1", "2"}, data["summary"]
