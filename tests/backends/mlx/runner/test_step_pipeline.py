@@ -163,3 +163,39 @@ def test_grammar_steps_carried_on_the_device_give_the_tokens_of_sampling_first(t
     assert re.fullmatch("[a-c]{3}-[0-9]{2}", regex), regex
     jsonschema.validate(json.loads(as_json), PERSON_SCHEMA)
     assert choice in STRUCTURED[2]["choice"], choice
+
+
+@pytest.mark.slow
+def test_penalized_steps_carried_on_the_device_count_the_tokens_still_there(tiny_model_dir):
+    """Presence, frequency and repetition penalties under async scheduling: a step's tokens go
+    into the next step on the device and the next step's penalties count them there (the host's
+    lists lack them yet); greedy tokens equal an engine's that samples every step on the host
+    first (async scheduling off), requests finishing at their own lengths beside one without
+    penalties. Small weights make the model repeat its last token, which only a count of the
+    token carried in can stop."""
+    model = tiny_model_dir("qwen3", weight_std=0.02)
+    penalties = [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.8},
+        {"repetition_penalty": 1.6},
+        {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.2},
+        {},
+    ]
+    jobs = [
+        {
+            "prompts": random_prompts(33, [6, 11, 4, 9, 7]),
+            "params": [
+                {"max_tokens": 24 + 6 * i, "temperature": 0.0, "ignore_eos": True, **p}
+                for i, p in enumerate(penalties)
+            ],
+        },
+        {"action": "carried_steps"},
+    ]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    runs = {
+        mode: run_engine_job(model, jobs, engine={"async_scheduling": mode}, env=env)
+        for mode in (True, False)
+    }
+    (carried_batch, carried), (host_batch, _) = runs[True], runs[False]
+    assert carried > 20, carried
+    assert tokens(carried_batch) == tokens(host_batch)

@@ -31,7 +31,7 @@ import numpy as np
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
-from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
+from vllm_metal.backends.mlx.runner.logits_rules import Unrecorded, apply_rules
 from vllm_metal.ops.argmax import row_argmax
 
 if TYPE_CHECKING:
@@ -176,18 +176,25 @@ class DeviceSampler:
         return None if draw is None else draw.tokens
 
     def outputs(
-        self, logits: mx.array, batch: InputBatch, logprobs_mode: str
+        self,
+        logits: mx.array,
+        batch: InputBatch,
+        logprobs_mode: str,
+        unrecorded: Unrecorded | None = None,
     ) -> tuple[mx.array | None, tuple[mx.array, mx.array, mx.array] | None, mx.array | None]:
         """A step's device tokens, their logprobs where the step asks for them, and the values
-        those were taken from (`logprob_values`); Nones where the device draws nothing."""
-        draw = self.draw(logits, batch) if logits.size else None
+        those were taken from (`logprob_values`); Nones where the device draws nothing.
+        `unrecorded`: the rows' outputs still on the device (`logits_rules.penalized`)."""
+        draw = self.draw(logits, batch, unrecorded) if logits.size else None
         if draw is None:
             return None, None, None
         values = logprob_values(logits, draw, logprobs_mode)
         logprobs = step_logprobs(values, draw.tokens, batch.sampling_metadata)
         return draw.tokens, logprobs, None if logprobs is None else values
 
-    def draw(self, logits: mx.array, batch: InputBatch) -> Draw | None:
+    def draw(
+        self, logits: mx.array, batch: InputBatch, unrecorded: Unrecorded | None = None
+    ) -> Draw | None:
         """The tokens for `logits` (`[rows, V]` float32, one row per request of `batch`) after
         the rows' rules (`logits_rules.apply_rules`): every row's argmax when all are greedy, a
         sample of the random rows beside the greedy rows' argmax where `samples_random_rows`
@@ -195,7 +202,7 @@ class DeviceSampler:
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
-        logits = apply_rules(logits, metadata)
+        logits = apply_rules(logits, metadata, unrecorded)
         if metadata.all_greedy:
             return Draw(row_argmax(logits), logits)
         if not samples_random_rows(metadata):

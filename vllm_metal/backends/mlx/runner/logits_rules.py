@@ -6,13 +6,16 @@ and top-k/top-p follow (`device_sampling.sample_rows`).
 
 What each rule needs is read on the host and is small: which (row, token) pairs to ban, bias or
 count. The logits stay on the device. A processor other than vLLM's built-ins is not applied
-here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`).
+here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`). The penalties
+also count the outputs the host does not hold yet, a pending step's tokens carried into this one
+on the device (`step.unrecorded_outputs`), so a step with penalties need not wait for the one
+before it.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -25,9 +28,12 @@ if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
 
 
-def apply_rules(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
+def apply_rules(
+    logits: mx.array, metadata: SamplingMetadata, unrecorded: Unrecorded | None = None
+) -> mx.array:
     """`logits` (`[rows, V]` float32, one row per request) after every built-in rule its rows
-    ask for, as vLLM's `Sampler` applies them before temperature."""
+    ask for, as vLLM's `Sampler` applies them before temperature; `unrecorded`: outputs the
+    host's token lists lack yet (`penalized`)."""
     rows = logits.shape[0]
     if metadata.allowed_token_ids_mask is not None:
         logits = allowed(logits, metadata.allowed_token_ids_mask[:rows].numpy())
@@ -40,7 +46,7 @@ def apply_rules(logits: mx.array, metadata: SamplingMetadata) -> mx.array:
         elif isinstance(processor, LogitBiasLogitsProcessor) and processor.biases:
             logits = biased(logits, processor.biases)
     if not metadata.no_penalties:
-        logits = penalized(logits, metadata)
+        logits = penalized(logits, metadata, unrecorded=unrecorded)
     return logits
 
 
@@ -124,20 +130,25 @@ def _pairs(shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray) -> mx.a
     return flat.reshape(n, vocab) > 0
 
 
+# (rows, tokens): outputs of those rows (numpy) that are tokens still on the device (MLX, [n]).
+Unrecorded = tuple[np.ndarray, Any]
+
+
 def penalized(
     logits: mx.array,
     metadata: SamplingMetadata,
     owners: np.ndarray | None = None,
     outputs: list[list[int]] | None = None,
+    unrecorded: Unrecorded | None = None,
 ) -> mx.array:
     """`logits` (`[rows, V]` float32) after vLLM's presence, frequency and repetition penalties
     (`apply_all_penalties`): a token seen in the row's prompt or output has its logit divided by
     the repetition penalty where positive, multiplied where not; then each output occurrence
     takes off the frequency penalty and any occurrence the presence penalty. Row i is request i
     with its outputs so far, unless `owners` names each row's request and `outputs` each row's
-    output tokens (rows verifying drafts count the drafts before them). The counts are scattered
-    on the device from the host's token lists; ids outside the vocabulary (placeholders,
-    padding) count for nothing."""
+    output tokens (rows verifying drafts count the drafts before them), and `unrecorded` adds
+    outputs the lists lack yet. The counts are scattered on the device from the host's token
+    lists; ids outside the vocabulary (placeholders, padding) count for nothing."""
     rows, vocab = logits.shape
     if owners is None:
         owners, outputs = np.arange(rows), metadata.output_token_ids[:rows]
@@ -148,11 +159,11 @@ def penalized(
         rows,
         vocab,
     )
-    prompt = metadata.prompt_token_ids.numpy()[owners]  # [rows, longest prompt], padded with V
-    in_prompt = _bin_counts(
-        np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
-    )
-    seen = (counts > 0) | (in_prompt > 0)
+    if unrecorded is not None:
+        their_rows, tokens = unrecorded
+        flat = mx.array(their_rows.astype(np.int64) * vocab) + tokens.astype(mx.int64)
+        counts = counts.reshape(-1).at[flat].add(1.0).reshape(rows, vocab)
+    seen = (counts > 0) | _PROMPT_MASKS.of(metadata.prompt_token_ids, owners, vocab)
 
     def per_row(values) -> mx.array:
         return mx.array(values.numpy()[owners])[:, None]
@@ -172,3 +183,31 @@ def _bin_counts(row: np.ndarray, ids: np.ndarray, rows: int, vocab: int) -> mx.a
     if flat.size:
         counts = counts.at[mx.array(flat)].add(1.0)
     return counts.reshape(rows, vocab)
+
+
+class _LastPromptMask:
+    """`[rows, V]` bool: the tokens of each row's prompt, from vLLM's `prompt_token_ids`
+    (`[requests, longest prompt]`, padded with V) for the rows' `owners`. vLLM builds that
+    tensor anew only when the batch changes, so the mask of the last one asked for is kept while
+    the tensor stands: a step's long prompts are not scattered again on every step."""
+
+    def __init__(self) -> None:
+        self._tensor: Any = None
+        self._rows: tuple[bytes, int] | None = None
+        self._mask: mx.array | None = None
+
+    def of(self, prompt_token_ids: Any, owners: np.ndarray, vocab: int) -> mx.array:
+        rows_key = (owners.tobytes(), vocab)
+        if self._tensor is prompt_token_ids and self._rows == rows_key:
+            assert self._mask is not None
+            return self._mask
+        prompt = prompt_token_ids.numpy()[owners]
+        rows = len(owners)
+        in_prompt = _bin_counts(
+            np.repeat(np.arange(rows), prompt.shape[1]), prompt.ravel(), rows, vocab
+        )
+        self._tensor, self._rows, self._mask = prompt_token_ids, rows_key, in_prompt > 0
+        return self._mask
+
+
+_PROMPT_MASKS = _LastPromptMask()

@@ -42,7 +42,12 @@ from vllm_metal.backends.mlx.runner.spec_decode.verify import (
     verifies_on_device,
     verify,
 )
-from vllm_metal.backends.mlx.runner.step import CarriedTokens, StepPipeline, StepState
+from vllm_metal.backends.mlx.runner.step import (
+    CarriedTokens,
+    StepPipeline,
+    StepState,
+    unrecorded_outputs,
+)
 from vllm_metal.backends.mlx.runner.tensors import to_host, to_torch
 
 if TYPE_CHECKING:
@@ -97,7 +102,9 @@ class Sampling:
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         batch = self.states.input_batch
-        tokens, logprobs, values = self.device.outputs(logits, batch, self.logprobs_mode)
+        tokens, logprobs, values = self.device.outputs(
+            logits, batch, self.logprobs_mode, unrecorded_outputs(packed)
+        )
         verdicts = None
         if packed.num_draft_tokens.any() and verifies_on_device(self.states):
             chosen, accepts, processed = device_verdicts(
@@ -166,8 +173,9 @@ class Sampling:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
         its output is the tokens drawn on the device (no row drawn on the host; a grammar's
         rows drawn again over their masked logits here, on the device, as sampling would), and
-        nothing before the next forward reads them on the host (no penalty, bad word or minimum
-        length counts a row's outputs; no prompt logprobs are pending, gathered when the step
+        nothing before the next forward reads them on the host (no bad word or minimum length
+        reads a row's outputs; penalties count them on the device, `step.unrecorded_outputs`;
+        no prompt logprobs are pending, gathered when the step
         is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
         speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
         last: it decides)."""
@@ -176,7 +184,7 @@ class Sampling:
         metadata = self.states.input_batch.sampling_metadata
         if not (
             not self.states.tokens_from_scheduler
-            and not reads_outputs(metadata)
+            and not matches_outputs(metadata)
             and not self.states.num_prompt_logprobs
             and host_route(step, self.states, self.device) == (None, [])
             and (self.spec is None or self.spec.plan_ahead(step, self.states))
@@ -307,15 +315,17 @@ def _built_in(processor) -> bool:
 
 def reads_outputs(metadata) -> bool:
     """Whether some row's rules count its outputs so far (penalties, bad words, min tokens)."""
+    return not metadata.no_penalties or matches_outputs(metadata)
+
+
+def matches_outputs(metadata) -> bool:
+    """Whether some row's rules read its outputs on the host (bad words match their last
+    tokens, min tokens their number); penalties count them on the device, carried ones too."""
     min_tokens = (
         p for p in metadata.logitsprocs.non_argmax_invariant
         if isinstance(p, MinTokensLogitsProcessor)
     )  # fmt: skip
-    return (
-        not metadata.no_penalties
-        or bool(metadata.bad_words_token_ids)
-        or any(p.min_toks for p in min_tokens)
-    )
+    return bool(metadata.bad_words_token_ids) or any(p.min_toks for p in min_tokens)
 
 
 def _recorded(

@@ -114,6 +114,17 @@ class CarriedTokens:
         return packed
 
 
+def unrecorded_outputs(packed: PackedBatch) -> tuple[np.ndarray, mx.array] | None:
+    """The outputs of a step's sampling rows that the host's token lists lack: the tokens a
+    pending step drew, carried into this one (`packed.carried`), as (the rows reading them, the
+    tokens); None where none were carried. Only a step without drafts, whose rows are its
+    requests, counts them (a verifying step is carried only where no rule counts outputs)."""
+    if packed.carried is None or packed.num_draft_tokens.any():
+        return None
+    index, tokens = packed.carried
+    return np.searchsorted(packed.cu_seqlens_q, index, side="right") - 1, tokens
+
+
 class PendingOutput(AsyncModelRunnerOutput):
     def __init__(self, finish: Callable[[StepState], ModelRunnerOutput], step: StepState):
         self._finish = finish
