@@ -2,7 +2,7 @@
 step's token ids equal those packed after the tokens reached the host, whatever the next
 schedule did to the batch (rows reordered, a request added, one finished, a prefill mid-chunk),
 and the tokens recorded later land in the right rows; the pipeline samples steps in order; an
-engine's grammar steps are carried too."""
+engine's grammar and penalized steps are carried too."""
 
 from __future__ import annotations
 
