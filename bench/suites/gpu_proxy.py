@@ -47,7 +47,11 @@ def parser():
                    help="a vllm-metal source tree to run as engine NAME, with these environment "
                         "variables (repeatable; e.g. eager=.,VLLM_METAL_COMPILE=0)")  # fmt: skip
     p.add_argument("--streams", default=None, help="comma-separated stream counts")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (128)")
     p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="every request's presence penalty (mlx-lm's over the last prompt + "
+                        "output tokens)")  # fmt: skip
     p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
     p.add_argument("--no-mlx-lm", action="store_true", help="the plugin trees only")
     p.add_argument("--model-size", default=None,
@@ -126,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(QUICK if args.quick else FULL)
     if args.streams:
         settings["streams"] = [int(s) for s in args.streams.split(",")]
+    if args.input_len:
+        settings["input_len"] = args.input_len
+    if args.presence_penalty:
+        settings["presence_penalty"] = args.presence_penalty
     if args.output_len:
         settings["output_len"] = args.output_len
     if args.model_size:

@@ -48,7 +48,9 @@ def _markdown(report: dict[str, Any]) -> str:
               f"Command: `{report['command']}`. Device: {device.get('device_name', '?')} "
               f"(MLX {device.get('mlx', '?')}, default device {device.get('default_device', '?')}). "
               f"Checkpoint: random {_model(s)} bfloat16; {s['input_len']}-token prompts, "
-              f"{s['output_len']} greedy tokens, EOS ignored. Trees: "
+              f"{s['output_len']} greedy tokens, EOS ignored"
+              + (f", presence penalty {s['presence_penalty']}" if s.get("presence_penalty") else "")
+              + ". Trees: "
               + ", ".join(f"`{k}` = {v}" for k, v in s["trees"].items()), "",
               "## Decode tok/s (same run)", "",
               "| engine | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in streams) + " |",

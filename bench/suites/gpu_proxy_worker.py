@@ -46,6 +46,7 @@ def device_facts() -> dict[str, Any]:
 
 def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     from mlx_lm import batch_generate, load, stream_generate
+    from mlx_lm.sample_utils import make_logits_processors
 
     from vllm_metal.models.families.qwen3_5 import MLX_LM_MODULES
 
@@ -56,16 +57,24 @@ def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer = load(spec["model"], model_config={"model_type": wrapper} if wrapper else {})
     tokenizer.eos_token_ids = []  # EOS ignored, as for the plugin
     inputs = prompts(max(spec["streams"]), spec["input_len"], spec["vocab_size"], spec["seed"])
+    processors = None
+    if spec.get("presence_penalty"):
+        processors = make_logits_processors(
+            presence_penalty=spec["presence_penalty"],
+            presence_context_size=spec["input_len"] + spec["output_len"],
+        )
 
     def single(max_tokens: int) -> dict[str, Any]:
         last = None
-        for last in stream_generate(model, tokenizer, inputs[0], max_tokens=max_tokens):
+        for last in stream_generate(model, tokenizer, inputs[0], max_tokens=max_tokens,
+                                    logits_processors=processors):  # fmt: skip
             pass
         return {"decode_tok_s": last.generation_tps, "tokens": last.generation_tokens}
 
     def batch(n: int, max_tokens: int) -> dict[str, Any]:
         out = batch_generate(model, tokenizer, inputs[:n], max_tokens=max_tokens,
-                             completion_batch_size=n, prefill_batch_size=min(n, 8))  # fmt: skip
+                             completion_batch_size=n, prefill_batch_size=min(n, 8),
+                             logits_processors=processors)  # fmt: skip
         return {"decode_tok_s": out.stats.generation_tps, "tokens": out.stats.generation_tokens}
 
     single(8)  # warm-up
@@ -103,7 +112,8 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     inputs = prompts(biggest, spec["input_len"], spec["vocab_size"], spec["seed"])
 
     def generate(n: int, max_tokens: int) -> dict[str, Any]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                presence_penalty=spec.get("presence_penalty", 0.0))  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in inputs[:n]], params, use_tqdm=False)
         tpot = []
         for o in outs:
