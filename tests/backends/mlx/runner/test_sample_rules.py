@@ -373,19 +373,39 @@ def test_processed_logprobs_of_random_rows_come_from_the_device(vllm_config, mon
 
 
 @pytest.mark.parametrize(
-    ("params", "reads"),
+    ("params", "reads", "matches"),
     [
-        (_greedy(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]), False),
-        (_greedy(min_tokens=4, stop_token_ids=[3]), True),
-        (_bad_words([[3]]), True),
-        (_greedy(presence_penalty=0.5), True),
+        (_greedy(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]), False, False),
+        (_greedy(min_tokens=4, stop_token_ids=[3]), True, False),
+        (_bad_words([[3]]), True, True),
+        (_greedy(presence_penalty=0.5), True, False),
     ],
     ids=["bias_and_allowed", "min_tokens", "bad_words", "penalty"],
 )
-def test_rules_that_count_outputs_keep_the_next_step_from_carrying_tokens(
-    vllm_config, params, reads
+def test_only_bad_words_keep_the_next_step_from_carrying_tokens(
+    vllm_config, params, reads, matches
 ):
-    """A step's tokens go into the next step on the device only where no rule counts the
-    outputs so far (the next step's rules would miss the carried token)."""
+    """Min tokens and penalties count the outputs so far, carried ones too (so a verifying
+    step, which counts drafts instead, is not carried beside them); bad words match the last
+    outputs on the host, so a step's tokens do not go into the next step on the device there."""
     states, _, _ = _decode_step(vllm_config, {"c": params})
-    assert sampling.reads_outputs(states.input_batch.sampling_metadata) is reads
+    metadata = states.input_batch.sampling_metadata
+    assert sampling.reads_outputs(metadata) is reads
+    assert sampling.matches_outputs(metadata) is matches
+
+
+def test_min_tokens_count_outputs_recorded_since_the_processor_did_and_carried_ones():
+    """A row leaves the min-tokens rows once its outputs reach the minimum: the host's list as
+    it is now (vLLM's processor counted it at the last batch update) plus the outputs still on
+    the device."""
+    from vllm_metal.backends.mlx.runner.logits_rules import still_short
+
+    stops = {3}
+    min_toks = {
+        0: (4, [7, 8, 9], stops, False),
+        1: (4, [7, 8], stops, False),
+        2: (2, [5, 5], stops, False),
+    }
+    assert set(still_short(min_toks, None)) == {0, 1}  # row 2's list reached 2 since
+    carried = (np.array([0, 1]), mx.array([11, 12]))
+    assert set(still_short(min_toks, carried)) == {1}  # row 0's carried token is its fourth

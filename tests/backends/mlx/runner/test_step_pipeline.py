@@ -171,19 +171,23 @@ def test_penalized_steps_carried_on_the_device_count_the_tokens_still_there(tiny
     into the next step on the device and the next step's penalties count them there (the host's
     lists lack them yet); greedy tokens equal an engine's that samples every step on the host
     first (async scheduling off), requests finishing at their own lengths beside one without
-    penalties. Small weights make the model repeat its last token, which only a count of the
-    token carried in can stop."""
+    penalties, and min tokens: a request that may stop on almost any token stops on the step
+    after its minimum, counting the token carried in (without it, one step later). Small
+    weights make the model repeat its last token, which only a count of the token carried in
+    can stop."""
     model = tiny_model_dir("qwen3", weight_std=0.02)
+    almost_any = [t for t in range(768) if t not in range(700, 705)]
     penalties = [
         {"presence_penalty": 1.5},
         {"frequency_penalty": 0.8},
         {"repetition_penalty": 1.6},
         {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.2},
         {},
+        {"min_tokens": 9, "stop_token_ids": almost_any},
     ]
     jobs = [
         {
-            "prompts": random_prompts(33, [6, 11, 4, 9, 7]),
+            "prompts": random_prompts(33, [6, 11, 4, 9, 7, 5]),
             "params": [
                 {"max_tokens": 24 + 6 * i, "temperature": 0.0, "ignore_eos": True, **p}
                 for i, p in enumerate(penalties)
@@ -199,3 +203,5 @@ def test_penalized_steps_carried_on_the_device_count_the_tokens_still_there(tiny
     (carried_batch, carried), (host_batch, _) = runs[True], runs[False]
     assert carried > 20, carried
     assert tokens(carried_batch) == tokens(host_batch)
+    stopped = tokens(carried_batch)[-1]
+    assert len(stopped) == 10 and stopped[-1] in almost_any, stopped

@@ -33,7 +33,7 @@ def apply_rules(
 ) -> mx.array:
     """`logits` (`[rows, V]` float32, one row per request) after every built-in rule its rows
     ask for, as vLLM's `Sampler` applies them before temperature; `unrecorded`: outputs the
-    host's token lists lack yet (`penalized`)."""
+    host's token lists lack yet (counted by `penalized` and `still_short`)."""
     rows = logits.shape[0]
     if metadata.allowed_token_ids_mask is not None:
         logits = allowed(logits, metadata.allowed_token_ids_mask[:rows].numpy())
@@ -42,7 +42,7 @@ def apply_rules(
         logits = masked(logits, *banned)
     for processor in metadata.logitsprocs.non_argmax_invariant:
         if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
-            logits = min_tokens_masked(logits, processor.min_toks)
+            logits = min_tokens_masked(logits, still_short(processor.min_toks, unrecorded))
         elif isinstance(processor, LogitBiasLogitsProcessor) and processor.biases:
             logits = biased(logits, processor.biases)
     if not metadata.no_penalties:
@@ -84,6 +84,20 @@ def bad_word_bans(
 def masked(logits: mx.array, rows: np.ndarray, tokens: np.ndarray) -> mx.array:
     """`logits` with the pairs (rows[i], tokens[i]) at -inf."""
     return mx.where(_pairs(logits.shape, rows, tokens), -mx.inf, logits)
+
+
+def still_short(
+    min_toks: dict[int, tuple[int, list[int], set[int], bool]], unrecorded: Unrecorded | None
+) -> dict[int, tuple[int, list[int], set[int], bool]]:
+    """vLLM's `MinTokensLogitsProcessor.min_toks` less the rows whose outputs reach their
+    minimum: the processor counted the host's lists when the batch was last updated, before a
+    step carried into the next one was recorded; those lists now, and the outputs still on the
+    device (`unrecorded`), count here."""
+    extra = np.zeros(max(min_toks, default=0) + 1, np.int64)
+    if unrecorded is not None:
+        rows = unrecorded[0][unrecorded[0] < len(extra)]
+        np.add.at(extra, rows, 1)
+    return {row: entry for row, entry in min_toks.items() if len(entry[1]) + extra[row] < entry[0]}
 
 
 def min_tokens_masked(

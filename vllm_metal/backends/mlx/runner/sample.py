@@ -173,8 +173,8 @@ class Sampling:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
         its output is the tokens drawn on the device (no row drawn on the host; a grammar's
         rows drawn again over their masked logits here, on the device, as sampling would), and
-        nothing before the next forward reads them on the host (no bad word or minimum length
-        reads a row's outputs; penalties count them on the device, `step.unrecorded_outputs`;
+        nothing before the next forward reads them on the host (no bad word matches a row's
+        outputs; penalties and min tokens count the carried ones, `step.unrecorded_outputs`;
         no prompt logprobs are pending, gathered when the step
         is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
         speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
@@ -268,6 +268,8 @@ def sample_step(
 
         apply_grammar_bitmask(*grammar_for_step_drafts(step, batch), batch, logits)
 
+    if step.packed.carried is not None:
+        recount_min_tokens(batch.sampling_metadata)
     seeded.reseed(states)
     if step.packed.num_draft_tokens.any():
         assert rejection_sampler is not None, "drafts scheduled without speculative decoding"
@@ -315,17 +317,30 @@ def _built_in(processor) -> bool:
 
 def reads_outputs(metadata) -> bool:
     """Whether some row's rules count its outputs so far (penalties, bad words, min tokens)."""
-    return not metadata.no_penalties or matches_outputs(metadata)
-
-
-def matches_outputs(metadata) -> bool:
-    """Whether some row's rules read its outputs on the host (bad words match their last
-    tokens, min tokens their number); penalties count them on the device, carried ones too."""
     min_tokens = (
         p for p in metadata.logitsprocs.non_argmax_invariant
         if isinstance(p, MinTokensLogitsProcessor)
     )  # fmt: skip
-    return bool(metadata.bad_words_token_ids) or any(p.min_toks for p in min_tokens)
+    return (
+        not metadata.no_penalties
+        or matches_outputs(metadata)
+        or any(p.min_toks for p in min_tokens)
+    )
+
+
+def recount_min_tokens(metadata) -> None:
+    """Let vLLM's min-tokens processor count the outputs again before its `Sampler` applies it:
+    it counted them when the batch was updated, and the tokens carried into this step were
+    recorded since."""
+    for p in metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(p, MinTokensLogitsProcessor):
+            p.update_state(None)
+
+
+def matches_outputs(metadata) -> bool:
+    """Whether some row's rules match its last outputs on the host (bad words); penalties and
+    min tokens count them, carried ones too (`logits_rules.penalized`, `still_short`)."""
+    return bool(metadata.bad_words_token_ids)
 
 
 def _recorded(
