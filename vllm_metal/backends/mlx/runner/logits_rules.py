@@ -7,9 +7,9 @@ and top-k/top-p follow (`device_sampling.sample_rows`).
 What each rule needs is read on the host and is small: which (row, token) pairs to ban, bias or
 count. The logits stay on the device. A processor other than vLLM's built-ins is not applied
 here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`). The penalties
-also count the outputs the host does not hold yet, a pending step's tokens carried into this one
-on the device (`step.unrecorded_outputs`), so a step with penalties need not wait for the one
-before it.
+and min tokens also count the outputs the host does not hold yet, a pending step's tokens
+carried into this one on the device (`step.unrecorded_outputs`), so a step with them need not
+wait for the one before it.
 """
 
 from __future__ import annotations
