@@ -373,25 +373,48 @@ def test_processed_logprobs_of_random_rows_come_from_the_device(vllm_config, mon
 
 
 @pytest.mark.parametrize(
-    ("params", "reads", "matches"),
+    ("params", "reads"),
     [
-        (_greedy(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]), False, False),
-        (_greedy(min_tokens=4, stop_token_ids=[3]), True, False),
-        (_bad_words([[3]]), True, True),
-        (_greedy(presence_penalty=0.5), True, False),
+        (_greedy(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]), False),
+        (_greedy(min_tokens=4, stop_token_ids=[3]), True),
+        (_bad_words([[3]]), True),
+        (_greedy(presence_penalty=0.5), True),
     ],
     ids=["bias_and_allowed", "min_tokens", "bad_words", "penalty"],
 )
-def test_only_bad_words_keep_the_next_step_from_carrying_tokens(
-    vllm_config, params, reads, matches
-):
-    """Min tokens and penalties count the outputs so far, carried ones too (so a verifying
-    step, which counts drafts instead, is not carried beside them); bad words match the last
-    outputs on the host, so a step's tokens do not go into the next step on the device there."""
+def test_rules_that_count_outputs_are_told_apart(vllm_config, params, reads):
+    """Min tokens, bad words and penalties read the outputs so far: a step verifying drafts
+    beside them, whose rules count the drafts, is not carried into the next (a decode step is:
+    they count the carried tokens, below and `test_step_pipeline.py`)."""
     states, _, _ = _decode_step(vllm_config, {"c": params})
-    metadata = states.input_batch.sampling_metadata
-    assert sampling.reads_outputs(metadata) is reads
-    assert sampling.matches_outputs(metadata) is matches
+    assert sampling.reads_outputs(states.input_batch.sampling_metadata) is reads
+
+
+@pytest.mark.parametrize("carried", [7, 8, 9])
+def test_bad_words_with_a_carried_token_ban_what_the_recorded_token_would(carried):
+    """A row whose last output is still on the device gets the bans the host's function gives
+    for its list with that token appended: a word ending in the carried token's successor is
+    banned only where the carried token completes its prefix."""
+    from vllm_metal.backends.mlx.runner.logits_rules import bad_words_masked
+
+    vocab = 16
+    words = {0: [[5], [8, 3], [6, 7, 4], [9, 9, 2], [1, 7, 11]], 1: [[6, 7, 12], [7, 13]]}
+    outputs = [[4, 6], [2, 6, 7]]
+    logits = mx.zeros((2, vocab))
+
+    def banned(metadata, unrecorded):
+        out = np.array(bad_words_masked(logits, metadata, unrecorded))
+        return {(r, t) for r, t in zip(*np.nonzero(np.isinf(out)))}
+
+    from types import SimpleNamespace
+
+    unrecorded = (np.array([0]), mx.array([carried]))
+    got = banned(SimpleNamespace(bad_words_token_ids=words, output_token_ids=outputs), unrecorded)
+    appended = [outputs[0] + [carried], outputs[1]]
+    want = banned(SimpleNamespace(bad_words_token_ids=words, output_token_ids=appended), None)
+    assert got == want
+    assert ((0, 4) in got) == (carried == 7) and ((0, 3) in got) == (carried == 8)
+    assert {(1, 12), (1, 13), (0, 5)} <= got  # row 1 has nothing carried; one-token words
 
 
 def test_min_tokens_count_outputs_recorded_since_the_processor_did_and_carried_ones():

@@ -6,10 +6,10 @@ and top-k/top-p follow (`device_sampling.sample_rows`).
 
 What each rule needs is read on the host and is small: which (row, token) pairs to ban, bias or
 count. The logits stay on the device. A processor other than vLLM's built-ins is not applied
-here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`). The penalties
-and min tokens also count the outputs the host does not hold yet, a pending step's tokens
-carried into this one on the device (`step.unrecorded_outputs`), so a step with them need not
-wait for the one before it.
+here: a step with one goes to vLLM's `Sampler` on the host (`sample.host_route`). The rules
+over the outputs so far (penalties, min tokens, bad words) also count those the host does not
+hold yet, a pending step's tokens carried into this one on the device
+(`step.unrecorded_outputs`), so a step with them need not wait for the one before it.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ def apply_rules(
 ) -> mx.array:
     """`logits` (`[rows, V]` float32, one row per request) after every built-in rule its rows
     ask for, as vLLM's `Sampler` applies them before temperature; `unrecorded`: outputs the
-    host's token lists lack yet (counted by `penalized` and `still_short`)."""
+    host's token lists lack yet (`bad_words_masked`, `still_short`, `penalized`)."""
     rows = logits.shape[0]
     if metadata.allowed_token_ids_mask is not None:
         logits = allowed(logits, metadata.allowed_token_ids_mask[:rows].numpy())
     if metadata.bad_words_token_ids:
-        banned = bad_word_bans(metadata.bad_words_token_ids, metadata.output_token_ids, rows)
-        logits = masked(logits, *banned)
+        logits = bad_words_masked(logits, metadata, unrecorded)
     for processor in metadata.logitsprocs.non_argmax_invariant:
         if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
             logits = min_tokens_masked(logits, still_short(processor.min_toks, unrecorded))
@@ -84,6 +83,52 @@ def bad_word_bans(
 def masked(logits: mx.array, rows: np.ndarray, tokens: np.ndarray) -> mx.array:
     """`logits` with the pairs (rows[i], tokens[i]) at -inf."""
     return mx.where(_pairs(logits.shape, rows, tokens), -mx.inf, logits)
+
+
+def bad_words_masked(
+    logits: mx.array, metadata: SamplingMetadata, unrecorded: Unrecorded | None
+) -> mx.array:
+    """`logits` with each row's bad words applied (`bad_word_bans`) to its outputs so far: the
+    host's lists, then the `unrecorded` token of a row that has one, compared on the device
+    with the token before each word's last."""
+    outputs, rows = metadata.output_token_ids, logits.shape[0]
+    if unrecorded is None:
+        return masked(logits, *bad_word_bans(metadata.bad_words_token_ids, outputs, rows))
+    last = {int(row): i for i, row in enumerate(unrecorded[0])}
+    ban_rows, ban_tokens, on, need = carried_bad_word_bans(
+        metadata.bad_words_token_ids, outputs, rows, last
+    )
+    hit = mx.array(on < 0)
+    if (on >= 0).any():
+        carried = unrecorded[1][mx.array(np.maximum(on, 0).astype(np.int32))]
+        hit = hit | (carried == mx.array(need.astype(np.int32)))
+    return mx.where(_pairs(logits.shape, ban_rows, ban_tokens, hit), -mx.inf, logits)
+
+
+def carried_bad_word_bans(
+    bad_words: dict[int, list[list[int]]],
+    outputs: list[list[int]],
+    rows: int,
+    last: dict[int, int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`bad_word_bans` where a row in `last` has one more output the host lacks (the
+    unrecorded token `last[row]`): (rows, tokens, on, need), the pair (rows[i], tokens[i])
+    banned where on[i] < 0, else where unrecorded token on[i] is need[i] (the word's other
+    tokens end with it, the ones before it ending the host's list)."""
+    plain = {row: words for row, words in bad_words.items() if row not in last}
+    ban_rows, ban_tokens = bad_word_bans(plain, outputs, rows)
+    entries = [(r, t, -1, 0) for r, t in zip(ban_rows.tolist(), ban_tokens.tolist())]
+    for row, i in last.items():
+        past = outputs[row] if row < rows else ()
+        for word in bad_words.get(row, ()) if row < rows else ():
+            before = len(word) - 2  # the word's tokens before the one the carried token meets
+            if before < 0:
+                entries.append((row, word[-1], -1, 0))
+            elif before <= len(past) and list(past[len(past) - before :]) == list(word[:before]):
+                entries.append((row, word[-1], i, word[-2]))
+    if not entries:
+        return (np.zeros(0, np.int64),) * 4
+    return tuple(np.array(c, np.int64) for c in zip(*entries))  # type: ignore[return-value]
 
 
 def still_short(
@@ -135,12 +180,15 @@ def biased(logits: mx.array, biases: dict[int, dict[int, float]]) -> mx.array:
     return logits + add.reshape(rows, vocab)
 
 
-def _pairs(shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray) -> mx.array:
-    """`[rows, V]` bool, True at the pairs (rows[i], tokens[i])."""
+def _pairs(
+    shape: tuple[int, int], rows: np.ndarray, tokens: np.ndarray, where: mx.array | None = None
+) -> mx.array:
+    """`[rows, V]` bool, True at the pairs (rows[i], tokens[i]) (where `where[i]`, if given)."""
     n, vocab = shape
     flat = mx.zeros((n * vocab,), mx.float32)
     if rows.size:  # a float scatter-add, as the penalties' counts (`_bin_counts`)
-        flat = flat.at[mx.array(rows * vocab + tokens)].add(1.0)
+        weight = 1.0 if where is None else where.astype(mx.float32)
+        flat = flat.at[mx.array(rows * vocab + tokens)].add(weight)
     return flat.reshape(n, vocab) > 0
 
 

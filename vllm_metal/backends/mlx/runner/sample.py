@@ -173,18 +173,16 @@ class Sampling:
         """Whether the next step may take `step`'s tokens on the device, leaving it pending:
         its output is the tokens drawn on the device (no row drawn on the host; a grammar's
         rows drawn again over their masked logits here, on the device, as sampling would), and
-        nothing before the next forward reads them on the host (no bad word matches a row's
-        outputs; penalties and min tokens count the carried ones, `step.unrecorded_outputs`;
-        no prompt logprobs are pending, gathered when the step
+        nothing before the next forward reads them on the host (the rules over a row's
+        outputs so far count the carried ones, `step.unrecorded_outputs`; no prompt logprobs
+        are pending, gathered when the step
         is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
         speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
         last: it decides)."""
         if step.packed.num_draft_tokens.any():
             return self._carries_drafts(step)
-        metadata = self.states.input_batch.sampling_metadata
         if not (
             not self.states.tokens_from_scheduler
-            and not matches_outputs(metadata)
             and not self.states.num_prompt_logprobs
             and host_route(step, self.states, self.device) == (None, [])
             and (self.spec is None or self.spec.plan_ahead(step, self.states))
@@ -316,14 +314,15 @@ def _built_in(processor) -> bool:
 
 
 def reads_outputs(metadata) -> bool:
-    """Whether some row's rules count its outputs so far (penalties, bad words, min tokens)."""
+    """Whether some row's rules count its outputs so far (penalties, bad words, min tokens):
+    a step verifying drafts, whose rules count the drafts instead, is then not carried."""
     min_tokens = (
         p for p in metadata.logitsprocs.non_argmax_invariant
         if isinstance(p, MinTokensLogitsProcessor)
     )  # fmt: skip
     return (
         not metadata.no_penalties
-        or matches_outputs(metadata)
+        or bool(metadata.bad_words_token_ids)
         or any(p.min_toks for p in min_tokens)
     )
 
@@ -335,12 +334,6 @@ def recount_min_tokens(metadata) -> None:
     for p in metadata.logitsprocs.non_argmax_invariant:
         if isinstance(p, MinTokensLogitsProcessor):
             p.update_state(None)
-
-
-def matches_outputs(metadata) -> bool:
-    """Whether some row's rules match its last outputs on the host (bad words); penalties and
-    min tokens count them, carried ones too (`logits_rules.penalized`, `still_short`)."""
-    return bool(metadata.bad_words_token_ids)
 
 
 def _recorded(
