@@ -251,8 +251,9 @@ class MLXModelRunner:
 
     def _shifts_positions(self) -> bool:
         """Whether a step's positions may be taken from the device (`PackedBatch.shift`):
-        `VLLM_METAL_DRAFTS_AHEAD` allows it (by default on MLX's GPU: on its CPU the host's work
-        for the next step and the step's own compete for the same cores), its decode steps
+        `VLLM_METAL_DRAFTS_AHEAD` allows it (off by default: slower on MLX's CPU, where the
+        host's work for the next step and the step's own compete for the same cores, and in
+        its one reading on the GPU proxy), its decode steps
         compile, and no layer's pages, window or cache reads its lengths on the host (no state
         layer, sliding window, TurboQuant cache or KV connector)."""
         wanted = envs.VLLM_METAL_DRAFTS_AHEAD
