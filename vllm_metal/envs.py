@@ -165,13 +165,13 @@ ENV_VARS: dict[str, EnvVar] = {
         "CPU; `1` on every device; `0` never (every step eager).",
     ),
     "VLLM_METAL_DRAFTS_AHEAD": EnvVar(
-        _choice("VLLM_METAL_DRAFTS_AHEAD", "0", ("auto", "1", "0")),
-        "0",
+        _choice("VLLM_METAL_DRAFTS_AHEAD", "auto", ("auto", "1", "0")),
+        "auto",
         "Under speculative decoding with compiled decode steps, build a step that verifies "
         "drafts while the one before it still runs, its tokens, drafts and positions taken on "
         "the device ([speculative-decoding.md](speculative-decoding.md#under-async-scheduling)): "
-        "`0` never (the default: it ran slower on MLX's CPU and in its one reading on the GPU "
-        "proxy, docs/benchmarks); `auto` on MLX's GPU only; `1` on every device.",
+        "`auto` on no device for now (it ran slower on MLX's CPU and in its one reading on the "
+        "GPU proxy, docs/benchmarks); `1` on every device; `0` never.",
     ),
     "VLLM_METAL_CPU_BLAS": EnvVar(
         _cpu_blas("VLLM_METAL_CPU_BLAS"),

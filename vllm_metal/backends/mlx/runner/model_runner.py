@@ -24,7 +24,6 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_metal import envs
 from vllm_metal._logging import init_logger
-from vllm_metal.backends.mlx.device import device_kind
 from vllm_metal.backends.mlx.runner import stages
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, pack_batch
 from vllm_metal.backends.mlx.runner.kv_connector import ConnectorSteps
@@ -251,13 +250,12 @@ class MLXModelRunner:
 
     def _shifts_positions(self) -> bool:
         """Whether a step's positions may be taken from the device (`PackedBatch.shift`):
-        `VLLM_METAL_DRAFTS_AHEAD` allows it (off by default: slower on MLX's CPU, where the
-        host's work for the next step and the step's own compete for the same cores, and in
-        its one reading on the GPU proxy), its decode steps
+        `VLLM_METAL_DRAFTS_AHEAD=1` asks for it (`auto` leaves it off for now: slower on MLX's
+        CPU, where the host's work for the next step and the step's own compete for the same
+        cores, and in its one reading on the GPU proxy), its decode steps
         compile, and no layer's pages, window or cache reads its lengths on the host (no state
         layer, sliding window, TurboQuant cache or KV connector)."""
-        wanted = envs.VLLM_METAL_DRAFTS_AHEAD
-        if wanted == "0" or (wanted == "auto" and device_kind() != "gpu"):
+        if envs.VLLM_METAL_DRAFTS_AHEAD != "1":
             return False
         step = getattr(self.state, "compiled", None)
         return (
