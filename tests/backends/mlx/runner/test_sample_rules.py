@@ -403,7 +403,11 @@ def test_bad_words_with_a_carried_token_ban_what_the_recorded_token_would(carrie
     logits = mx.zeros((2, vocab))
 
     def banned(metadata, unrecorded):
-        out = np.array(bad_words_masked(logits, metadata, unrecorded))
+        out = np.array(
+            bad_words_masked(
+                logits, metadata.bad_words_token_ids, metadata.output_token_ids, unrecorded
+            )
+        )
         return {(r, t) for r, t in zip(*np.nonzero(np.isinf(out)))}
 
     from types import SimpleNamespace

@@ -15,6 +15,7 @@ hold yet, a pending step's tokens carried into this one on the device
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -38,7 +39,9 @@ def apply_rules(
     if metadata.allowed_token_ids_mask is not None:
         logits = allowed(logits, metadata.allowed_token_ids_mask[:rows].numpy())
     if metadata.bad_words_token_ids:
-        logits = bad_words_masked(logits, metadata, unrecorded)
+        logits = bad_words_masked(
+            logits, metadata.bad_words_token_ids, metadata.output_token_ids, unrecorded
+        )
     for processor in metadata.logitsprocs.non_argmax_invariant:
         if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
             logits = min_tokens_masked(logits, still_short(processor.min_toks, unrecorded))
@@ -60,75 +63,51 @@ def allowed(logits: mx.array, banned: np.ndarray) -> mx.array:
 
 
 def bad_word_bans(
-    bad_words: dict[int, list[list[int]]], outputs: list[list[int]], rows: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The (rows, tokens) vLLM's `apply_bad_words` sets to -inf: a bad word's last token, for a
-    row whose output so far ends with the word's other tokens (a one-token word: always)."""
-    row_ids: list[int] = []
-    token_ids: list[int] = []
-    for row, words in bad_words.items():
-        if row >= rows:
-            continue
-        past = outputs[row]
-        for word in words:
-            prefix = len(word) - 1
-            if prefix > len(past):
-                continue
-            if prefix == 0 or list(past[len(past) - prefix :]) == list(word[:prefix]):
-                row_ids.append(row)
-                token_ids.append(word[-1])
-    return np.array(row_ids, np.int64), np.array(token_ids, np.int64)
-
-
-def masked(logits: mx.array, rows: np.ndarray, tokens: np.ndarray) -> mx.array:
-    """`logits` with the pairs (rows[i], tokens[i]) at -inf."""
-    return mx.where(_pairs(logits.shape, rows, tokens), -mx.inf, logits)
-
-
-def bad_words_masked(
-    logits: mx.array, metadata: SamplingMetadata, unrecorded: Unrecorded | None
-) -> mx.array:
-    """`logits` with each row's bad words applied (`bad_word_bans`) to its outputs so far: the
-    host's lists, then the `unrecorded` token of a row that has one, compared on the device
-    with the token before each word's last."""
-    outputs, rows = metadata.output_token_ids, logits.shape[0]
-    if unrecorded is None:
-        return masked(logits, *bad_word_bans(metadata.bad_words_token_ids, outputs, rows))
-    last = {int(row): i for i, row in enumerate(unrecorded[0])}
-    ban_rows, ban_tokens, on, need = carried_bad_word_bans(
-        metadata.bad_words_token_ids, outputs, rows, last
-    )
-    hit = mx.array(on < 0)
-    if (on >= 0).any():
-        carried = unrecorded[1][mx.array(np.maximum(on, 0).astype(np.int32))]
-        hit = hit | (carried == mx.array(need.astype(np.int32)))
-    return mx.where(_pairs(logits.shape, ban_rows, ban_tokens, hit), -mx.inf, logits)
-
-
-def carried_bad_word_bans(
     bad_words: dict[int, list[list[int]]],
     outputs: list[list[int]],
     rows: int,
-    last: dict[int, int],
+    last: Mapping[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`bad_word_bans` where a row in `last` has one more output the host lacks (the
-    unrecorded token `last[row]`): (rows, tokens, on, need), the pair (rows[i], tokens[i])
-    banned where on[i] < 0, else where unrecorded token on[i] is need[i] (the word's other
-    tokens end with it, the ones before it ending the host's list)."""
-    plain = {row: words for row, words in bad_words.items() if row not in last}
-    ban_rows, ban_tokens = bad_word_bans(plain, outputs, rows)
-    entries = [(r, t, -1, 0) for r, t in zip(ban_rows.tolist(), ban_tokens.tolist())]
-    for row, i in last.items():
-        past = outputs[row] if row < rows else ()
-        for word in bad_words.get(row, ()) if row < rows else ():
-            before = len(word) - 2  # the word's tokens before the one the carried token meets
-            if before < 0:
-                entries.append((row, word[-1], -1, 0))
-            elif before <= len(past) and list(past[len(past) - before :]) == list(word[:before]):
-                entries.append((row, word[-1], i, word[-2]))
+    """The (rows, tokens) vLLM's `apply_bad_words` sets to -inf: a bad word's last token, for a
+    row whose output so far ends with the word's other tokens (a one-token word: always). A row
+    in `last` has one more output the host's list lacks, unrecorded token `last[row]`: a word's
+    ban then holds where that token is the word's second-to-last and the host's list ends with
+    the tokens before it. Returns (rows, tokens, on, need): pair i is banned outright where
+    on[i] < 0, else where unrecorded token on[i] is need[i]."""
+    entries: list[tuple[int, int, int, int]] = []
+    for row, words in bad_words.items():
+        if row >= rows:
+            continue
+        past, on = outputs[row], -1 if last is None else last.get(row, -1)
+        for word in words:
+            meets = on >= 0 and len(word) > 1  # the unrecorded token ends the word's prefix
+            held = len(word) - 1 - meets  # the prefix tokens the host's list must end with
+            if held > len(past):
+                continue
+            if held == 0 or list(past[len(past) - held :]) == list(word[:held]):
+                entries.append((row, word[-1], on, word[-2]) if meets else (row, word[-1], -1, 0))
     if not entries:
         return (np.zeros(0, np.int64),) * 4
     return tuple(np.array(c, np.int64) for c in zip(*entries))  # type: ignore[return-value]
+
+
+def bad_words_masked(
+    logits: mx.array,
+    bad_words: dict[int, list[list[int]]],
+    outputs: list[list[int]],
+    unrecorded: Unrecorded | None = None,
+) -> mx.array:
+    """`logits` with each row's bad words (`bad_word_bans`) at -inf, matched against its
+    `outputs` so far and the `unrecorded` token of a row that has one (compared on the
+    device)."""
+    last = None if unrecorded is None else {int(r): i for i, r in enumerate(unrecorded[0])}
+    rows, tokens, on, need = bad_word_bans(bad_words, outputs, logits.shape[0], last)
+    hit = None
+    if (on >= 0).any():
+        assert unrecorded is not None
+        carried = unrecorded[1][mx.array(np.maximum(on, 0).astype(np.int32))]
+        hit = mx.array(on < 0) | (carried == mx.array(need.astype(np.int32)))
+    return mx.where(_pairs(logits.shape, rows, tokens, hit), -mx.inf, logits)
 
 
 def still_short(

@@ -252,9 +252,9 @@ class MLXModelRunner:
         """Whether a step's positions may be taken from the device (`PackedBatch.shift`):
         `VLLM_METAL_DRAFTS_AHEAD=1` asks for it (`auto` leaves it off for now: slower on MLX's
         CPU, where the host's work for the next step and the step's own compete for the same
-        cores, and in its one reading on the GPU proxy), its decode steps
-        compile, and no layer's pages, window or cache reads its lengths on the host (no state
-        layer, sliding window, TurboQuant cache or KV connector)."""
+        cores, and in its one reading on the GPU proxy), its decode steps compile, and no
+        layer's pages, window or cache reads its lengths on the host (no state layer, sliding
+        window, TurboQuant cache or KV connector)."""
         if envs.VLLM_METAL_DRAFTS_AHEAD != "1":
             return False
         step = getattr(self.state, "compiled", None)

@@ -175,10 +175,9 @@ class Sampling:
         rows drawn again over their masked logits here, on the device, as sampling would), and
         nothing before the next forward reads them on the host (the rules over a row's
         outputs so far count the carried ones, `step.unrecorded_outputs`; no prompt logprobs
-        are pending, gathered when the step
-        is sampled; a pipeline stage before the last takes its tokens from the scheduler; under
-        speculative decoding, nobody drafts after the step, `SpecDecoder.plan_ahead`, weighed
-        last: it decides)."""
+        are pending, gathered when the step is sampled; a pipeline stage before the last takes
+        its tokens from the scheduler; under speculative decoding, nobody drafts after the
+        step, `SpecDecoder.plan_ahead`, weighed last: it decides)."""
         if step.packed.num_draft_tokens.any():
             return self._carries_drafts(step)
         if not (

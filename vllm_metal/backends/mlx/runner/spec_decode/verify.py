@@ -41,8 +41,7 @@ from vllm_metal.backends.mlx.runner.device_sampling import (
 from vllm_metal.backends.mlx.runner.forward import step_token_ids
 from vllm_metal.backends.mlx.runner.logits_rules import (
     allowed,
-    bad_word_bans,
-    masked,
+    bad_words_masked,
     min_tokens_masked,
     penalized,
 )
@@ -184,7 +183,7 @@ def _rules(
         logits = allowed(logits, metadata.allowed_token_ids_mask.numpy()[owner])
     if bad_words:
         words = {row: bad_words[i] for row, i in enumerate(owner.tolist()) if i in bad_words}
-        logits = masked(logits, *bad_word_bans(words, outputs, logits.shape[0]))
+        logits = bad_words_masked(logits, words, outputs)
     for processor in metadata.logitsprocs.non_argmax_invariant:
         if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
             logits = min_tokens_masked(logits, _min_tokens_rows(processor.min_toks, num_draft))
