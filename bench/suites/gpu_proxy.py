@@ -53,6 +53,11 @@ def parser():
                    help="every request's presence penalty (mlx-lm's over the last prompt + "
                         "output tokens)")  # fmt: skip
     p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
+    p.add_argument(
+        "--kernel-streams",
+        default="",
+        help="stream counts whose CUDA kernels are profiled (torch's profiler; '' none)",
+    )
     p.add_argument("--no-mlx-lm", action="store_true", help="the plugin trees only")
     p.add_argument("--model-size", default=None,
                    help="bench.harness.checkpoints shape (0.6b; tiny with --quick)")  # fmt: skip
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         settings["model_size"] = args.model_size
     profile = [int(s) for s in args.profile_streams.split(",") if s]
     settings["profile_streams"] = [1] if args.quick else profile
+    settings["kernel_streams"] = [int(s) for s in args.kernel_streams.split(",") if s]
     trees = [parse_tree(t) for t in (args.tree or [f"plugin={ROOT}"])]
 
     work = Path(args.work_dir)

@@ -78,6 +78,7 @@ def _markdown(report: dict[str, Any]) -> str:
                     + " |"
                 )
     lines += _attention(report)
+    lines += _kernels(report)
     for name in names:
         e = report["engines"][name]
         if e.get("status") != "ok":
@@ -109,6 +110,31 @@ def _attention(report: dict[str, Any]) -> list[str]:
         if all(key in att["cases"][n] for n in streams):
             values = " | ".join(num(att["cases"][n][key], digits) for n in streams)
             lines.append(f"| {label} | {values} |")
+    return lines
+
+
+def _kernels(report: dict[str, Any]) -> list[str]:
+    """The CUDA kernels per step (`--kernel-streams`), when the run profiled them."""
+    runs = [(name, n, k) for name, e in report["engines"].items()
+            for n, k in e.get("kernels", {}).items() if "steps" in k]  # fmt: skip
+    if not runs:
+        return []
+    lines = ["", "## CUDA kernels per step (torch's profiler, a round of its own)", "",
+             ("Kernel time summed over the step's kernels; the CUDA API's host time (graph "
+              "instantiation, updates, launches) beside it. A step whose kernel time is well "
+              "under its wall time waits on the host."), "",
+             "| engine | streams | wall ms | kernel ms | kernels | CUDA API ms |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, n, k in runs:
+        lines.append(f"| {name} | {n} | {num(k['wall_ms'], 2)} | {num(k['kernel_ms'], 2)} | "
+                     f"{num(k['kernels_per_step'], 0)} | {num(k['api_ms'], 2)} |")  # fmt: skip
+    for name, n, k in runs:
+        lines += ["", f"<details><summary>kernels and API calls, {name}, {n} stream(s)</summary>",
+                  "", "| kind | name | ms a step | calls a step |", "|---|---|---:|---:|"]  # fmt: skip
+        for kind in ("top_kernels", "top_api"):
+            lines += [f"| {kind[4:]} | `{r['name']}` | {num(r['ms'], 3)} | {num(r['calls'], 1)} |"
+                      for r in k[kind]]  # fmt: skip
+        lines.append("</details>")
     return lines
 
 

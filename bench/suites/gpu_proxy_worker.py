@@ -6,6 +6,8 @@
 `plugin`: `vllm.LLM` on the vllm-metal of the spec's `plugin_tree` (else the one on the path),
 its engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the phase
 timers (`PhaseTimers`) see the runner, and a cProfile pass after the timed rounds.
+Both: with `kernel_streams`, a round under torch's profiler (`bench.harness.kernels`: the CUDA
+kernels and API calls per step).
 Both: greedy, EOS ignored, the same random prompts; decode tok/s leaves prefill out
 (mlx-lm's own `generation_tps`; the plugin's streams / median TPOT from vLLM's metrics).
 `attention`: a decode step's attention alone, the plugin's pure-MLX paged version against
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.kernels import kernel_profile
 from bench.harness.phases import PhaseTimers, profiled
 
 
@@ -83,7 +86,16 @@ def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     for n in spec["streams"]:
         cases[str(n)] = single(spec["output_len"]) if n == 1 else batch(n, spec["output_len"])
         cases[str(n)]["how"] = "stream_generate" if n == 1 else "batch_generate"
-    return {"cases": cases, "device": device_facts()}
+
+    def profiled_round(n: int) -> dict[str, Any]:
+        ran: dict[str, Any] = {}
+        run = lambda: ran.update(
+            single(spec["profile_tokens"]) if n == 1 else batch(n, spec["profile_tokens"])
+        )
+        return kernel_profile(run, lambda: ran["tokens"] // n)
+
+    kernels = {str(n): profiled_round(n) for n in spec.get("kernel_streams", [])}
+    return {"cases": cases, "kernels": kernels, "device": device_facts()}
 
 
 # ----------------------------------------------------------------------------------- plugin
@@ -128,10 +140,14 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     for n in spec["streams"]:
         timers.reset()
         cases[str(n)] = {**generate(n, spec["output_len"]), "phases": timers.summary()}
-    profiles = {}
+    profiles, kernels = {}, {}
     for n in spec["profile_streams"]:
         profiles[str(n)] = profiled(lambda n=n: generate(n, spec["profile_tokens"]))
-    return {"cases": cases, "profiles": profiles, "engine_start_s": round(engine_start_s, 1),
+    for n in spec.get("kernel_streams", []):
+        timers.reset()
+        kernels[str(n)] = kernel_profile(lambda n=n: generate(n, spec["profile_tokens"]),
+                                         lambda: timers.steps)  # fmt: skip
+    return {"cases": cases, "profiles": profiles, "kernels": kernels, "engine_start_s": round(engine_start_s, 1),
             "plugin_path": str(Path(vllm_metal.__file__).parent), "device": device_facts()}  # fmt: skip
 
 
