@@ -30,7 +30,13 @@ def kernel_profile(fn: Callable[[], Any], steps: Callable[[], int]) -> dict[str,
     torch.cuda.init()
     try:
         return _profiled(fn, steps, profile, ProfilerActivity)
-    except Exception as e:  # a profiler that fails must not cost the engine's other figures
+    except (
+        RuntimeError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        KeyError,
+    ) as e:  # a profiler that fails must not cost the engine's other figures
         return {"skipped": f"torch's profiler failed: {e!r}"}
 
 
