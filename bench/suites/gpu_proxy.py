@@ -10,7 +10,8 @@ The checkpoint is the harness's random Qwen3-0.6B-shaped one in bfloat16
 (`bench/harness/checkpoints.py`), or with `--family` a hybrid suite's model of that family in
 bfloat16 (`hybrid_models.py`: Gated DeltaNet, Mamba-2, latent attention, short convolutions;
 then no attention-alone case); prompts are `--input-len` random ids, `--output-len` greedy
-tokens with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
+tokens (`--sampled`: drawn with a temperature, top-p and top-k; `--seeded`: the plugin's
+requests each with a seed) with EOS ignored. Decode tok/s leaves prefill out. Each plugin case also records the
 median per-step phases (host build, submit, wait, sampling, the engine around them) and a
 cProfile of `--profile-streams`. Last, a decode step's attention alone (the last tree's pure-MLX
 paged attention against attention over a contiguous cache, as mlx-lm keeps it), which bounds the
@@ -35,6 +36,7 @@ from bench.harness.stages import ROOT, command_line, process_env, suite_parser
 from bench.suites.hybrid_models import FAMILIES, write_hybrid_model
 
 STREAMS = (1, 8, 32, 64)
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 50}  # --sampled, for every engine
 QUICK = {"streams": [1, 2], "input_len": 16, "output_len": 8, "profile_tokens": 4,
          "model_size": "tiny", "kv_bytes": 64 * 2**20}  # fmt: skip
 FULL = {"streams": list(STREAMS), "input_len": 128, "output_len": 256, "profile_tokens": 64,
@@ -52,6 +54,14 @@ def parser():
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="every request's presence penalty (mlx-lm's over the last prompt + "
                         "output tokens)")  # fmt: skip
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help=f"every request sampled ({SAMPLED}) instead of greedy",
+    )
+    p.add_argument("--seeded", action="store_true",
+                   help="with --sampled, each plugin request with a seed of its own (mlx-lm "
+                        "has none to give)")  # fmt: skip
     p.add_argument("--profile-streams", default="1,32", help="cProfiled stream counts ('' none)")
     p.add_argument(
         "--kernel-streams",
@@ -141,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         settings["presence_penalty"] = args.presence_penalty
     if args.output_len:
         settings["output_len"] = args.output_len
+    if args.sampled:
+        settings["sampling"] = SAMPLED
+        settings["seeded"] = args.seeded
     if args.model_size:
         settings["model_size"] = args.model_size
     profile = [int(s) for s in args.profile_streams.split(",") if s]

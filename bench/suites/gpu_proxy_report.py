@@ -48,7 +48,7 @@ def _markdown(report: dict[str, Any]) -> str:
               f"Command: `{report['command']}`. Device: {device.get('device_name', '?')} "
               f"(MLX {device.get('mlx', '?')}, default device {device.get('default_device', '?')}). "
               f"Checkpoint: random {_model(s)} bfloat16; {s['input_len']}-token prompts, "
-              f"{s['output_len']} greedy tokens, EOS ignored"
+              f"{s['output_len']} {_how(s)} tokens, EOS ignored"
               + (f", presence penalty {s['presence_penalty']}" if s.get("presence_penalty") else "")
               + ". Trees: "
               + ", ".join(f"`{k}` = {v}" for k, v in s["trees"].items()), "",
@@ -167,6 +167,15 @@ def write_report(out: Path) -> None:
 
 def regenerate_report(folder: Path) -> None:
     regenerate(folder, STEM, _markdown, _plot)
+
+
+def _how(settings: dict[str, Any]) -> str:
+    """How the tokens were drawn: greedy, or sampled (seeded: the plugin's requests)."""
+    sampling = settings.get("sampling")
+    if not sampling:
+        return "greedy"
+    seeded = ", each plugin request seeded" if settings.get("seeded") else ""
+    return "sampled (" + ", ".join(f"{k} {v}" for k, v in sampling.items()) + seeded + ")"
 
 
 def _model(settings: dict[str, Any]) -> str:

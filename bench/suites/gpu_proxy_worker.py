@@ -8,7 +8,8 @@ its engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the
 timers (`PhaseTimers`) see the runner, and a cProfile pass after the timed rounds.
 Both: with `kernel_streams`, a round under torch's profiler (`bench.harness.kernels`: the CUDA
 kernels and API calls per step).
-Both: greedy, EOS ignored, the same random prompts; decode tok/s leaves prefill out
+Both: greedy (or the spec's `sampling`; the plugin's requests seeded with `seeded`), EOS
+ignored, the same random prompts; decode tok/s leaves prefill out
 (mlx-lm's own `generation_tps`; the plugin's streams / median TPOT from vLLM's metrics).
 `attention`: a decode step's attention alone, the plugin's pure-MLX paged version against
 attention over a contiguous cache (`run_attention`).
@@ -49,7 +50,7 @@ def device_facts() -> dict[str, Any]:
 
 def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     from mlx_lm import batch_generate, load, stream_generate
-    from mlx_lm.sample_utils import make_logits_processors
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     from vllm_metal.models.families.qwen3_5 import MLX_LM_MODULES
 
@@ -60,7 +61,14 @@ def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer = load(spec["model"], model_config={"model_type": wrapper} if wrapper else {})
     tokenizer.eos_token_ids = []  # EOS ignored, as for the plugin
     inputs = prompts(max(spec["streams"]), spec["input_len"], spec["vocab_size"], spec["seed"])
-    processors = None
+    processors, sampling = None, spec.get("sampling")
+    sampler = (
+        None
+        if sampling is None
+        else make_sampler(
+            temp=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"]
+        )
+    )
     if spec.get("presence_penalty"):
         processors = make_logits_processors(
             presence_penalty=spec["presence_penalty"],
@@ -70,14 +78,14 @@ def run_mlx_lm(spec: dict[str, Any]) -> dict[str, Any]:
     def single(max_tokens: int) -> dict[str, Any]:
         last = None
         for last in stream_generate(model, tokenizer, inputs[0], max_tokens=max_tokens,
-                                    logits_processors=processors):  # fmt: skip
+                                    logits_processors=processors, sampler=sampler):  # fmt: skip
             pass
         return {"decode_tok_s": last.generation_tps, "tokens": last.generation_tokens}
 
     def batch(n: int, max_tokens: int) -> dict[str, Any]:
         out = batch_generate(model, tokenizer, inputs[:n], max_tokens=max_tokens,
                              completion_batch_size=n, prefill_batch_size=min(n, 8),
-                             logits_processors=processors)  # fmt: skip
+                             logits_processors=processors, sampler=sampler)  # fmt: skip
         return {"decode_tok_s": out.stats.generation_tps, "tokens": out.stats.generation_tokens}
 
     single(8)  # warm-up
@@ -124,8 +132,11 @@ def run_plugin(spec: dict[str, Any]) -> dict[str, Any]:
     inputs = prompts(biggest, spec["input_len"], spec["vocab_size"], spec["seed"])
 
     def generate(n: int, max_tokens: int) -> dict[str, Any]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                presence_penalty=spec.get("presence_penalty", 0.0))  # fmt: skip
+        sampling = spec.get("sampling") or {"temperature": 0.0}
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling,
+                                 seed=spec["seed"] + i if spec.get("seeded") else None,
+                                 presence_penalty=spec.get("presence_penalty", 0.0))
+                  for i in range(n)]  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in inputs[:n]], params, use_tqdm=False)
         tpot = []
         for o in outs:

@@ -1,6 +1,7 @@
 """A step whose rows all sample greedily takes the argmax computed on the device, token-identical
 to vLLM's host `Sampler` on the same logits and without copying them (the other rules over the
-logits: `test_sample_rules.py`); a seeded random row is drawn apart on the host. Presence,
+logits: `test_sample_rules.py`); a seeded random row is drawn there too, with the noise its
+generator gives at its position, the token vLLM's `Sampler` draws. Presence,
 frequency and repetition penalties are applied on the device as vLLM applies them. Unseeded
 random rows with a temperature, min-p, top-k and top-p are drawn on the device too, from the
 distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
@@ -18,7 +19,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from tests.backends.mlx.runner.schedules import BS, new_req, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
-from vllm_metal.backends.mlx.runner import sample
+from vllm_metal.backends.mlx.runner import sample, seeded
 from vllm_metal.backends.mlx.runner.device_sampling import (
     DeviceSampler,
     sample_rows,
@@ -62,10 +63,11 @@ def _run(
         req_id: mx.array(rng.standard_normal((len(rows), vocab)).astype(np.float32))
         for req_id, rows in prompt_logprob_rows(states, packed).items()
     }
-    tokens = logprobs = values = None
+    tokens = logprobs = values = keyed = None
     if on_device:  # as `Sampling.finish_step` queues them
+        keyed = seeded.keyed_noise(states, packed, vocab)
         tokens, logprobs, values = DeviceSampler(0).outputs(
-            logits, states.input_batch, "raw_logprobs"
+            logits, states.input_batch, "raw_logprobs", keyed=keyed
         )
     copied = []
     real = sample.to_torch
@@ -78,6 +80,7 @@ def _run(
         device_tokens=tokens,
         device_logprobs=logprobs,
         logprob_values=values,
+        keyed=keyed,
     )
     state.grammar_output = grammar
     device = DeviceSampler(0) if on_device else None
@@ -128,10 +131,15 @@ def _bitmask(vocab: int, allowed: list[list[int]]) -> np.ndarray:
     return words.view(np.uint32).reshape(len(allowed), -1).view(np.int32)
 
 
-@pytest.mark.parametrize("c", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)])
+@pytest.mark.parametrize(
+    "c",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
+    + [SamplingParams(temperature=1.5, seed=s) for s in range(4)],
+)
 def test_grammar_rows_are_masked_on_the_device(vllm_config, monkeypatch, c):
     """A grammar's bitmask applied on the device: the rows it constrains pick among the tokens
-    it allows, as vLLM's `apply_grammar_bitmask` and sampler pick, without copying logits."""
+    it allows, as vLLM's `apply_grammar_bitmask` and sampler pick, without copying logits (a
+    seeded row the very token the sampler draws for it)."""
     from vllm.v1.core.sched.output import GrammarOutput
 
     vocab = RequestStates(vllm_config, [BS]).vocab_size
@@ -145,22 +153,24 @@ def test_grammar_rows_are_masked_on_the_device(vllm_config, monkeypatch, c):
     assert device["c"][0] in allowed and device["a"] == free["a"] == host["a"]
     if c.temperature == 0.0:
         assert device == host and free["c"][0] not in allowed  # the mask moved the argmax
+    if c.seed is not None:
+        assert device == host
 
 
-def test_a_seeded_row_is_drawn_apart_on_the_host(vllm_config, monkeypatch):
-    """A seeded row beside greedy and unseeded ones: only its logits row reaches the host, and
-    its token is the one vLLM's sampler draws for it over the whole batch."""
-    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0),
-              "c": SamplingParams(temperature=0.9, top_k=20, seed=11)}  # fmt: skip
-    shapes = []
-    real = sample.to_torch
-    monkeypatch.setattr(sample, "to_torch", lambda a: shapes.append(a.shape) or real(a))
-    device, _ = _run(vllm_config, params, True, monkeypatch)
-    assert [s[0] for s in shapes] == [1], shapes  # one row copied
-    host, _ = _run(vllm_config, params, False, monkeypatch)
-    assert device == host
-    draws = {_run(vllm_config, {**params, "c": SamplingParams(temperature=0.9, top_k=20, seed=s)},
-                  True, monkeypatch)[0]["c"][0] for s in range(12)}  # fmt: skip
+def test_a_seeded_row_is_drawn_on_the_device_as_the_host_sampler_draws_it(
+    vllm_config, monkeypatch
+):
+    """A seeded row beside greedy and unseeded ones: no logits reach the host, and its token is
+    the one vLLM's sampler draws for it over the whole batch with its generator keyed to the
+    position (12 seeds, top-k and top-p)."""
+    draws = set()
+    for s in range(12):
+        params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.7),
+                  "c": SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=s)}  # fmt: skip
+        device, copied = _run(vllm_config, params, True, monkeypatch)
+        host, _ = _run(vllm_config, params, False, monkeypatch)
+        assert not copied and device["c"] == host["c"] and device["a"] == host["a"], s
+        draws.add(device["c"][0])
     assert len(draws) > 1  # sampled, not the argmax
 
 

@@ -19,6 +19,7 @@ from vllm.v1.sample.sampler import Sampler
 from tests.backends.mlx.runner.schedules import BS, Cached, new_req, sample, schedule, span, step
 from tests.backends.mlx.runner.stats import chi2_pvalue
 from vllm_metal.backends.mlx.runner import sample as sampling
+from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
 from vllm_metal.backends.mlx.runner.request_state import RequestStates
 from vllm_metal.backends.mlx.runner.step import StepState
@@ -76,9 +77,12 @@ def _run(
     if setup is not None:
         setup(states)
     logits = mx.array(_table(seed, 3, states.vocab_size))
-    tokens = logprobs = values = None
+    tokens = logprobs = values = keyed = None
     if on_device:  # as `Sampling.finish_step` queues them
-        tokens, logprobs, values = DeviceSampler(seed).outputs(logits, states.input_batch, mode)
+        keyed = seeded.keyed_noise(states, packed, logits.shape[-1])
+        tokens, logprobs, values = DeviceSampler(seed).outputs(
+            logits, states.input_batch, mode, keyed=keyed
+        )
     copied = []
     monkeypatch.setattr(sampling, "to_torch", lambda a: copied.append(a.shape[0]) or to_torch(a))
     state = StepState(
@@ -89,6 +93,7 @@ def _run(
         device_tokens=tokens,
         device_logprobs=logprobs,
         logprob_values=values,
+        keyed=keyed,
     )
     state.grammar_output = grammar
     device = DeviceSampler(seed) if on_device else None
@@ -212,7 +217,7 @@ def test_random_rows_with_rules_follow_the_host_samplers_distribution(vllm_confi
     assert states.input_batch.req_ids == list(ROWS)
     table = _table(0, 3, states.vocab_size)
     device, batch, n = DeviceSampler(1), states.input_batch, 800
-    drawn = [device.tokens(mx.array(table), batch) for _ in range(n)]
+    drawn = [device.draw(mx.array(table), batch).tokens for _ in range(n)]
     mx.eval(drawn)
     drawn = np.stack([np.array(d) for d in drawn])
     torch.manual_seed(0)
@@ -251,10 +256,10 @@ def test_logprobs_come_from_the_device_as_the_host_gives_them(vllm_config, monke
     assert mine.logprob_token_ids.shape[1] in (31, 3)
 
 
-def test_a_seeded_row_with_rules_is_drawn_apart(vllm_config, monkeypatch):
-    """A seeded row with a logit bias, a bad word and min-p beside greedy rows with rules: its
-    logits row alone reaches the host, after its rules, and its token is the one vLLM's sampler
-    draws for it over the whole batch, for each of 12 seeds."""
+def test_a_seeded_row_with_rules_is_drawn_on_the_device(vllm_config, monkeypatch):
+    """A seeded row with a logit bias, a bad word and min-p beside greedy rows with rules: no
+    logits reach the host, and its token is the one vLLM's sampler draws for it over the whole
+    batch, for each of 12 seeds."""
 
     def seeded(seed: int) -> SamplingParams:
         return _bad_words(
@@ -272,15 +277,15 @@ def test_a_seeded_row_with_rules_is_drawn_apart(vllm_config, monkeypatch):
         params = {**others, "c": seeded(s)}
         device, copied, _ = _run(vllm_config, params, True, monkeypatch)
         host, _, _ = _run(vllm_config, params, False, monkeypatch)
-        assert copied == [1] and device == host and device["a"] == [1], s
+        assert copied == [] and device == host and device["a"] == [1], s
         draws.add(device["c"][0])
     assert len(draws) > 1 and int(TOP[0]) not in draws
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
-def test_a_seeded_row_asking_for_logprobs_is_drawn_apart(vllm_config, monkeypatch, mode):
-    """A seeded row asking for logprobs beside a greedy row asking for more: only its logits row
-    reaches the host, and the logprobs of every row equal vLLM's sampler's over the whole batch
+def test_a_seeded_row_asking_for_logprobs_is_drawn_on_the_device(vllm_config, monkeypatch, mode):
+    """A seeded row asking for logprobs beside a greedy row asking for more: no logits reach the
+    host, and the tokens and logprobs of every row equal vLLM's sampler's over the whole batch
     (its own sampled token's value and rank included), for each of 8 seeds."""
     draws = set()
     for s in range(8):
@@ -290,7 +295,7 @@ def test_a_seeded_row_asking_for_logprobs_is_drawn_apart(vllm_config, monkeypatc
         }
         _, copied, ours = _run(vllm_config, params, True, monkeypatch, mode=mode)
         _, _, theirs = _run(vllm_config, params, False, monkeypatch, mode=mode)
-        assert copied == [1] and ours.sampled_token_ids == theirs.sampled_token_ids, s
+        assert copied == [] and ours.sampled_token_ids == theirs.sampled_token_ids, s
         mine, want = ours.logprobs, theirs.logprobs
         np.testing.assert_array_equal(mine.logprob_token_ids, want.logprob_token_ids)
         np.testing.assert_array_equal(mine.sampled_token_ranks, want.sampled_token_ranks)

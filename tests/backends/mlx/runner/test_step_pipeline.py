@@ -2,7 +2,7 @@
 step's token ids equal those packed after the tokens reached the host, whatever the next
 schedule did to the batch (rows reordered, a request added, one finished, a prefill mid-chunk),
 and the tokens recorded later land in the right rows; the pipeline samples steps in order; an
-engine's grammar and penalized steps are carried too."""
+engine's grammar, penalized and seeded steps are carried too."""
 
 from __future__ import annotations
 
@@ -205,3 +205,40 @@ def test_penalized_steps_carried_on_the_device_count_the_tokens_still_there(tiny
     assert tokens(carried_batch) == tokens(host_batch)
     stopped = tokens(carried_batch)[-1]
     assert len(stopped) == 10 and stopped[-1] in almost_any, stopped
+
+
+def test_seeded_steps_carried_on_the_device_draw_what_vllms_sampler_draws(tiny_model_dir):
+    """Seeded sampled requests (top-k, top-p, min-p, a presence penalty with logprobs) beside a
+    greedy one under async scheduling: each step's seeded rows are drawn on the device with the
+    noise of their generators keyed to the position, and the step goes into the next one there.
+    Their tokens equal an engine's whose every step goes to vLLM's `Sampler` on the host (a
+    custom logits processor that changes nothing, async scheduling off), and differ by seed."""
+    model = tiny_model_dir("qwen3")
+    sampled = [
+        {"temperature": 0.9, "top_k": 40, "seed": 1},
+        {"temperature": 1.2, "top_p": 0.8, "min_p": 0.02, "seed": 2},
+        {"temperature": 0.8, "presence_penalty": 0.6, "logprobs": 2, "seed": 3},
+        {"temperature": 0.8, "presence_penalty": 0.6, "logprobs": 2, "seed": 4},
+        {"temperature": 0.0},
+    ]
+    jobs = [
+        {
+            "prompts": random_prompts(41, [7, 12, 5, 9]),
+            "params": [
+                {"max_tokens": 24 + 4 * i, "ignore_eos": True, **p} for i, p in enumerate(sampled)
+            ],
+        },
+        {"action": "carried_steps"},
+    ]
+    jobs[0]["prompts"].insert(3, jobs[0]["prompts"][2])  # the third prompt, seeded otherwise
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    host_engine = {
+        "async_scheduling": False,
+        "logits_processors": ["tests.fixtures.identity_logits_processor:Identity"],
+    }
+    carried_batch, carried = run_engine_job(model, jobs, engine={"async_scheduling": True}, env=env)
+    host_batch, host_carried = run_engine_job(model, jobs, engine=host_engine, env=env)
+    assert carried > 20 and host_carried == 0, (carried, host_carried)
+    assert tokens(carried_batch) == tokens(host_batch)
+    seeded_3, seeded_4 = tokens(carried_batch)[2:4]
+    assert seeded_3[:24] != seeded_4  # same prompt and settings, other seeds

@@ -14,11 +14,12 @@ vLLM's epsilon) keep their argmax. Logprobs (top-k, or of named tokens) are comp
 tokens in each of vLLM's modes: of the raw logits, or of the processed ones the tokens were drawn
 from (`Draw.processed`, `logprob_values`, `step_logprobs`).
 
-Whether the step may use these tokens is decided when it is sampled (`sample.host_route`): a
-grammar's bitmask is applied on the device and the tokens drawn again (`grammar_masked`);
-seeded rows are drawn on the host, where their randomness is keyed by position (`seeded.py`):
-their logits rows alone are copied; a step with what the device does not apply (a custom
-logits processor, a thinking budget) goes to vLLM's `Sampler`.
+A seeded row is drawn with its own noise, made on the host and keyed to the position it samples
+(`seeded.keyed_noise`): the argmax of its probabilities divided by those exponential draws, as
+vLLM's `random_sample` picks it. Whether the step may use these tokens is decided when it is
+sampled (`sample.host_route`): a grammar's bitmask is applied on the device and the tokens drawn
+again (`grammar_masked`); a step with what the device does not apply (a custom logits
+processor, a thinking budget) goes to vLLM's `Sampler`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from vllm_metal.ops.argmax import row_argmax
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from vllm_metal.backends.mlx.runner.seeded import KeyedNoise
 
 
 def samples_random_rows(metadata: SamplingMetadata) -> bool:
@@ -171,21 +174,19 @@ class DeviceSampler:
         """A fresh random key of the engine's stream."""
         return mx.random.key(int(self._rng.integers(2**63)))
 
-    def tokens(self, logits: mx.array, batch: InputBatch) -> mx.array | None:
-        draw = self.draw(logits, batch)
-        return None if draw is None else draw.tokens
-
     def outputs(
         self,
         logits: mx.array,
         batch: InputBatch,
         logprobs_mode: str,
         unrecorded: Unrecorded | None = None,
+        keyed: KeyedNoise | None = None,
     ) -> tuple[mx.array | None, tuple[mx.array, mx.array, mx.array] | None, mx.array | None]:
         """A step's device tokens, their logprobs where the step asks for them, and the values
         those were taken from (`logprob_values`); Nones where the device draws nothing.
-        `unrecorded`: the rows' outputs still on the device (`logits_rules.penalized`)."""
-        draw = self.draw(logits, batch, unrecorded) if logits.size else None
+        `unrecorded`: the rows' outputs still on the device (`logits_rules.penalized`);
+        `keyed`: the seeded rows' noise (`draw`)."""
+        draw = self.draw(logits, batch, unrecorded, keyed) if logits.size else None
         if draw is None:
             return None, None, None
         values = logprob_values(logits, draw, logprobs_mode)
@@ -193,12 +194,16 @@ class DeviceSampler:
         return draw.tokens, logprobs, None if logprobs is None else values
 
     def draw(
-        self, logits: mx.array, batch: InputBatch, unrecorded: Unrecorded | None = None
+        self,
+        logits: mx.array,
+        batch: InputBatch,
+        unrecorded: Unrecorded | None = None,
+        keyed: KeyedNoise | None = None,
     ) -> Draw | None:
         """The tokens for `logits` (`[rows, V]` float32, one row per request of `batch`) after
         the rows' rules (`logits_rules.apply_rules`): every row's argmax when all are greedy, a
         sample of the random rows beside the greedy rows' argmax where `samples_random_rows`
-        allows; else None."""
+        allows, the seeded rows of `keyed` drawn with their own noise; else None."""
         n, metadata = batch.num_reqs, batch.sampling_metadata
         if logits.shape[0] != n or n == 0:
             return None
@@ -217,7 +222,19 @@ class DeviceSampler:
         greedy_rows = temperature < _SAMPLING_EPS
         if greedy_rows.any():
             drawn = mx.where(mx.array(greedy_rows), row_argmax(logits), drawn)
+        if keyed is not None and keyed.exponentials is not None:
+            drawn = with_own_noise(drawn, processed, keyed)
         return Draw(drawn, processed)
+
+
+def with_own_noise(drawn: mx.array, processed: mx.array, keyed: KeyedNoise) -> mx.array:
+    """`drawn` with the tokens of the rows of `keyed` picked as vLLM's `random_sample` picks
+    them: the argmax of the probabilities (the softmax of `processed`, where what the row's
+    rules, min-p, top-k and top-p drop is -inf) divided by the row's exponential draws."""
+    rows = mx.array(keyed.rows.astype(np.int32))
+    probs = mx.softmax(processed[rows], axis=-1, precise=True)
+    drawn[rows] = row_argmax(probs / keyed.exponentials).astype(drawn.dtype)
+    return drawn
 
 
 def sample_rows(

@@ -34,7 +34,7 @@ def redraw_grammar_rows(
     kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
     rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
     masked = grammar_masked(step.logits, rows, grammar.grammar_bitmask[kept])
-    draw = device.draw(masked, batch)
+    draw = device.draw(masked, batch, keyed=step.keyed)
     assert draw is not None, "the device drew the step's tokens before its grammar"
     step.device_tokens = draw.tokens
     if step.device_logprobs is not None:

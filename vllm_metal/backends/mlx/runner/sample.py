@@ -1,7 +1,7 @@
 """Sampling, the output stage of generating models (`output.py`): a step's logits are queued on
 the device with the tokens (and raw logprobs) drawn there (`device_sampling.py`, after each
 request's rules, `logits_rules.py`), and the step takes those tokens unless something the device
-does not do sends it, or some of its rows, to vLLM's own samplers on the host (`host_route`):
+does not do sends it to vLLM's own samplers on the host (`host_route`):
 its `Sampler` (grammar bitmask included), or its `RejectionSampler` on a step that verifies
 drafts (`spec_decode/verify.py`), where the device's verdicts do not serve (rows greedy or sampled
 with a temperature, top-k and top-p alone). Token write-back into the request state, and the
@@ -22,12 +22,8 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.backends.mlx.runner import seeded
-from vllm_metal.backends.mlx.runner.device_sampling import (
-    DeviceSampler,
-    with_tokens,
-)
+from vllm_metal.backends.mlx.runner.device_sampling import DeviceSampler
 from vllm_metal.backends.mlx.runner.grammar import grammar_for_step_drafts, redraw_grammar_rows
-from vllm_metal.backends.mlx.runner.logits_rules import apply_rules
 from vllm_metal.backends.mlx.runner.prompt_logprobs import (
     gather_prompt_logprobs,
     prompt_logprob_rows,
@@ -102,8 +98,9 @@ class Sampling:
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         batch = self.states.input_batch
+        keyed = seeded.keyed_noise(self.states, packed, logits.shape[-1])
         tokens, logprobs, values = self.device.outputs(
-            logits, batch, self.logprobs_mode, unrecorded_outputs(packed)
+            logits, batch, self.logprobs_mode, unrecorded_outputs(packed), keyed
         )
         verdicts = None
         if packed.num_draft_tokens.any() and verifies_on_device(self.states):
@@ -128,6 +125,7 @@ class Sampling:
             device_tokens=tokens,
             device_logprobs=logprobs,
             logprob_values=values,
+            keyed=keyed,
             verdicts=verdicts,
             started=forward.started,
             traced=forward.traced,
@@ -183,7 +181,7 @@ class Sampling:
         if not (
             not self.states.tokens_from_scheduler
             and not self.states.num_prompt_logprobs
-            and host_route(step, self.states, self.device) == (None, [])
+            and host_route(step, self.states, self.device) is None
             and (self.spec is None or self.spec.plan_ahead(step, self.states))
         ):
             return False
@@ -223,10 +221,10 @@ def sample_step(
     rejection_sampler: RejectionSampler | None = None,
     device: DeviceSampler | None = None,
 ) -> ModelRunnerOutput:
-    """The step's output: its tokens drawn on the device, but for the rows `host_route` sends
-    to the host (a grammar step's tokens drawn again over the masked logits, by `device`), or
-    every row drawn by vLLM's samplers on the host when it sends the whole step. Prompt
-    logprobs are gathered from their own logits rows whichever way the tokens were drawn."""
+    """The step's output: its tokens drawn on the device (a grammar step's drawn again over the
+    masked logits, by `device`), or every row drawn by vLLM's samplers on the host when
+    `host_route` sends the step there. Prompt logprobs are gathered from their own logits rows
+    whichever way the tokens were drawn."""
     batch = states.input_batch
     if step.carried and step.verdicts is None:
         return _device_output(step, states)
@@ -246,19 +244,11 @@ def sample_step(
             sampler,
         )
         return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
-    why, host_rows = host_route(step, states, device)
-    if why is None:
+    if host_route(step, states, device) is None:
         if step.grammar_output is not None:
             assert device is not None
             redraw_grammar_rows(step, states, device, logprobs_mode)
-        drawn = {}
-        if host_rows:
-            rows = mx.array(host_rows)
-            logits = to_torch(apply_rules(step.logits, batch.sampling_metadata)[rows])
-            drawn = dict(zip(host_rows, seeded.sample_apart(sampler, logits, host_rows, states)))
-            if step.device_logprobs is not None:
-                step.device_logprobs = with_tokens(step.device_logprobs, step.logprob_values, drawn)
-        return _device_output(step, states, drawn, prompt_logprobs)
+        return _device_output(step, states, prompt_logprobs)
     logits = to_torch(step.logits)  # waits for the forward
     if step.grammar_output is not None:
         from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -278,33 +268,26 @@ def sample_step(
 
 def host_route(
     step: StepState, states: RequestStates, device: DeviceSampler | None = None
-) -> tuple[str | None, list[int]]:
+) -> str | None:
     """Why the step's logits go to vLLM's samplers on the host (None: its tokens are those
-    drawn on the device), and the rows drawn apart on the host from their own logits rows
-    while the others keep the device's tokens. A step goes to the host as a whole where what
-    it needs acts on the whole batch: vLLM's custom logits processors and its thinking-budget
-    state take every row's logits at once, indexed by batch row, with no way to hand them a
-    subset; drafts are verified over the whole step."""
+    drawn on the device). A step goes to the host as a whole: vLLM's custom logits processors
+    and its thinking-budget state take every row's logits at once, indexed by batch row, with
+    no way to hand them a subset; drafts are verified over the whole step."""
     metadata = states.input_batch.sampling_metadata
     if step.packed.num_draft_tokens.any():
-        return "drafts to verify", []
+        return "drafts to verify"
     if step.device_tokens is None:
-        return "the device drew no tokens (a custom processor acts on random rows)", []
+        return "the device drew no tokens (a custom processor acts on random rows)"
     if step.grammar_output is not None and device is None:
-        return "a grammar, with no device sampler to draw its rows again", []
+        return "a grammar, with no device sampler to draw its rows again"
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
-        return "a thinking budget", []
+        return "a thinking budget"
     if any(not _built_in(p) for p in metadata.logitsprocs.non_argmax_invariant):
-        return "a custom logits processor that may move the argmax", []
-    if not metadata.generators:
-        return None, []
-    rows = seeded.host_rows(states)
-    if rows is None:
-        return "a seeded row asking for a grammar or a thinking budget", []
-    if step.grammar_output is not None:
-        return "a seeded row beside a grammar", []
-    return None, rows
+        return "a custom logits processor that may move the argmax"
+    if metadata.generators and step.keyed is None:
+        return "seeded rows drawn without their own noise"
+    return None
 
 
 def _built_in(processor) -> bool:
@@ -354,16 +337,10 @@ def _recorded(
 
 
 def _device_output(
-    step: StepState,
-    states: RequestStates,
-    host: dict[int, int] | None = None,
-    prompt_logprobs: dict | None = None,
+    step: StepState, states: RequestStates, prompt_logprobs: dict | None = None
 ) -> ModelRunnerOutput:
-    """The step's output from the tokens (and logprobs) drawn on the device, but the rows of
-    `host` (row -> token), drawn on the host (waits for the forward)."""
+    """The step's output from the tokens (and logprobs) drawn on the device (waits for them)."""
     tokens = to_host(step.device_tokens).tolist()
-    for row, token in (host or {}).items():
-        tokens[row] = token
     sampled = [[] if drop else [token] for token, drop in zip(tokens, step.packed.discard)]
     logprobs = None
     if step.device_logprobs is not None:

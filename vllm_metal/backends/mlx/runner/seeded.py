@@ -16,12 +16,22 @@ is kept with probability p(d), and a rejected position holds a sample of p condi
 as in rejection sampling with a point-mass draft. Rows whose sampling reads more than their
 logits (penalties, logit bias, min tokens or min-p, allowed or bad words, logprobs, a grammar)
 do not draft (`drafts_by_position`).
+
+On a step without drafts a seeded row is drawn on the device (`keyed_noise`): its noise, the
+exponential draws vLLM's `random_sample` takes from the row's generator keyed to that position,
+is made on the host, where it depends on nothing the step computes (so a step built one ahead
+makes it too), and the device picks the token vLLM's `Sampler` picks (probabilities after the
+row's rules, temperature, min-p, top-k and top-p, divided by that noise; its argmax). The host's
+paths (a step whose rules only vLLM's `Sampler` applies, a step verifying drafts) draw the
+same noise, so a seeded request's tokens do not depend on which path its step took.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 import numpy as np
 import torch
 from vllm.sampling_params import SamplingParams, SamplingType
@@ -34,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
+    from vllm_metal.backends.mlx.runner.batch import PackedBatch
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
 
 _MASK64 = (1 << 64) - 1
@@ -154,11 +165,10 @@ def draws_by_position(
 
 
 def host_rows(states: RequestStates) -> list[int] | None:
-    """The seeded rows of a step whose other rows take their tokens from the device, when each
-    of them can be drawn apart (`sample_apart`) from its logits row after the rules the device
-    applies (`logits_rules.apply_rules`: allowed and bad words, min tokens, a logit bias,
-    penalties): it asks for no grammar or thinking budget (its raw logprobs are the device's,
-    `device_sampling.with_tokens`). None when some seeded row asks for one of those."""
+    """The seeded rows of a step verifying drafts on the device, when each of them can be drawn
+    by position on the host (`spec_decode.verify.seeded_by_position`) from its logits row after
+    the rules the device applies: it asks for no grammar or thinking budget. None when some
+    seeded row asks for one of those."""
     rows = sorted(states.input_batch.generators)
     if all(_drawn_apart(_params(states, i)) for i in rows):
         return rows
@@ -174,13 +184,32 @@ def _drawn_apart(params: SamplingParams | None) -> bool:
     )
 
 
-def sample_apart(sampler: Sampler, logits: torch.Tensor, rows: list[int], states: RequestStates):
-    """The tokens of seeded batch rows `rows` from their logits rows (`[len(rows), V]`, after
-    their rules), each drawn with its generator keyed to the position it samples, as the whole
-    batch's sampler would draw them (a seeded row's draw depends on nothing but its own row)."""
-    reseed(states)
-    generators = {j: states.input_batch.generators[i] for j, i in enumerate(rows)}
-    return sampler(logits, _metadata(states, rows, generators)).sampled_token_ids.view(-1).tolist()
+@dataclass
+class KeyedNoise:
+    """The noise of a step's seeded rows: each row's exponential draws for the position it
+    samples, as vLLM's `random_sample` takes them from the row's generator."""
+
+    rows: np.ndarray  # [m] batch rows drawn with their own noise
+    exponentials: mx.array | None  # [m, V] float32; None when m is 0
+
+
+def keyed_noise(states: RequestStates, packed: PackedBatch, vocab: int) -> KeyedNoise | None:
+    """The noise of the step's seeded rows, each keyed to the position it samples (its
+    context length after the step: the host's token count, plus the token a step still on the
+    device drew when the step was built one ahead); rows mid-prefill, whose tokens are
+    dropped, get none. None where the batch has no seeded row, or the step verifies drafts
+    (seeded rows are then drawn by position on the host)."""
+    batch = states.input_batch
+    if not batch.generators or packed.num_draft_tokens.any():
+        return None
+    rows = np.array([i for i in sorted(batch.generators) if not packed.discard[i]], np.int64)
+    if rows.size == 0:
+        return KeyedNoise(rows, None)
+    exponentials = torch.empty((rows.size, vocab), dtype=torch.float32)
+    for j, i in enumerate(rows.tolist()):
+        seed = position_seed(_seed(states, i), int(packed.seq_lens[i]))
+        exponentials[j].exponential_(generator=torch.Generator().manual_seed(seed))
+    return KeyedNoise(rows, mx.array(exponentials.numpy()))
 
 
 def _params(states: RequestStates, index: int) -> SamplingParams | None:

@@ -25,6 +25,7 @@ from vllm_metal.backends.mlx.runner.batch import PackedBatch
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
+    from vllm_metal.backends.mlx.runner.seeded import KeyedNoise
     from vllm_metal.backends.mlx.runner.spec_decode.ahead import CarriedDrafts, QueuedDrafts
     from vllm_metal.kv.pool import KVPool
     from vllm_metal.kv.state_drafts import StepDrafts
@@ -37,14 +38,17 @@ class StepState:
     logits: mx.array  # [S + drafts, V] float32 at packed.logits_indices (being evaluated)
     prompt_logits: dict[str, mx.array]  # req_id -> [n, V] rows for prompt logprobs
     # [S] tokens drawn on the device with the logits (`device_sampling.py`, after each row's
-    # rules): the step's tokens unless `sample.host_route` sends the step, or some of its rows,
-    # to the host, so the logits never reach the host. None: the host samples.
+    # rules): the step's tokens unless `sample.host_route` sends the step to the host, so the
+    # logits never reach the host. None: the host samples.
     device_tokens: mx.array | None = None
     # (ids, logprobs, ranks) of `device_tokens` as vLLM's sampler gives them, drawn with them
     # where the step asks for logprobs (`device_sampling.step_logprobs`), and the `[S, V]`
     # values they were taken from (`device_sampling.logprob_values`).
     device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     logprob_values: mx.array | None = None
+    # The seeded rows' noise `device_tokens` were drawn with (`seeded.keyed_noise`), for a
+    # grammar's rows drawn again; None where the step has no seeded rows or verifies drafts.
+    keyed: KeyedNoise | None = None
     # ([S + drafts] tokens, [S + drafts] accepts): each logits row's verdict on the draft it
     # scores, from which a step verifying drafts on the device takes its tokens
     # (`spec_decode.verify.device_verdicts`); None: the host verifies them.
