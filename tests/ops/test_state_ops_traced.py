@@ -1,6 +1,6 @@
 """The recurrent ops of hybrid models (gated_delta_rule, causal_conv1d, mamba2_scan) with
-`max_query_len`: a decode step's rows, one per sequence, traced by `mx.compile` (what a compiled
-decode step of a hybrid runs) equal the untraced op, on the native ops and on their pure-MLX
+`max_query_len`: a decode step's rows, one per sequence, or a verifying step's, three per
+sequence, traced by `mx.compile` (what a compiled step of a hybrid runs) equal the untraced op, on the native ops and on their pure-MLX
 references (the GPU proxy's path, which then reads nothing on the host); a wrong
 `max_query_len` is refused by name."""
 
@@ -19,15 +19,17 @@ def _rand(rng, *shape, scale=1.0):
     return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-def _cases(rng):
-    """name -> (the op, its arguments up to cu_seqlens, its keyword arguments)."""
-    cu = mx.array(np.arange(S + 1, dtype=np.int32))
-    g = mx.array(rng.uniform(0.5, 1.0, (S, H)).astype(np.float32))
-    channel_g = mx.array(rng.uniform(0.5, 1.0, (S, H, DK)).astype(np.float32))
-    beta = mx.array(rng.uniform(0.0, 1.0, (S, H)).astype(np.float32))
-    delta = (_rand(rng, S, H, DK), _rand(rng, S, H, DK), _rand(rng, S, H, DV))
-    window = (_rand(rng, S, 12), _rand(rng, 12, 4), _rand(rng, S, 3, 12), cu, _rand(rng, 12))
-    dt = mx.array(rng.uniform(0.01, 0.5, (S, H)).astype(np.float32))
+def _cases(rng, rows=1):
+    """name -> (the op, its arguments up to cu_seqlens, its keyword arguments), for S
+    sequences of `rows` rows each."""
+    T = S * rows
+    cu = mx.array(np.arange(S + 1, dtype=np.int32) * rows)
+    g = mx.array(rng.uniform(0.5, 1.0, (T, H)).astype(np.float32))
+    channel_g = mx.array(rng.uniform(0.5, 1.0, (T, H, DK)).astype(np.float32))
+    beta = mx.array(rng.uniform(0.0, 1.0, (T, H)).astype(np.float32))
+    delta = (_rand(rng, T, H, DK), _rand(rng, T, H, DK), _rand(rng, T, H, DV))
+    window = (_rand(rng, T, 12), _rand(rng, 12, 4), _rand(rng, S, 3, 12), cu, _rand(rng, 12))
+    dt = mx.array(rng.uniform(0.01, 0.5, (T, H)).astype(np.float32))
     A = mx.array(-rng.uniform(0.5, 2.0, H).astype(np.float32))
     return {
         "gated_delta": (ops.gated_delta_rule, (*delta, g, beta, _rand(rng, S, H, DV, DK), cu), {}),
@@ -38,23 +40,24 @@ def _cases(rng):
         "conv_plain": (ops.causal_conv1d, window, {"silu": False}),
         "mamba2": (
             ops.mamba2_scan,
-            (_rand(rng, S, H, DV), dt, A, _rand(rng, S, 2, DK), _rand(rng, S, 2, DK),
+            (_rand(rng, T, H, DV), dt, A, _rand(rng, T, 2, DK), _rand(rng, T, 2, DK),
              _rand(rng, H), _rand(rng, S, H, DV, DK), cu),
             {},
         ),
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("reference_ops", [False, True], ids=["native", "pure-mlx"])
 @pytest.mark.parametrize(
     "name", ["gated_delta", "gated_delta_per_channel", "conv_silu", "conv_plain", "mamba2"]
 )
-def test_a_decode_step_traced_by_compile_equals_the_op(monkeypatch, name, reference_ops):
+def test_a_step_traced_by_compile_equals_the_op(monkeypatch, name, reference_ops, rows):
     if reference_ops:
         monkeypatch.setenv("VLLM_METAL_USE_REFERENCE_OPS", "1")
-    op, args, kwargs = _cases(np.random.default_rng(len(name)))[name]
+    op, args, kwargs = _cases(np.random.default_rng(len(name)), rows)[name]
     want = op(*args, **kwargs)
-    traced = mx.compile(lambda *a: op(*a, max_query_len=1, **kwargs))
+    traced = mx.compile(lambda *a: op(*a, max_query_len=rows, **kwargs))
     got = traced(*args)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from vllm_metal.ops._varlen import lockstep, packed
+from vllm_metal.ops._varlen import Lockstep
 
 
 def gated_delta_rule(
@@ -24,8 +24,8 @@ def gated_delta_rule(
 ) -> tuple[mx.array, mx.array]:
     t, hk, _ = q.shape
     hv = v.shape[1]
-    rows, live = lockstep(cu_seqlens, max_query_len)
-    if t == 0 or not live.any():
+    steps = Lockstep(cu_seqlens, max_query_len)
+    if t == 0 or not steps.any():
         return mx.zeros(v.shape, dtype=q.dtype), state
     group = hv // hk
     f32 = mx.float32
@@ -33,15 +33,15 @@ def gated_delta_rule(
     ks = mx.repeat(k.astype(f32), group, axis=1) if group > 1 else k.astype(f32)
     vs = v.astype(f32)
     ys = []
-    for i in range(rows.shape[1]):
-        r = mx.array(rows[:, i])
-        q_i, k_i, v_i = qs[r], ks[r], vs[r]  # [S, Hv, D*]
+    for i in range(steps.steps):
+        q_i, k_i, v_i = (steps.at(x, i) for x in (qs, ks, vs))  # [S, Hv, D*]
+        g_i, beta_i = steps.at(g, i), steps.at(beta, i)
         # A per-head decay scales the whole state, a per-channel one its key columns.
-        decay = g[r][:, :, None, None] if g.ndim == 2 else g[r][:, :, None, :]
+        decay = g_i[:, :, None, None] if g.ndim == 2 else g_i[:, :, None, :]
         decayed = state * decay
         remembered = (decayed * k_i[:, :, None, :]).sum(axis=-1)  # [S, Hv, Dv]
-        delta = (v_i - remembered) * beta[r][:, :, None]
+        delta = (v_i - remembered) * beta_i[:, :, None]
         updated = decayed + delta[:, :, :, None] * k_i[:, :, None, :]
         ys.append((updated * q_i[:, :, None, :]).sum(axis=-1))
-        state = mx.where(mx.array(live[:, i])[:, None, None, None], updated, state)
-    return packed(ys, live).astype(q.dtype), state
+        state = steps.keep(i, updated, state)
+    return steps.packed(ys).astype(q.dtype), state

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from vllm_metal.ops._varlen import lockstep, packed
+from vllm_metal.ops._varlen import Lockstep
 
 
 def mamba2_scan(
@@ -25,8 +25,8 @@ def mamba2_scan(
 ) -> tuple[mx.array, mx.array]:
     t, h, _ = x.shape
     g = B.shape[1]
-    rows, live = lockstep(cu_seqlens, max_query_len)
-    if t == 0 or not live.any():
+    steps = Lockstep(cu_seqlens, max_query_len)
+    if t == 0 or not steps.any():
         return mx.zeros(x.shape, dtype=x.dtype), state
     f32 = mx.float32
     xs = x.astype(f32)
@@ -34,11 +34,11 @@ def mamba2_scan(
     bs = mx.repeat(B.astype(f32), group, axis=1) if group > 1 else B.astype(f32)  # [T, H, N]
     cs = mx.repeat(C.astype(f32), group, axis=1) if group > 1 else C.astype(f32)
     ys = []
-    for i in range(rows.shape[1]):
-        r = mx.array(rows[:, i])
-        x_i, dt_i = xs[r], dt[r]  # [S, H, P], [S, H]
+    for i in range(steps.steps):
+        x_i, dt_i = steps.at(xs, i), steps.at(dt, i)  # [S, H, P], [S, H]
+        b_i, c_i = steps.at(bs, i), steps.at(cs, i)  # [S, H, N]
         decay = mx.exp(dt_i * A[None, :])[:, :, None, None]
-        updated = decay * state + (dt_i[:, :, None] * x_i)[:, :, :, None] * bs[r][:, :, None, :]
-        ys.append((updated * cs[r][:, :, None, :]).sum(axis=-1) + D[None, :, None] * x_i)
-        state = mx.where(mx.array(live[:, i])[:, None, None, None], updated, state)
-    return packed(ys, live).astype(x.dtype), state
+        updated = decay * state + (dt_i[:, :, None] * x_i)[:, :, :, None] * b_i[:, :, None, :]
+        ys.append((updated * c_i[:, :, None, :]).sum(axis=-1) + D[None, :, None] * x_i)
+        state = steps.keep(i, updated, state)
+    return steps.packed(ys).astype(x.dtype), state
