@@ -8,6 +8,8 @@ distribution vLLM's `Sampler` draws from (chi-square against its own draws)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -40,9 +42,12 @@ def _run(
     monkeypatch,
     with_output=False,
     grammar=None,
+    placeholders=None,
 ):
     """One step of requests a (decode-sized prompt, sampled), b (mid-prefill: discarded) and c,
-    sampled from fixed logits; returns (sampled ids, whether the logits went to the host)."""
+    sampled from fixed logits; returns (sampled ids, whether the logits went to the host).
+    `placeholders`: draft placeholders vLLM scheduled (request -> count) that the step does not
+    verify (speculative decoding under async scheduling, none proposed)."""
     states = RequestStates(vllm_config, [BS])
     sched = schedule(
         {"a": 3, "b": 2, "c": 4},
@@ -83,6 +88,10 @@ def _run(
         keyed=keyed,
     )
     state.grammar_output = grammar
+    if placeholders:
+        state.scheduler_output = replace(
+            sched, scheduled_spec_decode_tokens={r: [-1] * n for r, n in placeholders.items()}
+        )
     device = DeviceSampler(0) if on_device else None
     output = sample.sample_step(state, states, Sampler(), "raw_logprobs", None, device)
     by_req = dict(zip(output.req_ids, output.sampled_token_ids))
@@ -157,9 +166,29 @@ def test_grammar_rows_are_masked_on_the_device(vllm_config, monkeypatch, c):
         assert device == host
 
 
-def test_a_seeded_row_is_drawn_on_the_device_as_the_host_sampler_draws_it(
+def test_grammar_rows_take_their_own_bitmask_rows_beside_unverified_placeholders(
     vllm_config, monkeypatch
 ):
+    """Under speculative decoding vLLM lays each structured request's bitmask out over the
+    drafts it scheduled (here two placeholders for a, which the step does not verify): a's
+    first row and c's row mask a and c, as vLLM's `apply_grammar_bitmask` masks them."""
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    vocab = RequestStates(vllm_config, [BS]).vocab_size
+    a_allowed, c_allowed, other = [3, 9], [2, 7, 40], list(range(VOCAB))
+    grammar = GrammarOutput(["a", "c"], _bitmask(vocab, [a_allowed, other, other, c_allowed]))
+    params = {r: SamplingParams(temperature=0.0) for r in "abc"}
+    device, copied = _run(
+        vllm_config, params, True, monkeypatch, grammar=grammar, placeholders={"a": 2}
+    )
+    host, _ = _run(vllm_config, params, False, monkeypatch, grammar=grammar, placeholders={"a": 2})
+    free, _ = _run(vllm_config, params, True, monkeypatch)
+    assert not copied and device == host
+    assert device["a"][0] in a_allowed and device["c"][0] in c_allowed, device
+    assert free["c"][0] not in c_allowed  # the mask moved c's argmax
+
+
+def test_a_seeded_row_is_drawn_on_the_device_as_the_host_sampler_draws_it(vllm_config, monkeypatch):
     """A seeded row beside greedy and unseeded ones: no logits reach the host, and its token is
     the one vLLM's sampler draws for it over the whole batch with its generator keyed to the
     position (12 seeds, top-k and top-p)."""

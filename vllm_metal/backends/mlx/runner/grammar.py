@@ -27,9 +27,11 @@ def redraw_grammar_rows(
 ) -> None:
     """The step's device tokens (and logprobs) drawn again over its logits with the grammars'
     bitmasks applied on the device (`device_sampling.grammar_masked`), as vLLM applies them
-    before its `Sampler`: logprobs are those of the masked logits."""
-    grammar = step.grammar_output
+    before its `Sampler`: logprobs are those of the masked logits. vLLM lays a request's
+    bitmask out over the drafts it scheduled; the step verifies none, so each request keeps
+    the first of its rows (`grammar_for_step_drafts`)."""
     batch = states.input_batch
+    _, grammar = grammar_for_step_drafts(step, batch)
     index = {req_id: i for i, req_id in enumerate(step.packed.req_ids)}
     kept = [j for j, r in enumerate(grammar.structured_output_request_ids) if r in index]
     rows = np.array([index[grammar.structured_output_request_ids[j]] for j in kept], np.int64)
