@@ -288,11 +288,17 @@ def test_gpu_proxy_quick_hybrid_family(run_suite) -> None:
 @pytest.mark.full
 def test_gpu_proxy_quick_qwen3_5_against_mlx_lm(run_suite) -> None:
     """The text-only Qwen3.5 checkpoint, whose model type mlx-lm knows only as its wrapper's, runs
-    in stock mlx-lm beside the plugin, and the report gives the ratio."""
-    run = run_suite("gpu_proxy", True, "--family", "qwen3_5", "--streams", "1,2")
+    in stock mlx-lm beside the plugin, and the report gives the ratio; sampled, the plugin's
+    requests seeded, and a kernel profile asked for (which MLX's CPU device skips, saying so)."""
+    run = run_suite(
+        "gpu_proxy", True, "--family", "qwen3_5", "--streams", "1,2",
+        "--sampled", "--seeded", "--kernel-streams", "1",
+    )  # fmt: skip
     data = run.results("gpu_proxy")
+    assert data["settings"]["seeded"] and data["settings"]["sampling"]["top_k"] == 50
     for name in ("mlx_lm", "plugin"):
         engine = data["engines"][name]
         assert engine["status"] == "ok", engine
         assert all(case["decode_tok_s"] > 0 for case in engine["cases"].values()), engine
+        assert "CUDA" in engine["kernels"]["1"]["skipped"], engine["kernels"]
     assert set(data["summary"]["vs_mlx_lm"]["plugin"]) == {"1", "2"}, data["summary"]
