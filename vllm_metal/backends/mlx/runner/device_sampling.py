@@ -232,9 +232,15 @@ def with_own_noise(drawn: mx.array, processed: mx.array, keyed: KeyedNoise) -> m
     them: the argmax of the probabilities (the softmax of `processed`, where what the row's
     rules, min-p, top-k and top-p drop is -inf) divided by the row's exponential draws."""
     rows = mx.array(keyed.rows.astype(np.int32))
-    probs = mx.softmax(processed[rows], axis=-1, precise=True)
-    drawn[rows] = row_argmax(probs / keyed.exponentials).astype(drawn.dtype)
+    drawn[rows] = keyed_tokens(processed, keyed).astype(drawn.dtype)
     return drawn
+
+
+def keyed_tokens(processed: mx.array, keyed: KeyedNoise) -> mx.array:
+    """The tokens of the rows of `keyed` (`with_own_noise`), `[m]`."""
+    rows = mx.array(keyed.rows.astype(np.int32))
+    probs = mx.softmax(processed[rows], axis=-1, precise=True)
+    return row_argmax(probs / keyed.exponentials)
 
 
 def sample_rows(

@@ -98,14 +98,18 @@ class Sampling:
         prompt_rows = prompt_logprob_rows(self.states, packed)
         logits, prompt_logits = state.logits(forward.hidden, packed, prompt_rows)
         batch = self.states.input_batch
-        keyed = seeded.keyed_noise(self.states, packed, logits.shape[-1])
+        drafts = packed.num_draft_tokens.any()
+        on_device = drafts and verifies_on_device(self.states)
+        keyed = None
+        if not drafts or on_device:
+            keyed = seeded.keyed_noise(self.states, packed, logits.shape[-1])
         tokens, logprobs, values = self.device.outputs(
             logits, batch, self.logprobs_mode, unrecorded_outputs(packed), keyed
         )
         verdicts = None
-        if packed.num_draft_tokens.any() and verifies_on_device(self.states):
+        if on_device:
             chosen, accepts, processed = device_verdicts(
-                logits, packed, batch, self.device.next_key()
+                logits, packed, batch, self.device.next_key(), keyed
             )
             verdicts = (chosen, accepts)
             logprobs, values = verdict_logprobs(
@@ -242,6 +246,7 @@ def sample_step(
             step.packed,
             states,
             sampler,
+            by_position=step.keyed is not None,
         )
         return _recorded(states, step.packed.req_ids, sampled, logprobs, prompt_logprobs)
     if host_route(step, states, device) is None:

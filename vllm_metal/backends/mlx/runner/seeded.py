@@ -17,13 +17,15 @@ as in rejection sampling with a point-mass draft. Rows whose sampling reads more
 logits (penalties, logit bias, min tokens or min-p, allowed or bad words, logprobs, a grammar)
 do not draft (`drafts_by_position`).
 
-On a step without drafts a seeded row is drawn on the device (`keyed_noise`): its noise, the
-exponential draws vLLM's `random_sample` takes from the row's generator keyed to that position,
-is made on the host, where it depends on nothing the step computes (so a step built one ahead
-makes it too), and the device picks the token vLLM's `Sampler` picks (probabilities after the
-row's rules, temperature, min-p, top-k and top-p, divided by that noise; its argmax). The host's
-paths (a step whose rules only vLLM's `Sampler` applies, a step verifying drafts) draw the
-same noise, so a seeded request's tokens do not depend on which path its step took.
+A seeded row is drawn on the device (`keyed_noise`): its noise, the exponential draws vLLM's
+`random_sample` takes from the row's generator keyed to that position, is made on the host,
+where it depends on nothing the step computes (so a step built one ahead makes it too), and the
+device picks the token vLLM's `Sampler` picks (probabilities after the row's rules,
+temperature, min-p, top-k and top-p, divided by that noise; its argmax); on a step verifying
+drafts on the device, each of a seeded request's rows so, a draft kept where it is that token
+(`spec_decode.verify.device_verdicts`). The host's paths (a step whose rules only vLLM's
+`Sampler` applies, drafts verified by vLLM's `RejectionSampler`) draw the same noise, so a
+seeded request's tokens do not depend on which path its step took.
 """
 
 from __future__ import annotations
@@ -189,27 +191,37 @@ def _drawn_apart(params: SamplingParams | None) -> bool:
 
 @dataclass
 class KeyedNoise:
-    """The noise of a step's seeded rows: each row's exponential draws for the position it
-    samples, as vLLM's `random_sample` takes them from the row's generator."""
+    """The noise of a step's seeded rows: each logits row's exponential draws for the position
+    it samples, as vLLM's `random_sample` takes them from the row's generator."""
 
-    rows: np.ndarray  # [m] batch rows drawn with their own noise
+    rows: np.ndarray  # [m] logits rows drawn with their own noise
     exponentials: mx.array | None  # [m, V] float32; None when m is 0
 
 
 def keyed_noise(states: RequestStates, packed: PackedBatch, vocab: int) -> KeyedNoise | None:
-    """The noise of the step's seeded rows, each keyed to the position it samples (its
-    context length after the step: the host's token count, plus the token a step still on the
-    device drew when the step was built one ahead); rows mid-prefill, whose tokens are
-    dropped, get none. None where the batch has no seeded row, or the step verifies drafts
-    (seeded rows are then drawn by position on the host)."""
+    """The noise of the step's seeded requests' logits rows, each keyed to the position it
+    samples: a request verifying k drafts has rows first .. first + k, sampling its context
+    length after the step less k, then one on (without drafts: its context length, the
+    host's token count plus the token a step still on the device drew when the step was built
+    one ahead). Requests mid-prefill, whose tokens are dropped, get none. None where the batch
+    has no seeded request, or the step takes its drafts from the device (`packed.shift`: their
+    positions are known there only; they are drawn by position on the host)."""
     batch = states.input_batch
-    if not batch.generators or packed.num_draft_tokens.any():
+    if not batch.generators or packed.shift is not None:
         return None
-    rows = np.array([i for i in sorted(batch.generators) if not packed.discard[i]], np.int64)
-    if rows.size == 0:
-        return KeyedNoise(rows, None)
-    exponentials = torch.empty((rows.size, vocab), dtype=torch.float32)
-    seeds = [position_seed(_seed(states, i), int(packed.seq_lens[i])) for i in rows.tolist()]
+    num_draft = packed.num_draft_tokens.astype(np.int64)
+    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
+    rows, seeds = [], []
+    for i in sorted(batch.generators):
+        if packed.discard[i]:
+            continue
+        k, seed = int(num_draft[i]), _seed(states, i)
+        for j in range(k + 1):
+            rows.append(int(first_row[i]) + j)
+            seeds.append(position_seed(seed, int(packed.seq_lens[i]) - k + j))
+    if not rows:
+        return KeyedNoise(np.zeros(0, np.int64), None)
+    exponentials = torch.empty((len(rows), vocab), dtype=torch.float32)
 
     def draw(j: int) -> None:  # torch lets the GIL go while it draws
         exponentials[j].exponential_(generator=torch.Generator().manual_seed(seeds[j]))
@@ -218,7 +230,7 @@ def keyed_noise(states: RequestStates, packed: PackedBatch, vocab: int) -> Keyed
         draw(0)
     else:
         list(_noise_threads().map(draw, range(len(seeds))))
-    return KeyedNoise(rows, mx.array(exponentials.numpy()))
+    return KeyedNoise(np.array(rows, np.int64), mx.array(exponentials.numpy()))
 
 
 @functools.cache

@@ -46,8 +46,9 @@ class StepState:
     # values they were taken from (`device_sampling.logprob_values`).
     device_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     logprob_values: mx.array | None = None
-    # The seeded rows' noise `device_tokens` were drawn with (`seeded.keyed_noise`), for a
-    # grammar's rows drawn again; None where the step has no seeded rows or verifies drafts.
+    # The seeded rows' noise `device_tokens` (or `verdicts`) were drawn with
+    # (`seeded.keyed_noise`), for a grammar's rows drawn again; None where the step has no
+    # seeded rows, or its drafts are verified on the host or taken from the device.
     keyed: KeyedNoise | None = None
     # ([S + drafts] tokens, [S + drafts] accepts): each logits row's verdict on the draft it
     # scores, from which a step verifying drafts on the device takes its tokens

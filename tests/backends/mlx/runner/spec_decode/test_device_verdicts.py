@@ -256,13 +256,16 @@ def test_logit_bias_is_ignored_as_in_vllm(states):
     np.testing.assert_allclose(got_logprobs.logprobs, want_logprobs.logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("on_device", [True, False], ids=["noise_on_device", "host"])
 @pytest.mark.parametrize("seed", range(4))
-def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
+def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed, on_device):
     """A seeded sampled request verifying three drafts (each its row's likeliest token), and a
     seeded one with a presence penalty, a min-p (which vLLM does not apply under speculative
-    decoding) and top-2 logprobs that does not draft, beside a greedy one: the step is verified on the device, the seeded requests' rows drawn by position on
-    the host. Tokens and logprobs equal those of the host's path (vLLM's `RejectionSampler`,
-    then the seeded rows redrawn by position, `seeded.resample_drafts`)."""
+    decoding) and top-2 logprobs that does not draft, beside a greedy one: the step is verified
+    on the device, the seeded requests' rows drawn by position there with their noise
+    (`seeded.keyed_noise`), or on the host. Tokens and logprobs equal those of the host's path
+    (vLLM's `RejectionSampler`, then the seeded rows redrawn by position,
+    `seeded.resample_drafts`)."""
     params = {
         "a": SamplingParams(temperature=0.8, top_k=4, seed=seed),
         "c": SamplingParams(
@@ -276,7 +279,7 @@ def test_seeded_rows_are_drawn_by_position_as_on_the_host(states, seed):
     for row, draft in ((0, 501), (1, 502), (2, 503), (4, 601), (5, 55)):
         logits[row, draft] = 5.0
     logits[7, 700] = 3.0  # c's output so far, which its presence penalty lowers
-    got, got_logprobs = device_outputs(states, packed, logits, seed, "raw_logprobs")
+    got, got_logprobs = device_outputs(states, packed, logits, seed, "raw_logprobs", on_device)
     want, want_logprobs = vllm_outputs(states, packed, logits)
     assert got == want
     assert got[1] == [601, 55]

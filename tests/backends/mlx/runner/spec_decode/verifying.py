@@ -34,21 +34,26 @@ def three_verifying(states, params=None, drafts=None, new=()):
     return step(states, schedule(scheduled, new=new, cached=cached, drafts=drafts)), drafts
 
 
-def device_outputs(states, packed, logits: np.ndarray, key: int, logprobs_mode=None):
-    """The outputs the device's verdicts give (seeded requests' drawn by position on the host,
-    as a step sampled takes them); with `logprobs_mode`, (outputs, logprobs)."""
+def device_outputs(states, packed, logits: np.ndarray, key: int, logprobs_mode=None, keyed=True):
+    """The outputs the device's verdicts give, seeded requests' drawn by position there with
+    their noise (`seeded.keyed_noise`, as `Sampling.finish_step` draws them), or with
+    `keyed=False` on the host (as a step whose drafts came from the device is sampled); with
+    `logprobs_mode`, (outputs, logprobs)."""
     import mlx.core as mx
     from vllm.v1.sample.sampler import Sampler
 
+    noise = seeded.keyed_noise(states, packed, logits.shape[-1]) if keyed else None
     logits = mx.array(logits)
     batch = states.input_batch
-    tokens, accepts, processed = verify.device_verdicts(logits, packed, batch, mx.random.key(key))
+    tokens, accepts, processed = verify.device_verdicts(
+        logits, packed, batch, mx.random.key(key), noise
+    )
     logprobs, values = verify.verdict_logprobs(
         logits, tokens, processed, batch.sampling_metadata, logprobs_mode or "raw_logprobs"
     )
     sampler = Sampler(logprobs_mode=logprobs_mode or "raw_logprobs")
     out, lists = verify.verdict_outputs(
-        (tokens, accepts), logprobs, values, logits, packed, states, sampler
+        (tokens, accepts), logprobs, values, logits, packed, states, sampler, noise is not None
     )
     return out if logprobs_mode is None else (out, lists)
 

@@ -32,6 +32,7 @@ from vllm_metal.backends.mlx.runner import seeded
 from vllm_metal.backends.mlx.runner.batch import PackedBatch, ranges
 from vllm_metal.backends.mlx.runner.device_sampling import (
     Draw,
+    keyed_tokens,
     logprob_values,
     sample_rows,
     samples_random_rows,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_metal.backends.mlx.runner.request_state import RequestStates
+    from vllm_metal.backends.mlx.runner.seeded import KeyedNoise
 
 
 def _rows(num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +208,11 @@ def _min_tokens_rows(min_toks: dict, num_draft: np.ndarray) -> dict:
 
 
 def device_verdicts(
-    logits: mx.array, packed: PackedBatch, batch: InputBatch, key: mx.array
+    logits: mx.array,
+    packed: PackedBatch,
+    batch: InputBatch,
+    key: mx.array,
+    keyed: KeyedNoise | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Per logits row (`[S + drafts]`, each request's rows of `[last sampled, d1..dk]`): the
     token it gives and whether it accepts the draft it scores, by vLLM's rejection rules with
@@ -217,7 +223,10 @@ def device_verdicts(
     `p` are the softmax of its logits after its request's temperature, top-k and top-p; it
     accepts draft `d` with probability `p[d]` (giving `d`), else gives a token drawn from `p`
     without `d`; the last row of a request (its bonus) draws from `p`. Placeholders (-1) are
-    never accepted. Lazy."""
+    never accepted. The rows of `keyed` (a seeded request's, `seeded.keyed_noise`) are drawn by
+    position instead: each gives the token its position's noise picks from `p`, accepting its
+    draft where that is the draft, so the request's tokens are those of decoding without
+    drafts. Lazy."""
     num_draft = packed.num_draft_tokens.astype(np.int64)
     num_reqs = len(num_draft)
     owner = np.repeat(np.arange(num_reqs), num_draft + 1)
@@ -250,11 +259,14 @@ def device_verdicts(
     recovered = row_argmax(residual + noise)
     sampled = mx.where(mx.array(is_target), mx.where(accept, d[:, 0], recovered), drawn)
     greedy = mx.array(temperature < _SAMPLING_EPS)
-    return (
-        mx.where(greedy, argmax, sampled),
-        mx.where(greedy, greedy_accept, accept),
-        processed,
-    )
+    tokens = mx.where(greedy, argmax, sampled)
+    accepts = mx.where(greedy, greedy_accept, accept)
+    if keyed is not None and keyed.exponentials is not None:
+        rows = mx.array(keyed.rows.astype(np.int32))
+        by_position = keyed_tokens(processed, keyed).astype(tokens.dtype)
+        tokens[rows] = by_position
+        accepts[rows] = by_position == row_draft[rows]
+    return tokens, accepts, processed
 
 
 def _carried_row_drafts(packed: PackedBatch) -> mx.array:
@@ -294,12 +306,14 @@ def verdict_outputs(
     packed: PackedBatch,
     states: RequestStates,
     sampler: Sampler,
+    by_position: bool = False,
 ) -> tuple[list[list[int]], LogprobsLists | None]:
     """Each request's output tokens and their logprobs from the device's verdicts (`tokens`,
     `accepts` of `device_verdicts`; `logprobs` and `values` of `verdict_logprobs`), its seeded
-    requests' drawn by position (`seeded_by_position`) with their logprobs of those tokens."""
+    requests' drawn by position (`seeded_by_position`) with their logprobs of those tokens,
+    unless the device drew them so (`by_position`)."""
     tokens, accepts = (np.array(to_host(a)) for a in verdicts)
-    if states.input_batch.generators:
+    if states.input_batch.generators and not by_position:
         drawn = seeded_by_position(logits, packed, states, sampler, tokens, accepts)
         if logprobs is not None and drawn:
             logprobs = with_tokens(logprobs, values, drawn)
