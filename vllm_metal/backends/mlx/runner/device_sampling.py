@@ -231,16 +231,16 @@ def with_own_noise(drawn: mx.array, processed: mx.array, keyed: KeyedNoise) -> m
     """`drawn` with the tokens of the rows of `keyed` picked as vLLM's `random_sample` picks
     them: the argmax of the probabilities (the softmax of `processed`, where what the row's
     rules, min-p, top-k and top-p drop is -inf) divided by the row's exponential draws."""
-    rows = mx.array(keyed.rows.astype(np.int32))
-    drawn[rows] = keyed_tokens(processed, keyed).astype(drawn.dtype)
+    rows, tokens = keyed_tokens(processed, keyed)
+    drawn[rows] = tokens.astype(drawn.dtype)
     return drawn
 
 
-def keyed_tokens(processed: mx.array, keyed: KeyedNoise) -> mx.array:
-    """The tokens of the rows of `keyed` (`with_own_noise`), `[m]`."""
+def keyed_tokens(processed: mx.array, keyed: KeyedNoise) -> tuple[mx.array, mx.array]:
+    """The rows of `keyed` as a device index, and their tokens (`with_own_noise`), `[m]` each."""
     rows = mx.array(keyed.rows.astype(np.int32))
     probs = mx.softmax(processed[rows], axis=-1, precise=True)
-    return row_argmax(probs / keyed.exponentials)
+    return rows, row_argmax(probs / keyed.exponentials)
 
 
 def sample_rows(

@@ -120,7 +120,9 @@ def resample_drafts(
     first = np.asarray(metadata.cu_num_sampled_tokens) - num_draft - 1
     drafts = metadata.draft_token_ids.tolist()
     draft_start = np.asarray(metadata.cu_num_draft_tokens) - num_draft
-    logit_rows, owners, positions = verification_rows(states, rows, first, num_draft)
+    logit_rows, owners, positions = verification_rows(
+        rows, first, num_draft, batch.num_tokens_no_spec
+    )
     tokens = draws_by_position(sampler, logits[logit_rows], owners, positions, states)
     at = 0
     for i in rows:
@@ -135,18 +137,18 @@ def resample_drafts(
 
 
 def verification_rows(
-    states: RequestStates, requests: list[int], first_row: np.ndarray, num_draft: np.ndarray
+    requests: list[int], first_row: np.ndarray, num_draft: np.ndarray, start: np.ndarray
 ) -> tuple[list[int], list[int], list[int]]:
     """The logits rows of batch rows `requests` in a step verifying drafts (request i's rows
     first_row[i] .. first_row[i] + num_draft[i]), each row's request, and the position each
-    samples (the request's tokens so far, then one more a row)."""
+    samples (`start[i]`, the request's tokens so far, then one more a row)."""
     rows, owners, positions = [], [], []
     for i in requests:
-        start = int(states.input_batch.num_tokens_no_spec[i])
+        start_i = int(start[i])
         for j in range(int(num_draft[i]) + 1):
             rows.append(int(first_row[i]) + j)
             owners.append(i)
-            positions.append(start + j)
+            positions.append(start_i + j)
     return rows, owners, positions
 
 
@@ -211,14 +213,11 @@ def keyed_noise(states: RequestStates, packed: PackedBatch, vocab: int) -> Keyed
         return None
     num_draft = packed.num_draft_tokens.astype(np.int64)
     first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
-    rows, seeds = [], []
-    for i in sorted(batch.generators):
-        if packed.discard[i]:
-            continue
-        k, seed = int(num_draft[i]), _seed(states, i)
-        for j in range(k + 1):
-            rows.append(int(first_row[i]) + j)
-            seeds.append(position_seed(seed, int(packed.seq_lens[i]) - k + j))
+    requests = [i for i in sorted(batch.generators) if not packed.discard[i]]
+    rows, owners, positions = verification_rows(
+        requests, first_row, num_draft, packed.seq_lens - num_draft
+    )
+    seeds = [position_seed(_seed(states, i), p) for i, p in zip(owners, positions)]
     if not rows:
         return KeyedNoise(np.zeros(0, np.int64), None)
     exponentials = torch.empty((len(rows), vocab), dtype=torch.float32)

@@ -262,9 +262,8 @@ def device_verdicts(
     tokens = mx.where(greedy, argmax, sampled)
     accepts = mx.where(greedy, greedy_accept, accept)
     if keyed is not None and keyed.exponentials is not None:
-        rows = mx.array(keyed.rows.astype(np.int32))
-        by_position = keyed_tokens(processed, keyed).astype(tokens.dtype)
-        tokens[rows] = by_position
+        rows, by_position = keyed_tokens(processed, keyed)
+        tokens[rows] = by_position.astype(tokens.dtype)
         accepts[rows] = by_position == row_draft[rows]
     return tokens, accepts, processed
 
@@ -341,7 +340,9 @@ def seeded_by_position(
         return {}
     first_row, _ = _rows(num_draft)
     drafts = _drafts(batch, num_draft)
-    rows, owners, positions = seeded.verification_rows(states, requests, first_row, num_draft)
+    rows, owners, positions = seeded.verification_rows(
+        requests, first_row, num_draft, batch.num_tokens_no_spec
+    )
     ruled = _rules(logits, batch.sampling_metadata, num_draft, drafts)[mx.array(rows)]
     drawn = seeded.draws_by_position(sampler, to_torch(ruled), owners, positions, states)
     draft = _row_drafts(num_draft, drafts)
