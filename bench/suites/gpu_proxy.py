@@ -73,6 +73,8 @@ def parser():
                    help="bench.harness.checkpoints shape (0.6b; tiny with --quick)")  # fmt: skip
     p.add_argument("--family", default=None, choices=FAMILIES,
                    help="a hybrid suite's model instead (hybrid_models.py)")  # fmt: skip
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="the plugin's KV-cache pool in GiB (8; 1/16 with --quick)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
     return p
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         settings["seeded"] = args.seeded
     if args.model_size:
         settings["model_size"] = args.model_size
+    if args.kv_gib:
+        settings["kv_bytes"] = int(args.kv_gib * 2**30)
     profile = [int(s) for s in args.profile_streams.split(",") if s]
     settings["profile_streams"] = [1] if args.quick else profile
     settings["kernel_streams"] = [int(s) for s in args.kernel_streams.split(",") if s]

@@ -100,8 +100,8 @@ class Sampling:
         batch = self.states.input_batch
         drafts = packed.num_draft_tokens.any()
         on_device = drafts and verifies_on_device(self.states)
-        keyed = None
-        if not drafts or on_device:
+        keyed = None  # a seeded row's noise, made only for rows drawn on the device
+        if (not drafts or on_device) and batch_on_host(batch.sampling_metadata) is None:
             keyed = seeded.keyed_noise(self.states, packed, logits.shape[-1])
         tokens, logprobs, values = self.device.outputs(
             logits, batch, self.logprobs_mode, unrecorded_outputs(packed), keyed
@@ -285,13 +285,22 @@ def host_route(
         return "the device drew no tokens (a custom processor acts on random rows)"
     if step.grammar_output is not None and device is None:
         return "a grammar, with no device sampler to draw its rows again"
+    whole_batch = batch_on_host(metadata)
+    if whole_batch is not None:
+        return whole_batch
+    if metadata.generators and step.keyed is None:
+        return "seeded rows drawn without their own noise"
+    return None
+
+
+def batch_on_host(metadata) -> str | None:
+    """Why every step of the batch as it stands goes to vLLM's samplers, whatever the step
+    holds: a thinking budget or a logits processor the device does not apply."""
     holder = getattr(metadata, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return "a thinking budget"
     if any(not _built_in(p) for p in metadata.logitsprocs.non_argmax_invariant):
         return "a custom logits processor that may move the argmax"
-    if metadata.generators and step.keyed is None:
-        return "seeded rows drawn without their own noise"
     return None
 
 
