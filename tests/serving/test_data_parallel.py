@@ -24,13 +24,15 @@ from tests.serving.conftest import Server, ServerSlot
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.own_server]
 
 MAX_MODEL_LEN = 128  # 8 blocks of 16: one request fits a replica's pool
-POOL_BLOCKS = 12  # per replica: three 96-token sequences (18 blocks) do not fit
+POOL_BLOCKS = 12  # per replica: two 112-token sequences (14 blocks) do not fit
 NEW_TOKENS = 24
 MIXED = random_prompts(1, [1, 5, 17, 40, 75])
 SHARED_PREFIX = random_prompts(2, [48])[0]
 PREFIX_HITS = [SHARED_PREFIX + tail for tail in random_prompts(3, [3, 9])]
-# Six 96-token sequences over two replicas: at least three meet on one and it preempts.
+# Six 112-token sequences sent at once over two replicas: any two that run together on one
+# (a replica gets three) outgrow its pool, and it preempts.
 PREEMPTED = random_prompts(7, [48] * 6)
+PREEMPTED_TOKENS = 64
 
 
 @pytest.fixture
@@ -88,7 +90,8 @@ def test_two_replicas_give_one_process_greedy_tokens_to_concurrent_clients(
     assert hits == hf_greedy(model, PREFIX_HITS, NEW_TOKENS)
     assert sum(_per_engine(server, "vllm:prefix_cache_hits_total").values()) >= 32
 
-    assert _concurrently(server, PREEMPTED, 48) == hf_greedy(model, PREEMPTED, 48)
+    preempted = _concurrently(server, PREEMPTED, PREEMPTED_TOKENS)
+    assert preempted == hf_greedy(model, PREEMPTED, PREEMPTED_TOKENS)
     assert sum(_per_engine(server, "vllm:num_preemptions_total").values()) > 0
 
     served = _per_engine(server, "vllm:request_success_total")
