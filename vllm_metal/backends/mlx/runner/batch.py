@@ -142,11 +142,15 @@ def _tables_and_slots(
     return tables, slots
 
 
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """Where each of runs of `counts` items laid end to end starts: 0, counts[0], ..."""
+    return np.cumsum(counts) - counts
+
+
 def ranges(counts: np.ndarray) -> np.ndarray:
     """[0..counts[0]), [0..counts[1]), ... concatenated."""
     total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - starts
+    return np.arange(total, dtype=np.int64) - np.repeat(offsets(counts), counts)
 
 
 def prefill_batch(

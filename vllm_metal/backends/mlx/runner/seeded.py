@@ -44,6 +44,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 
+from vllm_metal.backends.mlx.runner.batch import offsets
+
 if TYPE_CHECKING:
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -212,7 +214,7 @@ def keyed_noise(states: RequestStates, packed: PackedBatch, vocab: int) -> Keyed
     if not batch.generators or packed.shift is not None:
         return None
     num_draft = packed.num_draft_tokens.astype(np.int64)
-    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
+    first_row = offsets(num_draft + 1)
     requests = [i for i in sorted(batch.generators) if not packed.discard[i]]
     rows, owners, positions = verification_rows(
         requests, first_row, num_draft, packed.seq_lens - num_draft

@@ -29,7 +29,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 from vllm_metal.backends.mlx.runner import seeded
-from vllm_metal.backends.mlx.runner.batch import PackedBatch, ranges
+from vllm_metal.backends.mlx.runner.batch import PackedBatch, offsets, ranges
 from vllm_metal.backends.mlx.runner.device_sampling import (
     Draw,
     keyed_tokens,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 def _rows(num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each request's first logits row (`[S]`) and the rows that score its drafts, request by
     request (`[drafts]`): a request with k drafts has rows first .. first + k, the last its bonus."""
-    first_row = np.cumsum(num_draft + 1) - (num_draft + 1)
+    first_row = offsets(num_draft + 1)
     return first_row, np.repeat(first_row, num_draft) + ranges(num_draft)
 
 
@@ -89,7 +89,7 @@ def row_outputs(
     """Each logits row's output tokens as vLLM's samplers count them for penalties when they
     verify drafts: its request's outputs so far, then the drafts before the row (the bonus row
     counts them all)."""
-    starts = np.cumsum(num_draft) - num_draft
+    starts = offsets(num_draft)
     return [
         [*outputs[i], *drafts[starts[i] : starts[i] + j].tolist()]
         for i, n in enumerate(num_draft)
