@@ -157,12 +157,14 @@ def test_mtp_assistant_gives_the_tokens_of_plain_decoding(pairs, assistant):
         assert len(set(map(tuple, tokens(sampled)))) > 1  # sampled, not one greedy answer
         assert tokens(sampled) == tokens(again) == tokens(plain)
         # The assistant's weights count in the worker's figures, and come back after sleep:
-        # the same drafts at the same tokens, accepted as before.
+        # the same drafts at the same tokens, accepted as before. Which steps draft depends on
+        # the back-off's timings, so the contexts drafted at both times are fewer on a loaded
+        # machine (9 of 21 once); a few of them tell the weights apart.
         assert memory[0]["weights"] - plain_memory[0]["weights"] == _tensor_bytes(drafter)
         assert tokens(woken) == expected
         before = {tuple(c): d for c, d in drafts}
         common = [(c, d) for c, d in woken_drafts if tuple(c) in before]
-        assert len(common) >= len(woken_drafts) // 2 > 0, (len(common), len(woken_drafts))
+        assert len(common) >= 4, (len(common), len(woken_drafts))
         assert all(d == before[tuple(c)] for c, d in common)
         right, checked = right_drafts(woken_drafts, prompts, expected)
         assert right >= 0.9 * checked > 0, (right, checked)
