@@ -118,10 +118,13 @@ def test_disconnected_clients_are_aborted_and_their_kv_blocks_freed(vllm_server)
                         vllm_server.gauge, "vllm:num_requests_running"
                     )
                     kv = await asyncio.to_thread(vllm_server.gauge, "vllm:kv_cache_usage_perc")
-                    # The most seen while this request runs (it may finish before the deadline).
+                    # The most seen while this request runs (it may finish before the deadline;
+                    # past it, polling stops once some use was seen: a loaded machine may be
+                    # slow to stream the first tokens).
                     busy["running"] = max(busy.get("running", 0), running)
                     busy["kv"] = max(busy.get("kv", 0), kv)
-                    if running >= NUM_DISCONNECTS or time.monotonic() > deadline:
+                    seen = busy["running"] >= 1 and busy["kv"] > 0
+                    if running >= NUM_DISCONNECTS or (seen and time.monotonic() > deadline):
                         break
             return await asyncio.gather(*tasks)
 
